@@ -1,0 +1,22 @@
+"""radixlm: an LLM serving engine with a radix-tree prefix cache."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+__version__ = "0.1.0"
+
+if TYPE_CHECKING:
+    from radixlm.engine import Engine
+
+
+def __getattr__(name: str) -> Any:
+    # Lazy, so `import radixlm.layers...` (e.g. on a GPU box running kernel tests)
+    # does not pull in the server's dependencies.
+    if name == "Engine":
+        from radixlm.engine import Engine
+        return Engine
+    raise AttributeError(name)
+
+
+__all__ = ["Engine", "__version__"]

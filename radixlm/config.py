@@ -1,0 +1,150 @@
+"""Server and engine configuration.
+
+`ServerArgs` is one frozen dataclass; the CLI flags are generated from its
+fields (SGLang's names, `--model-path` for `model_path`), and the offline
+`Engine(**kwargs)` takes the same names, so the two cannot drift.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Literal, get_args, get_origin
+
+SCHEDULE_POLICIES = ("fcfs", "lpm", "dfs-weight")
+LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+ATTENTION_BACKENDS = ("auto", "torch_native", "triton")
+LOAD_BALANCE_METHODS = ("round_robin", "shortest_queue", "cache_aware")
+
+
+def _opt(group: str, help: str, choices: tuple[str, ...] | None = None, **kw: Any) -> Any:
+    meta = {"group": group, "help": help, "choices": choices}
+    return field(metadata=meta, **kw)
+
+
+@dataclass(frozen=True)
+class ServerArgs:
+    # Model
+    model_path: str | None = _opt(
+        "model", "HF checkpoint directory or .gguf file; default: embedded SmolLM2-135M-Instruct",
+        default=None)
+    tokenizer_path: str | None = _opt("model", "Tokenizer directory (default: the model's)",
+                                      default=None)
+    served_model_name: str | None = _opt("model", "Model name reported by the API", default=None)
+    load_format: str = _opt("model", "Weight format", LOAD_FORMATS, default="auto")
+    dtype: str = _opt("model", "Weight and activation dtype", DTYPES, default="auto")
+    context_length: int | None = _opt("model", "Override the model's context length", default=None)
+    is_embedding: bool = _opt("model", "Serve pooled hidden states (embeddings)", default=False)
+    random_seed: int = _opt("model", "Seed for weights of dummy models and unseeded sampling",
+                            default=0)
+
+    # Memory and scheduling
+    device: str = _opt("runtime", "cpu or cuda (auto: cuda when available)", default="auto")
+    mem_fraction_static: float = _opt(
+        "memory", "Fraction of device memory for weights + KV cache", default=0.85)
+    max_total_tokens: int | None = _opt("memory", "KV pool size in tokens (overrides the fraction)",
+                                        default=None)
+    max_running_requests: int | None = _opt("scheduling", "Max requests decoded at once",
+                                            default=None)
+    max_queued_requests: int | None = _opt("scheduling", "Max waiting requests (503 beyond)",
+                                           default=None)
+    max_prefill_tokens: int = _opt("scheduling", "Token budget of one prefill batch", default=16384)
+    chunked_prefill_size: int = _opt(
+        "scheduling", "Prefill long prompts in chunks of this many tokens (-1: off)", default=8192)
+    schedule_policy: str = _opt("scheduling", "Waiting-queue order", SCHEDULE_POLICIES,
+                                default="lpm")
+    schedule_conservativeness: float = _opt(
+        "scheduling", "Scale of the reserved decode budget (higher: fewer retractions)",
+        default=1.0)
+    disable_radix_cache: bool = _opt("scheduling", "Disable prefix sharing", default=False)
+
+    # Execution
+    attention_backend: str = _opt("runtime", "Attention kernels", ATTENTION_BACKENDS,
+                                  default="auto")
+    disable_cuda_graph: bool = _opt("runtime", "Run decode without CUDA graphs", default=False)
+    cuda_graph_max_bs: int = _opt("runtime", "Largest decode batch captured in a CUDA graph",
+                                  default=160)
+    disable_overlap_schedule: bool = _opt("runtime", "Do not overlap CPU scheduling with the GPU",
+                                          default=False)
+    num_threads: int | None = _opt("runtime", "torch CPU threads (default: all cores)",
+                                   default=None)
+
+    # Parallelism
+    tp_size: int = _opt("parallelism", "Tensor-parallel ranks", default=1)
+    dp_size: int = _opt("parallelism", "Data-parallel replicas", default=1)
+    load_balance_method: str = _opt("parallelism", "Data-parallel routing", LOAD_BALANCE_METHODS,
+                                    default="round_robin")
+    nnodes: int = _opt("parallelism", "Number of nodes", default=1)
+    node_rank: int = _opt("parallelism", "This node's rank", default=0)
+    dist_init_addr: str | None = _opt("parallelism", "host:port of the torch.distributed store",
+                                      default=None)
+
+    # Server
+    host: str = _opt("server", "Bind address", default="127.0.0.1")
+    port: int = _opt("server", "HTTP port", default=30000)
+    api_key: str | None = _opt("server", "Require this bearer token", default=None)
+    log_level: str = _opt("server", "Logging level", default="info")
+    enable_metrics: bool = _opt("server", "Expose Prometheus /metrics", default=False)
+    stats_interval: float = _opt("server", "Seconds between stats log lines", default=10.0)
+    shutdown_timeout: float = _opt("server", "Seconds to drain on SIGTERM", default=30.0)
+    skip_warmup: bool = _opt("server", "Skip the warm-up request", default=False)
+    grammar_backend: str = _opt("server", "Constrained decoding backend", ("xgrammar", "none"),
+                                default="xgrammar")
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            choices = f.metadata.get("choices")
+            value = getattr(self, f.name)
+            if choices and value not in choices:
+                raise ValueError(f"{f.name}={value!r}: expected one of {', '.join(choices)}")
+        if self.max_prefill_tokens < 1:
+            raise ValueError("max_prefill_tokens must be >= 1")
+        if self.chunked_prefill_size == 0 or self.chunked_prefill_size < -1:
+            raise ValueError("chunked_prefill_size must be > 0, or -1 to disable chunking")
+        if not 0.0 < self.mem_fraction_static < 1.0:
+            raise ValueError("mem_fraction_static must be in (0, 1)")
+        if self.tp_size < 1 or self.dp_size < 1:
+            raise ValueError("tp_size and dp_size must be >= 1")
+
+    def replace(self, **changes: Any) -> ServerArgs:
+        return dataclasses.replace(self, **changes)
+
+    @classmethod
+    def from_kwargs(cls, **kwargs: Any) -> ServerArgs:
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(kwargs) - names)
+        if unknown:
+            raise TypeError(f"unknown server argument(s): {', '.join(unknown)}")
+        return cls(**kwargs)
+
+    # ---- CLI -----------------------------------------------------------
+    @classmethod
+    def add_cli_args(cls, parser: argparse.ArgumentParser) -> None:
+        groups: dict[str, argparse._ArgumentGroup] = {}
+        for f in dataclasses.fields(cls):
+            meta = f.metadata
+            group = groups.setdefault(meta["group"], parser.add_argument_group(meta["group"]))
+            flag = "--" + f.name.replace("_", "-")
+            base = _base_type(f.type)
+            if base is bool:
+                group.add_argument(flag, action="store_true", help=meta["help"])
+                continue
+            group.add_argument(flag, type=base, default=f.default, choices=meta["choices"],
+                               help=f"{meta['help']} (default: {f.default})")
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace) -> ServerArgs:
+        return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls)})
+
+
+def _base_type(annotation: Any) -> type:
+    """'int | None' -> int; works with postponed (string) annotations."""
+    if isinstance(annotation, str):
+        name = annotation.split("|")[0].strip()
+        return {"int": int, "float": float, "bool": bool, "str": str}[name]
+    if get_origin(annotation) is Literal:
+        return str
+    args = [a for a in get_args(annotation) if a is not type(None)]
+    return args[0] if args else annotation
