@@ -1,0 +1,127 @@
+"""Token-level KV memory (seed 001: "KV Cache memory pool, every token one page").
+
+Two pools:
+- `ReqToTokenPool` maps (request slot, position) -> KV slot index. Each running
+  request owns one row while it lives.
+- `KVPool` owns the per-layer K and V buffers and a free-slot allocator over
+  them; `MHATokenToKVPool` is the only layout so far (page size 1).
+
+Slot 0 of the KV buffers is never handed out: padded entries (CUDA-graph
+padding, dummy decode rows) write there harmlessly.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+import torch
+
+
+class ReqToTokenPool:
+    """`req_to_token[slot, pos]` is the KV slot of token `pos` of the request in `slot`."""
+
+    def __init__(self, size: int, max_context_len: int, device: torch.device | str) -> None:
+        self.size = size
+        self.max_context_len = max_context_len
+        self.req_to_token = torch.zeros((size, max_context_len), dtype=torch.int32, device=device)
+        self.free_slots = list(range(size))
+
+    def alloc(self) -> int | None:
+        return self.free_slots.pop() if self.free_slots else None
+
+    def free(self, slot: int) -> None:
+        assert 0 <= slot < self.size and slot not in self.free_slots, f"double free of slot {slot}"
+        self.free_slots.append(slot)
+
+    def available_size(self) -> int:
+        return len(self.free_slots)
+
+    def clear(self) -> None:
+        self.free_slots = list(range(self.size))
+
+
+class KVPool(ABC):
+    """Contract: `alloc(n)` returns n distinct int64 slot indices in [1, size] or
+    None when fewer than n are free (nothing is taken then); `free(idx)` returns
+    them. The caller that allocated a slot is the one that frees it, or hands
+    it to the prefix cache, which then owns it. `size` counts usable slots."""
+
+    size: int
+
+    @abstractmethod
+    def alloc(self, n: int) -> torch.Tensor | None: ...
+
+    @abstractmethod
+    def free(self, indices: torch.Tensor) -> None: ...
+
+    @abstractmethod
+    def available_size(self) -> int: ...
+
+    @abstractmethod
+    def clear(self) -> None: ...
+
+    @abstractmethod
+    def get_kv_buffer(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    @abstractmethod
+    def set_kv_buffer(self, layer_id: int, loc: torch.Tensor, k: torch.Tensor,
+                      v: torch.Tensor) -> None: ...
+
+
+class MHATokenToKVPool(KVPool):
+    def __init__(self, size: int, dtype: torch.dtype, num_kv_heads: int, head_dim: int,
+                 num_layers: int, device: torch.device | str) -> None:
+        self.size = size
+        self.dtype = dtype
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.num_layers = num_layers
+        self.device = torch.device(device)
+        self._allocate_buffers()
+        self.clear()
+
+    def _allocate_buffers(self) -> None:
+        shape = (self.size + 1, self.num_kv_heads, self.head_dim)
+        self.k_buffer = [torch.zeros(shape, dtype=self.dtype, device=self.device)
+                         for _ in range(self.num_layers)]
+        self.v_buffer = [torch.zeros(shape, dtype=self.dtype, device=self.device)
+                         for _ in range(self.num_layers)]
+
+    def release_buffers(self) -> None:
+        """Drop the K/V memory (release_memory_occupation); `restore_buffers` brings it back."""
+        self.k_buffer, self.v_buffer = [], []
+
+    def restore_buffers(self) -> None:
+        self._allocate_buffers()
+
+    @staticmethod
+    def bytes_per_token(num_kv_heads: int, head_dim: int, num_layers: int,
+                        dtype: torch.dtype) -> int:
+        return 2 * num_kv_heads * head_dim * num_layers * dtype.itemsize
+
+    def clear(self) -> None:
+        # Kept on the CPU: allocation is bookkeeping, the indices travel with the batch.
+        self.free_slots = torch.arange(1, self.size + 1, dtype=torch.int64)
+
+    def available_size(self) -> int:
+        return len(self.free_slots)
+
+    def alloc(self, n: int) -> torch.Tensor | None:
+        if n < 0:  # a negative slice bound would hand out all but |n| free slots
+            raise ValueError(f"n must be >= 0, got {n}")
+        if n > len(self.free_slots):
+            return None
+        out, self.free_slots = self.free_slots[:n], self.free_slots[n:]
+        return out
+
+    def free(self, indices: torch.Tensor) -> None:
+        if indices.numel():
+            self.free_slots = torch.cat([self.free_slots, indices.to("cpu", torch.int64)])
+
+    def get_kv_buffer(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.k_buffer[layer_id], self.v_buffer[layer_id]
+
+    def set_kv_buffer(self, layer_id: int, loc: torch.Tensor, k: torch.Tensor,
+                      v: torch.Tensor) -> None:
+        self.k_buffer[layer_id][loc] = k.view(-1, self.num_kv_heads, self.head_dim)
+        self.v_buffer[layer_id][loc] = v.view(-1, self.num_kv_heads, self.head_dim)

@@ -1,0 +1,273 @@
+"""The radix-tree prefix cache (seed: "radix tree cache").
+
+Each node holds one segment of token ids and the KV slots of those tokens; a
+path from the root spells a cached prefix. Nodes are split where a match or an
+insert diverges (or stops) inside a segment, so every prefix a caller gets back
+ends exactly at a node, and locking that node protects exactly that prefix.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections.abc import Iterator, Sequence
+
+import torch
+
+from radixlm.cache.base import MatchResult, PrefixCache
+from radixlm.cache.memory_pool import KVPool
+
+
+def _empty_slots() -> torch.Tensor:
+    return torch.empty(0, dtype=torch.int64)
+
+
+def _common_prefix_len(segment: tuple[int, ...], key: tuple[int, ...], start: int) -> int:
+    """Length of the common prefix of `segment` and `key[start:]`."""
+    n = min(len(segment), len(key) - start)
+    # Whole-segment hits are the common case; one slice compare runs in C.
+    if segment[:n] == key[start:start + n]:
+        return n
+    i = 0
+    while segment[i] == key[start + i]:
+        i += 1
+    return i
+
+
+class TreeNode:
+    __slots__ = ("key", "value", "children", "parent", "lock_ref", "last_access_time")
+
+    def __init__(self, key: tuple[int, ...], value: torch.Tensor, parent: TreeNode | None,
+                 last_access_time: int) -> None:
+        self.key = key
+        self.value = value  # int64 CPU KV slots, one per token of `key`
+        self.children: dict[int, TreeNode] = {}  # keyed by the child's first token
+        self.parent = parent  # None for the root and for evicted (detached) nodes
+        self.lock_ref = 0
+        self.last_access_time = last_access_time
+
+    def __len__(self) -> int:
+        return len(self.key)
+
+    def __repr__(self) -> str:
+        return f"TreeNode(key={list(self.key)}, lock_ref={self.lock_ref})"
+
+
+class RadixCache(PrefixCache):
+    """Radix tree over token ids with LRU eviction of unlocked leaves.
+
+    Beyond the `PrefixCache` contract: `all_slots()` lists every slot the tree
+    holds (for the pool accounting invariant) and `check_invariants()` asserts
+    the tree's structure and counters.
+    """
+
+    def __init__(self, kv_pool: KVPool) -> None:
+        self.kv_pool = kv_pool
+        self.reset()
+
+    def reset(self) -> None:
+        # A counter, not wall time: deterministic LRU order and no clock ties.
+        self._clock = itertools.count()
+        self.root = TreeNode((), _empty_slots(), None, next(self._clock))
+        self._evictable = 0
+        self._protected = 0
+        self._leaves: set[TreeNode] = set()  # every non-root node without children
+
+    # -- lookup and insertion ------------------------------------------------
+
+    def match_prefix(self, key: Sequence[int]) -> MatchResult:
+        node, _, pieces = self._walk(tuple(key))
+        indices = torch.cat(pieces) if pieces else _empty_slots()
+        return MatchResult(indices=indices, node=node)
+
+    def insert(self, key: Sequence[int], value: torch.Tensor) -> int:
+        key = tuple(key)
+        if len(value) != len(key):
+            raise ValueError(f"value has {len(value)} slots for a key of {len(key)} tokens")
+        node, matched, _ = self._walk(key)
+        if matched < len(key):
+            self._add_leaf(node, key[matched:], value[matched:])
+        return matched
+
+    def _walk(self, key: tuple[int, ...]) -> tuple[TreeNode, int, list[torch.Tensor]]:
+        """Follow `key` down the tree, splitting the last node if the key stops or
+        diverges inside it. Returns the deepest matched node, the matched length
+        and the matched nodes' slots, in order."""
+        now = next(self._clock)
+        node, pos, pieces = self.root, 0, []
+        node.last_access_time = now
+        while pos < len(key) and (child := node.children.get(key[pos])) is not None:
+            n = _common_prefix_len(child.key, key, pos)
+            if n < len(child):
+                child = self._split(child, n)
+            child.last_access_time = now
+            pieces.append(child.value)
+            node, pos = child, pos + n
+        return node, pos, pieces
+
+    def _split(self, node: TreeNode, n: int) -> TreeNode:
+        """Cut `node` after its first n tokens; return the new upper part.
+
+        The original object keeps the lower part, so a handle a caller holds
+        still ends where it did and still covers its whole prefix. Every lock
+        through `node` also passes through its new parent: same lock_ref, and
+        the evictable/protected counters do not change.
+        """
+        parent = node.parent
+        assert parent is not None and 0 < n < len(node)
+        upper = TreeNode(node.key[:n], node.value[:n], parent, node.last_access_time)
+        upper.lock_ref = node.lock_ref
+        upper.children = {node.key[n]: node}
+        parent.children[upper.key[0]] = upper
+        node.key, node.value, node.parent = node.key[n:], node.value[n:], upper
+        return upper
+
+    def _add_leaf(self, parent: TreeNode, key: tuple[int, ...], value: torch.Tensor) -> None:
+        # A private copy: the caller's tensor (often a row view) may be reused.
+        slots = value.to(device="cpu", dtype=torch.int64, copy=True)
+        leaf = TreeNode(key, slots, parent, parent.last_access_time)
+        parent.children[key[0]] = leaf
+        self._leaves.discard(parent)
+        self._leaves.add(leaf)
+        self._evictable += len(leaf)
+
+    # -- locking -------------------------------------------------------------
+
+    def lock(self, node: TreeNode) -> None:
+        for n in self._path_to_root(node):
+            if n.lock_ref == 0:
+                self._evictable -= len(n)
+                self._protected += len(n)
+            n.lock_ref += 1
+
+    def unlock(self, node: TreeNode) -> None:
+        path = self._path_to_root(node)
+        assert all(n.lock_ref > 0 for n in path), f"unlock of an unlocked node {node!r}"
+        for n in path:
+            n.lock_ref -= 1
+            if n.lock_ref == 0:
+                self._evictable += len(n)
+                self._protected -= len(n)
+
+    inc_lock_ref = lock
+    dec_lock_ref = unlock
+
+    def _path_to_root(self, node: TreeNode) -> list[TreeNode]:
+        """`node` and its ancestors, root excluded (the root is never evictable).
+        Built in full before any lock count changes, so a stale handle fails
+        without touching the counters."""
+        path = []
+        while node is not self.root:
+            assert node.parent is not None, f"{node!r} is not in this tree (evicted or reset)"
+            path.append(node)
+            node = node.parent
+        return path
+
+    # -- eviction ------------------------------------------------------------
+
+    def evict(self, num_tokens: int) -> int:
+        order = itertools.count()  # tie-break: TreeNode is not orderable
+        heap = [(leaf.last_access_time, next(order), leaf)
+                for leaf in self._leaves if leaf.lock_ref == 0]
+        heapq.heapify(heap)
+        freed: list[torch.Tensor] = []
+        num_freed = 0
+        while num_freed < num_tokens and heap:
+            _, _, leaf = heapq.heappop(heap)
+            parent = self._detach_leaf(leaf)
+            freed.append(leaf.value)
+            num_freed += len(leaf)
+            if parent is not self.root and not parent.children and parent.lock_ref == 0:
+                heapq.heappush(heap, (parent.last_access_time, next(order), parent))
+        if freed:
+            # One free call: the pool concatenates its free list on every call.
+            self.kv_pool.free(torch.cat(freed))
+        return num_freed
+
+    def _detach_leaf(self, leaf: TreeNode) -> TreeNode:
+        parent = leaf.parent
+        assert parent is not None and not leaf.children and leaf.lock_ref == 0
+        del parent.children[leaf.key[0]]
+        leaf.parent = None  # later lock() of this stale handle fails loudly
+        self._leaves.discard(leaf)
+        if not parent.children and parent is not self.root:
+            self._leaves.add(parent)
+        self._evictable -= len(leaf)
+        return parent
+
+    # -- sizes and introspection ---------------------------------------------
+
+    def evictable_size(self) -> int:
+        return self._evictable
+
+    def protected_size(self) -> int:
+        return self._protected
+
+    def _nodes(self) -> Iterator[TreeNode]:
+        """Every non-root node, parents before children; iterative for deep trees."""
+        stack = list(self.root.children.values())
+        while stack:
+            node = stack.pop()
+            yield node
+            stack.extend(node.children.values())
+
+    def all_slots(self) -> torch.Tensor:
+        values = [node.value for node in self._nodes()]
+        return torch.cat(values) if values else _empty_slots()
+
+    def check_invariants(self) -> None:
+        root = self.root
+        assert root.parent is None and len(root) == 0 and len(root.value) == 0
+        assert root.lock_ref == 0, "the root is never locked"
+        self._check_children(root)
+        evictable = protected = 0
+        leaves = set()
+        for node in self._nodes():
+            self._check_node(node)
+            if node.lock_ref:
+                protected += len(node)
+            else:
+                evictable += len(node)
+            if not node.children:
+                leaves.add(node)
+        assert (evictable, protected) == (self._evictable, self._protected), (
+            f"counters {(self._evictable, self._protected)} != recount {(evictable, protected)}")
+        assert leaves == self._leaves, "leaf set out of date"
+        self._check_slots()
+
+    def _check_node(self, node: TreeNode) -> None:
+        assert len(node) > 0, "empty non-root node"
+        assert node.value.dtype == torch.int64 and node.value.dim() == 1
+        assert len(node.value) == len(node), f"{node!r} has {len(node.value)} slots"
+        assert node.lock_ref >= 0, f"negative lock_ref on {node!r}"
+        self._check_children(node)
+
+    @staticmethod
+    def _check_children(node: TreeNode) -> None:
+        for first, child in node.children.items():
+            assert child.parent is node, f"{child!r} has a wrong parent"
+            assert len(child) > 0 and child.key[0] == first, f"{child!r} filed under {first}"
+        # A lock on a node passes through its parent: the parent carries at
+        # least the sum of its children's locks (more if locked itself).
+        if node.parent is not None:
+            locks_below = sum(child.lock_ref for child in node.children.values())
+            assert node.lock_ref >= locks_below, f"{node!r} has fewer locks than below it"
+
+    def _check_slots(self) -> None:
+        slots = self.all_slots()
+        assert len(slots) == self.total_size()
+        assert len(torch.unique(slots)) == len(slots), "a KV slot appears twice in the tree"
+        if len(slots):
+            assert int(slots.min()) >= 1 and int(slots.max()) <= self.kv_pool.size, (
+                "slot outside the pool's range (slot 0 is never handed out)")
+
+    def pretty_print(self) -> str:
+        """The tree as indented lines of `tokens  slots  lock_ref  last_access`."""
+        lines = [f"root  evictable={self._evictable} protected={self._protected}"]
+        stack = [(child, 1) for child in reversed(self.root.children.values())]
+        while stack:
+            node, depth = stack.pop()
+            lines.append(f"{'  ' * depth}{list(node.key)}  slots={node.value.tolist()}"
+                         f"  lock={node.lock_ref}  t={node.last_access_time}")
+            stack.extend((child, depth + 1) for child in reversed(node.children.values()))
+        return "\n".join(lines)
