@@ -1,0 +1,58 @@
+"""The attention-backend seam.
+
+A backend computes attention for the new tokens of a `ForwardBatch` against
+everything the request has in the token-level KV pool, after writing the new
+tokens' K/V into their slots (`out_cache_loc`).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from radixlm.layers.attention.radix_attention import RadixAttention
+    from radixlm.runtime.forward_batch import ForwardBatch
+
+
+class AttentionBackend(ABC):
+    """Contract:
+    - `init_forward_metadata(fb)` is called once per forward before any layer
+      runs; per-layer calls may reuse what it computed.
+    - `forward(q, k, v, layer, fb)`: q is [num_tokens, num_heads * head_dim],
+      k and v are [num_tokens, num_kv_heads * head_dim] for the new tokens.
+      The backend stores k/v at `fb.out_cache_loc` in layer `layer.layer_id`
+      of the pool, then returns [num_tokens, num_heads * head_dim]: each new
+      token attends causally to its request's tokens 0..position.
+    - CUDA-graph hooks: state sized once for `max_bs`, then metadata for a
+      padded batch is written into that state in place, so a captured graph
+      replays with new inputs. Backends without graph support keep the
+      defaults, which raise.
+    """
+
+    @abstractmethod
+    def init_forward_metadata(self, fb: ForwardBatch) -> None: ...
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                layer: RadixAttention, fb: ForwardBatch) -> torch.Tensor:
+        if fb.mode.is_decode():
+            return self.forward_decode(q, k, v, layer, fb)
+        return self.forward_extend(q, k, v, layer, fb)
+
+    @abstractmethod
+    def forward_extend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                       layer: RadixAttention, fb: ForwardBatch) -> torch.Tensor: ...
+
+    @abstractmethod
+    def forward_decode(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                       layer: RadixAttention, fb: ForwardBatch) -> torch.Tensor: ...
+
+    # ---- CUDA graphs ---------------------------------------------------
+    def init_cuda_graph_state(self, max_bs: int) -> None:
+        raise NotImplementedError(f"{type(self).__name__} does not support CUDA graphs")
+
+    def init_forward_metadata_cuda_graph(self, bs: int, req_pool_indices: torch.Tensor,
+                                         seq_lens: torch.Tensor) -> None:
+        raise NotImplementedError(f"{type(self).__name__} does not support CUDA graphs")

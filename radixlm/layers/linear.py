@@ -1,0 +1,185 @@
+"""Linear layers split across tensor-parallel ranks.
+
+Column-parallel layers split the output features (each rank holds rows of the
+weight), row-parallel layers split the input features (each rank holds columns
+and the partial products are summed with an all-reduce). Every parameter
+carries `weight_loader(param, loaded_weight, shard_id=None)`, which takes the
+*full* tensor from an HF checkpoint and copies this rank's piece into place;
+fused layers use `shard_id` to say which of the fused projections it is.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from radixlm import distributed as tp
+
+
+def divide(numerator: int, denominator: int) -> int:
+    assert numerator % denominator == 0, f"{numerator} is not divisible by {denominator}"
+    return numerator // denominator
+
+
+def copy_checked(dst: torch.Tensor, src: torch.Tensor) -> None:
+    # copy_ broadcasts silently; a checkpoint of the wrong shape must fail loudly.
+    if dst.shape != src.shape:
+        raise ValueError(f"checkpoint tensor of shape {tuple(src.shape)} does not fit "
+                         f"parameter slice of shape {tuple(dst.shape)}")
+    dst.copy_(src)
+
+
+def take_shard(loaded: torch.Tensor, dim: int, index: int, size: int, total: int) -> torch.Tensor:
+    """Piece `index` of length `size` along `dim` of a checkpoint tensor of length `total`."""
+    if loaded.shape[dim] != total:
+        raise ValueError(f"checkpoint tensor has {loaded.shape[dim]} entries along dim {dim}, "
+                         f"expected {total}")
+    return loaded.narrow(dim, index * size, size)
+
+
+def default_weight_loader(param: torch.Tensor, loaded: torch.Tensor,
+                          shard_id: object = None) -> None:
+    """For replicated parameters (norms): the whole tensor on every rank."""
+    copy_checked(param.data, loaded)
+
+
+def _new_param(*shape: int, dtype: torch.dtype | None, loader: object) -> nn.Parameter:
+    param = nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
+    param.weight_loader = loader
+    return param
+
+
+class ColumnParallelLinear(nn.Module):
+    """y = x W^T + b with W's output rows split evenly across ranks."""
+
+    def __init__(self, input_size: int, output_size: int, bias: bool = False,
+                 gather_output: bool = False, params_dtype: torch.dtype | None = None) -> None:
+        super().__init__()
+        self.tp_rank, self.tp_size = tp.get_tp_rank(), tp.get_tp_size()
+        self.input_size = input_size
+        self.output_size = output_size
+        self.output_size_per_partition = divide(output_size, self.tp_size)
+        self.gather_output = gather_output
+        self.weight = _new_param(self.output_size_per_partition, input_size, dtype=params_dtype,
+                                 loader=self.weight_loader)
+        self.bias = (_new_param(self.output_size_per_partition, dtype=params_dtype,
+                                loader=self.weight_loader) if bias else None)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor,
+                      shard_id: object = None) -> None:
+        size = param.shape[0]
+        copy_checked(param.data, take_shard(loaded, 0, self.tp_rank, size, size * self.tp_size))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = F.linear(x, self.weight, self.bias)
+        return tp.tensor_model_parallel_all_gather(out, -1) if self.gather_output else out
+
+
+class MergedColumnParallelLinear(ColumnParallelLinear):
+    """Several column-parallel projections of one input stored as one weight
+    (gate_proj and up_proj -> gate_up_proj). Each rank holds its slice of every
+    projection, back to back, so the split after the matmul is local."""
+
+    def __init__(self, input_size: int, output_sizes: list[int], bias: bool = False,
+                 params_dtype: torch.dtype | None = None) -> None:
+        self.output_sizes = list(output_sizes)
+        super().__init__(input_size, sum(output_sizes), bias=bias, params_dtype=params_dtype)
+        for size in self.output_sizes:
+            divide(size, self.tp_size)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor,
+                      shard_id: int | None = None) -> None:
+        if shard_id is None:  # the checkpoint already stores the merged tensor
+            for i, part in enumerate(loaded.split(self.output_sizes, dim=0)):
+                self.weight_loader(param, part, i)
+            return
+        size = self.output_sizes[shard_id] // self.tp_size
+        offset = sum(self.output_sizes[:shard_id]) // self.tp_size
+        piece = take_shard(loaded, 0, self.tp_rank, size, self.output_sizes[shard_id])
+        copy_checked(param.data.narrow(0, offset, size), piece)
+
+
+class QKVParallelLinear(ColumnParallelLinear):
+    """q, k and v projections fused into one matmul, split by attention head.
+
+    With fewer KV heads than ranks, each KV head is replicated on
+    `tp_size // total_num_kv_heads` consecutive ranks (every rank needs the KV
+    head its query heads are grouped with)."""
+
+    def __init__(self, hidden_size: int, head_size: int, total_num_heads: int,
+                 total_num_kv_heads: int | None = None, bias: bool = False,
+                 params_dtype: torch.dtype | None = None) -> None:
+        tp_size = tp.get_tp_size()
+        self.head_size = head_size
+        self.total_num_heads = total_num_heads
+        self.total_num_kv_heads = total_num_kv_heads or total_num_heads
+        self.num_heads = divide(total_num_heads, tp_size)
+        if tp_size >= self.total_num_kv_heads:
+            self.num_kv_heads = 1
+            self.kv_replicas = divide(tp_size, self.total_num_kv_heads)
+        else:
+            self.num_kv_heads = divide(self.total_num_kv_heads, tp_size)
+            self.kv_replicas = 1
+        self.q_size = self.num_heads * head_size
+        self.kv_size = self.num_kv_heads * head_size
+        local = self.q_size + 2 * self.kv_size
+        super().__init__(hidden_size, local * tp_size, bias=bias, params_dtype=params_dtype)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor,
+                      shard_id: str | None = None) -> None:
+        if shard_id is None:  # a checkpoint with a fused qkv tensor
+            total_kv = self.total_num_kv_heads * self.head_size
+            sizes = [self.total_num_heads * self.head_size, total_kv, total_kv]
+            for sid, part in zip("qkv", loaded.split(sizes, dim=0), strict=True):
+                self.weight_loader(param, part, sid)
+            return
+        kv_rank = self.tp_rank // self.kv_replicas
+        offset, size, rank, total = {
+            "q": (0, self.q_size, self.tp_rank, self.total_num_heads),
+            "k": (self.q_size, self.kv_size, kv_rank, self.total_num_kv_heads),
+            "v": (self.q_size + self.kv_size, self.kv_size, kv_rank, self.total_num_kv_heads),
+        }[shard_id]
+        piece = take_shard(loaded, 0, rank, size, total * self.head_size)
+        copy_checked(param.data.narrow(0, offset, size), piece)
+
+
+class RowParallelLinear(nn.Module):
+    """y = x W^T + b with W's input columns split across ranks; partial sums are
+    all-reduced, and the bias is added once, after the reduction."""
+
+    def __init__(self, input_size: int, output_size: int, bias: bool = False,
+                 input_is_parallel: bool = True, reduce_results: bool = True,
+                 params_dtype: torch.dtype | None = None) -> None:
+        super().__init__()
+        self.tp_rank, self.tp_size = tp.get_tp_rank(), tp.get_tp_size()
+        self.input_size_per_partition = divide(input_size, self.tp_size)
+        self.output_size = output_size
+        self.input_is_parallel = input_is_parallel
+        self.reduce_results = reduce_results
+        self.weight = _new_param(output_size, self.input_size_per_partition, dtype=params_dtype,
+                                 loader=self.weight_loader)
+        self.bias = (_new_param(output_size, dtype=params_dtype, loader=self.weight_loader)
+                     if bias else None)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor,
+                      shard_id: object = None) -> None:
+        if param.dim() == 1:  # the bias is not split
+            copy_checked(param.data, loaded)
+            return
+        size = param.shape[1]
+        copy_checked(param.data, take_shard(loaded, 1, self.tp_rank, size, size * self.tp_size))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tp_size == 1:
+            return F.linear(x, self.weight, self.bias)
+        if not self.input_is_parallel:
+            size = self.input_size_per_partition
+            x = x.narrow(-1, self.tp_rank * size, size)
+        out = F.linear(x, self.weight)
+        if self.reduce_results:
+            out = tp.tensor_model_parallel_all_reduce(out)
+        # Unreduced partial sums are summed by the caller later: only rank 0 adds the bias.
+        if self.bias is None or not (self.reduce_results or self.tp_rank == 0):
+            return out
+        return out + self.bias

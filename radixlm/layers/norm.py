@@ -1,0 +1,35 @@
+"""RMSNorm, optionally fused with the residual add that precedes it."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from radixlm.layers.linear import default_weight_loader
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, hidden_size: int, eps: float = 1e-6,
+                 params_dtype: torch.dtype | None = None) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(hidden_size, dtype=params_dtype),
+                                   requires_grad=False)
+        self.weight.weight_loader = default_weight_loader
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
+        # The variance is taken in float32 even for half-precision activations:
+        # squares of bf16 values lose too much.
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+    def forward(self, x: torch.Tensor,
+                residual: torch.Tensor | None = None
+                ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """Without `residual`: norm(x). With it: (norm(x + residual), x + residual),
+        the second being the next layer's residual stream."""
+        if residual is None:
+            return self._norm(x)
+        x = x + residual
+        return self._norm(x), x

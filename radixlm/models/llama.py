@@ -1,0 +1,218 @@
+"""The Llama family: Llama 2/3, SmolLM2, Mistral, Qwen2/2.5.
+
+Pre-norm decoder: RMSNorm -> attention (GQA, RoPE) -> RMSNorm -> SwiGLU MLP,
+with the residual add fused into the next norm. q/k/v and gate/up run as one
+fused matmul each; `load_weights` maps HF checkpoint names onto them.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+from transformers import PretrainedConfig
+
+from radixlm.layers.activation import SiluAndMul
+from radixlm.layers.attention.radix_attention import RadixAttention
+from radixlm.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from radixlm.layers.linear import (
+    MergedColumnParallelLinear,
+    QKVParallelLinear,
+    RowParallelLinear,
+    default_weight_loader,
+)
+from radixlm.layers.norm import RMSNorm
+from radixlm.layers.rotary import RotaryEmbedding, get_rope
+
+if TYPE_CHECKING:
+    from radixlm.runtime.forward_batch import ForwardBatch
+
+logger = logging.getLogger(__name__)
+
+# HF projection name -> (our fused parameter's name, shard id inside it).
+_FUSED = {
+    "q_proj": ("qkv_proj", "q"),
+    "k_proj": ("qkv_proj", "k"),
+    "v_proj": ("qkv_proj", "v"),
+    "gate_proj": ("gate_up_proj", 0),
+    "up_proj": ("gate_up_proj", 1),
+}
+# Buffers some checkpoints carry that we recompute.
+_SKIPPED_SUFFIXES = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached")
+
+
+def head_dim_of(config: PretrainedConfig) -> int:
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool) -> None:
+        super().__init__()
+        self.gate_up_proj = MergedColumnParallelLinear(hidden_size, [intermediate_size] * 2,
+                                                       bias=bias)
+        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias=bias)
+        self.act_fn = SiluAndMul()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, config: PretrainedConfig, layer_id: int, rotary_emb: RotaryEmbedding,
+                 qkv_bias: bool, o_bias: bool) -> None:
+        super().__init__()
+        hidden, num_heads = config.hidden_size, config.num_attention_heads
+        num_kv_heads = getattr(config, "num_key_value_heads", None) or num_heads
+        head_dim = head_dim_of(config)
+        self.qkv_proj = QKVParallelLinear(hidden, head_dim, num_heads, num_kv_heads, bias=qkv_bias)
+        self.o_proj = RowParallelLinear(num_heads * head_dim, hidden, bias=o_bias)
+        self.rotary_emb = rotary_emb
+        self.split_sizes = [self.qkv_proj.q_size, self.qkv_proj.kv_size, self.qkv_proj.kv_size]
+        self.attn = RadixAttention(layer_id, self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads,
+                                   head_dim, scaling=head_dim ** -0.5)
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor,
+                fb: ForwardBatch) -> torch.Tensor:
+        q, k, v = self.qkv_proj(hidden).split(self.split_sizes, dim=-1)
+        q, k = self.rotary_emb(positions, q, k)
+        return self.o_proj(self.attn(q, k, v, fb))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config: PretrainedConfig, layer_id: int, rotary_emb: RotaryEmbedding,
+                 qkv_bias: bool, o_bias: bool) -> None:
+        super().__init__()
+        eps = config.rms_norm_eps
+        self.self_attn = LlamaAttention(config, layer_id, rotary_emb, qkv_bias, o_bias)
+        self.mlp = LlamaMLP(config.hidden_size, config.intermediate_size,
+                            bias=getattr(config, "mlp_bias", False))
+        self.input_layernorm = RMSNorm(config.hidden_size, eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps)
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor,
+                residual: torch.Tensor | None,
+                fb: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            residual, hidden = hidden, self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(positions, hidden, fb)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config: PretrainedConfig, qkv_bias: bool, o_bias: bool) -> None:
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
+        # One cos/sin table shared by every layer (it is large for 128k contexts).
+        rotary_emb = get_rope(config, head_dim_of(config))
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(config, i, rotary_emb, qkv_bias, o_bias)
+            for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                fb: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """Returns (last layer's output, residual stream): the final norm is left
+        to the caller so it can run on the rows it needs only."""
+        hidden, residual = self.embed_tokens(input_ids), None
+        for layer in self.layers:
+            hidden, residual = layer(positions, hidden, residual, fb)
+        return hidden, residual
+
+
+class LlamaForCausalLM(nn.Module):
+    # Qwen2 has q/k/v biases whatever the config says.
+    always_qkv_bias = False
+
+    def __init__(self, config: PretrainedConfig) -> None:
+        super().__init__()
+        _check_config(config)
+        self.config = config
+        attention_bias = bool(getattr(config, "attention_bias", False))
+        self.model = LlamaModel(config, qkv_bias=attention_bias or self.always_qkv_bias,
+                                o_bias=attention_bias)
+        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+        tied_to = self.model.embed_tokens if self.tie_word_embeddings else None
+        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, tied_to=tied_to)
+        attn = self.model.layers[0].self_attn.attn
+        # What a KV pool for this rank needs.
+        self.num_layers = config.num_hidden_layers
+        self.num_kv_heads = attn.num_kv_heads
+        self.head_dim = attn.head_dim
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                fb: ForwardBatch) -> torch.Tensor:
+        """float32 logits [len(fb.logit_rows), vocab] for the rows `fb.logit_rows`
+        of the flat token axis (default: each request's last new token)."""
+        hidden, residual = self.model(input_ids, positions, fb)
+        rows = fb.logit_rows
+        if rows is None:
+            rows = fb.extend_start_loc + fb.extend_seq_lens - 1
+        hidden, _ = self.model.norm(hidden[rows], residual[rows])
+        return self.lm_head.compute_logits(hidden).float()
+
+    def forward_hidden(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                       fb: ForwardBatch) -> torch.Tensor:
+        """Final-normed hidden states [num_tokens, hidden] of every token."""
+        hidden, residual = self.model(input_ids, positions, fb)
+        return self.model.norm(hidden, residual)[0]
+
+    # ---- weights ---------------------------------------------------------
+    def hf_param(self, name: str) -> tuple[nn.Parameter, str | int | None] | None:
+        """Our parameter holding the HF checkpoint tensor `name`, and the shard id
+        its weight_loader takes; None for names this model has no place for."""
+        shard_id = None
+        parts = name.split(".")
+        if len(parts) >= 2 and parts[-2] in _FUSED:
+            parts[-2], shard_id = _FUSED[parts[-2]]
+        try:
+            return self.get_parameter(".".join(parts)), shard_id
+        except AttributeError:
+            return None
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Copy HF-named tensors into place; returns the names (ours) of the
+        parameters written, so a caller loading a full checkpoint can check
+        nothing is missing (a partial update may legitimately write fewer)."""
+        params = {id(p): n for n, p in self.named_parameters()}
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            if name.endswith(_SKIPPED_SUFFIXES):
+                continue
+            if self.tie_word_embeddings and name == "lm_head.weight":
+                continue  # tied: the embedding is the head
+            found = self.hf_param(name)
+            if found is None:
+                logger.warning("checkpoint tensor %s has no place in %s; skipped", name,
+                               type(self).__name__)
+                continue
+            param, shard_id = found
+            loader = getattr(param, "weight_loader", default_weight_loader)
+            with torch.no_grad():
+                loader(param, tensor, shard_id)
+            loaded.add(params[id(param)])
+        return loaded
+
+
+class MistralForCausalLM(LlamaForCausalLM):
+    pass
+
+
+class Qwen2ForCausalLM(LlamaForCausalLM):
+    always_qkv_bias = True
+
+
+def _check_config(config: PretrainedConfig) -> None:
+    act = getattr(config, "hidden_act", "silu")
+    if act != "silu":
+        raise ValueError(f"hidden_act={act!r} is not supported by the Llama family (only 'silu')")
+    window = getattr(config, "sliding_window", None)
+    if window and getattr(config, "use_sliding_window", True) and \
+            window < config.max_position_embeddings:
+        logger.warning("sliding-window attention (window %d) is not implemented: attention is "
+                       "over the full context, exact only up to %d tokens", window, window)

