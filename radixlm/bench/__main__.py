@@ -1,0 +1,26 @@
+"""python -m radixlm.bench {offline,one-batch,shared-prefix,serving} [options]"""
+
+from __future__ import annotations
+
+import sys
+
+
+def main() -> None:
+    modes = ("offline", "one-batch", "shared-prefix", "serving")
+    if len(sys.argv) < 2 or sys.argv[1] not in modes:
+        print(f"usage: python -m radixlm.bench {{{','.join(modes)}}} [options]")
+        sys.exit(2)
+    mode, argv = sys.argv[1], sys.argv[2:]
+    if mode in ("offline", "one-batch"):
+        from radixlm.bench.offline import main as run
+        run(argv, mode)
+    elif mode == "shared-prefix":
+        from radixlm.bench.shared_prefix import main as run
+        run(argv)
+    else:
+        from radixlm.bench.serving import main as run
+        run(argv)
+
+
+if __name__ == "__main__":
+    main()

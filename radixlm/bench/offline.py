@@ -1,0 +1,150 @@
+"""Offline benchmarks: our Engine beside HF transformers `generate` in the same run.
+
+    python -m radixlm.bench offline   --num-prompts 64 --input-len 256 --output-len 128
+    python -m radixlm.bench one-batch --input-len 128 --output-len 256
+    python -m radixlm.bench shared-prefix --num-groups 8 --group-size 8 --prefix-len 512
+
+Prompts are random token ids from a fixed seed; every request ignores EOS so
+both sides produce exactly the same number of tokens.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import time
+from dataclasses import dataclass
+
+import torch
+
+from radixlm.config import ServerArgs
+
+
+@dataclass
+class Result:
+    name: str
+    seconds: float
+    output_tokens: int
+
+    @property
+    def tok_s(self) -> float:
+        return self.output_tokens / self.seconds
+
+
+def random_prompts(n: int, length: int, vocab: int, seed: int = 0) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    # Stay clear of the low ids, where special tokens live.
+    return torch.randint(100, vocab - 1, (n, length), generator=g).tolist()
+
+
+def run_ours(engine, prompts: list[list[int]], output_len: int) -> Result:
+    sp = {"max_new_tokens": output_len, "ignore_eos": True, "temperature": 0.0}
+    engine.generate(input_ids=prompts[0][:16], sampling_params={**sp, "max_new_tokens": 4})
+    engine.flush_cache()
+    t0 = time.perf_counter()
+    outs = engine.generate(input_ids=prompts, sampling_params=sp)
+    dt = time.perf_counter() - t0
+    return Result("radixlm", dt, sum(len(o["output_ids"]) for o in outs))
+
+
+def load_hf(model_dir: str, config, dtype: torch.dtype, device: torch.device, dummy: bool):
+    from transformers import AutoModelForCausalLM
+    if dummy:
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
+    return model.to(device).eval()
+
+
+@torch.inference_mode()
+def run_hf(model, prompts: list[list[int]], output_len: int, device: torch.device,
+           batch_size: int) -> Result:
+    """HF static batching: equal-length prompts, so no padding is needed."""
+    def gen(batch: list[list[int]], n: int) -> int:
+        ids = torch.tensor(batch, device=device)
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n,
+                             min_new_tokens=n, do_sample=False, pad_token_id=0)
+        return (out.shape[1] - ids.shape[1]) * len(batch)
+
+    gen(prompts[:1], 2)
+    _sync(device)
+    t0 = time.perf_counter()
+    total = sum(gen(prompts[i:i + batch_size], output_len)
+                for i in range(0, len(prompts), batch_size))
+    _sync(device)
+    return Result("HF generate", time.perf_counter() - t0, total)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def measure_copy_bandwidth(device: torch.device) -> float:
+    """Bytes/s of a large device-to-device copy (read + write)."""
+    x = torch.empty(1 << 30, dtype=torch.uint8, device=device)
+    y = torch.empty_like(x)
+    for _ in range(3):
+        y.copy_(x)
+    _sync(device)
+    t0 = time.perf_counter()
+    n = 10
+    for _ in range(n):
+        y.copy_(x)
+    _sync(device)
+    return 2 * x.numel() * n / (time.perf_counter() - t0)
+
+
+def print_table(rows: list[Result], peer: Result | None, extra: list[str]) -> None:
+    print(f"\n{'system':<14}{'output tokens':>15}{'seconds':>10}{'tok/s':>10}{'ratio':>8}")
+    for r in rows + ([peer] if peer else []):
+        ratio = f"{r.tok_s / peer.tok_s:.2f}x" if peer else "-"
+        print(f"{r.name:<14}{r.output_tokens:>15}{r.seconds:>10.2f}{r.tok_s:>10.1f}{ratio:>8}")
+    for line in extra:
+        print(line)
+
+
+def main(argv: list[str] | None = None, mode: str = "offline") -> None:
+    parser = argparse.ArgumentParser(prog=f"radixlm.bench {mode}")
+    parser.add_argument("--num-prompts", type=int, default=64 if mode == "offline" else 1)
+    parser.add_argument("--input-len", type=int, default=256 if mode == "offline" else 128)
+    parser.add_argument("--output-len", type=int, default=128 if mode == "offline" else 256)
+    parser.add_argument("--hf-batch-size", type=int, default=None,
+                        help="HF static batch size (default: all prompts at once)")
+    parser.add_argument("--skip-hf", action="store_true")
+    parser.add_argument("--seed", type=int, default=0)
+    ServerArgs.add_cli_args(parser)
+    args = parser.parse_args(argv)
+    if mode == "one-batch":
+        args.num_prompts = 1
+
+    from radixlm.engine import Engine
+    server_args = ServerArgs.from_cli_args(args)
+    engine = Engine(**vars(server_args))
+    runner = engine.scheduler.runner
+    prompts = random_prompts(args.num_prompts, args.input_len, runner.shape.vocab_size,
+                             args.seed)
+    ours = run_ours(engine, prompts, args.output_len)
+    extra = [f"workload: {args.num_prompts} x {args.input_len} in / {args.output_len} out, "
+             f"device {runner.device}, dtype {runner.dtype}"]
+    if runner.device.type == "cuda":
+        bw = measure_copy_bandwidth(runner.device)
+        weight_bytes = sum(p.numel() * p.element_size() for p in runner.model.parameters())
+        bound = bw / weight_bytes * args.num_prompts
+        extra.append(f"HBM roofline (weights {weight_bytes / 1e9:.2f} GB / copy bw "
+                     f"{bw / 1e12:.2f} TB/s): {bound:.0f} tok/s decode; ours = "
+                     f"{ours.tok_s / bound:.0%} of it (incl. prefill)")
+    peer = None
+    if not args.skip_hf:
+        from radixlm.models.loader import load_config, prepare_model_dir
+        model_dir = prepare_model_dir(server_args.model_path, server_args.load_format)
+        config = load_config(model_dir, server_args.context_length)
+        model_device, model_dtype = runner.device, runner.dtype
+        engine.shutdown()
+        del engine, runner
+        gc.collect()
+        hf = load_hf(model_dir, config, model_dtype, model_device,
+                     server_args.load_format == "dummy")
+        peer = run_hf(hf, prompts, args.output_len, model_device,
+                      args.hf_batch_size or args.num_prompts)
+    print_table([ours], peer, extra)

@@ -1,0 +1,223 @@
+"""The offline Engine: SGLang's `Engine` shape, scheduler in-process.
+
+    with radixlm.Engine() as llm:                      # embedded SmolLM2 by default
+        out = llm.generate("The capital of France is", {"max_new_tokens": 16})
+        print(out["text"])
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+from radixlm.config import ServerArgs
+from radixlm.protocol import GenerateReq, StrOut
+from radixlm.runtime.detokenize import Detokenizer
+from radixlm.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class Engine:
+    def __init__(self, model_path: str | None = None, **kwargs: Any) -> None:
+        from radixlm.models.loader import load_config, prepare_model_dir
+        from radixlm.scheduler.scheduler import Scheduler
+        from radixlm.tokenizer import get_tokenizer
+
+        self.server_args = ServerArgs.from_kwargs(model_path=model_path, **kwargs)
+        args = self.server_args
+        model_dir = prepare_model_dir(args.model_path, args.load_format)
+        self.tokenizer = get_tokenizer(args.tokenizer_path or model_dir)
+        config = load_config(model_dir, args.context_length)
+        self.scheduler = Scheduler(args, model_dir, config, self.tokenizer)
+        self.detokenizer = Detokenizer(self.tokenizer)
+        logger.info("KV cache: %d tokens; max running requests %d",
+                    self.scheduler.max_total_tokens, self.scheduler.max_running_requests)
+
+    # ---- public API ------------------------------------------------------------
+    def generate(self, prompt: str | list[str] | None = None,
+                 sampling_params: dict[str, Any] | list[dict[str, Any]] | None = None,
+                 input_ids: list[int] | list[list[int]] | None = None, stream: bool = False,
+                 return_logprob: bool = False, top_logprobs_num: int = 0,
+                 logprob_start_len: int | None = None, rid: str | list[str] | None = None,
+                 ) -> dict[str, Any] | list[dict[str, Any]] | Iterator[dict[str, Any]]:
+        """One input gives one dict (or, with n > 1, a list of n); a list of inputs
+        gives a flat list (input-major, each result carrying its `index`).
+        `stream=True` returns an iterator of incremental chunks instead."""
+        inputs, single = self._normalize_inputs(prompt, input_ids)
+        params = self._normalize_params(sampling_params, len(inputs))
+        rids = self._normalize_rids(rid, len(inputs))
+        reqs = self._build_requests(inputs, params, rids, stream, return_logprob,
+                                    top_logprobs_num, logprob_start_len)
+        if stream:
+            return self._stream(reqs)
+        results = self._run_to_completion(reqs)
+        if single and len(results) == 1:
+            return results[0]
+        return results
+
+    def get_server_info(self) -> dict[str, Any]:
+        return {**self.scheduler.server_info(), "server_args": self.server_args.__dict__}
+
+    def flush_cache(self) -> tuple[bool, str]:
+        return self.scheduler.flush_cache()
+
+    def abort_request(self, rid: str | None = None, abort_all: bool = False) -> None:
+        self.scheduler.abort(rid, abort_all)
+
+    def shutdown(self) -> None:
+        self.scheduler.abort(abort_all=True)
+        self.scheduler.step()
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.shutdown()
+
+    # ---- input normalization ------------------------------------------------------
+    def _normalize_inputs(self, prompt, input_ids) -> tuple[list[list[int]], bool]:
+        if (prompt is None) == (input_ids is None):
+            raise ValueError("pass exactly one of prompt or input_ids")
+        if prompt is not None:
+            single = isinstance(prompt, str)
+            texts = [prompt] if single else list(prompt)
+            if not all(isinstance(t, str) for t in texts):
+                raise ValueError("prompt must be a string or a list of strings")
+            return [self.tokenizer.encode(t) for t in texts], single
+        single = not input_ids or not isinstance(input_ids[0], list)
+        ids = [input_ids] if single else input_ids
+        if not all(isinstance(t, int) and not isinstance(t, bool) for x in ids for t in x):
+            raise ValueError("input_ids must be a list of token ids or a list of such lists")
+        return [list(x) for x in ids], single
+
+    @staticmethod
+    def _normalize_params(sp, n: int) -> list[SamplingParams]:
+        if isinstance(sp, list):
+            if len(sp) != n:
+                raise ValueError(f"got {len(sp)} sampling_params for {n} inputs")
+            return [SamplingParams.from_dict(p) for p in sp]
+        p = SamplingParams.from_dict(sp)
+        return [p] * n
+
+    @staticmethod
+    def _normalize_rids(rid, n: int) -> list[str]:
+        if rid is None:
+            return [uuid.uuid4().hex for _ in range(n)]
+        rids = [rid] if isinstance(rid, str) else list(rid)
+        if len(rids) != n:
+            raise ValueError(f"got {len(rids)} rids for {n} inputs")
+        return rids
+
+    def _build_requests(self, inputs, params, rids, stream, return_logprob, top_logprobs_num,
+                        logprob_start_len) -> list[tuple[int, int, GenerateReq]]:
+        if top_logprobs_num < 0:
+            raise ValueError(f"top_logprobs_num must be >= 0, got {top_logprobs_num}")
+        reqs = []
+        for i, (ids, p, rid) in enumerate(zip(inputs, params, rids)):
+            self.scheduler.validate_input(ids, p.max_new_tokens)
+            p.validate(self.scheduler.vocab_size)
+            for j in range(p.n):
+                sub_rid = rid if p.n == 1 else f"{rid}-{j}"
+                sp = p.to_dict()
+                if p.seed is not None and j:
+                    sp["seed"] = p.seed + j  # n samples of one seeded request must differ
+                reqs.append((i, j, GenerateReq(
+                    rid=sub_rid, input_ids=ids, sampling_params=sp, stream=stream,
+                    return_logprob=return_logprob, top_logprobs_num=top_logprobs_num,
+                    logprob_start_len=-1 if logprob_start_len is None else logprob_start_len)))
+        return reqs
+
+    # ---- running ----------------------------------------------------------------
+    def _submit(self, reqs: list[tuple[int, int, GenerateReq]]) -> None:
+        self._warm_shared_prompts(reqs)
+        for _, _, msg in reqs:
+            self.scheduler.add_request(msg)
+
+    def _warm_shared_prompts(self, reqs: list[tuple[int, int, GenerateReq]]) -> None:
+        """n > 1: prefill the prompt once so the n samples share its KV (seed 000)."""
+        if self.server_args.disable_radix_cache:
+            return
+        warm = {}
+        for i, j, msg in reqs:
+            if j == 1:
+                warm[i] = GenerateReq(rid=f"warm-{uuid.uuid4().hex}", input_ids=msg.input_ids,
+                                      sampling_params={**msg.sampling_params,
+                                                       "max_new_tokens": 0, "n": 1})
+        for msg in warm.values():
+            self.scheduler.add_request(msg)
+        while any(m.rid in self.scheduler.reqs for m in warm.values()):
+            self.scheduler.step()
+
+    def _run_to_completion(self, reqs) -> list[dict[str, Any]]:
+        self._submit(reqs)
+        index = {msg.rid: (i, j) for i, j, msg in reqs}
+        acc: dict[str, dict[str, Any]] = {}
+        t0 = time.monotonic()
+        while len([r for r in acc.values() if r["meta_info"].get("finish_reason")]) < len(reqs):
+            if not self.scheduler.has_work:
+                raise RuntimeError("scheduler went idle with requests unfinished")
+            for out in self.detokenizer.process(self.scheduler.step()):
+                if out.token.rid in index:
+                    _accumulate(acc, out, index[out.token.rid])
+        logger.debug("generated %d sequences in %.2fs", len(reqs), time.monotonic() - t0)
+        return [acc[msg.rid] for _, _, msg in reqs]
+
+    def _stream(self, reqs) -> Iterator[dict[str, Any]]:
+        self._submit(reqs)
+        index = {msg.rid: (i, j) for i, j, msg in reqs}
+        pending = set(index)
+        try:
+            while pending:
+                for out in self.detokenizer.process(self.scheduler.step()):
+                    rid = out.token.rid
+                    if rid not in index:
+                        continue
+                    if out.token.finish_reason is not None:
+                        pending.discard(rid)
+                    yield _chunk(out, index[rid])
+        finally:
+            for rid in pending:  # the caller stopped iterating: free their KV
+                self.scheduler.abort(rid)
+            if pending:
+                self.scheduler.step()
+
+
+def _meta(out: StrOut) -> dict[str, Any]:
+    t = out.token
+    meta: dict[str, Any] = {
+        "id": t.rid, "prompt_tokens": t.prompt_tokens, "completion_tokens": t.completion_tokens,
+        "cached_tokens": t.cached_tokens, "finish_reason": t.finish_reason}
+    if t.output_logprobs is not None:
+        meta["output_token_logprobs"] = t.output_logprobs
+        meta["output_top_logprobs"] = t.output_top_logprobs
+    if t.input_logprobs is not None:
+        meta["input_token_logprobs"] = t.input_logprobs
+        meta["input_top_logprobs"] = t.input_top_logprobs
+    return meta
+
+
+def _chunk(out: StrOut, idx: tuple[int, int]) -> dict[str, Any]:
+    return {"text": out.new_text, "output_ids": out.token.new_token_ids,
+            "meta_info": _meta(out), "index": idx[1]}
+
+
+def _accumulate(acc: dict[str, dict[str, Any]], out: StrOut, idx: tuple[int, int]) -> None:
+    rid = out.token.rid
+    chunk = _chunk(out, idx)
+    if rid not in acc:
+        acc[rid] = chunk
+        return
+    prev = acc[rid]
+    prev["text"] += chunk["text"]
+    prev["output_ids"] += chunk["output_ids"]
+    for key in ("output_token_logprobs", "output_top_logprobs"):
+        if chunk["meta_info"].get(key) is not None:
+            chunk["meta_info"][key] = (prev["meta_info"].get(key) or []) + chunk["meta_info"][key]
+    for key in ("input_token_logprobs", "input_top_logprobs"):
+        if prev["meta_info"].get(key) is not None:
+            chunk["meta_info"][key] = prev["meta_info"][key]
+    prev["meta_info"] = chunk["meta_info"]

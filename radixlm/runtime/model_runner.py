@@ -1,0 +1,118 @@
+"""Owns the model, the KV pools and the attention backend; runs one forward."""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+
+import psutil
+import torch
+
+from radixlm.cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
+from radixlm.config import ServerArgs
+from radixlm.layers.attention.base import AttentionBackend
+from radixlm.runtime.forward_batch import ForwardBatch
+
+logger = logging.getLogger(__name__)
+
+# On the CPU the KV pool comes out of host RAM, which other processes share:
+# take a modest slice by default, and never more than this many tokens.
+CPU_KV_FRACTION = 0.1
+CPU_MAX_DEFAULT_TOKENS = 65536
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    context_len: int
+
+    @classmethod
+    def from_config(cls, config, context_length: int | None, tp_size: int = 1) -> ModelShape:
+        heads = config.num_attention_heads
+        kv_heads = getattr(config, "num_key_value_heads", None) or heads
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+        ctx = context_length or getattr(config, "max_position_embeddings", 4096)
+        return cls(num_layers=config.num_hidden_layers, num_heads=heads // tp_size,
+                   num_kv_heads=max(1, kv_heads // tp_size), head_dim=head_dim,
+                   vocab_size=config.vocab_size, context_len=ctx)
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+class ModelRunner:
+    def __init__(self, args: ServerArgs, model_dir: str, config, tp_rank: int = 0) -> None:
+        from radixlm.models.loader import load_model, resolve_dtype
+
+        self.args = args
+        self.device = resolve_device(args.device)
+        if self.device.type == "cpu" and args.num_threads:
+            torch.set_num_threads(args.num_threads)
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device.index or 0)
+        self.dtype = resolve_dtype(args.dtype, config, self.device)
+        self.config = config
+        self.shape = ModelShape.from_config(config, args.context_length, args.tp_size)
+        self.model = load_model(model_dir, config, args.load_format, self.dtype, self.device,
+                                seed=args.random_seed)
+        self.max_total_tokens = self._kv_capacity()
+        self.max_running_requests = min(
+            args.max_running_requests or (256 if self.device.type == "cuda" else 128),
+            self.max_total_tokens)
+        self.req_to_token_pool = ReqToTokenPool(self.max_running_requests,
+                                                self.shape.context_len + 8, self.device)
+        s = self.shape
+        self.kv_pool = MHATokenToKVPool(self.max_total_tokens, self.dtype, s.num_kv_heads,
+                                        s.head_dim, s.num_layers, self.device)
+        self.attn_backend = self._make_attn_backend()
+
+    # ---- sizing ------------------------------------------------------------
+    def _kv_capacity(self) -> int:
+        if self.args.max_total_tokens:
+            return self.args.max_total_tokens
+        s = self.shape
+        per_token = MHATokenToKVPool.bytes_per_token(s.num_kv_heads, s.head_dim, s.num_layers,
+                                                     self.dtype)
+        if self.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(self.device)
+            budget = free - total * (1 - self.args.mem_fraction_static)
+        else:
+            budget = psutil.virtual_memory().available * CPU_KV_FRACTION
+        tokens = int(budget // per_token)
+        if self.device.type == "cpu":
+            tokens = min(tokens, CPU_MAX_DEFAULT_TOKENS)
+        if tokens < 16:
+            raise RuntimeError(f"not enough memory for the KV cache ({budget / 2**20:.0f} MiB "
+                               f"left); lower --mem-fraction-static or set --max-total-tokens")
+        return tokens
+
+    def _make_attn_backend(self) -> AttentionBackend:
+        name = self.args.attention_backend
+        if name == "auto":
+            name = "triton" if self.device.type == "cuda" else "torch_native"
+        if name == "triton":
+            from radixlm.layers.attention.triton_backend import TritonAttentionBackend
+            s = self.shape
+            return TritonAttentionBackend(s.num_heads, s.num_kv_heads, s.head_dim, self.device,
+                                          self.req_to_token_pool.max_context_len)
+        from radixlm.layers.attention.torch_native import TorchNativeBackend
+        return TorchNativeBackend()
+
+    # ---- execution -----------------------------------------------------------
+    @torch.inference_mode()
+    def forward(self, fb: ForwardBatch) -> torch.Tensor:
+        """Logits [len(fb.logit_rows), vocab] in float32."""
+        fb.attn_backend.init_forward_metadata(fb)
+        return self.model(fb.input_ids, fb.positions, fb).float()
+
+
+def default_num_threads() -> int:
+    return len(os.sched_getaffinity(0))

@@ -1,0 +1,125 @@
+"""Who owns which KV slot: the only code that moves slots between the free list,
+the prefix cache and live requests.
+
+Accounting invariant (checked when idle and in tests):
+    free slots + slots held by the prefix cache + slots owned by live requests == pool size
+"""
+
+from __future__ import annotations
+
+import torch
+
+from radixlm.cache.base import PrefixCache
+from radixlm.cache.memory_pool import KVPool, ReqToTokenPool
+from radixlm.scheduler.req import Req
+
+
+class KVManager:
+    def __init__(self, req_to_token_pool: ReqToTokenPool, kv_pool: KVPool,
+                 cache: PrefixCache) -> None:
+        self.req_to_token_pool = req_to_token_pool
+        self.kv_pool = kv_pool
+        self.cache = cache
+
+    # ---- capacity --------------------------------------------------------
+    def available(self) -> int:
+        """Slots obtainable now: free plus evictable."""
+        return self.kv_pool.available_size() + self.cache.evictable_size()
+
+    def alloc(self, n: int) -> torch.Tensor | None:
+        short = n - self.kv_pool.available_size()
+        if short > 0:
+            self.cache.evict(short)
+        return self.kv_pool.alloc(n)
+
+    # ---- admission ---------------------------------------------------------
+    def match(self, req: Req) -> None:
+        """Find the cached prefix of the request's tokens (not yet locked)."""
+        fill = req.fill_ids
+        # Keep at least one token to compute: its logits give the next token.
+        limit = len(fill) - 1
+        if req.wants_input_logprobs:
+            limit = min(limit, req.first_logprob_row)
+        match = self.cache.match_prefix(fill[:limit])
+        req.prefix_indices, req.last_node = match.indices, match.node
+
+    def admit(self, req: Req, extend_len: int) -> torch.Tensor | None:
+        """Take `extend_len` new KV slots for the request's next prefill round; on its
+        first round also lock the prefix found by `match` (call it just before, so no
+        eviction can intervene) and take a request slot. Returns the new slots, or
+        None if memory ran short, in which case nothing is taken."""
+        fresh = req.req_pool_idx is None
+        if fresh:
+            req.req_pool_idx = self.req_to_token_pool.alloc()
+            if req.req_pool_idx is None:
+                return None
+            self.cache.lock(req.last_node)
+            req.kv_len = len(req.prefix_indices)
+            self._write_table(req, 0, req.prefix_indices)
+        slots = self.alloc(extend_len)
+        if slots is None:
+            if fresh:
+                self.cache.unlock(req.last_node)
+                self.req_to_token_pool.free(req.req_pool_idx)
+                req.req_pool_idx, req.kv_len = None, 0
+            return None
+        self._write_table(req, req.kv_len, slots)
+        req.kv_len += extend_len
+        return slots
+
+    def extend(self, req: Req, slots: torch.Tensor) -> None:
+        """Record `slots` (already allocated) as the next positions of the request."""
+        self._write_table(req, req.kv_len, slots)
+        req.kv_len += len(slots)
+
+    def _write_table(self, req: Req, start: int, slots: torch.Tensor) -> None:
+        if len(slots):
+            row = self.req_to_token_pool.req_to_token[req.req_pool_idx]
+            row[start:start + len(slots)] = slots.to(row.device, torch.int32)
+
+    def table_slots(self, req: Req, start: int, end: int) -> torch.Tensor:
+        row = self.req_to_token_pool.req_to_token[req.req_pool_idx]
+        return row[start:end].to("cpu", torch.int64)
+
+    # ---- hand-over to the prefix cache ----------------------------------------
+    def cache_unfinished(self, req: Req) -> None:
+        """Insert the request's KV into the cache and re-point it at the cache's slots,
+        so others can share it while this request keeps running."""
+        tokens = req.fill_ids[:req.kv_len]
+        slots = self.table_slots(req, 0, req.kv_len)
+        dup = self.cache.insert(tokens, slots)
+        self.kv_pool.free(slots[len(req.prefix_indices):dup])
+        match = self.cache.match_prefix(tokens)
+        assert len(match.indices) == req.kv_len, "inserted prefix must match in full"
+        self._write_table(req, 0, match.indices)
+        self.cache.lock(match.node)
+        self.cache.unlock(req.last_node)
+        req.prefix_indices, req.last_node = match.indices, match.node
+
+    def release(self, req: Req) -> None:
+        """Give up the request's KV: the computed part goes to the cache (the radix
+        cache keeps it, the no-sharing cache reports it all as duplicates to free)."""
+        if req.req_pool_idx is None:
+            return
+        tokens = req.fill_ids[:req.kv_len]
+        slots = self.table_slots(req, 0, req.kv_len)
+        dup = self.cache.insert(tokens, slots)
+        self.kv_pool.free(slots[len(req.prefix_indices):dup])
+        self.cache.unlock(req.last_node)
+        self.req_to_token_pool.free(req.req_pool_idx)
+        req.req_pool_idx, req.kv_len, req.last_node = None, 0, None
+        req.prefix_indices = torch.empty(0, dtype=torch.int64)
+
+    # ---- invariant -----------------------------------------------------------
+    def check_invariants(self, live: list[Req]) -> None:
+        owned = sum(r.own_kv_len for r in live if r.req_pool_idx is not None)
+        free = self.kv_pool.available_size()
+        held = self.cache.total_size()
+        total = free + held + owned
+        assert total == self.kv_pool.size, (
+            f"KV accounting broken: free {free} + cached {held} + requests {owned} = {total} "
+            f"!= pool size {self.kv_pool.size}")
+        slots_in_use = sum(1 for r in live if r.req_pool_idx is not None)
+        assert self.req_to_token_pool.available_size() + slots_in_use == \
+            self.req_to_token_pool.size, "request-slot accounting broken"
+        self.cache.check_invariants()
