@@ -1,0 +1,1 @@
+"""Triton kernels for attention over the token-level KV pool (GPU only; import needs triton)."""

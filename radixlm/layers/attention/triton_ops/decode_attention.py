@@ -1,0 +1,212 @@
+"""Decode attention over the token-level KV pool: GQA-grouped split-KV (flash-decoding).
+
+One new query token per request attends to all `seq_len` tokens of its request,
+whose K/V rows live at arbitrary slots of the pool (`req_to_token[row, pos]`).
+
+Stage 1, grid (bs, num_kv_heads, num_splits): program (b, g, s) takes the s-th
+chunk of request b's tokens and computes, for *all* query heads of KV group g
+at once, the softmax-weighted sum of V over the chunk plus its log-sum-exp.
+Grouping the heads is what makes GQA cheap: each K/V row is read from memory
+once per group instead of once per query head (4x fewer bytes for Llama-3-8B).
+The group's heads form the M side of a `tl.dot`, padded to 16 rows.
+
+Stage 2, grid (bs, num_heads): merges the splits with their log-sum-exps.
+
+Split sizing is CUDA-graph friendly: `num_splits` is a host integer that depends
+only on the batch size (so a graph captured for a batch size has a fixed grid),
+and each program derives its chunk from the request's `seq_len` on the device:
+chunk = round_up(cdiv(seq_len, num_splits), BLOCK_N). Splits that start past
+the end exit at once; stage 2 recomputes how many splits were valid. A request
+with seq_len 0 (padding rows) yields zeros.
+
+Exponentials use exp2 with log2(e) folded into the scale; accumulation is fp32.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+_LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _decode_stage1_kernel(
+    Q, K, V, ReqToToken, ReqPoolIdx, SeqLens, MidO, MidLse,
+    sm_scale_log2, num_splits,
+    stride_qb, stride_qh,
+    stride_kn, stride_kh, stride_vn, stride_vh,
+    stride_r2t,
+    stride_mob, stride_moh, stride_mos,
+    stride_mlb, stride_mlh,
+    GROUP: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
+    HEAD_DIM: tl.constexpr, DOT_PREC: tl.constexpr,
+):
+    b = tl.program_id(0)
+    g = tl.program_id(1)
+    s = tl.program_id(2)
+
+    seq_len = tl.load(SeqLens + b)
+    chunk = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
+    start = s * chunk
+    end = tl.minimum(start + chunk, seq_len)
+    if start >= end:  # beyond this request's length: nothing to do (stage 2 knows)
+        return
+
+    offs_h = tl.arange(0, BLOCK_H)
+    hmask = offs_h < GROUP
+    heads = g * GROUP + offs_h
+    offs_d = tl.arange(0, HEAD_DIM)
+    q = tl.load(Q + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
+                mask=hmask[:, None], other=0.0)
+
+    row = tl.load(ReqPoolIdx + b).to(tl.int64)
+    r2t = ReqToToken + row * stride_r2t
+    k_base = K + g * stride_kh + offs_d[None, :]
+    v_base = V + g * stride_vh + offs_d[None, :]
+
+    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, HEAD_DIM], tl.float32)
+    for n0 in range(start, end, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        nmask = offs_n < end
+        # Out-of-range tokens read slot 0 (the pool's padding row), so the K/V
+        # gathers need no mask; their scores are masked to -inf below. int64:
+        # slot * row stride overflows int32 for pools past ~2M tokens.
+        slot = tl.load(r2t + offs_n, mask=nmask, other=0).to(tl.int64)
+        k = tl.load(k_base + slot[:, None] * stride_kn)
+        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * sm_scale_log2
+        qk = tl.where(nmask[None, :], qk, float("-inf"))
+        # Every block has >= 1 valid token, so m_new is finite and no NaN appears.
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(qk - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(v_base + slot[:, None] * stride_vn)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
+        m_i = m_new
+
+    mo = MidO + b * stride_mob + heads[:, None] * stride_moh + s * stride_mos + offs_d[None, :]
+    tl.store(mo, acc / l_i[:, None], mask=hmask[:, None])
+    # log2-domain LSE of this split's scores.
+    tl.store(MidLse + b * stride_mlb + heads * stride_mlh + s, m_i + tl.log2(l_i), mask=hmask)
+
+
+@triton.jit
+def _decode_stage2_kernel(
+    MidO, MidLse, Out, SeqLens, num_splits,
+    stride_mob, stride_moh, stride_mos,
+    stride_mlb, stride_mlh,
+    stride_ob, stride_oh,
+    BLOCK_S: tl.constexpr, CHUNK_ALIGN: tl.constexpr, HEAD_DIM: tl.constexpr,
+):
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    seq_len = tl.load(SeqLens + b)
+    # Same chunking as stage 1: the number of splits that did work.
+    chunk = tl.cdiv(tl.cdiv(seq_len, num_splits), CHUNK_ALIGN) * CHUNK_ALIGN
+    n_valid = tl.cdiv(seq_len, tl.maximum(chunk, 1))
+
+    offs_s = tl.arange(0, BLOCK_S)
+    smask = offs_s < n_valid
+    offs_d = tl.arange(0, HEAD_DIM)
+    lse = tl.load(MidLse + b * stride_mlb + h * stride_mlh + offs_s, mask=smask,
+                  other=float("-inf"))
+    m = tl.max(lse, 0)
+    w = tl.where(smask, tl.exp2(lse - m), 0.0)
+    o = tl.load(MidO + b * stride_mob + h * stride_moh + offs_s[:, None] * stride_mos
+                + offs_d[None, :], mask=smask[:, None], other=0.0)
+    denom = tl.sum(w, 0)
+    num = tl.sum(w[:, None] * o, 0)
+    # seq_len == 0 (padding row): no valid split, write zeros instead of NaN.
+    out = tl.where(denom > 0, num / denom, 0.0)
+    tl.store(Out + b * stride_ob + h * stride_oh + offs_d, out.to(Out.dtype.element_ty))
+
+
+# Defaults from the H200 sweep (docs/kernels.md): small tiles and 2 warps keep
+# shared memory per program low, so more programs stay resident per SM and more
+# gathers are in flight; the bench can override them.
+DECODE_BLOCK_N = 32
+DECODE_NUM_WARPS = 2
+DECODE_NUM_STAGES = 3
+
+
+def default_block_n(head_dim: int, dtype: torch.dtype) -> int:
+    # Keep one K (or V) tile at <= 16 KB so two pipeline stages of K and V fit in
+    # shared memory for every supported head_dim and dtype (fp32 d256 -> 16 rows).
+    return max(16, min(DECODE_BLOCK_N, 16384 // (head_dim * dtype.itemsize)))
+
+
+def dot_precision(dtype: torch.dtype) -> str:
+    # fp32 caches get true fp32 products (tests, CPU parity); 16-bit inputs ignore this.
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def decode_attention_fwd(
+    q: torch.Tensor,
+    k_buffer: torch.Tensor,
+    v_buffer: torch.Tensor,
+    o: torch.Tensor,
+    req_to_token: torch.Tensor,
+    req_pool_indices: torch.Tensor,
+    seq_lens: torch.Tensor,
+    mid_o: torch.Tensor,
+    mid_lse: torch.Tensor,
+    num_splits: int,
+    sm_scale: float,
+    *,
+    block_n: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
+) -> torch.Tensor:
+    """Decode attention; writes and returns `o`.
+
+    q, o: [bs, num_heads, head_dim] (any strides with a unit last stride).
+    k_buffer, v_buffer: [pool_size, num_kv_heads, head_dim] (slot 0 = padding).
+    req_to_token: [num_rows, max_context_len] int32; req_pool_indices, seq_lens: [bs].
+    mid_o: [>= bs, num_heads, >= num_splits, head_dim] fp32 scratch;
+    mid_lse: [>= bs, num_heads, >= num_splits] fp32 scratch (slices of
+    preallocated CUDA-graph buffers are fine). No host synchronization.
+    """
+    bs, num_heads, head_dim = q.shape
+    num_kv_heads = k_buffer.shape[1]
+    assert num_heads % num_kv_heads == 0, "query heads must be a multiple of KV heads"
+    assert head_dim & (head_dim - 1) == 0 and head_dim <= 256, "head_dim: power of 2 <= 256"
+    assert q.stride(-1) == 1 and k_buffer.stride(-1) == 1 and v_buffer.stride(-1) == 1
+    assert mid_o.shape[2] >= num_splits and mid_lse.shape[2] >= num_splits
+    if bs == 0:
+        return o
+    group = num_heads // num_kv_heads
+    block_n = block_n or default_block_n(head_dim, q.dtype)
+    _decode_stage1_kernel[(bs, num_kv_heads, num_splits)](
+        q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, mid_o, mid_lse,
+        sm_scale * _LOG2E, num_splits,
+        q.stride(0), q.stride(1),
+        k_buffer.stride(0), k_buffer.stride(1), v_buffer.stride(0), v_buffer.stride(1),
+        req_to_token.stride(0),
+        mid_o.stride(0), mid_o.stride(1), mid_o.stride(2),
+        mid_lse.stride(0), mid_lse.stride(1),
+        GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n,
+        HEAD_DIM=head_dim, DOT_PREC=dot_precision(q.dtype),
+        num_warps=num_warps or DECODE_NUM_WARPS, num_stages=num_stages or DECODE_NUM_STAGES,
+    )
+    _decode_stage2_kernel[(bs, num_heads)](
+        mid_o, mid_lse, o, seq_lens, num_splits,
+        mid_o.stride(0), mid_o.stride(1), mid_o.stride(2),
+        mid_lse.stride(0), mid_lse.stride(1),
+        o.stride(0), o.stride(1),
+        BLOCK_S=triton.next_power_of_2(num_splits), CHUNK_ALIGN=block_n, HEAD_DIM=head_dim,
+        num_warps=4 if head_dim >= 128 else 2,
+    )
+    return o
+
+
+def alloc_decode_scratch(bs: int, num_heads: int, num_splits: int, head_dim: int,
+                         device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Scratch for `decode_attention_fwd`: (mid_o, mid_lse), fp32."""
+    mid_o = torch.empty((bs, num_heads, num_splits, head_dim), dtype=torch.float32,
+                        device=device)
+    mid_lse = torch.empty((bs, num_heads, num_splits), dtype=torch.float32, device=device)
+    return mid_o, mid_lse

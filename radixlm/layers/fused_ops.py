@@ -1,0 +1,224 @@
+"""Fused elementwise/row ops for the model layers: RMSNorm (+ residual add), RoPE, SiLU-and-mul.
+
+Each op has a Triton kernel for CUDA tensors and a pure-torch path, used on the
+CPU, when Triton is missing, or with `use_triton=False`; the torch path is also
+the reference the GPU tests compare against. All arithmetic is fp32 inside;
+results are rounded once to the input dtype.
+
+Semantics (both paths):
+- `rms_norm(x, w, eps)` -> x * rsqrt(mean(x^2) + eps) * w.
+- `rms_norm(x, w, eps, residual)` -> (normed, new_residual) with
+  new_residual = x + residual rounded to x's dtype (as the unfused model code
+  does), normed computed from that rounded sum.
+- `apply_rope_(positions, q, k, head_dim, cos_sin_cache)`: neox / rotate-half
+  style, in place on the first `rotary_dim` dims of each head; cos_sin_cache is
+  [max_position, rotary_dim] = cat(cos, sin) along the last dim.
+- `silu_and_mul(x)`: x = [..., 2 * d] -> silu(x[..., :d]) * x[..., d:].
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+try:  # CPU-only installs may lack Triton; the torch paths cover them.
+    import triton
+    import triton.language as tl
+
+    HAS_TRITON = True
+except ImportError:  # pragma: no cover - depends on the install
+    HAS_TRITON = False
+
+
+def _use_triton(x: torch.Tensor, use_triton: bool | None) -> bool:
+    if use_triton is None:
+        return HAS_TRITON and x.is_cuda
+    return use_triton and HAS_TRITON
+
+
+# ---------------------------------------------------------------- torch paths
+
+def rms_norm_torch(x: torch.Tensor, weight: torch.Tensor, eps: float,
+                   residual: torch.Tensor | None = None
+                   ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    new_residual = None
+    if residual is not None:
+        x = x + residual
+        new_residual = x
+    xf = x.float()
+    y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * weight.float()
+    y = y.to(x.dtype)
+    return y if new_residual is None else (y, new_residual)
+
+
+def apply_rope_torch_(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, head_dim: int,
+                      cos_sin_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    rot = cos_sin_cache.shape[-1]
+    half = rot // 2
+    cs = cos_sin_cache[positions.long()].float()
+    cos, sin = cs[:, None, :half], cs[:, None, half:]
+    for t in (q, k):
+        tv = t.view(t.shape[0], -1, head_dim)
+        x1 = tv[..., :half].float()
+        x2 = tv[..., half:rot].float()
+        out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+        tv[..., :rot] = out.to(t.dtype)
+    return q, k
+
+
+def silu_and_mul_torch(x: torch.Tensor) -> torch.Tensor:
+    d = x.shape[-1] // 2
+    xf = x.float()
+    return (F.silu(xf[..., :d]) * xf[..., d:]).to(x.dtype)
+
+
+def rope_cos_sin_cache(rotary_dim: int, max_position: int, base: float = 10000.0,
+                       inv_freq: torch.Tensor | None = None,
+                       device: torch.device | str = "cpu") -> torch.Tensor:
+    """[max_position, rotary_dim] fp32 = cat(cos, sin); pass `inv_freq` for scaled RoPE."""
+    if inv_freq is None:
+        inv_freq = 1.0 / (base ** (torch.arange(0, rotary_dim, 2, dtype=torch.float64)
+                                   / rotary_dim))
+    t = torch.arange(max_position, dtype=torch.float64)
+    freqs = torch.outer(t, inv_freq.to(torch.float64).cpu())
+    return torch.cat((freqs.cos(), freqs.sin()), dim=-1).float().to(device)
+
+
+# ---------------------------------------------------------------- Triton kernels
+
+if HAS_TRITON:
+
+    @triton.jit
+    def _rms_norm_kernel(X, R, W, Y, RO, stride_x, stride_r, stride_y, stride_ro, N, eps,
+                         HAS_RES: tl.constexpr, BLOCK: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        offs = tl.arange(0, BLOCK)
+        mask = offs < N
+        x = tl.load(X + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
+        if HAS_RES:
+            r = tl.load(R + row * stride_r + offs, mask=mask, other=0.0).to(tl.float32)
+            # Round the sum to the activation dtype before normalizing, as the
+            # unfused `x + residual` would, so both paths see the same residual.
+            s = (x + r).to(RO.dtype.element_ty)
+            tl.store(RO + row * stride_ro + offs, s, mask=mask)
+            x = s.to(tl.float32)
+        rstd = tl.rsqrt(tl.sum(x * x, 0) / N + eps)
+        w = tl.load(W + offs, mask=mask, other=0.0).to(tl.float32)
+        tl.store(Y + row * stride_y + offs, (x * rstd * w).to(Y.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def _rope_kernel(Q, K, CosSin, Pos, stride_qt, stride_qh, stride_kt, stride_kh, stride_cs,
+                     NQ: tl.constexpr, NK: tl.constexpr, BLOCK_HQ: tl.constexpr,
+                     BLOCK_HK: tl.constexpr, HALF: tl.constexpr, BLOCK_HALF: tl.constexpr):
+        t = tl.program_id(0).to(tl.int64)
+        pos = tl.load(Pos + t).to(tl.int64)
+        offs = tl.arange(0, BLOCK_HALF)
+        dmask = offs < HALF
+        cos = tl.load(CosSin + pos * stride_cs + offs, mask=dmask, other=0.0).to(tl.float32)
+        sin = tl.load(CosSin + pos * stride_cs + HALF + offs, mask=dmask,
+                      other=0.0).to(tl.float32)
+        # All query heads of the token in one tile, then all key heads: one
+        # program per token reads its cos/sin row once.
+        hq = tl.arange(0, BLOCK_HQ)
+        mq = (hq < NQ)[:, None] & dmask[None, :]
+        pq = Q + t * stride_qt + hq[:, None] * stride_qh + offs[None, :]
+        x1 = tl.load(pq, mask=mq, other=0.0).to(tl.float32)
+        x2 = tl.load(pq + HALF, mask=mq, other=0.0).to(tl.float32)
+        tl.store(pq, (x1 * cos - x2 * sin).to(Q.dtype.element_ty), mask=mq)
+        tl.store(pq + HALF, (x2 * cos + x1 * sin).to(Q.dtype.element_ty), mask=mq)
+        hk = tl.arange(0, BLOCK_HK)
+        mk = (hk < NK)[:, None] & dmask[None, :]
+        pk = K + t * stride_kt + hk[:, None] * stride_kh + offs[None, :]
+        y1 = tl.load(pk, mask=mk, other=0.0).to(tl.float32)
+        y2 = tl.load(pk + HALF, mask=mk, other=0.0).to(tl.float32)
+        tl.store(pk, (y1 * cos - y2 * sin).to(K.dtype.element_ty), mask=mk)
+        tl.store(pk + HALF, (y2 * cos + y1 * sin).to(K.dtype.element_ty), mask=mk)
+
+    @triton.jit
+    def _silu_and_mul_kernel(X, Y, stride_x, stride_y, D, BLOCK: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        mask = cols < D
+        a = tl.load(X + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+        b = tl.load(X + row * stride_x + D + cols, mask=mask, other=0.0).to(tl.float32)
+        y = a / (1.0 + tl.exp(-a)) * b
+        tl.store(Y + row * stride_y + cols, y.to(Y.dtype.element_ty), mask=mask)
+
+
+# ---------------------------------------------------------------- public ops
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
+             residual: torch.Tensor | None = None, *, use_triton: bool | None = None
+             ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """RMSNorm over the last dim; with `residual`, returns (normed, x + residual)."""
+    if not _use_triton(x, use_triton):
+        return rms_norm_torch(x, weight, eps, residual)
+    n = x.shape[-1]
+    x2 = x.reshape(-1, n)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    y2 = y.view(-1, n)
+    rows = x2.shape[0]
+    block = triton.next_power_of_2(n)
+    # Enough warps that each thread holds <= 16 fp32 of the row.
+    warps = max(1, min(16, block // 512))
+    if residual is None:
+        if rows:
+            _rms_norm_kernel[(rows,)](x2, x2, weight, y2, y2, x2.stride(0), 0, y2.stride(0), 0,
+                                      n, eps, HAS_RES=False, BLOCK=block, num_warps=warps)
+        return y
+    r2 = residual.reshape(-1, n)
+    if r2.stride(-1) != 1:
+        r2 = r2.contiguous()
+    new_res = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    ro2 = new_res.view(-1, n)
+    if rows:
+        _rms_norm_kernel[(rows,)](x2, r2, weight, y2, ro2, x2.stride(0), r2.stride(0),
+                                  y2.stride(0), ro2.stride(0), n, eps, HAS_RES=True,
+                                  BLOCK=block, num_warps=warps)
+    return y, new_res
+
+
+def apply_rope_(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, head_dim: int,
+                cos_sin_cache: torch.Tensor, *, use_triton: bool | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Neox-style RoPE in place. q: [T, nq * head_dim], k: [T, nk * head_dim] (rows may be
+    strided, e.g. views into a fused qkv output); returns (q, k)."""
+    if not _use_triton(q, use_triton):
+        return apply_rope_torch_(positions, q, k, head_dim, cos_sin_cache)
+    t = q.shape[0]
+    if t == 0:
+        return q, k
+    qv = q.view(t, -1, head_dim)
+    kv = k.view(t, -1, head_dim)
+    assert qv.stride(2) == 1 and kv.stride(2) == 1 and cos_sin_cache.stride(1) == 1
+    rot = cos_sin_cache.shape[-1]
+    assert rot % 2 == 0 and rot <= head_dim
+    nq, nk = qv.shape[1], kv.shape[1]
+    half = rot // 2
+    _rope_kernel[(t,)](
+        qv, kv, cos_sin_cache, positions, qv.stride(0), qv.stride(1), kv.stride(0), kv.stride(1),
+        cos_sin_cache.stride(0), NQ=nq, NK=nk, BLOCK_HQ=triton.next_power_of_2(nq),
+        BLOCK_HK=triton.next_power_of_2(nk), HALF=half, BLOCK_HALF=triton.next_power_of_2(half),
+        num_warps=4,
+    )
+    return q, k
+
+
+def silu_and_mul(x: torch.Tensor, *, use_triton: bool | None = None) -> torch.Tensor:
+    """[..., 2 * d] -> [..., d]: silu(gate) * up."""
+    if not _use_triton(x, use_triton):
+        return silu_and_mul_torch(x)
+    d = x.shape[-1] // 2
+    x2 = x.reshape(-1, 2 * d)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    y = torch.empty((*x.shape[:-1], d), dtype=x.dtype, device=x.device)
+    y2 = y.view(-1, d)
+    rows = x2.shape[0]
+    if rows:
+        block = min(1024, triton.next_power_of_2(d))
+        _silu_and_mul_kernel[(rows, triton.cdiv(d, block))](
+            x2, y2, x2.stride(0), y2.stride(0), d, BLOCK=block, num_warps=4)
+    return y

@@ -1,0 +1,113 @@
+"""Triton fused ops vs float64 references and the torch paths (CUDA only)."""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+if not torch.cuda.is_available():
+    pytest.skip("needs CUDA", allow_module_level=True)
+pytest.importorskip("triton")
+
+from radixlm.layers import fused_ops  # noqa: E402
+
+pytestmark = pytest.mark.gpu
+DEV = torch.device("cuda")
+DTYPES = [torch.bfloat16, torch.float16, torch.float32]
+# One rounding of the output to the dtype (plus the residual's rounding).
+TOL = {torch.bfloat16: 8e-3, torch.float16: 1e-3, torch.float32: 1e-6}
+
+
+def _poison_allocator(nbytes: int) -> None:
+    # Free a NaN-filled block so the op's torch.empty output likely reuses it:
+    # an element the kernel fails to write then shows up as NaN.
+    torch.full((nbytes // 4 + 1024,), float("nan"), device=DEV)
+
+
+def _rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((out.double() - ref.double()).norm() / ref.double().norm()).item()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("hidden", [4096, 1000, 8192])
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_rms_norm(dtype, hidden, with_residual):
+    torch.manual_seed(hidden)
+    x = (torch.randn(77, hidden, device=DEV) * 3).to(dtype)
+    w = torch.randn(hidden, device=DEV).to(dtype)
+    r = torch.randn(77, hidden, device=DEV).to(dtype) if with_residual else None
+    eps = 1e-6
+    # float64 reference from the rounded residual sum the op is defined on.
+    s = (x + r) if with_residual else x
+    sd = s.double()
+    ref = sd * torch.rsqrt(sd.pow(2).mean(-1, keepdim=True) + eps) * w.double()
+    _poison_allocator(x.numel() * x.element_size())
+    out = fused_ops.rms_norm(x, w, eps, r)
+    if with_residual:
+        out, new_res = out
+        assert torch.equal(new_res, s)
+        t_out, t_res = fused_ops.rms_norm(x, w, eps, r, use_triton=False)
+        assert torch.equal(t_res, new_res)
+    else:
+        t_out = fused_ops.rms_norm(x, w, eps, use_triton=False)
+    assert out.shape == x.shape and out.dtype == dtype
+    assert torch.isfinite(out).all()
+    assert _rel_err(out, ref) < TOL[dtype]
+    assert _rel_err(t_out, ref) < TOL[dtype]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("head_dim,rotary_dim,nq,nk", [(128, 128, 32, 8), (64, 64, 12, 12),
+                                                       (128, 64, 8, 1), (256, 256, 4, 2)])
+def test_rope_in_place(dtype, head_dim, rotary_dim, nq, nk):
+    torch.manual_seed(head_dim + nq)
+    t = 333
+    cache = fused_ops.rope_cos_sin_cache(rotary_dim, 8192, 500000.0, device=DEV)
+    pos = torch.randint(0, 8192, (t,), device=DEV)
+    # q and k as strided views into a fused qkv output, as the models produce them.
+    qkv = torch.randn(t, (nq + 2 * nk) * head_dim, device=DEV).to(dtype)
+    q = qkv[:, :nq * head_dim]
+    k = qkv[:, nq * head_dim:(nq + nk) * head_dim]
+    v_before = qkv[:, (nq + nk) * head_dim:].clone()
+
+    def ref(x: torch.Tensor, n: int) -> torch.Tensor:
+        xd = x.double().view(t, n, head_dim).clone()
+        half = rotary_dim // 2
+        ang = pos.double()[:, None] * (1.0 / (500000.0 ** (torch.arange(
+            0, rotary_dim, 2, device=DEV, dtype=torch.float64) / rotary_dim)))[None, :]
+        cos, sin = ang.cos()[:, None, :], ang.sin()[:, None, :]
+        x1, x2 = xd[..., :half].clone(), xd[..., half:rotary_dim].clone()
+        xd[..., :half] = x1 * cos - x2 * sin
+        xd[..., half:rotary_dim] = x2 * cos + x1 * sin
+        return xd.view(t, -1)
+
+    q_ref, k_ref = ref(q, nq), ref(k, nk)
+    q_t, k_t = q.clone(), k.clone()
+    fused_ops.apply_rope_(pos, q_t, k_t, head_dim, cache, use_triton=False)
+    fused_ops.apply_rope_(pos, q, k, head_dim, cache)
+    assert torch.equal(qkv[:, (nq + nk) * head_dim:], v_before)  # v untouched
+    # fp32 tolerance: cos/sin cache is fp32, the reference recomputes in fp64.
+    tol = max(TOL[dtype], 2e-6)
+    assert _rel_err(q, q_ref) < tol and _rel_err(k, k_ref) < tol
+    assert _rel_err(q_t, q_ref) < tol and _rel_err(k_t, k_ref) < tol
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("d", [14336, 1000, 64])
+def test_silu_and_mul(dtype, d):
+    torch.manual_seed(d)
+    x = (torch.randn(129, 2 * d, device=DEV) * 4).to(dtype)
+    xd = x.double()
+    ref = xd[:, :d] * torch.sigmoid(xd[:, :d]) * xd[:, d:]
+    _poison_allocator(x.numel() * x.element_size() // 2)
+    out = fused_ops.silu_and_mul(x)
+    assert out.shape == (129, d) and out.dtype == dtype and torch.isfinite(out).all()
+    assert _rel_err(out, ref) < TOL[dtype]
+    assert _rel_err(fused_ops.silu_and_mul(x, use_triton=False), ref) < TOL[dtype]
+
+
+def test_empty_inputs():
+    x = torch.empty(0, 4096, device=DEV, dtype=torch.bfloat16)
+    w = torch.ones(4096, device=DEV, dtype=torch.bfloat16)
+    assert fused_ops.rms_norm(x, w, 1e-6).shape == (0, 4096)
+    assert fused_ops.silu_and_mul(torch.empty(0, 128, device=DEV)).shape == (0, 64)
