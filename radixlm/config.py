@@ -36,6 +36,9 @@ class ServerArgs:
     load_format: str = _opt("model", "Weight format", LOAD_FORMATS, default="auto")
     dtype: str = _opt("model", "Weight and activation dtype", DTYPES, default="auto")
     context_length: int | None = _opt("model", "Override the model's context length", default=None)
+    skip_tokenizer_init: bool = _opt(
+        "model", "No tokenizer: token ids in and out only (e.g. dummy benchmark models)",
+        default=False)
     is_embedding: bool = _opt("model", "Serve pooled hidden states (embeddings)", default=False)
     random_seed: int = _opt("model", "Seed for weights of dummy models and unseeded sampling",
                             default=0)

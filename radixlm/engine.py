@@ -20,6 +20,8 @@ from radixlm.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
+NO_GRAMMAR = {"json_schema": None, "regex": None, "ebnf": None}  # prefill-only warm-ups
+
 
 class Engine:
     def __init__(self, model_path: str | None = None, **kwargs: Any) -> None:
@@ -30,7 +32,8 @@ class Engine:
         self.server_args = ServerArgs.from_kwargs(model_path=model_path, **kwargs)
         args = self.server_args
         model_dir = prepare_model_dir(args.model_path, args.load_format)
-        self.tokenizer = get_tokenizer(args.tokenizer_path or model_dir)
+        self.tokenizer = None if args.skip_tokenizer_init else \
+            get_tokenizer(args.tokenizer_path or model_dir)
         config = load_config(model_dir, args.context_length)
         self.scheduler = Scheduler(args, model_dir, config, self.tokenizer)
         self.detokenizer = Detokenizer(self.tokenizer)
@@ -83,6 +86,8 @@ class Engine:
         if (prompt is None) == (input_ids is None):
             raise ValueError("pass exactly one of prompt or input_ids")
         if prompt is not None:
+            if self.tokenizer is None:
+                raise ValueError("skip_tokenizer_init is set: pass input_ids, not prompt")
             single = isinstance(prompt, str)
             texts = [prompt] if single else list(prompt)
             if not all(isinstance(t, str) for t in texts):
@@ -120,6 +125,7 @@ class Engine:
         for i, (ids, p, rid) in enumerate(zip(inputs, params, rids)):
             self.scheduler.validate_input(ids, p.max_new_tokens)
             p.validate(self.scheduler.vocab_size)
+            self.scheduler.grammars.validate(p)  # compiles (cached): errors name the grammar
             for j in range(p.n):
                 sub_rid = rid if p.n == 1 else f"{rid}-{j}"
                 sp = p.to_dict()
@@ -146,7 +152,8 @@ class Engine:
             if j == 1:
                 warm[i] = GenerateReq(rid=f"warm-{uuid.uuid4().hex}", input_ids=msg.input_ids,
                                       sampling_params={**msg.sampling_params,
-                                                       "max_new_tokens": 0, "n": 1})
+                                                       "max_new_tokens": 0, "n": 1,
+                                                       **NO_GRAMMAR})
         for msg in warm.values():
             self.scheduler.add_request(msg)
         while any(m.rid in self.scheduler.reqs for m in warm.values()):

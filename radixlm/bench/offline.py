@@ -25,10 +25,19 @@ class Result:
     name: str
     seconds: float
     output_tokens: int
+    prefill_seconds: float = 0.0  # the same workload with one output token
 
     @property
     def tok_s(self) -> float:
         return self.output_tokens / self.seconds
+
+    @property
+    def decode_tok_s(self) -> float:
+        """Tokens after the first, over the time after prefill."""
+        return (self.output_tokens - self.num_seqs) / max(self.seconds - self.prefill_seconds,
+                                                          1e-9)
+
+    num_seqs: int = 1
 
 
 def random_prompts(n: int, length: int, vocab: int, seed: int = 0) -> list[list[int]]:
@@ -37,20 +46,26 @@ def random_prompts(n: int, length: int, vocab: int, seed: int = 0) -> list[list[
     return torch.randint(100, vocab - 1, (n, length), generator=g).tolist()
 
 
-def run_ours(engine, prompts: list[list[int]], output_len: int) -> Result:
+def run_ours(engine, prompts: list[list[int]], output_len: int) -> tuple[Result, float]:
+    """Returns the result and the time to the first token (prefill) of the workload."""
     sp = {"max_new_tokens": output_len, "ignore_eos": True, "temperature": 0.0}
     engine.generate(input_ids=prompts[0][:16], sampling_params={**sp, "max_new_tokens": 4})
     engine.flush_cache()
     t0 = time.perf_counter()
+    engine.generate(input_ids=prompts, sampling_params={**sp, "max_new_tokens": 1})
+    ttft = time.perf_counter() - t0
+    engine.flush_cache()
+    t0 = time.perf_counter()
     outs = engine.generate(input_ids=prompts, sampling_params=sp)
     dt = time.perf_counter() - t0
-    return Result("radixlm", dt, sum(len(o["output_ids"]) for o in outs))
+    return Result("radixlm", dt, sum(len(o["output_ids"]) for o in outs)), ttft
 
 
 def load_hf(model_dir: str, config, dtype: torch.dtype, device: torch.device, dummy: bool):
     from transformers import AutoModelForCausalLM
-    if dummy:
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    if dummy:  # random init directly on the device: an 8B init on the CPU takes minutes
+        with torch.device(device):
+            model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     else:
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
     return model.to(device).eval()
@@ -69,10 +84,15 @@ def run_hf(model, prompts: list[list[int]], output_len: int, device: torch.devic
     gen(prompts[:1], 2)
     _sync(device)
     t0 = time.perf_counter()
+    for i in range(0, len(prompts), batch_size):
+        gen(prompts[i:i + batch_size], 1)
+    _sync(device)
+    ttft = time.perf_counter() - t0
+    t0 = time.perf_counter()
     total = sum(gen(prompts[i:i + batch_size], output_len)
                 for i in range(0, len(prompts), batch_size))
     _sync(device)
-    return Result("HF generate", time.perf_counter() - t0, total)
+    return Result("HF generate", time.perf_counter() - t0, total, ttft)
 
 
 def _sync(device: torch.device) -> None:
@@ -95,11 +115,44 @@ def measure_copy_bandwidth(device: torch.device) -> float:
     return 2 * x.numel() * n / (time.perf_counter() - t0)
 
 
+def measure_matmul_flops(device: torch.device, dtype: torch.dtype) -> float:
+    n = 8192
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    b = torch.randn(n, n, device=device, dtype=dtype)
+    for _ in range(3):
+        a @ b
+    _sync(device)
+    t0 = time.perf_counter()
+    reps = 10
+    for _ in range(reps):
+        a @ b
+    _sync(device)
+    return 2 * n ** 3 * reps / (time.perf_counter() - t0)
+
+
+def workload_bound_seconds(runner, n: int, input_len: int, output_len: int, bw: float,
+                           flops: float) -> float:
+    """Prefill FLOPs / matmul peak + sum over decode steps of (weights + KV read) / bw."""
+    s = runner.shape
+    params = sum(p.numel() for p in runner.model.parameters())
+    embed = runner.model.model.embed_tokens.weight.numel()
+    weight_bytes = sum(p.numel() * p.element_size() for p in runner.model.parameters())
+    attn_dim = s.num_heads * s.head_dim
+    prefill = n * (2 * (params - embed) * input_len  # linear layers (the head: last row only)
+                   + 2 * s.num_layers * attn_dim * input_len * input_len)  # causal QK^T + PV
+    kv_token = 2 * s.num_layers * s.num_kv_heads * s.head_dim * runner.dtype.itemsize
+    kv_read = n * kv_token * sum(input_len + t for t in range(output_len))
+    return prefill / flops + (output_len * weight_bytes + kv_read) / bw
+
+
 def print_table(rows: list[Result], peer: Result | None, extra: list[str]) -> None:
-    print(f"\n{'system':<14}{'output tokens':>15}{'seconds':>10}{'tok/s':>10}{'ratio':>8}")
+    print(f"\n{'system':<14}{'output tokens':>15}{'seconds':>10}{'tok/s':>10}{'ratio':>8}"
+          f"{'prefill s':>11}{'decode tok/s':>14}{'ratio':>8}")
     for r in rows + ([peer] if peer else []):
         ratio = f"{r.tok_s / peer.tok_s:.2f}x" if peer else "-"
-        print(f"{r.name:<14}{r.output_tokens:>15}{r.seconds:>10.2f}{r.tok_s:>10.1f}{ratio:>8}")
+        dratio = f"{r.decode_tok_s / peer.decode_tok_s:.2f}x" if peer else "-"
+        print(f"{r.name:<14}{r.output_tokens:>15}{r.seconds:>10.2f}{r.tok_s:>10.1f}{ratio:>8}"
+              f"{r.prefill_seconds:>11.3f}{r.decode_tok_s:>14.1f}{dratio:>8}")
     for line in extra:
         print(line)
 
@@ -124,16 +177,25 @@ def main(argv: list[str] | None = None, mode: str = "offline") -> None:
     runner = engine.scheduler.runner
     prompts = random_prompts(args.num_prompts, args.input_len, runner.shape.vocab_size,
                              args.seed)
-    ours = run_ours(engine, prompts, args.output_len)
+    ours, ttft = run_ours(engine, prompts, args.output_len)
+    ours.prefill_seconds, ours.num_seqs = ttft, args.num_prompts
     extra = [f"workload: {args.num_prompts} x {args.input_len} in / {args.output_len} out, "
              f"device {runner.device}, dtype {runner.dtype}"]
     if runner.device.type == "cuda":
         bw = measure_copy_bandwidth(runner.device)
         weight_bytes = sum(p.numel() * p.element_size() for p in runner.model.parameters())
         bound = bw / weight_bytes * args.num_prompts
+        if args.num_prompts > 1:
+            flops = measure_matmul_flops(runner.device, runner.dtype)
+            t = workload_bound_seconds(runner, args.num_prompts, args.input_len,
+                                       args.output_len, bw, flops)
+            out_tokens = args.num_prompts * args.output_len
+            extra.append(f"workload roofline: {t:.2f} s = {out_tokens / t:.0f} output tok/s "
+                         f"(matmul {flops / 1e12:.0f} TFLOP/s, copy {bw / 1e12:.2f} TB/s); ours "
+                         f"= {ours.tok_s / (out_tokens / t):.0%} of it")
         extra.append(f"HBM roofline (weights {weight_bytes / 1e9:.2f} GB / copy bw "
-                     f"{bw / 1e12:.2f} TB/s): {bound:.0f} tok/s decode; ours = "
-                     f"{ours.tok_s / bound:.0%} of it (incl. prefill)")
+                     f"{bw / 1e12:.2f} TB/s): {bound:.0f} tok/s decode (weights only); ours "
+                     f"= {ours.decode_tok_s / bound:.0%} of it")
     peer = None
     if not args.skip_hf:
         from radixlm.models.loader import load_config, prepare_model_dir
@@ -143,8 +205,11 @@ def main(argv: list[str] | None = None, mode: str = "offline") -> None:
         engine.shutdown()
         del engine, runner
         gc.collect()
+        if model_device.type == "cuda":
+            torch.cuda.empty_cache()
         hf = load_hf(model_dir, config, model_dtype, model_device,
                      server_args.load_format == "dummy")
         peer = run_hf(hf, prompts, args.output_len, model_device,
                       args.hf_batch_size or args.num_prompts)
+        peer.num_seqs = args.num_prompts
     print_table([ours], peer, extra)

@@ -13,6 +13,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from radixlm.layers import fused_ops
+
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
 
@@ -85,7 +87,9 @@ class RotaryEmbedding(nn.Module):
     def forward(self, positions: torch.Tensor, q: torch.Tensor,
                 k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """q: [num_tokens, heads * head_dim], k: [num_tokens, kv_heads * head_dim];
-        returns rotated copies of the same shapes."""
+        returns rotated tensors of the same shapes (in place on CUDA)."""
+        if q.is_cuda:
+            return fused_ops.apply_rope_(positions, q, k, self.head_dim, self.cos_sin_cache)
         cos_sin = self.cos_sin_cache.index_select(0, positions).to(q.dtype)
         cos, sin = cos_sin.unsqueeze(1).chunk(2, dim=-1)  # [num_tokens, 1, rotary_dim / 2]
         return self._rotate(q, cos, sin), self._rotate(k, cos, sin)

@@ -123,8 +123,9 @@ class SamplingBatchInfo:
         floats = torch.tensor([[1.0 if g else p.temperature, p.top_p, p.min_p]
                                for p, g in zip(params, greedy, strict=True)],
                               dtype=torch.float32)
-        ints = torch.tensor([[k, _to_int64(s), st, noise_key(s, st)]
-                             for k, s, st in zip(top_ks, seeds, steps, strict=True)],
+        # Greedy rows draw no noise: skip their (host-side) key hashing.
+        ints = torch.tensor([[k, _to_int64(s), st, 0 if g else noise_key(s, st)]
+                             for k, s, st, g in zip(top_ks, seeds, steps, greedy, strict=True)],
                             dtype=torch.int64)
         floats, ints = floats.to(device), ints.to(device)
         sampled = [i for i in range(bs) if not greedy[i]]

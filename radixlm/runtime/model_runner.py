@@ -73,6 +73,12 @@ class ModelRunner:
         self.kv_pool = MHATokenToKVPool(self.max_total_tokens, self.dtype, s.num_kv_heads,
                                         s.head_dim, s.num_layers, self.device)
         self.attn_backend = self._make_attn_backend()
+        self.graph_runner = None
+        if self.device.type == "cuda" and self.attn_backend.supports_cuda_graph:
+            from radixlm.runtime.cuda_graph_runner import CudaGraphRunner
+            self.graph_runner = CudaGraphRunner(
+                self, min(args.cuda_graph_max_bs, self.max_running_requests),
+                use_graphs=not args.disable_cuda_graph)
 
     # ---- sizing ------------------------------------------------------------
     def _kv_capacity(self) -> int:
@@ -109,7 +115,10 @@ class ModelRunner:
     # ---- execution -----------------------------------------------------------
     @torch.inference_mode()
     def forward(self, fb: ForwardBatch) -> torch.Tensor:
-        """Logits [len(fb.logit_rows), vocab] in float32."""
+        """Logits [len(fb.logit_rows), vocab] in float32. From a CUDA graph they live
+        in the graph's output buffer: consume them before the next forward."""
+        if self.graph_runner is not None and self.graph_runner.can_run(fb):
+            return self.graph_runner.replay(fb)
         fb.attn_backend.init_forward_metadata(fb)
         return self.model(fb.input_ids, fb.positions, fb).float()
 

@@ -50,6 +50,8 @@ class AttentionBackend(ABC):
                        layer: RadixAttention, fb: ForwardBatch) -> torch.Tensor: ...
 
     # ---- CUDA graphs ---------------------------------------------------
+    supports_cuda_graph = False
+
     def init_cuda_graph_state(self, max_bs: int) -> None:
         raise NotImplementedError(f"{type(self).__name__} does not support CUDA graphs")
 

@@ -76,6 +76,8 @@ class TritonAttentionBackend(AttentionBackend):
     `init_forward_metadata` for a batch that is being captured.
     """
 
+    supports_cuda_graph = True
+
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int,
                  device: torch.device | str, max_context_len: int | None = None,
                  max_kv_splits: int = 64, programs_per_sm: int = 4,

@@ -1,0 +1,112 @@
+"""Decode forwards replayed from CUDA graphs (seed 001: ModelRunner's cuda graphs).
+
+One graph per captured batch size; a batch is padded up to the next captured
+size. Padded rows have sequence length 0 (the decode kernel writes zeros for
+them) and write their K/V to slot 0, which the pool never hands out.
+
+With `--disable-cuda-graph` the same padded static batches run eagerly: the
+kernels then see exactly the shapes the graphs would, so outputs are
+identical with and without graphs (GEMM and split-KV reductions can otherwise
+round differently for a batch of 5 and one padded to 8).
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+import time
+from typing import TYPE_CHECKING
+
+import torch
+
+from radixlm.runtime.forward_batch import ForwardBatch, ForwardMode
+
+if TYPE_CHECKING:
+    from radixlm.runtime.model_runner import ModelRunner
+
+logger = logging.getLogger(__name__)
+
+
+def capture_sizes(max_bs: int) -> list[int]:
+    sizes = [1, 2, 4, 8] + list(range(16, max_bs + 1, 8))
+    return sorted({s for s in sizes if s <= max_bs} | {max_bs})
+
+
+class CudaGraphRunner:
+    def __init__(self, runner: ModelRunner, max_bs: int, use_graphs: bool = True) -> None:
+        self.runner = runner
+        self.use_graphs = use_graphs
+        self.sizes = capture_sizes(max_bs)
+        self.max_bs = self.sizes[-1]
+        dev = runner.device
+        n = self.max_bs
+        self.input_ids = torch.zeros(n, dtype=torch.int64, device=dev)
+        self.positions = torch.zeros(n, dtype=torch.int64, device=dev)
+        self.req_pool_indices = torch.zeros(n, dtype=torch.int64, device=dev)
+        self.seq_lens = torch.zeros(n, dtype=torch.int64, device=dev)
+        self.out_cache_loc = torch.zeros(n, dtype=torch.int64, device=dev)
+        self.rows = torch.arange(n, dtype=torch.int64, device=dev)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[int, torch.Tensor] = {}
+        runner.attn_backend.init_cuda_graph_state(n)
+        if use_graphs:
+            self._capture_all()
+
+    def _batch(self, bs: int) -> ForwardBatch:
+        r = self.runner
+        ones = self.rows[:bs] * 0 + 1
+        return ForwardBatch(
+            mode=ForwardMode.DECODE, batch_size=bs, input_ids=self.input_ids[:bs],
+            positions=self.positions[:bs], req_pool_indices=self.req_pool_indices[:bs],
+            seq_lens=self.seq_lens[:bs], out_cache_loc=self.out_cache_loc[:bs],
+            extend_seq_lens=ones, extend_prefix_lens=self.seq_lens[:bs] - 1,
+            extend_start_loc=self.rows[:bs], seq_lens_cpu=[1] * bs, extend_seq_lens_cpu=[1] * bs,
+            extend_prefix_lens_cpu=[0] * bs, req_to_token_pool=r.req_to_token_pool,
+            token_to_kv_pool=r.kv_pool, attn_backend=r.attn_backend, logit_rows=self.rows[:bs])
+
+    @torch.inference_mode()
+    def _capture_all(self) -> None:
+        t0 = time.perf_counter()
+        pool = torch.cuda.graph_pool_handle()
+        stream = torch.cuda.Stream()
+        # Largest first: smaller graphs then fit in the memory the largest reserved.
+        for bs in reversed(self.sizes):
+            fb = self._batch(bs)
+            self.runner.attn_backend.init_forward_metadata_cuda_graph(
+                bs, fb.req_pool_indices, fb.seq_lens)
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                for _ in range(2):  # compile / autotune outside the graph
+                    self.runner.model(fb.input_ids, fb.positions, fb)
+            torch.cuda.current_stream().wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool, stream=stream):
+                out = self.runner.model(fb.input_ids, fb.positions, fb)
+            self.graphs[bs], self.outputs[bs] = graph, out
+        torch.cuda.synchronize()
+        logger.info("captured CUDA graphs for decode batch sizes %s in %.1f s", self.sizes,
+                    time.perf_counter() - t0)
+
+    def can_run(self, fb: ForwardBatch) -> bool:
+        return fb.mode.is_decode() and fb.batch_size <= self.max_bs
+
+    def replay(self, fb: ForwardBatch) -> torch.Tensor:
+        bs = fb.batch_size
+        padded = self.sizes[bisect.bisect_left(self.sizes, bs)]
+        if padded > bs:
+            self.seq_lens[bs:padded].zero_()
+            self.out_cache_loc[bs:padded].zero_()
+            self.input_ids[bs:padded].zero_()
+            self.positions[bs:padded].zero_()
+        self.input_ids[:bs].copy_(fb.input_ids, non_blocking=True)
+        self.positions[:bs].copy_(fb.positions, non_blocking=True)
+        self.req_pool_indices[:bs].copy_(fb.req_pool_indices, non_blocking=True)
+        self.seq_lens[:bs].copy_(fb.seq_lens, non_blocking=True)
+        self.out_cache_loc[:bs].copy_(fb.out_cache_loc, non_blocking=True)
+        self.runner.attn_backend.init_forward_metadata_cuda_graph(
+            padded, self.req_pool_indices[:padded], self.seq_lens[:padded])
+        if not self.use_graphs:
+            return self.runner.model(self.input_ids[:padded], self.positions[:padded],
+                                     self._batch(padded))[:bs]
+        self.graphs[padded].replay()
+        return self.outputs[padded][:bs]
