@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
+import os
 from typing import TYPE_CHECKING, Any
+
+# OpenMP's default busy-waiting makes torch 7-10x slower on the CPU whenever
+# another process (tokenizer, detokenizer, HTTP server) wants a core. Must be
+# set before torch loads its OpenMP runtime; an explicit setting wins.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 __version__ = "0.1.0"
 

@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
-import pytest
-import torch
+import os
+
+# Before torch loads OpenMP: see radixlm/__init__.py.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 
 @pytest.fixture(scope="session")

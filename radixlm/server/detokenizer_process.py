@@ -1,0 +1,70 @@
+"""The detokenizer process: token ids from the scheduler in, text out to the
+TokenizerManager. Incremental decoding and stop-string hold-back live in
+`runtime.detokenize.Detokenizer`; this module only moves its messages.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from typing import Any
+
+import zmq
+
+from radixlm.protocol import BatchStrOut, ProcessReady, StrOut, decode_to_detokenizer, encode
+from radixlm.runtime.detokenize import Detokenizer
+from radixlm.server.ipc import (
+    IpcPaths,
+    exit_now,
+    install_child_signals,
+    parent_alive,
+    pull_socket,
+    push_socket,
+)
+from radixlm.server.scheduler_process import configure_child_logging
+
+logger = logging.getLogger("radixlm.detokenizer")
+
+IDLE_POLL_MS = 1000
+EXIT_PARENT_GONE = 4
+
+
+def detokenize_batch(detok: Detokenizer, outs: list[Any]) -> list[StrOut]:
+    """One bad message (e.g. a token the tokenizer cannot decode) must not take
+    the others down: it becomes an error finish for its own request."""
+    results = []
+    for out in outs:
+        try:
+            results.append(detok.process_one(out))
+        except Exception as e:
+            logger.exception("detokenizing request %s failed", out.rid)
+            detok.abort(out.rid)
+            out.finish_reason = {"type": "abort", "message": f"detokenization failed: {e}",
+                                 "status_code": 500}
+            results.append(StrOut(token=out, new_text=""))
+    return results
+
+
+def run_detokenizer_process(tokenizer_path: str, paths: IpcPaths, parent_pid: int,
+                            log_level: str) -> None:
+    install_child_signals()
+    configure_child_logging(log_level, "detokenizer")
+    from radixlm.tokenizer import get_tokenizer
+
+    detok = Detokenizer(get_tokenizer(tokenizer_path))
+    ctx = zmq.Context()
+    recv_sock = pull_socket(ctx, paths.detokenizer)
+    to_tok = push_socket(ctx, paths.tokenizer)
+    to_tok.send(encode(ProcessReady("detokenizer", os.getpid())))
+    try:
+        while True:
+            if not recv_sock.poll(IDLE_POLL_MS):
+                if not parent_alive(parent_pid):
+                    sys.exit(EXIT_PARENT_GONE)
+                continue
+            batch = decode_to_detokenizer(recv_sock.recv())
+            to_tok.send(encode(BatchStrOut(detokenize_batch(detok, batch.outputs))))
+    except SystemExit as e:
+        ctx.destroy(linger=0)
+        exit_now(e.code if isinstance(e.code, int) else 1)

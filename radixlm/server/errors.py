@@ -1,0 +1,96 @@
+"""Errors in OpenAI's shape: {"error": {"message", "type", "param", "code"}}.
+
+Every failure the HTTP layer reports goes through `APIError`, so the native
+and the OpenAI routes answer alike. Validation errors are 400, never 422
+(OpenAI and vLLM clients expect 400).
+"""
+
+from __future__ import annotations
+
+from http import HTTPStatus
+from typing import Any
+
+from fastapi import Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+
+# OpenAI's error `type` per status (the Python client maps statuses the same way).
+_TYPES = {
+    400: "BadRequestError",
+    401: "AuthenticationError",
+    404: "NotFoundError",
+    413: "RequestTooLargeError",
+    500: "InternalServerError",
+    503: "ServiceUnavailableError",
+}
+
+# Sampling-parameter names as the OpenAI API spells them.
+OPENAI_PARAM_NAMES = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens"}
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None,
+                 err_type: str | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.err_type = err_type or _TYPES.get(status, HTTPStatus(status).phrase)
+
+    def body(self) -> dict[str, Any]:
+        return error_body(self.status, self.message, self.param, self.err_type)
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status)
+
+
+def error_body(status: int, message: str, param: str | None = None,
+               err_type: str | None = None) -> dict[str, Any]:
+    return {"error": {"message": message, "type": err_type or _TYPES.get(status, "Error"),
+                      "param": param, "code": status}}
+
+
+def from_value_error(e: ValueError, known_params: set[str] | None = None) -> APIError:
+    """A ValueError raised by input validation ("temperature must be >= 0, ...")
+    becomes a 400 whose `param` is the parameter the message starts with."""
+    message = str(e)
+    first = message.split(" ", 1)[0]
+    param = first if known_params and first in known_params else None
+    if param is not None:
+        public = OPENAI_PARAM_NAMES.get(param, param)
+        message = public + message[len(first):]
+        param = public
+    return APIError(400, message, param)
+
+
+def validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
+    """The first pydantic error as one readable line, and the field it is about."""
+    errors = exc.errors()
+    if not errors:
+        return "invalid request", None
+    err = errors[0]
+    loc = [str(p) for p in err.get("loc", ()) if p != "body"]
+    if err.get("type") == "json_invalid":
+        return f"the request body is not valid JSON: {err.get('msg', '')}", None
+    if not loc and err.get("type") in ("model_attributes_type", "dict_type"):
+        return ("the request body must be a JSON object (send Content-Type: "
+                "application/json)"), None
+    param = ".".join(loc) or None
+    where = f"{param}: " if param else ""
+    return f"{where}{err.get('msg', 'invalid value')}", param
+
+
+async def api_error_handler(_: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, APIError)
+    return exc.response()
+
+
+async def request_validation_handler(_: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, RequestValidationError)
+    message, param = validation_message(exc)
+    return APIError(400, message, param).response()
+
+
+async def value_error_handler(_: Request, exc: Exception) -> JSONResponse:
+    return from_value_error(exc if isinstance(exc, ValueError) else ValueError(str(exc))
+                            ).response()

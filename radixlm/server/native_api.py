@@ -1,0 +1,120 @@
+"""SGLang's native API: /generate, /tokenize, /detokenize, /abort_request.
+
+/generate takes `text` or `input_ids`, one or a batch; `sampling_params` one
+dict or one per input; `rid` likewise. The answer mirrors the offline
+Engine: one dict for one input (a list of n with n > 1), a flat input-major
+list for a batch. Stream chunks carry the cumulative `text` and `output_ids`
+of their sequence plus `meta_info` and `index` (input-major, as above); the
+last chunk of every index carries `meta_info.finish_reason`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
+
+from radixlm.protocol import StrOut
+from radixlm.sampling_params import SamplingParams
+from radixlm.server.errors import APIError, from_value_error
+from radixlm.server.openai_api import OpenAIServing
+from radixlm.server.openai_protocol import (
+    AbortRequest,
+    DetokenizeRequest,
+    GenerateRequest,
+    TokenizeRequest,
+)
+from radixlm.server.tokenizer_manager import SAMPLING_NAMES, PromptJob, TokenizerManager
+
+
+class NativeServing:
+    def __init__(self, tm: TokenizerManager, tokenizer: Any, openai: OpenAIServing) -> None:
+        self.tm = tm
+        self.tokenizer = tokenizer
+        self.openai = openai  # for its stream plumbing
+
+    # ---- /generate ----------------------------------------------------------------
+    def inputs(self, req: GenerateRequest) -> tuple[list[list[int]], bool]:
+        """Token ids per input, and whether the call named a single input."""
+        if (req.text is None) == (req.input_ids is None):
+            raise APIError(400, "pass exactly one of text or input_ids", "text")
+        if req.text is not None:
+            single = isinstance(req.text, str)
+            texts = [req.text] if single else req.text
+            if not texts:
+                raise APIError(400, "text must not be an empty list", "text")
+            return [self.tokenizer.encode(t) for t in texts], single
+        ids = req.input_ids
+        single = not ids or not isinstance(ids[0], list)
+        return ([list(ids)] if single else [list(x) for x in ids]), single
+
+    @staticmethod
+    def params(sp: dict[str, Any] | list[dict[str, Any]] | None,
+               n: int) -> list[SamplingParams]:
+        try:
+            if isinstance(sp, list):
+                if len(sp) != n:
+                    raise APIError(400, f"got {len(sp)} sampling_params for {n} inputs",
+                                   "sampling_params")
+                return [SamplingParams.from_dict(p) for p in sp]
+            return [SamplingParams.from_dict(sp)] * n
+        except ValueError as e:
+            raise from_value_error(e, SAMPLING_NAMES) from None
+
+    def rids(self, rid: str | list[str] | None, n: int) -> tuple[str, list[str]]:
+        """The call's id and one id per input."""
+        if rid is None:
+            gid = self.tm.new_id()
+            return gid, [gid] if n == 1 else [f"{gid}-{i}" for i in range(n)]
+        rids = [rid] if isinstance(rid, str) else list(rid)
+        if len(rids) != n:
+            raise APIError(400, f"got {len(rids)} rids for {n} inputs", "rid")
+        return (rids[0] if n == 1 else self.tm.new_id()), rids
+
+    async def generate(self, req: GenerateRequest, raw_request: Request) -> Response:
+        inputs, single = self.inputs(req)
+        params = self.params(req.sampling_params, len(inputs))
+        gid, rids = self.rids(req.rid, len(inputs))
+        jobs = [PromptJob(r, ids, p) for r, ids, p in zip(rids, inputs, params, strict=True)]
+        group = await self.tm.submit(
+            jobs, gid=gid, stream=req.stream, return_logprob=req.return_logprob,
+            top_logprobs_num=req.top_logprobs_num, logprob_start_len=req.logprob_start_len)
+        if req.stream:
+            def render(idx: int, _: StrOut) -> list[dict[str, Any]]:
+                return [group.seqs[idx].native()]
+
+            return await self.openai.respond_stream(group, render, _no_tail)
+        seqs = await group.collect()
+        results = [s.native() for s in seqs]
+        return JSONResponse(results[0] if single and len(results) == 1 else results)
+
+    # ---- tokens -----------------------------------------------------------------------
+    def tokenize(self, req: TokenizeRequest) -> dict[str, Any]:
+        text = req.text if req.text is not None else req.prompt
+        if text is None:
+            raise APIError(400, "pass text (or prompt) to tokenize", "text")
+        tokens = self.tokenizer.encode(text, add_special_tokens=req.add_special_tokens)
+        limits = self.tm.require_limits()
+        return {"tokens": tokens, "count": len(tokens), "max_model_len": limits.max_seq_len}
+
+    def detokenize(self, req: DetokenizeRequest) -> dict[str, Any]:
+        vocab = self.tm.require_limits().vocab_size
+        bad = next((t for t in req.tokens if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise APIError(400, f"token id {bad} is outside the vocabulary [0, {vocab})",
+                           "tokens")
+        return {"text": self.tokenizer.decode(req.tokens,
+                                              skip_special_tokens=req.skip_special_tokens)}
+
+    # ---- abort ------------------------------------------------------------------------
+    def abort(self, req: AbortRequest) -> dict[str, Any]:
+        if not req.abort_all and req.rid is None:
+            raise APIError(400, "pass rid or abort_all", "rid")
+        if not self.tm.abort(req.rid, req.abort_all):
+            raise APIError(404, f"no running request with id {req.rid!r}", "rid")
+        return {"success": True}
+
+
+def _no_tail() -> list[dict[str, Any]]:
+    return []  # native streams end with [DONE] only

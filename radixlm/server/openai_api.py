@@ -1,0 +1,450 @@
+"""The OpenAI-compatible API: /v1/models, /v1/completions, /v1/chat/completions.
+
+Response shapes follow OpenAI's reference (checked against vLLM's). Choices
+are numbered input-major (prompt i, sample j -> i * n + j). `finish_reason`
+is "stop" (EOS, stop string, stop token) or "length"; a sequence ended by
+/abort_request, a client-side abort, or server shutdown reports "abort" (vLLM's
+spelling), so a stream never ends a choice in silence. `stop_reason` (a vLLM
+extension) names the matched stop string. Usage counts each prompt once and
+every generated token, including any cut by a stop string.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from radixlm.protocol import StrOut
+from radixlm.sampling_params import SamplingParams
+from radixlm.server.errors import APIError, from_value_error
+from radixlm.server.io import SSE_DONE, SeqOutput, finite, sse
+from radixlm.server.openai_protocol import (
+    ROLES,
+    ChatCompletionRequest,
+    CompletionRequest,
+    _CommonRequest,
+)
+from radixlm.server.tokenizer_manager import (
+    MAX_TOP_LOGPROBS,
+    SAMPLING_NAMES,
+    PromptJob,
+    RequestGroup,
+    TokenizerManager,
+)
+
+EventIter = AsyncIterator[tuple[int, StrOut]]
+
+
+def finish_reason(fr: dict[str, Any] | None) -> str | None:
+    if fr is None:
+        return None
+    return fr["type"] if fr["type"] in ("stop", "length") else "abort"
+
+
+def stop_reason(fr: dict[str, Any] | None) -> str | None:
+    matched = (fr or {}).get("matched")
+    return matched if isinstance(matched, str) else None
+
+
+@dataclass
+class Call:
+    """What one completion call needs to render its choices."""
+
+    id: str
+    created: int
+    model: str
+    prompt_of: list[int]  # choice index -> prompt index
+    prompt_texts: list[str] = field(default_factory=list)
+    include_usage: bool = False
+
+    def usage(self, seqs: list[SeqOutput]) -> dict[str, Any]:
+        first: dict[int, SeqOutput] = {}
+        for s in seqs:
+            first.setdefault(self.prompt_of[s.index], s)
+        prompt = sum(s.prompt_tokens for s in first.values())
+        completion = sum(s.completion_tokens for s in seqs)
+        return {"prompt_tokens": prompt, "completion_tokens": completion,
+                "total_tokens": prompt + completion,
+                "prompt_tokens_details": {"cached_tokens": sum(s.cached_tokens
+                                                               for s in first.values())}}
+
+
+class OpenAIServing:
+    def __init__(self, tm: TokenizerManager, tokenizer: Any, served_name: str,
+                 model_path: str | None) -> None:
+        self.tm = tm
+        self.tokenizer = tokenizer
+        self.served_name = served_name
+        self.model_names = {served_name} | ({model_path} if model_path else set())
+        self.model_path = model_path
+        self.created = int(time.time())
+        self._token_text: dict[int, str] = {}
+
+    # ---- models -----------------------------------------------------------------------
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model not in self.model_names:
+            raise APIError(404, f"The model `{model}` does not exist.", "model")
+
+    def model_card(self) -> dict[str, Any]:
+        limits = self.tm.limits
+        return {"id": self.served_name, "object": "model", "created": self.created,
+                "owned_by": "radixlm", "root": self.model_path or self.served_name,
+                "parent": None, "max_model_len": limits.max_seq_len if limits else None}
+
+    def list_models(self) -> dict[str, Any]:
+        return {"object": "list", "data": [self.model_card()]}
+
+    def get_model(self, model_id: str) -> dict[str, Any]:
+        self.check_model(model_id)
+        return self.model_card()
+
+    # ---- shared ---------------------------------------------------------------------------
+    def token_text(self, token_id: int) -> str:
+        text = self._token_text.get(token_id)
+        if text is None:
+            text = self.tokenizer.decode([token_id], skip_special_tokens=False)
+            self._token_text[token_id] = text
+        return text
+
+    def sampling_params(self, req: _CommonRequest, max_new_tokens: int) -> SamplingParams:
+        d = {"max_new_tokens": max_new_tokens, "min_new_tokens": req.min_tokens, "n": req.n,
+             "temperature": req.temperature, "top_p": req.top_p, "top_k": req.top_k,
+             "min_p": req.min_p, "repetition_penalty": req.repetition_penalty,
+             "presence_penalty": req.presence_penalty,
+             "frequency_penalty": req.frequency_penalty, "stop": req.stop,
+             "stop_token_ids": req.stop_token_ids, "seed": req.seed,
+             "logit_bias": req.logit_bias, "ignore_eos": req.ignore_eos,
+             "skip_special_tokens": req.skip_special_tokens,
+             "spaces_between_special_tokens": req.spaces_between_special_tokens,
+             "no_stop_trim": req.include_stop_str_in_output}
+        try:
+            return SamplingParams.from_dict({k: v for k, v in d.items()
+                                             if v is not None or k == "seed"})
+        except ValueError as e:
+            raise from_value_error(e, SAMPLING_NAMES) from None
+
+    def default_max_tokens(self, prompt_len: int) -> int:
+        # Clamped at 0 so an over-long prompt is reported as such, with both lengths.
+        return max(self.tm.require_limits().max_seq_len - prompt_len, 0)
+
+    @staticmethod
+    def check_stream_options(req: _CommonRequest) -> None:
+        if req.stream_options is not None and not req.stream:
+            raise APIError(400, "stream_options can only be set when stream is true",
+                           "stream_options")
+
+    async def respond_stream(self, group: RequestGroup,
+                             render: Callable[[int, StrOut], list[dict[str, Any]]],
+                             tail: Callable[[], list[dict[str, Any]]]) -> Response:
+        """Wait for the first message before answering, so a request the scheduler
+        refuses still gets its HTTP status; later failures end their choice with
+        finish_reason "abort"."""
+        events = group.events()
+        try:
+            first = await anext(events)
+        except BaseException:
+            await events.aclose()
+            raise
+        seq = group.seqs[first[0]]
+        if seq.error_status is not None:
+            await events.aclose()
+            raise APIError(seq.error_status, seq.error_message)
+        return StreamingResponse(_sse_body(events, first, render, tail),
+                                 media_type="text/event-stream")
+
+    # ---- /v1/completions --------------------------------------------------------------------
+    def completion_prompts(self, prompt: Any) -> list[tuple[str, list[int]]]:
+        """(text, token ids) per prompt, from any of OpenAI's four prompt forms."""
+        if isinstance(prompt, str):
+            prompt = [prompt]
+        if not prompt:
+            raise APIError(400, "prompt must not be empty", "prompt")
+        if isinstance(prompt[0], int):
+            prompt = [prompt]
+        out = []
+        for p in prompt:
+            if isinstance(p, str):
+                out.append((p, self.tokenizer.encode(p)))
+            else:
+                if not p:
+                    raise APIError(400, "prompt must not be empty", "prompt")
+                out.append((None, list(p)))
+        return out
+
+    def _check_completion(self, req: CompletionRequest) -> None:
+        self.check_model(req.model)
+        self.check_stream_options(req)
+        if req.suffix:
+            raise APIError(400, "suffix is not supported", "suffix")
+        if req.best_of is not None and req.best_of != req.n:
+            raise APIError(400, "best_of is not supported (it must equal n)", "best_of")
+        if req.logprobs is not None and not 0 <= req.logprobs <= MAX_TOP_LOGPROBS:
+            raise APIError(400, f"logprobs must be in [0, {MAX_TOP_LOGPROBS}], got "
+                                f"{req.logprobs}", "logprobs")
+
+    async def completions(self, req: CompletionRequest, raw_request: Request) -> Response:
+        self._check_completion(req)
+        prompts = self.completion_prompts(req.prompt)
+        call = Call(id=f"cmpl-{uuid.uuid4().hex}", created=int(time.time()),
+                    model=self.served_name, include_usage=bool(
+                        req.stream_options and req.stream_options.include_usage),
+                    prompt_of=[i for i in range(len(prompts)) for _ in range(req.n)])
+        jobs = []
+        for i, (_, ids) in enumerate(prompts):
+            max_new = req.max_tokens if req.max_tokens is not None else \
+                self.default_max_tokens(len(ids))
+            rid = call.id if len(prompts) == 1 else f"{call.id}-{i}"
+            jobs.append(PromptJob(rid, ids, self.sampling_params(req, max_new)))
+        want_lp = req.logprobs is not None
+        group = await self.tm.submit(
+            jobs, gid=call.id, stream=req.stream, return_logprob=want_lp,
+            top_logprobs_num=req.logprobs or 0,
+            logprob_start_len=0 if want_lp and req.echo else -1)
+        if req.echo:
+            call.prompt_texts = [t if t is not None else self.tokenizer.decode(ids)
+                                 for t, ids in prompts]
+        if req.stream:
+            render = CompletionStream(self, req, call, group)
+            return await self.respond_stream(group, render.chunks, render.tail)
+        seqs = await group.collect()
+        return JSONResponse({
+            "id": call.id, "object": "text_completion", "created": call.created,
+            "model": call.model, "system_fingerprint": None,
+            "choices": [self._completion_choice(req, call, s) for s in seqs],
+            "usage": call.usage(seqs)})
+
+    def _completion_choice(self, req: CompletionRequest, call: Call,
+                           seq: SeqOutput) -> dict[str, Any]:
+        prefix = call.prompt_texts[call.prompt_of[seq.index]] if req.echo else ""
+        logprobs = None
+        if req.logprobs is not None:
+            pairs, tops = seq.output_logprobs, seq.output_top_logprobs
+            if req.echo and seq.input_logprobs is not None:
+                pairs = seq.input_logprobs + pairs
+                tops = (seq.input_top_logprobs or [[]] * len(seq.input_logprobs)) + tops
+            logprobs, _ = self.completion_logprobs(pairs, tops, req.logprobs, 0)
+        return {"index": seq.index, "text": prefix + seq.text, "logprobs": logprobs,
+                "finish_reason": finish_reason(seq.finish_reason),
+                "stop_reason": stop_reason(seq.finish_reason)}
+
+    def completion_logprobs(self, pairs: list[list[Any]], tops: list[list[list[Any]]] | None,
+                            k: int, offset: int) -> tuple[dict[str, Any], int]:
+        """OpenAI's legacy logprobs object; the sampled token is always among the
+        top entries (vLLM does the same). Returns it and the next text offset."""
+        tokens, token_lps, top_lps, offsets = [], [], [], []
+        for i, (lp, tid) in enumerate(pairs):
+            text = self.token_text(tid)
+            tokens.append(text)
+            token_lps.append(finite(lp))
+            offsets.append(offset)
+            offset += len(text)
+            if lp is None:  # the first prompt token has no context to predict it
+                top_lps.append(None)
+                continue
+            top = {self.token_text(t): finite(v) for v, t in (tops[i] if tops else [])[:k]}
+            top.setdefault(text, finite(lp))
+            top_lps.append(top)
+        return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": top_lps,
+                "text_offset": offsets}, offset
+
+    # ---- /v1/chat/completions -----------------------------------------------------------------
+    def _check_chat(self, req: ChatCompletionRequest) -> None:
+        self.check_model(req.model)
+        self.check_stream_options(req)
+        if req.response_format and req.response_format.get("type", "text") != "text":
+            raise APIError(400, "response_format is not supported yet (structured output "
+                                "is coming with constrained decoding)", "response_format")
+        if req.tools:
+            raise APIError(400, "tools are not supported yet", "tools")
+        if req.top_logprobs is not None:
+            if not req.logprobs:
+                raise APIError(400, "top_logprobs requires logprobs to be true", "top_logprobs")
+            if not 0 <= req.top_logprobs <= MAX_TOP_LOGPROBS:
+                raise APIError(400, f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got "
+                                    f"{req.top_logprobs}", "top_logprobs")
+
+    def render_chat(self, req: ChatCompletionRequest) -> list[int]:
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise APIError(400, "this model has no chat template; use /v1/completions",
+                           "messages")
+        messages = [self._message(i, m) for i, m in enumerate(req.messages)]
+        try:
+            text = self.tokenizer.apply_chat_template(
+                messages, tokenize=False, add_generation_prompt=req.add_generation_prompt,
+                continue_final_message=req.continue_final_message,
+                **(req.chat_template_kwargs or {}))
+        except Exception as e:  # jinja2 errors, raise_exception() in templates, bad kwargs
+            raise APIError(400, f"the chat template failed on these messages: {e}",
+                           "messages") from None
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    @staticmethod
+    def _message(i: int, m: Any) -> dict[str, Any]:
+        if m.role not in ROLES:
+            raise APIError(400, f"messages[{i}].role must be one of {', '.join(ROLES)}, got "
+                                f"{m.role!r}", f"messages[{i}].role")
+        content = m.content
+        if isinstance(content, list):
+            texts = []
+            for part in content:
+                if part.type != "text" or part.text is None:
+                    raise APIError(400, f"messages[{i}]: only text content parts are "
+                                        f"supported, got {part.type!r}",
+                                   f"messages[{i}].content")
+                texts.append(part.text)
+            content = "\n".join(texts)
+        return {"role": m.role, "content": content or ""}
+
+    async def chat(self, req: ChatCompletionRequest, raw_request: Request) -> Response:
+        self._check_chat(req)
+        ids = self.render_chat(req)
+        max_new = req.max_completion_tokens if req.max_completion_tokens is not None \
+            else req.max_tokens
+        if max_new is None:
+            max_new = self.default_max_tokens(len(ids))
+        call = Call(id=f"chatcmpl-{uuid.uuid4().hex}", created=int(time.time()),
+                    model=self.served_name, prompt_of=[0] * req.n, include_usage=bool(
+                        req.stream_options and req.stream_options.include_usage))
+        job = PromptJob(call.id, ids, self.sampling_params(req, max_new))
+        group = await self.tm.submit([job], gid=call.id, stream=req.stream,
+                                     return_logprob=req.logprobs,
+                                     top_logprobs_num=req.top_logprobs or 0)
+        if req.stream:
+            render = ChatStream(self, req, call, group)
+            return await self.respond_stream(group, render.chunks, render.tail)
+        seqs = await group.collect()
+        choices = [{"index": s.index,
+                    "message": {"role": "assistant", "content": s.text, "refusal": None,
+                                "tool_calls": []},
+                    "logprobs": self.chat_logprobs(s.output_logprobs, s.output_top_logprobs,
+                                                   req.top_logprobs or 0)
+                    if req.logprobs else None,
+                    "finish_reason": finish_reason(s.finish_reason),
+                    "stop_reason": stop_reason(s.finish_reason)} for s in seqs]
+        return JSONResponse({"id": call.id, "object": "chat.completion",
+                             "created": call.created, "model": call.model,
+                             "system_fingerprint": None, "choices": choices,
+                             "usage": call.usage(seqs)})
+
+    def chat_logprobs(self, pairs: list[list[Any]], tops: list[list[list[Any]]] | None,
+                      k: int) -> dict[str, Any]:
+        def entry(lp: float, tid: int) -> dict[str, Any]:
+            text = self.token_text(tid)
+            return {"token": text, "logprob": finite(lp), "bytes": list(text.encode())}
+
+        content = []
+        for i, (lp, tid) in enumerate(pairs):
+            top = (tops[i] if tops else [])[:k]
+            content.append({**entry(lp, tid), "top_logprobs": [entry(v, t) for v, t in top]})
+        return {"content": content}
+
+
+class CompletionStream:
+    """Renders one /v1/completions stream: text deltas per choice."""
+
+    def __init__(self, api: OpenAIServing, req: CompletionRequest, call: Call,
+                 group: RequestGroup) -> None:
+        self.api, self.req, self.call, self.group = api, req, call, group
+        self.offsets: dict[int, int] = {}  # text_offset of each choice's next token
+
+    def _chunk(self, choices: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
+        c = self.call
+        chunk = {"id": c.id, "object": "text_completion", "created": c.created,
+                 "model": c.model, "system_fingerprint": None, "choices": choices, **extra}
+        if c.include_usage and "usage" not in chunk:
+            chunk["usage"] = None
+        return chunk
+
+    def chunks(self, idx: int, out: StrOut) -> list[dict[str, Any]]:
+        t = out.token
+        first = idx not in self.offsets
+        text = out.new_text
+        pairs, tops = list(t.output_logprobs or []), list(t.output_top_logprobs or [])
+        if first and self.req.echo:
+            text = self.call.prompt_texts[self.call.prompt_of[idx]] + text
+            if t.input_logprobs is not None:
+                pairs = t.input_logprobs + pairs
+                tops = (t.input_top_logprobs or [[]] * len(t.input_logprobs)) + tops
+        if not text and not pairs and t.finish_reason is None and not first:
+            return []
+        logprobs = None
+        offset = self.offsets.get(idx, 0)
+        if self.req.logprobs is not None:
+            logprobs, offset = self.api.completion_logprobs(pairs, tops or None,
+                                                            self.req.logprobs, offset)
+        self.offsets[idx] = offset
+        return [self._chunk([{"index": idx, "text": text, "logprobs": logprobs,
+                              "finish_reason": finish_reason(t.finish_reason),
+                              "stop_reason": stop_reason(t.finish_reason)}])]
+
+    def tail(self) -> list[dict[str, Any]]:
+        if not self.call.include_usage:
+            return []
+        return [self._chunk([], usage=self.call.usage(self.group.seqs))]
+
+
+class ChatStream:
+    """Renders one /v1/chat/completions stream: the role delta first for each
+    choice, then content deltas, then its finish_reason."""
+
+    def __init__(self, api: OpenAIServing, req: ChatCompletionRequest, call: Call,
+                 group: RequestGroup) -> None:
+        self.api, self.req, self.call, self.group = api, req, call, group
+        self.started: set[int] = set()
+
+    def _chunk(self, choices: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
+        c = self.call
+        chunk = {"id": c.id, "object": "chat.completion.chunk", "created": c.created,
+                 "model": c.model, "system_fingerprint": None, "choices": choices, **extra}
+        if c.include_usage and "usage" not in chunk:
+            chunk["usage"] = None
+        return chunk
+
+    def chunks(self, idx: int, out: StrOut) -> list[dict[str, Any]]:
+        t = out.token
+        chunks = []
+        if idx not in self.started:
+            self.started.add(idx)
+            chunks.append(self._chunk([{"index": idx,
+                                        "delta": {"role": "assistant", "content": ""},
+                                        "logprobs": None, "finish_reason": None}]))
+        if not out.new_text and not t.new_token_ids and t.finish_reason is None:
+            return chunks
+        logprobs = None
+        if self.req.logprobs:
+            logprobs = self.api.chat_logprobs(t.output_logprobs or [], t.output_top_logprobs,
+                                              self.req.top_logprobs or 0)
+        delta = {"content": out.new_text} if out.new_text or t.finish_reason is None else {}
+        chunks.append(self._chunk([{"index": idx, "delta": delta, "logprobs": logprobs,
+                                    "finish_reason": finish_reason(t.finish_reason),
+                                    "stop_reason": stop_reason(t.finish_reason)}]))
+        return chunks
+
+    def tail(self) -> list[dict[str, Any]]:
+        if not self.call.include_usage:
+            return []
+        return [self._chunk([], usage=self.call.usage(self.group.seqs))]
+
+
+async def _sse_body(events: EventIter, first: tuple[int, StrOut],
+                    render: Callable[[int, StrOut], list[dict[str, Any]]],
+                    tail: Callable[[], list[dict[str, Any]]]) -> AsyncIterator[bytes]:
+    """SSE frames: `data: {chunk}` per rendered chunk, then `data: [DONE]`.
+    Closing `events` (also on a client disconnect) aborts unfinished choices."""
+    try:
+        for chunk in render(*first):
+            yield sse(chunk)
+        async for idx, out in events:
+            for chunk in render(idx, out):
+                yield sse(chunk)
+        for chunk in tail():
+            yield sse(chunk)
+        yield SSE_DONE
+    finally:
+        await events.aclose()

@@ -1,0 +1,119 @@
+"""Request bodies of the OpenAI-compatible API (pydantic), field by field after
+OpenAI's reference and vLLM's `protocol.py`, plus the native /generate body.
+
+Unknown fields are accepted and ignored, as vLLM does, so clients written
+for newer API versions keep working. Values are range-checked later, by
+`SamplingParams.validate`, so every route reports the same message for the
+same mistake.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class _Lenient(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+class StreamOptions(_Lenient):
+    include_usage: bool = False
+
+
+class SamplingExtensions(_Lenient):
+    """vLLM's extensions to OpenAI's sampling fields (same names)."""
+
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    stop_token_ids: list[int] | None = None
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+
+
+class _CommonRequest(SamplingExtensions):
+    model: str | None = None
+    n: int = 1
+    temperature: float | None = None
+    top_p: float | None = None
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    seed: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+
+
+class CompletionRequest(_CommonRequest):
+    # The order matters: pydantic's smart union tries for an exact match.
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = 16  # OpenAI's default; null: up to the context length
+    logprobs: int | None = None
+    echo: bool = False
+    best_of: int | None = None
+    suffix: str | None = None
+
+
+class TextPart(_Lenient):
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(_Lenient):
+    role: str
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+
+class ChatCompletionRequest(_CommonRequest):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = None  # deprecated by OpenAI, still sent by many clients
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    response_format: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+
+
+class GenerateRequest(_Lenient):
+    """SGLang's native /generate body."""
+
+    text: str | list[str] | None = None
+    input_ids: list[int] | list[list[int]] | None = None
+    sampling_params: dict[str, Any] | list[dict[str, Any]] | None = None
+    rid: str | list[str] | None = None
+    stream: bool = False
+    return_logprob: bool = False
+    top_logprobs_num: int = 0
+    logprob_start_len: int = -1
+
+
+class TokenizeRequest(_Lenient):
+    text: str | None = None
+    prompt: str | None = None  # vLLM's name for the same field
+    add_special_tokens: bool = True
+
+
+class DetokenizeRequest(_Lenient):
+    tokens: list[int]
+    skip_special_tokens: bool = False
+
+
+class AbortRequest(_Lenient):
+    rid: str | None = None
+    abort_all: bool = False
+
+
+Role = Literal["system", "developer", "user", "assistant", "tool"]
+ROLES: tuple[str, ...] = Role.__args__  # type: ignore[attr-defined]

@@ -1,0 +1,229 @@
+"""The scheduler process: the I/O-free `Scheduler` behind two ZMQ sockets.
+
+Loop: block on the request socket while idle (no busy spin), drain every
+pending message without blocking while busy, run one `step()`, push its
+token outputs to the detokenizer. A request whose handling fails gets an
+error finish (HTTP status inside) and the loop goes on; a failure inside
+`step()` leaves the batch state unknown, so it is fatal: log it and exit
+non-zero, and the parent's watchdog takes the server down.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+import zmq
+
+from radixlm.config import ServerArgs
+from radixlm.protocol import (
+    AbortReq,
+    BatchTokenOut,
+    ControlReply,
+    ControlReq,
+    GenerateReq,
+    ProcessReady,
+    TokenOut,
+    decode_to_scheduler,
+    encode,
+)
+from radixlm.server.ipc import (
+    IpcPaths,
+    exit_now,
+    install_child_signals,
+    parent_alive,
+    pull_socket,
+    push_socket,
+)
+
+logger = logging.getLogger("radixlm.scheduler")
+
+IDLE_POLL_MS = 1000  # idle wake-up period: check that the parent still lives
+EXIT_STEP_FAILED = 3
+EXIT_PARENT_GONE = 4
+
+
+def error_finish(msg: GenerateReq, message: str, status: int) -> TokenOut:
+    """The one message a refused request gets: an abort that carries an HTTP status."""
+    return TokenOut(rid=msg.rid, new_token_ids=[], prompt_tokens=len(msg.input_ids),
+                    completion_tokens=0, cached_tokens=0,
+                    finish_reason={"type": "abort", "message": message, "status_code": status})
+
+
+class SchedulerLoop:
+    def __init__(self, scheduler: Any, args: ServerArgs, paths: IpcPaths, parent_pid: int) -> None:
+        self.scheduler = scheduler
+        self.args = args
+        self.parent_pid = parent_pid
+        self.ctx = zmq.Context()
+        self.recv_sock = pull_socket(self.ctx, paths.scheduler)
+        self.to_detok = push_socket(self.ctx, paths.detokenizer)
+        self.to_tok = push_socket(self.ctx, paths.tokenizer)
+        self.poller = zmq.Poller()
+        self.poller.register(self.recv_sock, zmq.POLLIN)
+        self.errors: list[TokenOut] = []
+        self.stats = StatsLogger(scheduler, args.stats_interval)
+        # The control methods a peer may call, by name: nothing else is reachable.
+        self.controls: dict[str, Callable[..., Any]] = {
+            "get_server_info": scheduler.server_info,
+            "flush_cache": self._flush_cache,
+            "check_invariants": self._check_invariants,
+            "abort": self._abort,
+        }
+
+    # ---- control methods ------------------------------------------------------
+    def _flush_cache(self) -> dict[str, Any]:
+        ok, message = self.scheduler.flush_cache()
+        return {"success": ok, "message": message}
+
+    def _check_invariants(self) -> dict[str, Any]:
+        self.scheduler.check_invariants()
+        return {"success": True}
+
+    def _abort(self, rid: str | None = None, abort_all: bool = False) -> dict[str, Any]:
+        self.scheduler.abort(rid, abort_all)
+        return {"success": True}
+
+    # ---- messages in ------------------------------------------------------------
+    def handle(self, data: bytes) -> None:
+        try:
+            msg = decode_to_scheduler(data)
+        except Exception as e:  # a malformed frame is the sender's bug; keep serving
+            logger.error("dropping an undecodable message: %s", e)
+            return
+        if isinstance(msg, GenerateReq):
+            self._add(msg)
+        elif isinstance(msg, AbortReq):
+            self.scheduler.abort(msg.rid, msg.abort_all)
+        elif isinstance(msg, ControlReq):
+            self._control(msg)
+
+    def _queued(self) -> int:
+        """Waiting requests that the next step cannot admit for lack of a slot."""
+        s = self.scheduler
+        free_slots = max(0, s.max_running_requests - len(s.running))
+        return max(0, len(s.waiting) - free_slots)
+
+    def _add(self, msg: GenerateReq) -> None:
+        limit = self.args.max_queued_requests
+        if limit is not None and self._queued() >= limit:
+            self.errors.append(error_finish(
+                msg, f"the server is overloaded: {limit} requests are already queued", 503))
+            return
+        try:
+            self.scheduler.add_request(msg)
+        except ValueError as e:
+            self.errors.append(error_finish(msg, str(e), 400))
+        except Exception as e:
+            logger.exception("request %s could not be queued", msg.rid)
+            self.errors.append(error_finish(msg, f"internal error: {e}", 500))
+
+    def _control(self, msg: ControlReq) -> None:
+        fn = self.controls.get(msg.method)
+        if fn is None:
+            reply = ControlReply(msg.req_id, False, message=f"unknown control method "
+                                                             f"{msg.method!r}")
+        else:
+            try:
+                reply = ControlReply(msg.req_id, True, result=fn(**msg.args))
+            except Exception as e:  # e.g. a failed invariant: report it, keep serving
+                logger.exception("control method %s failed", msg.method)
+                reply = ControlReply(msg.req_id, False, message=f"{type(e).__name__}: {e}")
+        self.to_tok.send(encode(reply))
+
+    def receive(self) -> None:
+        busy = self.scheduler.has_work or bool(self.errors)
+        timeout = 0 if busy else IDLE_POLL_MS
+        while self.poller.poll(timeout):
+            self.handle(self.recv_sock.recv())
+            timeout = 0
+
+    # ---- the loop ---------------------------------------------------------------
+    def run_once(self) -> None:
+        self.receive()
+        outs = self.errors
+        self.errors = []
+        if self.scheduler.has_work:
+            outs += self.scheduler.step()  # an exception here ends the process
+            self.stats.maybe_log()
+            if not self.scheduler.has_work:
+                # Just went idle: every KV slot must be free or held by the tree.
+                self.scheduler.check_invariants()
+        if outs:
+            self.to_detok.send(encode(BatchTokenOut(outs)))
+
+    def run_forever(self) -> None:
+        while True:
+            self.run_once()
+            if not self.scheduler.has_work and not parent_alive(self.parent_pid):
+                logger.error("the server process is gone; exiting")
+                sys.exit(EXIT_PARENT_GONE)
+
+
+class StatsLogger:
+    """One line every `interval` seconds while busy: load, memory, hit rate, speed."""
+
+    def __init__(self, scheduler: Any, interval: float) -> None:
+        self.scheduler = scheduler
+        self.interval = interval
+        self.last_time = time.monotonic()
+        self.last_tokens = 0
+
+    def maybe_log(self) -> None:
+        now = time.monotonic()
+        if self.interval <= 0 or now - self.last_time < self.interval:
+            return
+        info = self.scheduler.server_info()
+        tokens = info.get("num_generated_tokens", 0)
+        rate = (tokens - self.last_tokens) / (now - self.last_time)
+        usage = info["kv_tokens_in_use"] / max(info["kv_tokens_total"], 1)
+        logger.info("running: %d, queued: %d, token usage: %.2f, cache hit rate: %.1f%%, "
+                    "gen throughput: %.1f tok/s", info["num_running_requests"],
+                    info["num_queued_requests"], usage, 100 * info["cache_hit_rate"], rate)
+        self.last_time, self.last_tokens = now, tokens
+
+
+def build_scheduler(args: ServerArgs, model_dir: str) -> Any:
+    from radixlm.models.loader import load_config
+    from radixlm.scheduler.scheduler import Scheduler
+    from radixlm.tokenizer import get_tokenizer
+
+    tokenizer = get_tokenizer(args.tokenizer_path or model_dir)
+    config = load_config(model_dir, args.context_length)
+    return Scheduler(args, model_dir, config, tokenizer)
+
+
+def ready_info(scheduler: Any) -> dict[str, Any]:
+    return {"max_total_tokens": scheduler.max_total_tokens,
+            "max_running_requests": scheduler.max_running_requests,
+            "context_len": scheduler.context_len, "vocab_size": scheduler.vocab_size}
+
+
+def run_scheduler_process(args_dict: dict[str, Any], model_dir: str, paths: IpcPaths,
+                          parent_pid: int) -> None:
+    """Entry point of the spawned process (arguments are plain data)."""
+    import os
+
+    install_child_signals()
+    args = ServerArgs(**args_dict)
+    configure_child_logging(args.log_level, "scheduler")
+    scheduler = build_scheduler(args, model_dir)
+    loop = SchedulerLoop(scheduler, args, paths, parent_pid)
+    loop.to_tok.send(encode(ProcessReady("scheduler", os.getpid(), ready_info(scheduler))))
+    code = EXIT_STEP_FAILED
+    try:
+        loop.run_forever()
+    except SystemExit as e:  # SIGUSR1 from the parent, or the parent is gone
+        code = e.code if isinstance(e.code, int) else 1
+    except Exception:
+        logger.exception("the scheduler loop failed; exiting")
+    loop.ctx.destroy(linger=0)
+    exit_now(code)
+
+
+def configure_child_logging(level: str, name: str) -> None:
+    logging.basicConfig(level=level.upper(), stream=sys.stderr,
+                        format=f"%(asctime)s [{name}] %(levelname)s %(message)s")

@@ -1,0 +1,406 @@
+"""The TokenizerManager: the asyncio front end of the scheduler process.
+
+It validates requests with the same rules the scheduler applies (so bad input
+is a 400 before anything is sent), expands `n` into n sequences sharing the
+prompt, sends them to the scheduler, and routes the detokenizer's text back to
+the API call that owns them. One API call is one `RequestGroup`; its
+sequences are numbered input-major (prompt i, sample j -> i * n + j), the
+`index` the APIs report.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import zmq
+import zmq.asyncio
+
+from radixlm.config import ServerArgs
+from radixlm.protocol import (
+    AbortReq,
+    BatchStrOut,
+    ControlReply,
+    ControlReq,
+    GenerateReq,
+    ProcessReady,
+    StrOut,
+    TokenOut,
+    decode_to_tokenizer,
+    encode,
+)
+from radixlm.sampling_params import SamplingParams
+from radixlm.server.errors import APIError, from_value_error
+from radixlm.server.io import SeqOutput
+from radixlm.server.ipc import IpcPaths, pull_socket, push_socket
+
+logger = logging.getLogger(__name__)
+
+CHILDREN = ("scheduler", "detokenizer")
+SAMPLING_NAMES = {f for f in SamplingParams.__dataclass_fields__}
+MAX_TOP_LOGPROBS = 20  # vLLM's default cap on top-k logprobs per token
+
+
+@dataclass(frozen=True)
+class Limits:
+    """The scheduler's sizes, as its ready message reports them. Attribute names
+    match the Scheduler's, so its own `validate_input` can run on this."""
+
+    vocab_size: int
+    context_len: int
+    max_total_tokens: int
+    max_running_requests: int
+
+    @property
+    def max_seq_len(self) -> int:
+        return min(self.context_len, self.max_total_tokens)
+
+
+@dataclass
+class PromptJob:
+    """One prompt of an API call, to be sampled `params.n` times."""
+
+    rid: str
+    input_ids: list[int]
+    params: SamplingParams
+
+
+@dataclass
+class RequestGroup:
+    """The sequences of one API call and the queue their progress arrives on."""
+
+    gid: str
+    seqs: list[SeqOutput]
+    # Every id /abort_request may name (the call's, each prompt's, each sample's)
+    # -> the sequences it covers.
+    members: dict[str, list[int]]
+    internal: bool = False  # warm-up and health probes stay out of the metrics
+    stream: bool = False  # only streamed sequences report per-token timing
+    created: float = field(default_factory=time.monotonic)
+    queue: asyncio.Queue[tuple[int, StrOut]] = field(default_factory=asyncio.Queue)
+    unfinished: int = 0
+    first_token_at: dict[int, float] = field(default_factory=dict)
+    last_token_at: dict[int, float] = field(default_factory=dict)
+    manager: TokenizerManager | None = None
+
+    async def events(self) -> AsyncIterator[tuple[int, StrOut]]:
+        """(index, message) until every sequence finished. Leaving early (client
+        gone, cancellation) aborts what is still running, freeing its KV."""
+        try:
+            while any(not s.finished for s in self.seqs):
+                idx, out = await self.queue.get()
+                self.seqs[idx].update(out)
+                yield idx, out
+        finally:
+            if self.manager is not None and any(not s.finished for s in self.seqs):
+                self.manager.abort_group(self)
+
+    async def collect(self) -> list[SeqOutput]:
+        """Wait for all sequences; a refused or failed one raises its APIError."""
+        async for _ in self.events():
+            pass
+        raise_if_failed(self.seqs)
+        return self.seqs
+
+
+def raise_if_failed(seqs: list[SeqOutput]) -> None:
+    for s in seqs:
+        if s.error_status is not None:
+            raise APIError(s.error_status, s.error_message)
+
+
+class TokenizerManager:
+    def __init__(self, args: ServerArgs, tokenizer: Any, paths: IpcPaths,
+                 metrics: Any = None) -> None:
+        self.args = args
+        self.tokenizer = tokenizer
+        self.metrics = metrics
+        self.actx = zmq.asyncio.Context()
+        self.recv_sock = pull_socket(self.actx, paths.tokenizer)
+        # Sends go through a plain socket: they never block (no HWM) and can be
+        # made from `finally` blocks of cancelled tasks, where awaiting is unsafe.
+        self.sctx = zmq.Context()
+        self.to_scheduler = push_socket(self.sctx, paths.scheduler)
+        self.aliases: dict[str, RequestGroup] = {}
+        self.seq_owner: dict[str, tuple[RequestGroup, int]] = {}
+        self.control_futures: dict[int, asyncio.Future[ControlReply]] = {}
+        self.control_ids = itertools.count()
+        self.ready_msgs: dict[str, ProcessReady] = {}
+        self.ready = asyncio.Event()
+        self.limits: Limits | None = None
+        self.accepting = True
+        self.dead_reason: str | None = None
+        self.recv_task: asyncio.Task[None] | None = None
+
+    # ---- lifecycle ----------------------------------------------------------------
+    def start(self) -> None:
+        self.recv_task = asyncio.get_running_loop().create_task(self._recv_loop())
+
+    def close(self) -> None:
+        if self.recv_task is not None:
+            self.recv_task.cancel()
+        self.recv_sock.close(linger=0)
+        self.to_scheduler.close(linger=0)
+        self.actx.term()
+        self.sctx.term()
+
+    @property
+    def num_live_seqs(self) -> int:
+        return len(self.seq_owner)
+
+    @property
+    def child_pids(self) -> dict[str, int]:
+        return {name: msg.pid for name, msg in self.ready_msgs.items()}
+
+    async def _recv_loop(self) -> None:
+        while True:
+            data = await self.recv_sock.recv()
+            try:
+                self._handle(decode_to_tokenizer(data))
+            except Exception:  # one bad message must not stop every other request
+                logger.exception("failed to handle a message from a child process")
+
+    def _handle(self, msg: Any) -> None:
+        if isinstance(msg, BatchStrOut):
+            for out in msg.outputs:
+                self._dispatch(out)
+        elif isinstance(msg, ControlReply):
+            fut = self.control_futures.pop(msg.req_id, None)
+            if fut is not None and not fut.done():
+                fut.set_result(msg)
+        elif isinstance(msg, ProcessReady):
+            self._on_ready(msg)
+
+    def _on_ready(self, msg: ProcessReady) -> None:
+        self.ready_msgs[msg.process] = msg
+        if msg.process == "scheduler":
+            i = msg.info
+            self.limits = Limits(i["vocab_size"], i["context_len"], i["max_total_tokens"],
+                                 i["max_running_requests"])
+        if all(name in self.ready_msgs for name in CHILDREN):
+            self.ready.set()
+
+    def _dispatch(self, out: StrOut) -> None:
+        owner = self.seq_owner.get(out.token.rid)
+        if owner is None:
+            return  # a sequence whose group already ended (e.g. failed elsewhere)
+        group, idx = owner
+        now = time.monotonic()
+        if out.token.new_token_ids:
+            self._record_timing(group, idx, len(out.token.new_token_ids), now)
+        finish = out.token.finish_reason
+        group.queue.put_nowait((idx, out))
+        if finish is None:
+            return
+        del self.seq_owner[out.token.rid]
+        if finish.get("status_code") == 500:
+            self._send(AbortReq(rid=out.token.rid))  # e.g. the detokenizer gave up on it
+        group.unfinished -= 1
+        if self.metrics is not None and not group.internal:
+            self.metrics.on_finish(out.token, now - group.created, finish.get("type", ""))
+        if group.unfinished == 0:
+            self._forget(group)
+
+    def _record_timing(self, group: RequestGroup, idx: int, n_tokens: int, now: float) -> None:
+        if self.metrics is None or group.internal or not group.stream:
+            return
+        if idx not in group.first_token_at:
+            group.first_token_at[idx] = now
+            self.metrics.on_first_token(now - group.created)
+        else:
+            self.metrics.on_tokens(now - group.last_token_at[idx], n_tokens)
+        group.last_token_at[idx] = now
+
+    def _forget(self, group: RequestGroup) -> None:
+        for alias in group.members:
+            if self.aliases.get(alias) is group:
+                del self.aliases[alias]
+
+    # ---- requests -----------------------------------------------------------------
+    def new_id(self, prefix: str = "") -> str:
+        return f"{prefix}{uuid.uuid4().hex}"
+
+    def validate(self, job: PromptJob) -> None:
+        """The scheduler's own input rules, applied before anything is sent."""
+        from radixlm.scheduler.scheduler import Scheduler
+
+        limits = self.require_limits()
+        try:
+            # Unbound on purpose: one rule, enforced here and in the scheduler.
+            Scheduler.validate_input(limits, job.input_ids, job.params.max_new_tokens)
+            job.params.validate(limits.vocab_size)
+        except ValueError as e:
+            raise from_value_error(e, SAMPLING_NAMES) from None
+
+    def require_limits(self) -> Limits:
+        if self.limits is None or self.dead_reason is not None:
+            raise APIError(503, self.dead_reason or "the server is still starting")
+        return self.limits
+
+    def check_admission(self, num_new: int) -> None:
+        if not self.accepting:
+            raise APIError(503, "the server is shutting down")
+        limits = self.require_limits()
+        limit = self.args.max_queued_requests
+        if limit is None:
+            return
+        queued = max(0, self.num_live_seqs - limits.max_running_requests)
+        if queued + num_new > limit:
+            raise APIError(503, f"the server is overloaded: {queued} requests queued, "
+                                f"--max-queued-requests is {limit}")
+
+    async def submit(self, jobs: list[PromptJob], *, gid: str, stream: bool = False,
+                     return_logprob: bool = False, top_logprobs_num: int = 0,
+                     logprob_start_len: int = -1, internal: bool = False) -> RequestGroup:
+        """Validate, warm shared prompts (n > 1), send; the caller then reads
+        `group.events()` or `group.collect()`."""
+        for job in jobs:
+            self.validate(job)
+        check_logprob_args(top_logprobs_num, logprob_start_len)
+        members = group_members(gid, jobs)
+        self._check_ids(list(members))
+        self.check_admission(sum(job.params.n for job in jobs))
+        await self._warm_shared_prompts(jobs)
+        self._check_ids(list(members))  # again: other calls ran during the warm-up
+        reqs = [GenerateReq(rid=rid, input_ids=job.input_ids, sampling_params=sp,
+                            stream=stream, return_logprob=return_logprob,
+                            top_logprobs_num=top_logprobs_num,
+                            logprob_start_len=logprob_start_len if return_logprob else -1)
+                for job in jobs for rid, sp in expand_samples(job)]
+        seqs = [SeqOutput(rid=r.rid, index=i, return_logprob=return_logprob,
+                          prompt_tokens=len(r.input_ids)) for i, r in enumerate(reqs)]
+        group = RequestGroup(gid, seqs, members, internal=internal, stream=stream,
+                             manager=self, unfinished=len(reqs))
+        self._register(group)
+        for r in reqs:
+            self._send(r)
+        return group
+
+    def _check_ids(self, ids: list[str]) -> None:
+        for rid in ids:
+            if rid in self.aliases or rid in self.seq_owner:
+                raise APIError(400, f"request id {rid!r} is already in use", "rid")
+
+    def _register(self, group: RequestGroup) -> None:
+        for alias in group.members:
+            self.aliases[alias] = group
+        for i, s in enumerate(group.seqs):
+            self.seq_owner[s.rid] = (group, i)
+
+    async def _warm_shared_prompts(self, jobs: list[PromptJob]) -> None:
+        """n > 1: prefill the prompt once, so the n samples share its KV (seed 000).
+        Any failure here (a 400 the scheduler found) is the call's failure."""
+        if self.args.disable_radix_cache:
+            return
+        warm = [PromptJob(self.new_id("warm-"), job.input_ids,
+                          SamplingParams.from_dict({"max_new_tokens": 0}))
+                for job in jobs if job.params.n > 1]
+        if not warm:
+            return
+        group = await self.submit(warm, gid=self.new_id("warm-"), internal=True)
+        await group.collect()
+
+    def abort_group(self, group: RequestGroup, indices: list[int] | None = None) -> None:
+        for i in range(len(group.seqs)) if indices is None else indices:
+            rid = group.seqs[i].rid
+            if rid in self.seq_owner:
+                self._send(AbortReq(rid=rid))
+
+    def abort(self, rid: str | None = None, abort_all: bool = False) -> bool:
+        """True when something was aborted (or abort_all was sent)."""
+        if abort_all:
+            self._send(AbortReq(abort_all=True))
+            return True
+        group = self.aliases.get(rid or "")
+        if group is None:
+            return False
+        self.abort_group(group, group.members[rid or ""])
+        return True
+
+    def _send(self, msg: Any) -> None:
+        try:
+            self.to_scheduler.send(encode(msg), flags=zmq.NOBLOCK)
+        except zmq.ZMQError as e:
+            logger.error("could not send to the scheduler: %s", e)
+
+    # ---- control calls --------------------------------------------------------------
+    async def control(self, method: str, timeout: float = 30.0, **args: Any) -> ControlReply:
+        self.require_limits()
+        req_id = next(self.control_ids)
+        fut: asyncio.Future[ControlReply] = asyncio.get_running_loop().create_future()
+        self.control_futures[req_id] = fut
+        self._send(ControlReq(req_id=req_id, method=method, args=args))
+        try:
+            return await asyncio.wait_for(fut, timeout)
+        except TimeoutError:
+            raise APIError(503, f"the scheduler did not answer {method} within "
+                                f"{timeout:.0f} s") from None
+        finally:
+            self.control_futures.pop(req_id, None)
+
+    # ---- failure ---------------------------------------------------------------------
+    def fail_all(self, message: str, status: int = 503) -> None:
+        """A child died: end every live sequence with an error, never silence."""
+        self.dead_reason = message
+        for rid, (group, idx) in list(self.seq_owner.items()):
+            tok = TokenOut(rid=rid, new_token_ids=[], prompt_tokens=group.seqs[idx].prompt_tokens,
+                           completion_tokens=group.seqs[idx].completion_tokens,
+                           cached_tokens=group.seqs[idx].cached_tokens,
+                           finish_reason={"type": "abort", "message": message,
+                                          "status_code": status})
+            self._dispatch(StrOut(token=tok, new_text=""))
+        for fut in self.control_futures.values():
+            if not fut.done():
+                fut.set_exception(APIError(status, message))
+
+
+def check_logprob_args(top_logprobs_num: int, logprob_start_len: int) -> None:
+    if not 0 <= top_logprobs_num <= MAX_TOP_LOGPROBS:
+        raise APIError(400, f"top_logprobs_num must be in [0, {MAX_TOP_LOGPROBS}], got "
+                            f"{top_logprobs_num}", "top_logprobs_num")
+    if logprob_start_len < -1:
+        raise APIError(400, "logprob_start_len must be >= 0 (or -1: no prompt logprobs)",
+                       "logprob_start_len")
+
+
+def group_members(gid: str, jobs: list[PromptJob]) -> dict[str, list[int]]:
+    """Which sequence indices each id of the call covers; 400 on a repeated id."""
+    members: dict[str, list[int]] = {gid: []}
+    seq_rids: set[str] = set()
+    index = 0
+    for job in jobs:
+        samples = expand_samples(job)
+        ids = list(range(index, index + len(samples)))
+        members[gid] += ids
+        if job.rid != gid:
+            if job.rid in members:
+                raise APIError(400, f"request id {job.rid!r} appears twice", "rid")
+            members[job.rid] = ids
+        for (rid, _), i in zip(samples, ids, strict=True):
+            if rid in seq_rids:
+                raise APIError(400, f"request id {rid!r} appears twice", "rid")
+            seq_rids.add(rid)
+            members.setdefault(rid, [i])
+        index += len(samples)
+    return members
+
+
+def expand_samples(job: PromptJob) -> list[tuple[str, dict[str, Any]]]:
+    """(rid, wire sampling params) per sample; seeded samples get seed + j so the
+    n samples of one seeded request differ (the offline Engine does the same)."""
+    p = job.params
+    if p.n == 1:
+        return [(job.rid, p.to_dict())]
+    out = []
+    for j in range(p.n):
+        sp = p.to_dict()
+        if p.seed is not None:
+            sp["seed"] = p.seed + j
+        out.append((f"{job.rid}-{j}", sp))
+    return out

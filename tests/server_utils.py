@@ -1,0 +1,138 @@
+"""Start the real server (`python -m radixlm.launch_server`) as a subprocess.
+
+    with ServerProcess(["--enable-metrics"]) as server:
+        httpx.get(server.url + "/health")
+
+`default_server()` starts one shared server per test session (the model is
+loaded once for all the server tests) and stops it at interpreter exit.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+READY_TIMEOUT = 300.0  # a cold start converts the GGUF once; a busy 2-core box is slow
+REPO = Path(__file__).resolve().parents[1]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServerProcess:
+    def __init__(self, args: list[str] | None = None, api_key: str | None = None) -> None:
+        self.port = free_port()
+        self.api_key = api_key
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.base_url = self.url + "/v1"
+        cmd = [sys.executable, "-m", "radixlm.launch_server", "--port", str(self.port),
+               *(args or [])]
+        if api_key:
+            cmd += ["--api-key", api_key]
+        fd, self.log_path = tempfile.mkstemp(prefix="radixlm-server-", suffix=".log")
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        self.proc = subprocess.Popen(cmd, cwd=REPO, stdout=fd, stderr=subprocess.STDOUT,
+                                     env=env)
+        os.close(fd)
+        try:
+            self.wait_ready()
+        except BaseException:
+            self.kill()
+            raise
+
+    # ---- lifecycle -------------------------------------------------------------
+    def wait_ready(self, timeout: float = READY_TIMEOUT) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"the server exited with {self.proc.returncode}:\n"
+                                   f"{self.log()[-4000:]}")
+            if "The server is ready" in self.log():
+                return
+            time.sleep(0.25)
+        raise TimeoutError(f"the server was not ready in {timeout:.0f} s:\n{self.log()[-4000:]}")
+
+    def log(self) -> str:
+        return Path(self.log_path).read_text(errors="replace")
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 60.0) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.kill()
+        return self.proc.returncode
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(30)
+
+    def __enter__(self) -> ServerProcess:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop()
+        Path(self.log_path).unlink(missing_ok=True)
+
+    # ---- requests ------------------------------------------------------------------
+    @property
+    def headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+
+    def client(self, **kw: Any) -> httpx.Client:
+        return httpx.Client(base_url=self.url, headers=self.headers, timeout=120.0, **kw)
+
+    def openai(self) -> Any:
+        import openai
+
+        return openai.OpenAI(base_url=self.base_url, api_key=self.api_key or "none",
+                             max_retries=0, timeout=120.0)
+
+    def server_info(self) -> dict[str, Any]:
+        with self.client() as c:
+            r = c.get("/get_server_info")
+            r.raise_for_status()
+            return r.json()
+
+    def wait_idle(self, timeout: float = 30.0) -> dict[str, Any]:
+        """Server info once nothing runs or waits (aborts land asynchronously)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            info = self.server_info()
+            idle = info["num_running_requests"] == 0 and info["num_queued_requests"] == 0
+            if (idle and info["kv_tokens_in_use"] == 0) or time.monotonic() > deadline:
+                return info
+            time.sleep(0.1)
+
+
+# Small and fast defaults for the shared test server: a modest KV pool and a
+# short context keep start-up quick and make "fill the context" tests cheap;
+# one torch thread because the test machine's two cores are shared with the
+# test process (and the offline Engine compared against uses one too);
+# metrics on so /metrics can be tested.
+DEFAULT_ARGS = ["--enable-metrics", "--max-total-tokens", "8192", "--context-length", "256",
+                "--num-threads", "1", "--stats-interval", "5"]
+_default: ServerProcess | None = None
+
+
+def default_server() -> ServerProcess:
+    global _default
+    if _default is None or _default.proc.poll() is not None:
+        _default = ServerProcess(DEFAULT_ARGS)
+        atexit.register(_default.__exit__, None, None, None)
+    return _default
