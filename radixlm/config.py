@@ -68,7 +68,7 @@ class ServerArgs:
                                   default="auto")
     disable_cuda_graph: bool = _opt("runtime", "Run decode without CUDA graphs", default=False)
     cuda_graph_max_bs: int = _opt("runtime", "Largest decode batch captured in a CUDA graph",
-                                  default=160)
+                                  default=256)
     disable_overlap_schedule: bool = _opt("runtime", "Do not overlap CPU scheduling with the GPU",
                                           default=False)
     num_threads: int | None = _opt("runtime", "torch CPU threads (default: all cores)",

@@ -32,6 +32,7 @@ import torch
 from torch import Tensor
 
 from radixlm.sampling_params import SamplingParams
+from radixlm.utils import to_device
 
 try:  # CPU-only installs may lack Triton; the torch path covers them.
     import triton
@@ -127,7 +128,7 @@ class SamplingBatchInfo:
         ints = torch.tensor([[k, _to_int64(s), st, 0 if g else noise_key(s, st)]
                              for k, s, st, g in zip(top_ks, seeds, steps, greedy, strict=True)],
                             dtype=torch.int64)
-        floats, ints = floats.to(device), ints.to(device)
+        floats, ints = to_device(floats, device), to_device(ints, device)
         sampled = [i for i in range(bs) if not greedy[i]]
         filtered = [j for j, i in enumerate(sampled)
                     if top_ks[i] < vocab_size or params[i].top_p < 1.0]
@@ -177,9 +178,9 @@ class SamplingBatchInfo:
         if not entries:
             return
         rows, ids, values = zip(*entries, strict=True)
-        self.bias_rows = torch.tensor(rows, dtype=torch.int64).to(device)
-        self.bias_ids = torch.tensor(ids, dtype=torch.int64).to(device)
-        self.bias_values = torch.tensor(values, dtype=torch.float32).to(device)
+        self.bias_rows = to_device(torch.tensor(rows, dtype=torch.int64), device)
+        self.bias_ids = to_device(torch.tensor(ids, dtype=torch.int64), device)
+        self.bias_values = to_device(torch.tensor(values, dtype=torch.float32), device)
 
     def _add_min_tokens_ban(self, params: list[SamplingParams], output_ids: list[list[int]],
                             stop_token_ids: list[set[int]], vocab_size: int,
@@ -189,7 +190,7 @@ class SamplingBatchInfo:
                  for t in sorted(stop_token_ids[i]) if 0 <= t < vocab_size]
         if not pairs:
             return
-        pair_tensor = torch.tensor(pairs, dtype=torch.int64).to(device)
+        pair_tensor = to_device(torch.tensor(pairs, dtype=torch.int64), device)
         self.ban_rows, self.ban_ids = pair_tensor[:, 0], pair_tensor[:, 1]
 
 
@@ -409,11 +410,11 @@ def _to_int64(seed: int) -> int:
 
 
 def _index_or_none(rows: list[int], n: int, device: torch.device | str) -> Tensor | None:
-    return None if len(rows) == n else torch.tensor(rows, dtype=torch.int64).to(device)
+    return None if len(rows) == n else to_device(torch.tensor(rows, dtype=torch.int64), device)
 
 
 def _column(values: list[float], device: torch.device | str) -> Tensor:
-    return torch.tensor(values, dtype=torch.float32).to(device)[:, None]
+    return to_device(torch.tensor(values, dtype=torch.float32), device)[:, None]
 
 
 def _scatter_rows(ids: list[list[int]], shape: tuple[int, int], dtype: torch.dtype,
@@ -428,7 +429,7 @@ def _scatter_rows(ids: list[list[int]], shape: tuple[int, int], dtype: torch.dty
                                         count=sum(lengths)))
     rows = torch.repeat_interleave(torch.arange(len(ids)), torch.tensor(lengths))
     keep = (flat >= 0) & (flat < shape[1])
-    rows, flat = rows[keep].to(device), flat[keep].to(device)
+    rows, flat = to_device(rows[keep], device), to_device(flat[keep], device)
     if dtype == torch.bool:
         out[rows, flat] = True
     else:

@@ -8,6 +8,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from radixlm.utils import to_device
+
 if TYPE_CHECKING:
     from radixlm.cache.memory_pool import KVPool, ReqToTokenPool
     from radixlm.layers.attention.base import AttentionBackend
@@ -71,14 +73,14 @@ class ForwardBatch:
             acc += e
 
         def t(x: list[int]) -> torch.Tensor:
-            return torch.tensor(x, dtype=torch.int64).to(device, non_blocking=True)
+            return to_device(torch.tensor(x, dtype=torch.int64), device)
 
         if logit_rows is None:
             logit_rows = [s + e - 1 for s, e in zip(starts, extend_lens)]
         return cls(
             mode=mode, batch_size=len(req_pool_indices), input_ids=t(input_ids),
             positions=t(positions), req_pool_indices=t(req_pool_indices), seq_lens=t(seq_lens),
-            out_cache_loc=out_cache_loc.to(device, non_blocking=True),
+            out_cache_loc=to_device(out_cache_loc, device),
             extend_seq_lens=t(extend_lens), extend_prefix_lens=t(prefix_lens),
             extend_start_loc=t(starts), seq_lens_cpu=seq_lens, extend_seq_lens_cpu=extend_lens,
             extend_prefix_lens_cpu=prefix_lens, req_to_token_pool=req_to_token_pool,

@@ -12,6 +12,7 @@ import torch
 from radixlm.cache.base import PrefixCache
 from radixlm.cache.memory_pool import KVPool, ReqToTokenPool
 from radixlm.scheduler.req import Req
+from radixlm.utils import to_device
 
 
 class KVManager:
@@ -61,7 +62,7 @@ class KVManager:
             if fresh:
                 self.cache.unlock(req.last_node)
                 self.req_to_token_pool.free(req.req_pool_idx)
-                req.req_pool_idx, req.kv_len = None, 0
+                req.req_pool_idx, req.kv_len, req.slots = None, 0, []
             return None
         self._write_table(req, req.kv_len, slots)
         req.kv_len += extend_len
@@ -72,14 +73,30 @@ class KVManager:
         self._write_table(req, req.kv_len, slots)
         req.kv_len += len(slots)
 
+    def extend_decode(self, reqs: list[Req], slots: torch.Tensor) -> None:
+        """One new slot per request at its next position: a single scatter, not one
+        small host-to-device copy per request."""
+        table = self.req_to_token_pool.req_to_token
+        rows = torch.tensor([r.req_pool_idx for r in reqs], dtype=torch.int64)
+        cols = torch.tensor([r.kv_len for r in reqs], dtype=torch.int64)
+        dev = table.device
+        table[to_device(rows, dev), to_device(cols, dev)] = to_device(slots, dev, torch.int32)
+        for r, slot in zip(reqs, slots.tolist()):
+            r.slots.append(slot)
+            r.kv_len += 1
+
     def _write_table(self, req: Req, start: int, slots: torch.Tensor) -> None:
+        """Writes go to the device table and to the request's host mirror, so reading
+        them back never waits for the device. They start at 0 or append."""
+        assert start in (0, len(req.slots)), "table writes restart or append"
+        del req.slots[start:]
+        req.slots += slots.tolist()
         if len(slots):
             row = self.req_to_token_pool.req_to_token[req.req_pool_idx]
-            row[start:start + len(slots)] = slots.to(row.device, torch.int32)
+            row[start:start + len(slots)] = to_device(slots, row.device, torch.int32)
 
     def table_slots(self, req: Req, start: int, end: int) -> torch.Tensor:
-        row = self.req_to_token_pool.req_to_token[req.req_pool_idx]
-        return row[start:end].to("cpu", torch.int64)
+        return torch.tensor(req.slots[start:end], dtype=torch.int64)
 
     # ---- hand-over to the prefix cache ----------------------------------------
     def cache_unfinished(self, req: Req) -> None:
@@ -108,6 +125,7 @@ class KVManager:
         self.cache.unlock(req.last_node)
         self.req_to_token_pool.free(req.req_pool_idx)
         req.req_pool_idx, req.kv_len, req.last_node = None, 0, None
+        req.slots = []
         req.prefix_indices = torch.empty(0, dtype=torch.int64)
 
     # ---- invariant -----------------------------------------------------------

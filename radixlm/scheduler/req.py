@@ -24,6 +24,7 @@ class Req:
     stop_str_max_len: int = 0
 
     output_ids: list[int] = field(default_factory=list)
+    sampled_len: int = 0  # tokens sampled on the device (output_ids lags it in overlap mode)
     finished_reason: dict[str, Any] | None = None
 
     # KV ownership. Tokens fill_ids[:kv_len] have KV at req_to_token[req_pool_idx, :kv_len].
@@ -34,6 +35,7 @@ class Req:
     kv_len: int = 0
     prefix_indices: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.int64))
     last_node: Any = None
+    slots: list[int] = field(default_factory=list)  # host mirror of the table row [:kv_len]
 
     # Progress of the current prefill round.
     extend_input_len: int = 0
@@ -50,6 +52,10 @@ class Req:
     sent_logprob_len: int = 0
     input_logprobs_sent: bool = False
     input_logprobs_done: bool = False  # recorded once; a retracted request skips them
+
+    # Constrained decoding: the request's GrammarMatcher, which has accepted exactly
+    # output_ids (so it survives retraction unchanged); None without a grammar.
+    grammar: Any = None
 
     @property
     def fill_ids(self) -> list[int]:
@@ -68,6 +74,14 @@ class Req:
     @property
     def finished(self) -> bool:
         return self.finished_reason is not None
+
+    @property
+    def needs_host_tokens(self) -> bool:
+        """Sampling its next token needs its previous one on the host first."""
+        p = self.sampling_params
+        return (self.grammar is not None or p.frequency_penalty != 0
+                or p.presence_penalty != 0 or p.repetition_penalty != 1
+                or len(self.output_ids) < p.min_new_tokens)
 
     @property
     def wants_input_logprobs(self) -> bool:

@@ -18,6 +18,7 @@ import torch
 
 from radixlm.cache.base import PrefixCache
 from radixlm.config import ServerArgs
+from radixlm.constrained.manager import create_grammar_manager
 from radixlm.layers.sampler import Sampler, SamplingBatchInfo
 from radixlm.protocol import GenerateReq, TokenOut
 from radixlm.runtime.forward_batch import ForwardBatch, ForwardMode
@@ -26,6 +27,7 @@ from radixlm.sampling_params import SamplingParams
 from radixlm.scheduler.kv_manager import KVManager
 from radixlm.scheduler.policy import order_waiting
 from radixlm.scheduler.req import Req
+from radixlm.utils import to_device
 
 logger = logging.getLogger(__name__)
 
@@ -37,9 +39,36 @@ MIN_NEW_TOKEN_RATIO = 0.1
 NEW_TOKEN_RATIO_DECAY = 0.001
 RESERVE_CLIP = 4096
 RETRACT_HEADROOM_STEPS = 8
+# An otherwise idle loop blocks this long for a grammar compile (rather than spin).
+GRAMMAR_WAIT_S = 0.05
 # Two waiting requests whose uncached parts begin with this many equal tokens are
 # not prefilled in the same batch: the second waits a round and reuses the first's KV.
 IN_BATCH_PREFIX_TOKENS = 32
+
+
+@dataclass
+class InFlight:
+    """A launched batch whose sampled tokens are on their way to the host."""
+
+    reqs: list[Req]
+    host: list[torch.Tensor]  # next ids [, logprobs [, top values, top ids]]
+    event: torch.cuda.Event | None
+
+
+def _to_host(t: torch.Tensor) -> torch.Tensor:
+    if t.device.type == "cpu":
+        return t
+    # Pinned memory: the copy is truly asynchronous and queued behind the sampler.
+    out = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    return out.copy_(t, non_blocking=True)
+
+
+def _record_event(device: torch.device) -> torch.cuda.Event | None:
+    if device.type != "cuda":
+        return None
+    event = torch.cuda.Event()
+    event.record()
+    return event
 
 
 @dataclass
@@ -67,6 +96,8 @@ class Scheduler:
         self.sampler = Sampler()
         self.eos_token_ids = _eos_ids(config, tokenizer)
         self.rng = random.Random(args.random_seed)
+        self.grammars = create_grammar_manager(args.grammar_backend, tokenizer, self.vocab_size,
+                                               self.eos_token_ids, self.max_running_requests)
 
         self.waiting: list[Req] = []
         self.running: list[Req] = []
@@ -74,6 +105,11 @@ class Scheduler:
         self.reqs: dict[str, Req] = {}
         self.pending_outputs: deque[TokenOut] = deque()
         self.new_token_ratio = INIT_NEW_TOKEN_RATIO * args.schedule_conservativeness
+        self.overlap = self.device.type == "cuda" and not args.disable_overlap_schedule
+        self.in_flight: InFlight | None = None
+        # future_ids[req_pool_idx]: the request's newest sampled token, on the device.
+        self.future_ids = torch.zeros(self.runner.req_to_token_pool.size, dtype=torch.int64,
+                                      device=self.device)
         self.stats = Stats()
         self.forward_ct = 0
 
@@ -93,6 +129,7 @@ class Scheduler:
         params = SamplingParams.from_wire(msg.sampling_params)
         params.validate(self.vocab_size)
         self.validate_input(msg.input_ids, params.max_new_tokens)
+        self.grammars.check(params)
         seed = params.seed if params.seed is not None else self.rng.getrandbits(62)
         req = Req(rid=msg.rid, origin_input_ids=list(msg.input_ids), sampling_params=params,
                   seed=seed, stream=msg.stream, return_logprob=msg.return_logprob,
@@ -101,7 +138,8 @@ class Scheduler:
                   eos_token_ids=self.eos_token_ids,
                   stop_str_max_len=max((len(s) for s in params.stop), default=0))
         self.reqs[req.rid] = req
-        self.waiting.append(req)
+        if not self.grammars.submit(req):  # else it waits for its grammar to compile
+            self.waiting.append(req)
 
     def validate_input(self, input_ids: list[int], max_new_tokens: int) -> None:
         n = len(input_ids)
@@ -131,20 +169,53 @@ class Scheduler:
     # ---- the loop body -------------------------------------------------------------
     @property
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running or self.chunked_req or self.pending_outputs)
+        return bool(self.waiting or self.running or self.chunked_req or self.pending_outputs
+                    or self.grammars.has_pending or self.in_flight)
 
     def step(self) -> list[TokenOut]:
-        """Run at most one batch; return the progress messages it produced."""
+        """Launch at most one batch and process the results of the previous one;
+        return the progress messages that produced.
+
+        Overlap mode (CUDA): batch N+1 is scheduled and launched before the
+        sampled tokens of batch N are read back, so the host's bookkeeping runs
+        while the GPU computes. Decode inputs come from `future_ids` on the
+        device, written by the sampler, so N+1 needs nothing from the host about
+        N. A request that N finishes still rides along in N+1; its extra token
+        is dropped. Requests whose sampling needs N's tokens on the host first
+        (grammar, penalties, min_new_tokens) make the step synchronous.
+        """
+        if self.grammars.has_pending:
+            self._admit_compiled_grammars()
+        if self.in_flight is not None and (not self.overlap or self._needs_sync()):
+            self._process(self.in_flight)
+            self.in_flight = None
+        launched = None
         batch = self._schedule_prefill()
         if batch:
-            self._run_prefill(batch)
+            launched = self._launch_prefill(batch)
         elif self.running:
-            self._run_decode()
-        elif not self.waiting and self.chunked_req is None:
+            launched = self._launch_decode()
+        if self.in_flight is not None:
+            self._process(self.in_flight)
+        self.in_flight = launched
+        if self.in_flight is not None and not self.overlap:
+            self._process(self.in_flight)
+            self.in_flight = None
+        if not self.reqs and self.in_flight is None:
             self.kv.check_invariants([])
         out = list(self.pending_outputs)
         self.pending_outputs.clear()
         return out
+
+    def _needs_sync(self) -> bool:
+        return any(r.needs_host_tokens for r in self.running)
+
+    def _admit_compiled_grammars(self) -> None:
+        idle = not (self.waiting or self.running or self.chunked_req)
+        ready, failed = self.grammars.poll(GRAMMAR_WAIT_S if idle else 0.0)
+        self.waiting += ready
+        for req in failed:
+            self._finish(req)
 
     # ---- prefill ---------------------------------------------------------------
     def _decode_reserve(self) -> int:
@@ -219,7 +290,7 @@ class Scheduler:
         keys.add(key)
         return False
 
-    def _run_prefill(self, batch: list[Req]) -> None:
+    def _launch_prefill(self, batch: list[Req]) -> InFlight | None:
         input_ids, prefix_lens, extend_lens, rows, locs = [], [], [], [], []
         row_meta: list[tuple[Req, int, int]] = []  # (req, first row, first position)
         offset = 0
@@ -264,9 +335,10 @@ class Scheduler:
         for req in batch:
             if req.finished:
                 self._finish(req)
-        if sample_reqs:
-            self._sample_and_advance(sample_reqs, logits[sample_rows])
-            self.running += [r for r in sample_reqs if not r.finished]
+        if not sample_reqs:
+            return None
+        self.running += sample_reqs
+        return self._sample(sample_reqs, logits[sample_rows])
 
     def _record_input_logprobs(self, req: Req, logits: torch.Tensor, first: int) -> None:
         """logits[j] (position first + j) predicts the prompt token at first + j + 1."""
@@ -292,28 +364,27 @@ class Scheduler:
                                        for vr, ir in zip(vals.tolist(), ids.tolist())]
 
     # ---- decode ------------------------------------------------------------------
-    def _run_decode(self) -> None:
+    def _launch_decode(self) -> InFlight | None:
         self._ensure_decode_memory()
         if not self.running:
-            return
-        batch = list(self.running)  # _finish() edits self.running while we sample
+            return None
+        batch = list(self.running)  # _finish() edits self.running while we process
         locs = self.kv.alloc(len(batch))
         assert locs is not None, "decode memory was checked"
-        input_ids, prefix_lens = [], []
-        for req, loc in zip(batch, locs):
-            input_ids.append(req.output_ids[-1])
-            prefix_lens.append(req.kv_len)
-            self.kv.extend(req, loc[None])
+        prefix_lens = [r.kv_len for r in batch]
+        pool_idx = [r.req_pool_idx for r in batch]
+        self.kv.extend_decode(batch, locs)
         fb = ForwardBatch.build(
-            ForwardMode.DECODE, input_ids, [r.req_pool_idx for r in batch], prefix_lens,
+            ForwardMode.DECODE, [0] * len(batch), pool_idx, prefix_lens,
             [1] * len(batch), locs, self.runner.req_to_token_pool, self.runner.kv_pool,
             self.runner.attn_backend, self.device)
+        # Each request's newest token, wherever it was sampled, is on the device.
+        fb.input_ids = self.future_ids[fb.req_pool_indices]
         logits = self.runner.forward(fb)
         self.forward_ct += 1
-        self._sample_and_advance(batch, logits)
-        self.running = [r for r in batch if not r.finished]
         self.new_token_ratio = max(MIN_NEW_TOKEN_RATIO,
                                    self.new_token_ratio - NEW_TOKEN_RATIO_DECAY)
+        return self._sample(batch, logits)
 
     def _ensure_decode_memory(self) -> None:
         """Retract requests (most remaining work first, then newest) until one decode
@@ -341,24 +412,41 @@ class Scheduler:
                     len(self.running), len(self.waiting))
 
     # ---- sampling and results ---------------------------------------------------
-    def _sample_and_advance(self, reqs: list[Req], logits: torch.Tensor) -> None:
+    def _sample(self, reqs: list[Req], logits: torch.Tensor) -> InFlight:
+        """Sample one token per request on the device and start copying the results
+        to the host; `_process` reads them."""
         info = SamplingBatchInfo.build(
             [r.sampling_params for r in reqs], [r.seed for r in reqs],
-            [len(r.output_ids) for r in reqs], [r.origin_input_ids for r in reqs],
+            [r.sampled_len for r in reqs], [r.origin_input_ids for r in reqs],
             [r.output_ids for r in reqs],
-            [set(r.eos_token_ids) | set(r.sampling_params.stop_token_ids)
-             if not r.sampling_params.ignore_eos else set(r.sampling_params.stop_token_ids)
-             for r in reqs],
+            [_min_tokens_ban(r) for r in reqs],
             self.vocab_size, self.device)
         want_lp = any(r.return_logprob for r in reqs)
         top_k = max((r.top_logprobs_num for r in reqs if r.return_logprob), default=0)
+        logits = self.grammars.mask_logits(reqs, logits)
         out = self.sampler(logits, info, want_lp, top_k)
-        next_ids = out.next_token_ids.tolist()  # the one host sync per step
-        logprobs = out.logprobs.tolist() if want_lp and out.logprobs is not None else None
-        tops = None
-        if top_k and out.top_logprobs is not None:
-            tops = (out.top_logprobs[0].tolist(), out.top_logprobs[1].tolist())
-        for i, (req, tok) in enumerate(zip(reqs, next_ids)):
+        pool_idx = torch.tensor([r.req_pool_idx for r in reqs], dtype=torch.int64)
+        self.future_ids[to_device(pool_idx, self.device)] = out.next_token_ids
+        for r in reqs:
+            r.sampled_len += 1
+        tensors = [out.next_token_ids]
+        if want_lp and out.logprobs is not None:
+            tensors.append(out.logprobs)
+            if top_k and out.top_logprobs is not None:
+                tensors += list(out.top_logprobs)
+        return InFlight(reqs, [_to_host(t) for t in tensors], _record_event(self.device))
+
+    def _process(self, batch: InFlight) -> None:
+        """Read back a launched batch's tokens and advance its requests."""
+        if batch.event is not None:
+            batch.event.synchronize()  # the one wait on the device per step
+        lists = [t.tolist() for t in batch.host]
+        next_ids = lists[0]
+        logprobs = lists[1] if len(lists) > 1 else None
+        tops = (lists[2], lists[3]) if len(lists) > 3 else None
+        for i, (req, tok) in enumerate(zip(batch.reqs, next_ids)):
+            if req.finished:  # finished (or aborted) while this batch was in flight
+                continue
             req.output_ids.append(tok)
             self.stats.num_generated_tokens += 1
             if req.return_logprob and logprobs is not None:
@@ -367,6 +455,7 @@ class Scheduler:
                     k = req.top_logprobs_num
                     req.output_top_logprobs.append(
                         [[v, t] for v, t in zip(tops[0][i][:k], tops[1][i][:k])])
+            self.grammars.advance(req, tok)
             req.check_finished(self.tokenizer)
             if req.finished:
                 self._finish(req)
@@ -384,6 +473,7 @@ class Scheduler:
             self.waiting.remove(req)
         if req is self.chunked_req:
             self.chunked_req = None
+        self.grammars.discard(req)
         self.kv.release(req)
         self.stats.num_finished += 1
         self._emit(req)
@@ -445,6 +535,15 @@ class Scheduler:
 
     def check_invariants(self) -> None:
         self.kv.check_invariants(list(self.reqs.values()))
+
+
+def _min_tokens_ban(req: Req) -> set[int]:
+    """Tokens that would stop the request, banned while it is below min_new_tokens."""
+    p = req.sampling_params
+    if len(req.output_ids) >= p.min_new_tokens:
+        return set()
+    stops = set(p.stop_token_ids)
+    return stops if p.ignore_eos else stops | req.eos_token_ids
 
 
 def _eos_ids(config, tokenizer) -> frozenset[int]:

@@ -103,3 +103,29 @@ def test_cuda_graph_on_off_identical(model_dir, prompts):
                                                                   "seed": 3})
     assert with_graph == without
     assert [o["output_ids"] for o in sampled] == [o["output_ids"] for o in sampled2]
+
+
+def test_overlap_on_off_identical(model_dir, prompts):
+    """The overlap scheduler changes when the host reads results, never what is computed:
+    greedy, seeded sampling and stop tokens. Then a pool small enough to force
+    retractions under overlap: everything completes (bf16 outputs may differ there,
+    since a retracted request's KV can be recomputed by prefill instead of decode)."""
+    sp = [{"max_new_tokens": NEW + 8 * i, "temperature": 0.7 * (i % 2), "seed": i,
+           "ignore_eos": i != 3, "stop_token_ids": [17, 99]} for i in range(len(prompts))]
+    results = []
+    for disable in (False, True):
+        with _engine(model_dir, "bfloat16", disable_overlap_schedule=disable) as e:
+            assert e.scheduler.overlap is not disable
+            outs = e.generate(input_ids=prompts, sampling_params=sp)
+            e.scheduler.check_invariants()
+            results.append([o["output_ids"] for o in outs])
+    assert results[0] == results[1]
+    long = [{"max_new_tokens": 64, "temperature": 0, "ignore_eos": True}] * len(prompts)
+    with radixlm.Engine(model_dir, dtype="bfloat16", skip_tokenizer_init=True,
+                        max_total_tokens=520) as e:
+        small = e.generate(input_ids=prompts, sampling_params=long)
+        assert e.scheduler.stats.num_retractions > 0
+        e.scheduler.check_invariants()
+    for out in small:
+        assert out["meta_info"]["finish_reason"]["type"] == "length"
+        assert len(out["output_ids"]) == 64
