@@ -84,7 +84,7 @@ CHAT_CASES = [
     ({"messages": [{"role": "wizard", "content": "x"}]}, 400, None),
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
      400, None),
-    ({"messages": CHAT, "response_format": {"type": "json_object"}}, 400, "response_format"),
+    ({"messages": CHAT, "response_format": {"type": "yaml"}}, 400, "response_format"),
     ({"messages": CHAT, "tools": [{"type": "function", "function": {"name": "f"}}]}, 400,
      "tools"),
     ({"messages": CHAT, "top_logprobs": 2}, 400, "top_logprobs"),

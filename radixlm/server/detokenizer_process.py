@@ -63,7 +63,14 @@ def run_detokenizer_process(tokenizer_path: str, paths: IpcPaths, parent_pid: in
                 if not parent_alive(parent_pid):
                     sys.exit(EXIT_PARENT_GONE)
                 continue
-            batch = decode_to_detokenizer(recv_sock.recv())
+            data = recv_sock.recv()
+            try:
+                batch = decode_to_detokenizer(data)
+            except Exception as e:
+                # Not from our scheduler (anything that can reach the socket can
+                # write to it): dropping it beats taking every request down.
+                logger.error("dropping an undecodable message: %s", e)
+                continue
             to_tok.send(encode(BatchStrOut(detokenize_batch(detok, batch.outputs))))
     except SystemExit as e:
         ctx.destroy(linger=0)

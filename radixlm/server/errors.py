@@ -20,6 +20,7 @@ _TYPES = {
     401: "AuthenticationError",
     404: "NotFoundError",
     413: "RequestTooLargeError",
+    431: "RequestHeaderFieldsTooLargeError",
     500: "InternalServerError",
     503: "ServiceUnavailableError",
 }
@@ -72,6 +73,8 @@ def validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     loc = [str(p) for p in err.get("loc", ()) if p != "body"]
     if err.get("type") == "json_invalid":
         return f"the request body is not valid JSON: {err.get('msg', '')}", None
+    if not loc and err.get("type") == "missing":  # an empty body
+        return "the request body is empty: send a JSON object", None
     if not loc and err.get("type") in ("model_attributes_type", "dict_type"):
         return ("the request body must be a JSON object (send Content-Type: "
                 "application/json)"), None

@@ -45,6 +45,10 @@ from radixlm.server.openai_protocol import (
 from radixlm.server.tokenizer_manager import PromptJob, TokenizerManager
 
 MAX_BODY_BYTES = 8 << 20
+# Total size of the request headers. uvicorn's h11 parser refuses only much
+# larger ones (about 1 MB, measured) and httptools has no limit of its own;
+# 64 KiB is twice what nginx accepts by default, so no real client is refused.
+MAX_HEADER_BYTES = 64 << 10
 OPEN_PATHS = frozenset({"/health", "/metrics"})  # reachable without the API key
 HEALTH_GENERATE_TIMEOUT = 30.0
 
@@ -72,7 +76,8 @@ class ServerState:
 
 # ---- the guard -----------------------------------------------------------------------
 class GuardMiddleware:
-    """API key (constant-time compare) and request-body size limit, before routing."""
+    """Header size limit, API key (constant-time compare) and request-body size
+    limit, before routing."""
 
     def __init__(self, app: ASGIApp, api_key: str | None, max_body: int = MAX_BODY_BYTES):
         self.app = app
@@ -82,6 +87,11 @@ class GuardMiddleware:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
+            return
+        header_bytes = sum(len(k) + len(v) for k, v in scope.get("headers", ()))
+        if header_bytes > MAX_HEADER_BYTES:
+            await _send_error(send, 431, f"the request headers ({header_bytes} bytes) exceed "
+                                         f"the limit of {MAX_HEADER_BYTES} bytes")
             return
         if self.api_key and scope["path"] not in OPEN_PATHS and not self._authorized(scope):
             await _send_error(send, 401, "invalid or missing API key (send the header "
@@ -156,7 +166,20 @@ async def _send_error(send: Send, status: int, message: str) -> None:
 
 async def _http_exception_handler(_: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, StarletteHTTPException)
-    return APIError(exc.status_code, str(exc.detail)).response()
+    return APIError(exc.status_code, _body_error_detail(exc)).response()
+
+
+def _body_error_detail(exc: StarletteHTTPException) -> str:
+    """FastAPI reports every body it cannot parse, other than invalid JSON syntax,
+    as "There was an error parsing the body"; the cause it chains says why."""
+    cause = exc.__cause__
+    if isinstance(cause, UnicodeDecodeError):
+        return f"the request body is not valid UTF-8: {cause}"
+    if isinstance(cause, RecursionError):
+        return "the request body's JSON is nested too deeply"
+    if cause is not None and exc.status_code == 400:
+        return f"the request body could not be parsed: {type(cause).__name__}: {cause}"
+    return str(exc.detail)
 
 
 async def _internal_error_handler(_: Request, exc: Exception) -> JSONResponse:

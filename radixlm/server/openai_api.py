@@ -47,6 +47,24 @@ def finish_reason(fr: dict[str, Any] | None) -> str | None:
     return fr["type"] if fr["type"] in ("stop", "length") else "abort"
 
 
+def response_format_schema(rf: dict[str, Any] | None) -> str | dict[str, Any] | None:
+    """OpenAI's response_format as a json_schema sampling parameter: "json_object"
+    is any JSON object, "json_schema" carries its schema in json_schema.schema."""
+    kind = (rf or {}).get("type", "text")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return '{"type": "object"}'
+    if kind == "json_schema":
+        schema = ((rf or {}).get("json_schema") or {}).get("schema")
+        if not isinstance(schema, dict):
+            raise APIError(400, "response_format.json_schema.schema must be a JSON schema "
+                                "object", "response_format")
+        return schema
+    raise APIError(400, f"response_format.type must be text, json_object or json_schema, "
+                        f"got {kind!r}", "response_format")
+
+
 def stop_reason(fr: dict[str, Any] | None) -> str | None:
     matched = (fr or {}).get("matched")
     return matched if isinstance(matched, str) else None
@@ -122,7 +140,10 @@ class OpenAIServing:
              "logit_bias": req.logit_bias, "ignore_eos": req.ignore_eos,
              "skip_special_tokens": req.skip_special_tokens,
              "spaces_between_special_tokens": req.spaces_between_special_tokens,
-             "no_stop_trim": req.include_stop_str_in_output}
+             "no_stop_trim": req.include_stop_str_in_output,
+             "regex": req.regex, "ebnf": req.ebnf,
+             "json_schema": req.json_schema if req.json_schema is not None
+             else response_format_schema(getattr(req, "response_format", None))}
         try:
             return SamplingParams.from_dict({k: v for k, v in d.items()
                                              if v is not None or k == "seed"})
@@ -257,9 +278,7 @@ class OpenAIServing:
     def _check_chat(self, req: ChatCompletionRequest) -> None:
         self.check_model(req.model)
         self.check_stream_options(req)
-        if req.response_format and req.response_format.get("type", "text") != "text":
-            raise APIError(400, "response_format is not supported yet (structured output "
-                                "is coming with constrained decoding)", "response_format")
+        response_format_schema(req.response_format)  # 400 on an unknown type
         if req.tools:
             raise APIError(400, "tools are not supported yet", "tools")
         if req.top_logprobs is not None:

@@ -34,11 +34,22 @@ class SamplingExtensions(_Lenient):
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # Constrained decoding (SGLang's extension names); at most one of them, and
+    # not with a chat request's JSON response_format.
+    regex: str | None = None
+    ebnf: str | None = None
+    json_schema: str | dict[str, Any] | None = None
+
+
+# SamplingParams enforces the same range later; it is checked here too because
+# the API layer sizes per-choice lists from `n` before that (an `n` of 10**30
+# used to build a list of that length and block the event loop for good).
+MAX_N = 128
 
 
 class _CommonRequest(SamplingExtensions):
     model: str | None = None
-    n: int = 1
+    n: int = Field(default=1, ge=1, le=MAX_N)
     temperature: float | None = None
     top_p: float | None = None
     stop: str | list[str] | None = None

@@ -23,6 +23,7 @@ import zmq
 import zmq.asyncio
 
 from radixlm.config import ServerArgs
+from radixlm.constrained.base import precheck
 from radixlm.protocol import (
     AbortReq,
     BatchStrOut,
@@ -235,6 +236,9 @@ class TokenizerManager:
             # Unbound on purpose: one rule, enforced here and in the scheduler.
             Scheduler.validate_input(limits, job.input_ids, job.params.max_new_tokens)
             job.params.validate(limits.vocab_size)
+            # Grammar checks that need no compiler; a grammar that fails to compile
+            # comes back from the scheduler as a 400 abort.
+            precheck(job.params, self.args.grammar_backend)
         except ValueError as e:
             raise from_value_error(e, SAMPLING_NAMES) from None
 
@@ -267,19 +271,24 @@ class TokenizerManager:
         self._check_ids(list(members))
         self.check_admission(sum(job.params.n for job in jobs))
         await self._warm_shared_prompts(jobs)
-        self._check_ids(list(members))  # again: other calls ran during the warm-up
+        # Again: other calls ran during the warm-up. Without the second admission
+        # check, calls admitted meanwhile overfill the queue, and the scheduler
+        # refuses some samples of a call whose stream has already started.
+        self._check_ids(list(members))
+        self.check_admission(sum(job.params.n for job in jobs))
         reqs = [GenerateReq(rid=rid, input_ids=job.input_ids, sampling_params=sp,
                             stream=stream, return_logprob=return_logprob,
                             top_logprobs_num=top_logprobs_num,
                             logprob_start_len=logprob_start_len if return_logprob else -1)
                 for job in jobs for rid, sp in expand_samples(job)]
+        frames = [encode_request(r) for r in reqs]  # may refuse: nothing is registered yet
         seqs = [SeqOutput(rid=r.rid, index=i, return_logprob=return_logprob,
                           prompt_tokens=len(r.input_ids)) for i, r in enumerate(reqs)]
         group = RequestGroup(gid, seqs, members, internal=internal, stream=stream,
                              manager=self, unfinished=len(reqs))
         self._register(group)
-        for r in reqs:
-            self._send(r)
+        for frame in frames:
+            self._send_frame(frame)
         return group
 
     def _check_ids(self, ids: list[str]) -> None:
@@ -324,8 +333,11 @@ class TokenizerManager:
         return True
 
     def _send(self, msg: Any) -> None:
+        self._send_frame(encode(msg))
+
+    def _send_frame(self, frame: bytes) -> None:
         try:
-            self.to_scheduler.send(encode(msg), flags=zmq.NOBLOCK)
+            self.to_scheduler.send(frame, flags=zmq.NOBLOCK)
         except zmq.ZMQError as e:
             logger.error("could not send to the scheduler: %s", e)
 
@@ -358,6 +370,18 @@ class TokenizerManager:
         for fut in self.control_futures.values():
             if not fut.done():
                 fut.set_exception(APIError(status, message))
+
+
+def encode_request(req: GenerateReq) -> bytes:
+    """The wire frame of one request. msgpack holds 64-bit integers only, and
+    validation lets some larger ones through (a seed or top_k of 10**30): that
+    is the client's 400. It used to surface as a 500 after the request was
+    registered, leaving a sequence that never finished (a drain waited on it,
+    and it counted against --max-queued-requests forever)."""
+    try:
+        return encode(req)
+    except OverflowError as e:
+        raise APIError(400, f"an integer in the request is out of range ({e})") from None
 
 
 def check_logprob_args(top_logprobs_num: int, logprob_start_len: int) -> None:
