@@ -195,6 +195,8 @@ def _sp() -> dict:
 
 @pytest.mark.parametrize("bad,match", [
     ({"temperature": -1}, "temperature"),
+    ({"temperature": float("inf")}, "temperature"),
+    ({"top_p": float("nan")}, "top_p"),
     ({"top_p": 0}, "top_p"),
     ({"top_p": 1.5}, "top_p"),
     ({"top_k": 0}, "top_k"),
