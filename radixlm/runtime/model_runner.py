@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import os
 from dataclasses import dataclass
 
 import psutil
@@ -122,6 +121,3 @@ class ModelRunner:
         fb.attn_backend.init_forward_metadata(fb)
         return self.model(fb.input_ids, fb.positions, fb).float()
 
-
-def default_num_threads() -> int:
-    return len(os.sched_getaffinity(0))

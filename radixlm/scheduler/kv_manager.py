@@ -68,11 +68,6 @@ class KVManager:
         req.kv_len += extend_len
         return slots
 
-    def extend(self, req: Req, slots: torch.Tensor) -> None:
-        """Record `slots` (already allocated) as the next positions of the request."""
-        self._write_table(req, req.kv_len, slots)
-        req.kv_len += len(slots)
-
     def extend_decode(self, reqs: list[Req], slots: torch.Tensor) -> None:
         """One new slot per request at its next position: a single scatter, not one
         small host-to-device copy per request."""

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import logging
 import random
-import time
 from collections import deque
 from dataclasses import dataclass
 from typing import Any
@@ -556,6 +555,3 @@ def _eos_ids(config, tokenizer) -> frozenset[int]:
             ids.update(src)
     return frozenset(ids)
 
-
-def now() -> float:
-    return time.monotonic()
