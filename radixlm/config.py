@@ -110,6 +110,14 @@ class ServerArgs:
             raise ValueError("mem_fraction_static must be in (0, 1)")
         if self.tp_size < 1 or self.dp_size < 1:
             raise ValueError("tp_size and dp_size must be >= 1")
+        # Accepted as flags (SGLang's names) but not built yet: refuse rather than
+        # silently run something else.
+        unbuilt = {"tp_size": self.tp_size > 1, "dp_size": self.dp_size > 1,
+                   "nnodes": self.nnodes > 1, "is_embedding": self.is_embedding}
+        for name, asked in unbuilt.items():
+            if asked:
+                raise ValueError(f"{name} is not supported yet (tensor/data parallelism, "
+                                 f"multi-node and embedding serving are still to come)")
 
     def replace(self, **changes: Any) -> ServerArgs:
         return dataclasses.replace(self, **changes)
