@@ -364,21 +364,38 @@ class OpenAIServing:
         return {"content": content}
 
 
-class CompletionStream:
-    """Renders one /v1/completions stream: text deltas per choice."""
+class _Stream:
+    """What both stream renderers share: the chunk envelope and the usage tail."""
 
-    def __init__(self, api: OpenAIServing, req: CompletionRequest, call: Call,
-                 group: RequestGroup) -> None:
-        self.api, self.req, self.call, self.group = api, req, call, group
-        self.offsets: dict[int, int] = {}  # text_offset of each choice's next token
+    OBJECT = ""
+
+    def __init__(self, api: OpenAIServing, call: Call, group: RequestGroup) -> None:
+        self.api, self.call, self.group = api, call, group
 
     def _chunk(self, choices: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
         c = self.call
-        chunk = {"id": c.id, "object": "text_completion", "created": c.created,
+        chunk = {"id": c.id, "object": self.OBJECT, "created": c.created,
                  "model": c.model, "system_fingerprint": None, "choices": choices, **extra}
         if c.include_usage and "usage" not in chunk:
             chunk["usage"] = None
         return chunk
+
+    def tail(self) -> list[dict[str, Any]]:
+        if not self.call.include_usage:
+            return []
+        return [self._chunk([], usage=self.call.usage(self.group.seqs))]
+
+
+class CompletionStream(_Stream):
+    """Renders one /v1/completions stream: text deltas per choice."""
+
+    OBJECT = "text_completion"
+
+    def __init__(self, api: OpenAIServing, req: CompletionRequest, call: Call,
+                 group: RequestGroup) -> None:
+        super().__init__(api, call, group)
+        self.req = req
+        self.offsets: dict[int, int] = {}  # text_offset of each choice's next token
 
     def chunks(self, idx: int, out: StrOut) -> list[dict[str, Any]]:
         t = out.token
@@ -402,28 +419,18 @@ class CompletionStream:
                               "finish_reason": finish_reason(t.finish_reason),
                               "stop_reason": stop_reason(t.finish_reason)}])]
 
-    def tail(self) -> list[dict[str, Any]]:
-        if not self.call.include_usage:
-            return []
-        return [self._chunk([], usage=self.call.usage(self.group.seqs))]
 
-
-class ChatStream:
+class ChatStream(_Stream):
     """Renders one /v1/chat/completions stream: the role delta first for each
     choice, then content deltas, then its finish_reason."""
 
+    OBJECT = "chat.completion.chunk"
+
     def __init__(self, api: OpenAIServing, req: ChatCompletionRequest, call: Call,
                  group: RequestGroup) -> None:
-        self.api, self.req, self.call, self.group = api, req, call, group
+        super().__init__(api, call, group)
+        self.req = req
         self.started: set[int] = set()
-
-    def _chunk(self, choices: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
-        c = self.call
-        chunk = {"id": c.id, "object": "chat.completion.chunk", "created": c.created,
-                 "model": c.model, "system_fingerprint": None, "choices": choices, **extra}
-        if c.include_usage and "usage" not in chunk:
-            chunk["usage"] = None
-        return chunk
 
     def chunks(self, idx: int, out: StrOut) -> list[dict[str, Any]]:
         t = out.token
@@ -444,11 +451,6 @@ class ChatStream:
                                     "finish_reason": finish_reason(t.finish_reason),
                                     "stop_reason": stop_reason(t.finish_reason)}]))
         return chunks
-
-    def tail(self) -> list[dict[str, Any]]:
-        if not self.call.include_usage:
-            return []
-        return [self._chunk([], usage=self.call.usage(self.group.seqs))]
 
 
 async def _sse_body(events: EventIter, first: tuple[int, StrOut],
