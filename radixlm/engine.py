@@ -63,13 +63,14 @@ class Engine:
         return results
 
     def get_server_info(self) -> dict[str, Any]:
-        return {**self.scheduler.server_info(), "server_args": self.server_args.__dict__}
+        return {**self._control("get_server_info"), "server_args": self.server_args.__dict__}
 
     def flush_cache(self) -> tuple[bool, str]:
-        return self.scheduler.flush_cache()
+        result = self._control("flush_cache")
+        return result["success"], result["message"]
 
     def abort_request(self, rid: str | None = None, abort_all: bool = False) -> None:
-        self.scheduler.abort(rid, abort_all)
+        self._control("abort", rid=rid, abort_all=abort_all)
 
     def shutdown(self) -> None:
         self.scheduler.abort(abort_all=True)
@@ -80,6 +81,10 @@ class Engine:
 
     def __exit__(self, *exc: Any) -> None:
         self.shutdown()
+
+    def _control(self, method: str, **args: Any) -> Any:
+        """Call a scheduler control method (see radixlm/scheduler/control.py)."""
+        return self.scheduler.control(method, **args)
 
     # ---- input normalization ------------------------------------------------------
     def _normalize_inputs(self, prompt, input_ids) -> tuple[list[list[int]], bool]:

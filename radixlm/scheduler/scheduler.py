@@ -23,6 +23,7 @@ from radixlm.protocol import GenerateReq, TokenOut
 from radixlm.runtime.forward_batch import ForwardBatch, ForwardMode
 from radixlm.runtime.model_runner import ModelRunner
 from radixlm.sampling_params import SamplingParams
+from radixlm.scheduler.control import ControlMixin
 from radixlm.scheduler.kv_manager import KVManager
 from radixlm.scheduler.policy import order_waiting
 from radixlm.scheduler.req import Req
@@ -79,7 +80,7 @@ class Stats:
     num_finished: int = 0
 
 
-class Scheduler:
+class Scheduler(ControlMixin):
     def __init__(self, args: ServerArgs, model_dir: str, config, tokenizer: Any,
                  tp_rank: int = 0) -> None:
         self.args = args

@@ -13,7 +13,6 @@ from __future__ import annotations
 import logging
 import sys
 import time
-from collections.abc import Callable
 from typing import Any
 
 import zmq
@@ -66,26 +65,6 @@ class SchedulerLoop:
         self.poller.register(self.recv_sock, zmq.POLLIN)
         self.errors: list[TokenOut] = []
         self.stats = StatsLogger(scheduler, args.stats_interval)
-        # The control methods a peer may call, by name: nothing else is reachable.
-        self.controls: dict[str, Callable[..., Any]] = {
-            "get_server_info": scheduler.server_info,
-            "flush_cache": self._flush_cache,
-            "check_invariants": self._check_invariants,
-            "abort": self._abort,
-        }
-
-    # ---- control methods ------------------------------------------------------
-    def _flush_cache(self) -> dict[str, Any]:
-        ok, message = self.scheduler.flush_cache()
-        return {"success": ok, "message": message}
-
-    def _check_invariants(self) -> dict[str, Any]:
-        self.scheduler.check_invariants()
-        return {"success": True}
-
-    def _abort(self, rid: str | None = None, abort_all: bool = False) -> dict[str, Any]:
-        self.scheduler.abort(rid, abort_all)
-        return {"success": True}
 
     # ---- messages in ------------------------------------------------------------
     def handle(self, data: bytes) -> None:
@@ -122,16 +101,14 @@ class SchedulerLoop:
             self.errors.append(error_finish(msg, f"internal error: {e}", 500))
 
     def _control(self, msg: ControlReq) -> None:
-        fn = self.controls.get(msg.method)
-        if fn is None:
-            reply = ControlReply(msg.req_id, False, message=f"unknown control method "
-                                                             f"{msg.method!r}")
-        else:
-            try:
-                reply = ControlReply(msg.req_id, True, result=fn(**msg.args))
-            except Exception as e:  # e.g. a failed invariant: report it, keep serving
-                logger.exception("control method %s failed", msg.method)
-                reply = ControlReply(msg.req_id, False, message=f"{type(e).__name__}: {e}")
+        try:
+            reply = ControlReply(msg.req_id, True,
+                                 result=self.scheduler.control(msg.method, **msg.args))
+        except KeyError as e:
+            reply = ControlReply(msg.req_id, False, message=str(e.args[0]))
+        except Exception as e:  # e.g. a failed invariant: report it, keep serving
+            logger.exception("control method %s failed", msg.method)
+            reply = ControlReply(msg.req_id, False, message=f"{type(e).__name__}: {e}")
         self.to_tok.send(encode(reply))
 
     def receive(self) -> None:
