@@ -16,6 +16,7 @@ SCHEDULE_POLICIES = ("fcfs", "lpm", "dfs-weight")
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 ATTENTION_BACKENDS = ("auto", "torch_native", "triton")
+EMBEDDING_POOLINGS = ("last", "mean")
 LOAD_BALANCE_METHODS = ("round_robin", "shortest_queue", "cache_aware")
 
 
@@ -40,6 +41,10 @@ class ServerArgs:
         "model", "No tokenizer: token ids in and out only (e.g. dummy benchmark models)",
         default=False)
     is_embedding: bool = _opt("model", "Serve pooled hidden states (embeddings)", default=False)
+    embedding_pooling: str = _opt(
+        "model", "With --is-embedding: the last token's final hidden state (SGLang's default "
+        "for decoder models) or the mean over the prompt; L2-normalized either way",
+        EMBEDDING_POOLINGS, default="last")
     random_seed: int = _opt("model", "Seed for weights of dummy models and unseeded sampling",
                             default=0)
 
@@ -81,14 +86,24 @@ class ServerArgs:
                                     default="round_robin")
     nnodes: int = _opt("parallelism", "Number of nodes", default=1)
     node_rank: int = _opt("parallelism", "This node's rank", default=0)
-    dist_init_addr: str | None = _opt("parallelism", "host:port of the torch.distributed store",
-                                      default=None)
+    dist_init_addr: str | None = _opt(
+        "parallelism", "host:port of the torch.distributed store (default: a free local port)",
+        default=None)
+    base_gpu_id: int = _opt("parallelism", "First GPU to use (ranks take consecutive GPUs)",
+                            default=0)
+    dist_timeout: float = _opt("parallelism", "Seconds a collective may wait for a peer rank",
+                               default=600.0)
 
     # Server
     host: str = _opt("server", "Bind address", default="127.0.0.1")
     port: int = _opt("server", "HTTP port", default=30000)
     api_key: str | None = _opt("server", "Require this bearer token", default=None)
     log_level: str = _opt("server", "Logging level", default="info")
+    dump_requests_folder: str | None = _opt(
+        "server", "Append finished requests to a JSON-lines file in this folder", default=None)
+    dump_requests_threshold: int = _opt(
+        "server", "Write the dumped requests out every this many requests (and at shutdown)",
+        default=1000)
     enable_metrics: bool = _opt("server", "Expose Prometheus /metrics", default=False)
     stats_interval: float = _opt("server", "Seconds between stats log lines", default=10.0)
     shutdown_timeout: float = _opt("server", "Seconds to drain on SIGTERM", default=30.0)
@@ -108,16 +123,26 @@ class ServerArgs:
             raise ValueError("chunked_prefill_size must be > 0, or -1 to disable chunking")
         if not 0.0 < self.mem_fraction_static < 1.0:
             raise ValueError("mem_fraction_static must be in (0, 1)")
+        if self.dump_requests_threshold < 1:
+            raise ValueError("dump_requests_threshold must be >= 1")
+        self._check_parallelism()
+
+    def _check_parallelism(self) -> None:
         if self.tp_size < 1 or self.dp_size < 1:
             raise ValueError("tp_size and dp_size must be >= 1")
-        # Accepted as flags (SGLang's names) but not built yet: refuse rather than
-        # silently run something else.
-        unbuilt = {"tp_size": self.tp_size > 1, "dp_size": self.dp_size > 1,
-                   "nnodes": self.nnodes > 1, "is_embedding": self.is_embedding}
-        for name, asked in unbuilt.items():
-            if asked:
-                raise ValueError(f"{name} is not supported yet (tensor/data parallelism, "
-                                 f"multi-node and embedding serving are still to come)")
+        if self.nnodes < 1 or not 0 <= self.node_rank < self.nnodes:
+            raise ValueError(f"node_rank must be in [0, nnodes={self.nnodes}), got "
+                             f"{self.node_rank}")
+        if self.nnodes > 1:
+            if self.tp_size % self.nnodes:
+                raise ValueError(f"tp_size={self.tp_size} must be a multiple of "
+                                 f"nnodes={self.nnodes} (each node runs tp_size/nnodes ranks)")
+            if self.dp_size > 1:
+                raise ValueError("dp_size > 1 with nnodes > 1 is not supported: run one "
+                                 "multi-node server per replica behind a router")
+            if not self.dist_init_addr:
+                raise ValueError("nnodes > 1 needs --dist-init-addr host:port (node 0's "
+                                 "address, reachable from every node)")
 
     def replace(self, **changes: Any) -> ServerArgs:
         return dataclasses.replace(self, **changes)

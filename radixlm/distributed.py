@@ -16,8 +16,9 @@ _TP_GROUP: dist.ProcessGroup | None = None
 
 def set_tp_group(group: dist.ProcessGroup | None) -> None:
     """Use `group` (e.g. `dist.group.WORLD`) for tensor parallelism; None resets to one rank."""
-    global _TP_GROUP
+    global _TP_GROUP, _TP_SYNC
     _TP_GROUP = group
+    _TP_SYNC = None
 
 
 def get_tp_group() -> dist.ProcessGroup | None:
@@ -53,3 +54,74 @@ def tensor_model_parallel_all_gather(x: torch.Tensor, dim: int = -1) -> torch.Te
     parts = [torch.empty_like(x) for _ in range(world)]
     dist.all_gather(parts, x, group=_TP_GROUP)
     return torch.cat(parts, dim=dim)
+
+
+def tensor_model_parallel_broadcast(x: torch.Tensor, src: int = 0) -> torch.Tensor:
+    """Overwrite `x` on every rank with rank `src`'s (in place)."""
+    if get_tp_size() > 1:
+        dist.broadcast(x, src=src, group=_TP_GROUP)
+    return x
+
+
+def init_distributed(backend: str, init_method: str, world_size: int, rank: int,
+                     timeout_s: float) -> None:
+    """Join the tensor-parallel group (the default process group) and use it for TP."""
+    from datetime import timedelta
+
+    dist.init_process_group(backend, init_method=init_method, world_size=world_size,
+                            rank=rank, timeout=timedelta(seconds=timeout_s))
+    set_tp_group(dist.group.WORLD)
+
+
+class TpSync:
+    """Host-side lockstep of the scheduler ranks of one tensor-parallel group.
+
+    Rank 0 alone talks to the outside world; each step it broadcasts what it
+    received (opaque bytes: msgpack frames, never pickle) so every rank applies
+    the same inputs in the same order and takes the same scheduling decisions.
+    Uses a gloo group, which is the TP group itself on the CPU and a separate
+    one next to NCCL on GPUs (NCCL cannot move host bytes).
+    """
+
+    def __init__(self) -> None:
+        assert _tp_active(), "init_distributed first"
+        self.rank, self.size = get_tp_rank(), get_tp_size()
+        world = dist.group.WORLD
+        self.group = world if dist.get_backend(world) == "gloo" else dist.new_group(
+            backend="gloo")
+
+    @property
+    def is_leader(self) -> bool:
+        return self.rank == 0
+
+    def broadcast_bytes(self, data: bytes | None) -> bytes:
+        """Rank 0 passes its bytes; every rank returns them."""
+        size = torch.tensor([len(data) if self.is_leader and data else 0], dtype=torch.int64)
+        dist.broadcast(size, src=0, group=self.group)
+        n = int(size.item())
+        if n == 0:
+            return b""
+        if self.is_leader:
+            assert data is not None
+            buf = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        else:
+            buf = torch.empty(n, dtype=torch.uint8)
+        dist.broadcast(buf, src=0, group=self.group)
+        return data if self.is_leader and data is not None else buf.numpy().tobytes()
+
+    def min_int(self, value: int) -> int:
+        """The smallest `value` over the ranks (e.g. the KV capacity all can hold)."""
+        t = torch.tensor([value], dtype=torch.int64)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.group)
+        return int(t.item())
+
+
+_TP_SYNC: TpSync | None = None
+
+
+def get_tp_sync() -> TpSync | None:
+    """The host-side lockstep of this rank's TP group; None with one rank."""
+    global _TP_SYNC
+    if _TP_SYNC is None and get_tp_size() > 1:
+        _TP_SYNC = TpSync()
+    return _TP_SYNC

@@ -71,6 +71,7 @@ class TokenOut(msgspec.Struct):
     spaces_between_special_tokens: bool = True
     no_stop_trim: bool = False
     stop: list[str] = []  # stop strings: the detokenizer holds back text that may start one
+    embedding: list[float] | None = None  # --is-embedding: the pooled, normalized vector
 
 
 class BatchTokenOut(msgspec.Struct, tag=True):
@@ -99,12 +100,26 @@ class ProcessReady(msgspec.Struct, tag=True):
     info: dict[str, Any] = {}
 
 
+class LoadReport(msgspec.Struct, tag=True):
+    """A data-parallel replica's load, sent to the controller when it changes.
+
+    `num_received` counts the GenerateReqs the replica has taken in so far, so
+    the controller knows which of the requests it routed are not counted yet."""
+
+    dp_rank: int
+    num_reqs: int  # running + queued
+    num_tokens: int  # their prompt + generated tokens
+    num_received: int
+
+
 ToScheduler = GenerateReq | AbortReq | ControlReq
 ToDetokenizer = BatchTokenOut
 ToTokenizer = BatchStrOut | ControlReply | ProcessReady
+ToController = ControlReply | ProcessReady | LoadReport
 
 _encoder = msgspec.msgpack.Encoder()
-_types = {"sched": ToScheduler, "detok": ToDetokenizer, "tok": ToTokenizer}
+_types = {"sched": ToScheduler, "detok": ToDetokenizer, "tok": ToTokenizer,
+          "ctrl": ToController}
 _decoders = {k: msgspec.msgpack.Decoder(t) for k, t in _types.items()}
 
 
@@ -122,3 +137,7 @@ def decode_to_detokenizer(data: bytes) -> ToDetokenizer:
 
 def decode_to_tokenizer(data: bytes) -> ToTokenizer:
     return _decoders["tok"].decode(data)
+
+
+def decode_to_controller(data: bytes) -> ToController:
+    return _decoders["ctrl"].decode(data)

@@ -27,9 +27,11 @@ def test_cli_round_trip_uses_sglang_flag_names():
     ({"schedule_policy": "random"}, "schedule_policy"),
     ({"chunked_prefill_size": 0}, "chunked_prefill_size"),
     ({"mem_fraction_static": 1.5}, "mem_fraction_static"),
-    ({"tp_size": 2}, "tp_size is not supported yet"),
-    ({"dp_size": 2}, "dp_size is not supported yet"),
-    ({"is_embedding": True}, "is_embedding is not supported yet"),
+    ({"tp_size": 0}, "tp_size"),
+    ({"tp_size": 3, "nnodes": 2, "dist_init_addr": "h:1"}, "multiple of nnodes"),
+    ({"tp_size": 2, "nnodes": 2}, "dist-init-addr"),
+    ({"tp_size": 2, "nnodes": 2, "node_rank": 2, "dist_init_addr": "h:1"}, "node_rank"),
+    ({"dp_size": 2, "tp_size": 2, "nnodes": 2, "dist_init_addr": "h:1"}, "dp_size > 1"),
 ])
 def test_invalid_or_unbuilt_settings_are_refused(kwargs, match):
     with pytest.raises(ValueError, match=match):

@@ -165,6 +165,8 @@ def main(argv: list[str] | None = None, mode: str = "offline") -> None:
     parser.add_argument("--hf-batch-size", type=int, default=None,
                         help="HF static batch size (default: all prompts at once)")
     parser.add_argument("--skip-hf", action="store_true")
+    parser.add_argument("--hf-dtype", choices=("same", "float32", "bfloat16", "float16"),
+                        default="same", help="the HF peer's dtype (default: ours)")
     parser.add_argument("--seed", type=int, default=0)
     ServerArgs.add_cli_args(parser)
     args = parser.parse_args(argv)
@@ -207,9 +209,12 @@ def main(argv: list[str] | None = None, mode: str = "offline") -> None:
         gc.collect()
         if model_device.type == "cuda":
             torch.cuda.empty_cache()
+        if args.hf_dtype != "same":
+            model_dtype = getattr(torch, args.hf_dtype)
         hf = load_hf(model_dir, config, model_dtype, model_device,
                      server_args.load_format == "dummy")
         peer = run_hf(hf, prompts, args.output_len, model_device,
                       args.hf_batch_size or args.num_prompts)
         peer.num_seqs = args.num_prompts
+        extra.append(f"HF peer dtype: {model_dtype}")
     print_table([ours], peer, extra)

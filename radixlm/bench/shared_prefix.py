@@ -4,7 +4,9 @@
         --prefix-len 1024 --question-len 128 --output-len 128
 
 Each group shares a system prompt of random tokens; each request adds its own
-question. The peer is the same engine with --disable-radix-cache.
+question. The peer is the same engine with --disable-radix-cache, or, with
+`--peer round-robin` (data parallelism: `--dp-size 2 --load-balance-method
+cache_aware`), the same replicas routed round-robin.
 """
 
 from __future__ import annotations
@@ -41,10 +43,8 @@ def run(server_args: ServerArgs, prompts: list[list[int]], output_len: int) -> d
     engine.flush_cache()
     t0 = time.perf_counter()
     outs = engine.generate(input_ids=prompts, sampling_params=sp)
-    if engine.scheduler.device.type == "cuda":
-        torch.cuda.synchronize()
     dt = time.perf_counter() - t0
-    info = engine.scheduler.server_info()
+    info = engine.get_server_info()
     engine.shutdown()
     del engine
     gc.collect()
@@ -63,6 +63,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--question-len", type=int, default=64)
     parser.add_argument("--output-len", type=int, default=32)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--peer", choices=("no-radix-cache", "round-robin"),
+                        default="no-radix-cache")
     ServerArgs.add_cli_args(parser)
     args = parser.parse_args(argv)
     server_args = ServerArgs.from_cli_args(args)
@@ -71,11 +73,18 @@ def main(argv: list[str] | None = None) -> None:
     prompts = build_workload(args.num_groups, args.group_size, args.prefix_len,
                              args.question_len, config.vocab_size, args.seed)
     on = run(server_args, prompts, args.output_len)
-    off = run(dataclasses.replace(server_args, disable_radix_cache=True), prompts,
-              args.output_len)
+    if args.peer == "round-robin":
+        peer_name = "round_robin routing"
+        peer_args = dataclasses.replace(server_args, load_balance_method="round_robin")
+    else:
+        peer_name = "--disable-radix-cache"
+        peer_args = dataclasses.replace(server_args, disable_radix_cache=True)
+    off = run(peer_args, prompts, args.output_len)
+    ours_name = (f"{server_args.load_balance_method} routing" if args.peer == "round-robin"
+                 else "radix cache")
     print(f"\nworkload: {args.num_groups} groups x {args.group_size} requests, prefix "
           f"{args.prefix_len} + question {args.question_len} tokens, {args.output_len} out")
     print(f"{'system':<24}{'seconds':>10}{'tok/s':>10}{'hit rate':>10}{'ratio':>8}")
-    for name, r in (("radix cache", on), ("--disable-radix-cache", off)):
+    for name, r in ((ours_name, on), (peer_name, off)):
         print(f"{name:<24}{r['seconds']:>10.2f}{r['tok_s']:>10.1f}{r['hit_rate']:>10.1%}"
               f"{r['tok_s'] / off['tok_s']:>7.2f}x")

@@ -102,9 +102,19 @@ class GrammarManager:
         are finished with an abort that carries status 400."""
         if timeout > 0 and not any(f.done() for _, f in self.pending):
             wait([f for _, f in self.pending], timeout, return_when=FIRST_COMPLETED)
+        return self._collect({r.rid for r, f in self.pending if f.done()})
+
+    def poll_selected(self, rids: list[str]) -> tuple[list[Req], list[Req]]:
+        """Like `poll`, for exactly the requests `rids`, waiting for their compiles:
+        a tensor-parallel follower admits what rank 0's `poll` admitted."""
+        wanted = set(rids)
+        wait([f for r, f in self.pending if r.rid in wanted])
+        return self._collect(wanted)
+
+    def _collect(self, rids: set[str]) -> tuple[list[Req], list[Req]]:
         ready, failed, still = [], [], []
         for req, fut in self.pending:
-            if not fut.done():
+            if req.rid not in rids:
                 still.append((req, fut))
             elif self._attach(req, fut):
                 ready.append(req)

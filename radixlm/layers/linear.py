@@ -22,6 +22,38 @@ def divide(numerator: int, denominator: int) -> int:
     return numerator // denominator
 
 
+def even_split(total: int, parts: int, index: int) -> tuple[int, int]:
+    """(start, size) of piece `index` when `total` items are cut into `parts` pieces
+    as evenly as possible (the first `total % parts` pieces get one more)."""
+    base, extra = divmod(total, parts)
+    return index * base + min(index, extra), base + (index < extra)
+
+
+def head_partition(num_heads: int, num_kv_heads: int, tp_size: int,
+                   rank: int) -> tuple[int, int, int, int]:
+    """(first q head, q heads, first kv head, kv heads) of a tensor-parallel rank.
+
+    Ranks split the KV heads as evenly as possible and take the query heads
+    grouped with them, so head counts need not divide the rank count (SmolLM2's
+    9 query / 3 KV heads run on 2 ranks as 6+3 / 2+1). With fewer KV heads than
+    ranks each KV head is replicated on tp_size / num_kv_heads ranks, which split
+    its query group between them."""
+    if num_heads % num_kv_heads:
+        raise ValueError(f"{num_heads} attention heads are not a multiple of "
+                         f"{num_kv_heads} KV heads")
+    group = num_heads // num_kv_heads
+    if tp_size <= num_kv_heads:
+        kv_start, kv_count = even_split(num_kv_heads, tp_size, rank)
+        return kv_start * group, kv_count * group, kv_start, kv_count
+    if tp_size % num_kv_heads or group < tp_size // num_kv_heads:
+        raise ValueError(f"cannot split {num_heads} attention heads with {num_kv_heads} KV "
+                         f"heads over {tp_size} tensor-parallel ranks")
+    replicas = tp_size // num_kv_heads
+    kv_head = rank // replicas
+    q_start, q_count = even_split(group, replicas, rank % replicas)
+    return kv_head * group + q_start, q_count, kv_head, 1
+
+
 def copy_checked(dst: torch.Tensor, src: torch.Tensor) -> None:
     # copy_ broadcasts silently; a checkpoint of the wrong shape must fail loudly.
     if dst.shape != src.shape:
@@ -54,12 +86,13 @@ class ColumnParallelLinear(nn.Module):
     """y = x W^T + b with W's output rows split evenly across ranks."""
 
     def __init__(self, input_size: int, output_size: int, bias: bool = False,
-                 gather_output: bool = False, params_dtype: torch.dtype | None = None) -> None:
+                 gather_output: bool = False, params_dtype: torch.dtype | None = None,
+                 local_output_size: int | None = None) -> None:
         super().__init__()
         self.tp_rank, self.tp_size = tp.get_tp_rank(), tp.get_tp_size()
         self.input_size = input_size
         self.output_size = output_size
-        self.output_size_per_partition = divide(output_size, self.tp_size)
+        self.output_size_per_partition = local_output_size or divide(output_size, self.tp_size)
         self.gather_output = gather_output
         self.weight = _new_param(self.output_size_per_partition, input_size, dtype=params_dtype,
                                  loader=self.weight_loader)
@@ -101,47 +134,42 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
 
 
 class QKVParallelLinear(ColumnParallelLinear):
-    """q, k and v projections fused into one matmul, split by attention head.
-
-    With fewer KV heads than ranks, each KV head is replicated on
-    `tp_size // total_num_kv_heads` consecutive ranks (every rank needs the KV
-    head its query heads are grouped with)."""
+    """q, k and v projections fused into one matmul, split by attention head as
+    `head_partition` says (KV heads replicated when fewer than the ranks)."""
 
     def __init__(self, hidden_size: int, head_size: int, total_num_heads: int,
                  total_num_kv_heads: int | None = None, bias: bool = False,
                  params_dtype: torch.dtype | None = None) -> None:
-        tp_size = tp.get_tp_size()
         self.head_size = head_size
         self.total_num_heads = total_num_heads
         self.total_num_kv_heads = total_num_kv_heads or total_num_heads
-        self.num_heads = divide(total_num_heads, tp_size)
-        if tp_size >= self.total_num_kv_heads:
-            self.num_kv_heads = 1
-            self.kv_replicas = divide(tp_size, self.total_num_kv_heads)
-        else:
-            self.num_kv_heads = divide(self.total_num_kv_heads, tp_size)
-            self.kv_replicas = 1
+        self.q_start, self.num_heads, self.kv_start, self.num_kv_heads = head_partition(
+            total_num_heads, self.total_num_kv_heads, tp.get_tp_size(), tp.get_tp_rank())
         self.q_size = self.num_heads * head_size
         self.kv_size = self.num_kv_heads * head_size
-        local = self.q_size + 2 * self.kv_size
-        super().__init__(hidden_size, local * tp_size, bias=bias, params_dtype=params_dtype)
+        total = (total_num_heads + 2 * self.total_num_kv_heads) * head_size
+        super().__init__(hidden_size, total, bias=bias, params_dtype=params_dtype,
+                         local_output_size=self.q_size + 2 * self.kv_size)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor,
                       shard_id: str | None = None) -> None:
+        hd = self.head_size
         if shard_id is None:  # a checkpoint with a fused qkv tensor
-            total_kv = self.total_num_kv_heads * self.head_size
-            sizes = [self.total_num_heads * self.head_size, total_kv, total_kv]
+            total_kv = self.total_num_kv_heads * hd
+            sizes = [self.total_num_heads * hd, total_kv, total_kv]
             for sid, part in zip("qkv", loaded.split(sizes, dim=0), strict=True):
                 self.weight_loader(param, part, sid)
             return
-        kv_rank = self.tp_rank // self.kv_replicas
-        offset, size, rank, total = {
-            "q": (0, self.q_size, self.tp_rank, self.total_num_heads),
-            "k": (self.q_size, self.kv_size, kv_rank, self.total_num_kv_heads),
-            "v": (self.q_size + self.kv_size, self.kv_size, kv_rank, self.total_num_kv_heads),
+        offset, size, first, total = {
+            "q": (0, self.q_size, self.q_start, self.total_num_heads),
+            "k": (self.q_size, self.kv_size, self.kv_start, self.total_num_kv_heads),
+            "v": (self.q_size + self.kv_size, self.kv_size, self.kv_start,
+                  self.total_num_kv_heads),
         }[shard_id]
-        piece = take_shard(loaded, 0, rank, size, total * self.head_size)
-        copy_checked(param.data.narrow(0, offset, size), piece)
+        if loaded.shape[0] != total * hd:
+            raise ValueError(f"checkpoint tensor has {loaded.shape[0]} rows for {shard_id}, "
+                             f"expected {total * hd}")
+        copy_checked(param.data.narrow(0, offset, size), loaded.narrow(0, first * hd, size))
 
 
 class RowParallelLinear(nn.Module):
@@ -150,10 +178,17 @@ class RowParallelLinear(nn.Module):
 
     def __init__(self, input_size: int, output_size: int, bias: bool = False,
                  input_is_parallel: bool = True, reduce_results: bool = True,
-                 params_dtype: torch.dtype | None = None) -> None:
+                 params_dtype: torch.dtype | None = None,
+                 input_partition: tuple[int, int] | None = None) -> None:
+        """`input_partition` (start, size): this rank's input columns when they are
+        not an even split (attention heads cut unevenly)."""
         super().__init__()
         self.tp_rank, self.tp_size = tp.get_tp_rank(), tp.get_tp_size()
-        self.input_size_per_partition = divide(input_size, self.tp_size)
+        self.input_size = input_size
+        if input_partition is None:
+            size = divide(input_size, self.tp_size)
+            input_partition = (self.tp_rank * size, size)
+        self.input_start, self.input_size_per_partition = input_partition
         self.output_size = output_size
         self.input_is_parallel = input_is_parallel
         self.reduce_results = reduce_results
@@ -167,15 +202,16 @@ class RowParallelLinear(nn.Module):
         if param.dim() == 1:  # the bias is not split
             copy_checked(param.data, loaded)
             return
-        size = param.shape[1]
-        copy_checked(param.data, take_shard(loaded, 1, self.tp_rank, size, size * self.tp_size))
+        if loaded.shape[1] != self.input_size:
+            raise ValueError(f"checkpoint tensor has {loaded.shape[1]} columns, expected "
+                             f"{self.input_size}")
+        copy_checked(param.data, loaded.narrow(1, self.input_start, param.shape[1]))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:
             return F.linear(x, self.weight, self.bias)
         if not self.input_is_parallel:
-            size = self.input_size_per_partition
-            x = x.narrow(-1, self.tp_rank * size, size)
+            x = x.narrow(-1, self.input_start, self.input_size_per_partition)
         out = F.linear(x, self.weight)
         if self.reduce_results:
             out = tp.tensor_model_parallel_all_reduce(out)

@@ -68,7 +68,9 @@ class LlamaAttention(nn.Module):
         num_kv_heads = getattr(config, "num_key_value_heads", None) or num_heads
         head_dim = head_dim_of(config)
         self.qkv_proj = QKVParallelLinear(hidden, head_dim, num_heads, num_kv_heads, bias=qkv_bias)
-        self.o_proj = RowParallelLinear(num_heads * head_dim, hidden, bias=o_bias)
+        qkv = self.qkv_proj
+        self.o_proj = RowParallelLinear(num_heads * head_dim, hidden, bias=o_bias,
+                                        input_partition=(qkv.q_start * head_dim, qkv.q_size))
         self.rotary_emb = rotary_emb
         self.split_sizes = [self.qkv_proj.q_size, self.qkv_proj.kv_size, self.qkv_proj.kv_size]
         self.attn = RadixAttention(layer_id, self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads,

@@ -31,7 +31,6 @@ from torch import nn
 from tqdm import tqdm
 from transformers import AutoConfig, PretrainedConfig
 
-from radixlm.layers.norm import RMSNorm
 from radixlm.layers.rotary import compute_inv_freq
 from radixlm.models.registry import get_model_class
 
@@ -440,18 +439,23 @@ def _building_on(dtype: torch.dtype, device: torch.device) -> Iterator[None]:
         torch.set_default_dtype(previous)
 
 
-def _init_dummy(model: nn.Module, seed: int) -> None:
-    """Seeded noise the size of real weights, logits kept in a sane range:
-    N(0, 0.02) as HF initializes, norms at one."""
-    norms = {id(m.weight) for m in model.modules() if isinstance(m, RMSNorm)}
-    with torch.no_grad():
-        for param in model.parameters():
-            if id(param) in norms:
-                param.fill_(1.0)
-            else:
-                generator = torch.Generator(device=param.device).manual_seed(seed)
-                param.normal_(0.0, 0.02, generator=generator)
-                seed += 1
+def dummy_weights(config: PretrainedConfig, seed: int,
+                  device: torch.device) -> Iterator[tuple[str, torch.Tensor]]:
+    """Seeded noise the size of the real checkpoint, tensor by tensor under the HF
+    names: N(0, 0.02) as HF initializes, norms at one. Generated whole and then
+    sharded by the weight loaders, so every tensor-parallel size (and HF itself,
+    given these tensors) sees the same model."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        reference = AutoModelForCausalLM.from_config(config)
+    for i, (name, meta) in enumerate(reference.named_parameters()):
+        if name.endswith("norm.weight"):
+            yield name, torch.ones(meta.shape, device=device)
+            continue
+        generator = torch.Generator(device=device).manual_seed(seed + i)
+        yield name, torch.empty(meta.shape, device=device).normal_(0.0, 0.02,
+                                                                   generator=generator)
 
 
 def _load_checkpoint(model: nn.Module, model_dir: str) -> None:
@@ -474,7 +478,7 @@ def load_model(model_dir: str, config: PretrainedConfig, load_format: str = "aut
     with _building_on(dtype, device):
         model = model_cls(config)
     if load_format == "dummy":
-        _init_dummy(model, seed)
+        model.load_weights(dummy_weights(config, seed, device))
     else:
         _load_checkpoint(model, model_dir)
     model.eval()

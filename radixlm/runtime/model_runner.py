@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import psutil
 import torch
 
+from radixlm import distributed as tp
 from radixlm.cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
 from radixlm.config import ServerArgs
 from radixlm.layers.attention.base import AttentionBackend
@@ -31,35 +32,46 @@ class ModelShape:
     context_len: int
 
     @classmethod
-    def from_config(cls, config, context_length: int | None, tp_size: int = 1) -> ModelShape:
+    def from_config(cls, config, context_length: int | None, tp_size: int = 1,
+                    tp_rank: int = 0) -> ModelShape:
+        """Sizes as one tensor-parallel rank sees them (its share of the heads)."""
+        from radixlm.layers.linear import head_partition
+
         heads = config.num_attention_heads
         kv_heads = getattr(config, "num_key_value_heads", None) or heads
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
         ctx = context_length or getattr(config, "max_position_embeddings", 4096)
-        return cls(num_layers=config.num_hidden_layers, num_heads=heads // tp_size,
-                   num_kv_heads=max(1, kv_heads // tp_size), head_dim=head_dim,
+        _, local_heads, _, local_kv = head_partition(heads, kv_heads, tp_size, tp_rank)
+        return cls(num_layers=config.num_hidden_layers, num_heads=local_heads,
+                   num_kv_heads=local_kv, head_dim=head_dim,
                    vocab_size=config.vocab_size, context_len=ctx)
 
 
-def resolve_device(name: str) -> torch.device:
+def resolve_device(name: str, gpu_id: int | None = None) -> torch.device:
+    """`gpu_id` picks the GPU of a tensor/data-parallel rank (None: the current one)."""
     if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    device = torch.device(name)
+    if device.type == "cuda" and gpu_id is not None:
+        device = torch.device("cuda", gpu_id)
+    return device
 
 
 class ModelRunner:
-    def __init__(self, args: ServerArgs, model_dir: str, config, tp_rank: int = 0) -> None:
+    def __init__(self, args: ServerArgs, model_dir: str, config,
+                 gpu_id: int | None = None) -> None:
         from radixlm.models.loader import load_model, resolve_dtype
 
         self.args = args
-        self.device = resolve_device(args.device)
-        if self.device.type == "cpu" and args.num_threads:
-            torch.set_num_threads(args.num_threads)
+        self.device = resolve_device(args.device, gpu_id)
+        if self.device.type == "cpu":
+            self._set_cpu_threads()
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device.index or 0)
         self.dtype = resolve_dtype(args.dtype, config, self.device)
         self.config = config
-        self.shape = ModelShape.from_config(config, args.context_length, args.tp_size)
+        self.shape = ModelShape.from_config(config, args.context_length, args.tp_size,
+                                            tp.get_tp_rank())
         self.model = load_model(model_dir, config, args.load_format, self.dtype, self.device,
                                 seed=args.random_seed)
         self.max_total_tokens = self._kv_capacity()
@@ -79,8 +91,22 @@ class ModelRunner:
                 self, min(args.cuda_graph_max_bs, self.max_running_requests),
                 use_graphs=not args.disable_cuda_graph)
 
+    def _set_cpu_threads(self) -> None:
+        if self.args.num_threads:
+            torch.set_num_threads(self.args.num_threads)
+            return
+        ranks = self.args.tp_size * self.args.dp_size // self.args.nnodes
+        if ranks > 1:  # ranks share the cores: oversubscription costs several times over
+            torch.set_num_threads(max(1, (psutil.cpu_count(logical=False) or 1) // ranks))
+
     # ---- sizing ------------------------------------------------------------
     def _kv_capacity(self) -> int:
+        tokens = self._local_kv_capacity()
+        sync = tp.get_tp_sync()
+        # Every rank must admit the same requests: all take the smallest capacity.
+        return sync.min_int(tokens) if sync is not None else tokens
+
+    def _local_kv_capacity(self) -> int:
         if self.args.max_total_tokens:
             return self.args.max_total_tokens
         s = self.shape

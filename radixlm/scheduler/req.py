@@ -57,6 +57,11 @@ class Req:
     # output_ids (so it survives retraction unchanged); None without a grammar.
     grammar: Any = None
 
+    # Embedding requests (--is-embedding, prefill only): `hidden_sum` accumulates the
+    # prompt's hidden rows across chunks for mean pooling; `embedding` is the result.
+    hidden_sum: torch.Tensor | None = None
+    embedding: list[float] | None = None
+
     @property
     def fill_ids(self) -> list[int]:
         """Tokens whose KV must exist before the next token can be produced."""

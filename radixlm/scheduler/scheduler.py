@@ -13,8 +13,10 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
+import msgspec
 import torch
 
+from radixlm import distributed as tp
 from radixlm.cache.base import PrefixCache
 from radixlm.config import ServerArgs
 from radixlm.constrained.manager import create_grammar_manager
@@ -24,9 +26,11 @@ from radixlm.runtime.forward_batch import ForwardBatch, ForwardMode
 from radixlm.runtime.model_runner import ModelRunner
 from radixlm.sampling_params import SamplingParams
 from radixlm.scheduler.control import ControlMixin
+from radixlm.scheduler.embedding import forward_hidden, pool_chunk
 from radixlm.scheduler.kv_manager import KVManager
 from radixlm.scheduler.policy import order_waiting
 from radixlm.scheduler.req import Req
+from radixlm.scheduler.session import SessionController, auto_bos_id
 from radixlm.utils import to_device
 
 logger = logging.getLogger(__name__)
@@ -82,10 +86,16 @@ class Stats:
 
 class Scheduler(ControlMixin):
     def __init__(self, args: ServerArgs, model_dir: str, config, tokenizer: Any,
-                 tp_rank: int = 0) -> None:
+                 gpu_id: int | None = None) -> None:
+        if args.is_embedding:
+            # Pooling needs the hidden state of every pooled position, and a prefix-cache
+            # hit skips computing those (only K/V are cached): no sharing for embeddings.
+            args = args.replace(disable_radix_cache=True)
         self.args = args
         self.tokenizer = tokenizer
-        self.runner = ModelRunner(args, model_dir, config, tp_rank)
+        self.runner = ModelRunner(args, model_dir, config, gpu_id)
+        # Tensor parallelism: ranks run this scheduler in lockstep (see TpSync).
+        self.tp_sync = tp.get_tp_sync()
         self.device = self.runner.device
         self.vocab_size = self.runner.shape.vocab_size
         self.context_len = self.runner.shape.context_len
@@ -96,6 +106,7 @@ class Scheduler(ControlMixin):
         self.sampler = Sampler()
         self.eos_token_ids = _eos_ids(config, tokenizer)
         self.rng = random.Random(args.random_seed)
+        self.sessions = SessionController(args.random_seed, auto_bos_id(tokenizer))
         self.grammars = create_grammar_manager(args.grammar_backend, tokenizer, self.vocab_size,
                                                self.eos_token_ids, self.max_running_requests)
 
@@ -124,20 +135,29 @@ class Scheduler(ControlMixin):
     def add_request(self, msg: GenerateReq) -> None:
         """Queue a request; raises ValueError (with the parameter and allowed range)
         on bad input, leaving the scheduler untouched."""
+        self.check_accepting()  # refused while memory is released (runtime_control.py)
         if msg.rid in self.reqs:
             raise ValueError(f"duplicate request id {msg.rid!r}")
-        params = SamplingParams.from_wire(msg.sampling_params)
+        # An embedding server pools every request's prompt: no decoding, no sampling.
+        params = SamplingParams(max_new_tokens=0) if self.args.is_embedding else \
+            SamplingParams.from_wire(msg.sampling_params)
         params.validate(self.vocab_size)
-        self.validate_input(msg.input_ids, params.max_new_tokens)
+        input_ids, session = list(msg.input_ids), None
+        if msg.session_params is not None:  # the earlier request's context + these ids
+            session = self.sessions.continuation(msg.rid, msg.session_params, input_ids)
+            input_ids = session.input_ids
+        self.validate_input(input_ids, params.max_new_tokens)
         self.grammars.check(params)
         seed = params.seed if params.seed is not None else self.rng.getrandbits(62)
-        req = Req(rid=msg.rid, origin_input_ids=list(msg.input_ids), sampling_params=params,
+        req = Req(rid=msg.rid, origin_input_ids=input_ids, sampling_params=params,
                   seed=seed, stream=msg.stream, return_logprob=msg.return_logprob,
                   top_logprobs_num=msg.top_logprobs_num,
                   logprob_start_len=msg.logprob_start_len if msg.return_logprob else -1,
                   eos_token_ids=self.eos_token_ids,
                   stop_str_max_len=max((len(s) for s in params.stop), default=0))
         self.reqs[req.rid] = req
+        if session is not None:
+            self.sessions.commit(session, req, self.abort)
         if not self.grammars.submit(req):  # else it waits for its grammar to compile
             self.waiting.append(req)
 
@@ -205,6 +225,7 @@ class Scheduler(ControlMixin):
             self.kv.check_invariants([])
         out = list(self.pending_outputs)
         self.pending_outputs.clear()
+        self.profile_step()  # a num_steps profile stops by itself (runtime_control.py)
         return out
 
     def _needs_sync(self) -> bool:
@@ -212,7 +233,15 @@ class Scheduler(ControlMixin):
 
     def _admit_compiled_grammars(self) -> None:
         idle = not (self.waiting or self.running or self.chunked_req)
-        ready, failed = self.grammars.poll(GRAMMAR_WAIT_S if idle else 0.0)
+        sync = self.tp_sync
+        if sync is None or sync.is_leader:
+            ready, failed = self.grammars.poll(GRAMMAR_WAIT_S if idle else 0.0)
+        if sync is not None:  # compile times differ per rank: rank 0's poll decides
+            done = msgspec.msgpack.encode([r.rid for r in ready + failed]) \
+                if sync.is_leader else None
+            rids = msgspec.msgpack.decode(sync.broadcast_bytes(done) or b"\x90")
+            if not sync.is_leader:
+                ready, failed = self.grammars.poll_selected(rids)
         self.waiting += ready
         for req in failed:
             self._finish(req)
@@ -310,6 +339,8 @@ class Scheduler(ControlMixin):
             ForwardMode.EXTEND, input_ids, [r.req_pool_idx for r in batch], prefix_lens,
             extend_lens, torch.cat(locs), self.runner.req_to_token_pool, self.runner.kv_pool,
             self.runner.attn_backend, self.device, logit_rows=rows)
+        if self.args.is_embedding:
+            return self._launch_embedding(batch, fb)
         logits = self.runner.forward(fb)
         self.forward_ct += 1
         self.stats.num_prompt_tokens += sum(extend_lens)
@@ -339,6 +370,21 @@ class Scheduler(ControlMixin):
             return None
         self.running += sample_reqs
         return self._sample(sample_reqs, logits[sample_rows])
+
+    def _launch_embedding(self, batch: list[Req], fb: ForwardBatch) -> None:
+        """A prefill round of embedding requests: hidden states, pooled; no logits, no
+        sampling. A request whose prompt is complete finishes with its embedding."""
+        hidden = forward_hidden(self.runner, fb)
+        self.forward_ct += 1
+        self.stats.num_prompt_tokens += fb.num_tokens
+        pool_chunk(hidden, batch, fb.extend_seq_lens_cpu, self.args.embedding_pooling)
+        for req in batch:
+            if req.is_chunked:
+                self.chunked_req = req
+            else:
+                req.finished_reason = {"type": "length", "length": 0}
+                self._finish(req)
+        return None
 
     def _record_input_logprobs(self, req: Req, logits: torch.Tensor, first: int) -> None:
         """logits[j] (position first + j) predicts the prompt token at first + j + 1."""
@@ -425,6 +471,8 @@ class Scheduler(ControlMixin):
         top_k = max((r.top_logprobs_num for r in reqs if r.return_logprob), default=0)
         logits = self.grammars.mask_logits(reqs, logits)
         out = self.sampler(logits, info, want_lp, top_k)
+        if self.tp_sync is not None:  # every rank continues with rank 0's tokens
+            tp.tensor_model_parallel_broadcast(out.next_token_ids)
         pool_idx = torch.tensor([r.req_pool_idx for r in reqs], dtype=torch.int64)
         self.future_ids[to_device(pool_idx, self.device)] = out.next_token_ids
         for r in reqs:
@@ -487,7 +535,8 @@ class Scheduler(ControlMixin):
             cached_tokens=max(req.cached_tokens, 0),
             skip_special_tokens=req.sampling_params.skip_special_tokens,
             spaces_between_special_tokens=req.sampling_params.spaces_between_special_tokens,
-            no_stop_trim=req.sampling_params.no_stop_trim, stop=req.sampling_params.stop)
+            no_stop_trim=req.sampling_params.no_stop_trim, stop=req.sampling_params.stop,
+            embedding=req.embedding)
         if req.return_logprob:
             msg.output_logprobs = req.output_logprobs[req.sent_logprob_len:]
             if req.top_logprobs_num:

@@ -20,6 +20,7 @@ class IpcPaths:
     scheduler: str  # the scheduler reads requests here
     detokenizer: str  # the detokenizer reads token ids here
     tokenizer: str  # the TokenizerManager reads text, control replies and ready notes here
+    controller: str  # data parallelism: the controller reads the replicas' replies here
     root: str
 
     @classmethod
@@ -27,7 +28,12 @@ class IpcPaths:
         root = tempfile.mkdtemp(prefix="radixlm-ipc-")
         os.chmod(root, 0o700)
         return cls(scheduler=f"ipc://{root}/scheduler", detokenizer=f"ipc://{root}/detokenizer",
-                   tokenizer=f"ipc://{root}/tokenizer", root=root)
+                   tokenizer=f"ipc://{root}/tokenizer", controller=f"ipc://{root}/controller",
+                   root=root)
+
+    def replica(self, dp_rank: int) -> str:
+        """Where data-parallel replica `dp_rank`'s scheduler reads requests."""
+        return f"ipc://{self.root}/scheduler-{dp_rank}"
 
     def cleanup(self) -> None:
         shutil.rmtree(self.root, ignore_errors=True)

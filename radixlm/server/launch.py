@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import dataclasses
 import logging
 import multiprocessing as mp
 import os
@@ -35,8 +34,8 @@ from radixlm.server.detokenizer_process import run_detokenizer_process
 from radixlm.server.http_server import ServerState, build_app
 from radixlm.server.ipc import IpcPaths
 from radixlm.server.metrics import Metrics
-from radixlm.server.scheduler_process import run_scheduler_process
 from radixlm.server.tokenizer_manager import PromptJob, TokenizerManager
+from radixlm.server.workers import spawn_schedulers
 
 logger = logging.getLogger("radixlm.server")
 
@@ -94,6 +93,8 @@ class Launcher:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self._on_signal, sig)
+        if self.args.node_rank > 0:
+            return await self._run_follower_node()
         check_port_free(self.args.host, self.args.port)
         from radixlm.models.loader import prepare_model_dir
         from radixlm.tokenizer import get_tokenizer
@@ -115,6 +116,23 @@ class Launcher:
                 return self.exit_code
             self._log_capacity()
             return await self._serve(build_app(self.state))
+        finally:
+            watch.cancel()
+
+    async def _run_follower_node(self) -> int:
+        """Nodes other than 0 run tensor-parallel followers only: rank 0, on node 0,
+        talks to the front end and leads them through the collectives."""
+        from radixlm.models.loader import prepare_model_dir
+
+        model_dir = await asyncio.to_thread(prepare_model_dir, self.args.model_path,
+                                            self.args.load_format)
+        self.children.update(spawn_schedulers(self.args, model_dir, self.paths))
+        logger.info("node %d: started %d scheduler rank(s); following node 0 at %s",
+                    self.args.node_rank, len(self.children), self.args.dist_init_addr)
+        watch = asyncio.get_running_loop().create_task(self._watch_children())
+        try:
+            await self.stop.wait()
+            return self.exit_code
         finally:
             watch.cancel()
 
@@ -209,22 +227,14 @@ class Launcher:
     # ---- children ------------------------------------------------------------------------
     def _spawn_children(self, model_dir: str, tokenizer_path: str) -> None:
         # Spawned from the main thread: the children's PDEATHSIG follows this thread.
-        # OpenMP threads that spin while waiting collapse throughput as soon as
-        # another process (our own HTTP and detokenizer processes, or a neighbor)
-        # wants a core: measured 7 vs 38 tok/s on a busy 2-core machine. The
-        # spawned scheduler reads this before it imports torch.
-        os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
         ctx = mp.get_context("spawn")
-        parent = os.getpid()
         detok = ctx.Process(target=run_detokenizer_process, name="radixlm-detokenizer",
-                            args=(tokenizer_path, self.paths, parent, self.args.log_level),
+                            args=(tokenizer_path, self.paths, os.getpid(), self.args.log_level),
                             daemon=True)
-        sched = ctx.Process(target=run_scheduler_process, name="radixlm-scheduler",
-                            args=(dataclasses.asdict(self.args), model_dir, self.paths, parent),
-                            daemon=True)
-        for name, proc in (("detokenizer", detok), ("scheduler", sched)):
-            proc.start()
-            self.children[name] = proc
+        detok.start()
+        self.children["detokenizer"] = detok
+        self.children.update(spawn_schedulers(self.args, model_dir, self.paths))
+        for name, proc in self.children.items():
             logger.info("started the %s process (pid %d)", name, proc.pid)
 
     async def _watch_children(self) -> None:

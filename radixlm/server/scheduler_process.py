@@ -13,8 +13,10 @@ from __future__ import annotations
 import logging
 import sys
 import time
+from dataclasses import dataclass
 from typing import Any
 
+import msgspec
 import zmq
 
 from radixlm.config import ServerArgs
@@ -24,6 +26,7 @@ from radixlm.protocol import (
     ControlReply,
     ControlReq,
     GenerateReq,
+    LoadReport,
     ProcessReady,
     TokenOut,
     decode_to_scheduler,
@@ -52,19 +55,50 @@ def error_finish(msg: GenerateReq, message: str, status: int) -> TokenOut:
                     finish_reason={"type": "abort", "message": message, "status_code": status})
 
 
+@dataclass(frozen=True)
+class Placement:
+    """Where one scheduler rank runs: its replica, its rank in the replica's
+    tensor-parallel group, its GPU, and the group's rendezvous address."""
+
+    dp_rank: int = 0
+    tp_rank: int = 0
+    gpu_id: int | None = None
+    dist_init_method: str | None = None  # tcp://host:port, with tp_size > 1
+
+    @property
+    def name(self) -> str:
+        return f"scheduler DP{self.dp_rank} TP{self.tp_rank}"
+
+
 class SchedulerLoop:
-    def __init__(self, scheduler: Any, args: ServerArgs, paths: IpcPaths, parent_pid: int) -> None:
+    """Runs one scheduler rank. Rank 0 of a replica (the leader) owns the sockets:
+    it receives requests, shares them with its followers (TpSync), and sends
+    results and replies. Followers see the same inputs in the same order and step
+    in lockstep, so their scheduling matches the leader's without further talk."""
+
+    def __init__(self, scheduler: Any, args: ServerArgs, paths: IpcPaths, parent_pid: int,
+                 placement: Placement = Placement()) -> None:
         self.scheduler = scheduler
         self.args = args
         self.parent_pid = parent_pid
-        self.ctx = zmq.Context()
-        self.recv_sock = pull_socket(self.ctx, paths.scheduler)
-        self.to_detok = push_socket(self.ctx, paths.detokenizer)
-        self.to_tok = push_socket(self.ctx, paths.tokenizer)
-        self.poller = zmq.Poller()
-        self.poller.register(self.recv_sock, zmq.POLLIN)
+        self.dp_rank = placement.dp_rank
+        self.sync = scheduler.tp_sync
+        self.leader = self.sync is None or self.sync.is_leader
         self.errors: list[TokenOut] = []
-        self.stats = StatsLogger(scheduler, args.stats_interval)
+        self.stats = StatsLogger(scheduler, args.stats_interval if self.leader else 0)
+        self.num_received = 0
+        self.last_load: tuple[int, int] | None = None
+        self.ctx = zmq.Context()
+        if self.leader:
+            data_parallel = args.dp_size > 1
+            self.recv_sock = pull_socket(self.ctx, paths.replica(self.dp_rank) if data_parallel
+                                         else paths.scheduler)
+            self.to_detok = push_socket(self.ctx, paths.detokenizer)
+            # Replies and ready notes go to the DP controller when there is one.
+            self.to_tok = push_socket(self.ctx, paths.controller if data_parallel
+                                      else paths.tokenizer)
+            self.poller = zmq.Poller()
+            self.poller.register(self.recv_sock, zmq.POLLIN)
 
     # ---- messages in ------------------------------------------------------------
     def handle(self, data: bytes) -> None:
@@ -74,6 +108,7 @@ class SchedulerLoop:
             logger.error("dropping an undecodable message: %s", e)
             return
         if isinstance(msg, GenerateReq):
+            self.num_received += 1
             self._add(msg)
         elif isinstance(msg, AbortReq):
             self.scheduler.abort(msg.rid, msg.abort_all)
@@ -109,18 +144,28 @@ class SchedulerLoop:
         except Exception as e:  # e.g. a failed invariant: report it, keep serving
             logger.exception("control method %s failed", msg.method)
             reply = ControlReply(msg.req_id, False, message=f"{type(e).__name__}: {e}")
-        self.to_tok.send(encode(reply))
+        if self.leader:
+            self.to_tok.send(encode(reply))
 
-    def receive(self) -> None:
-        busy = self.scheduler.has_work or bool(self.errors)
-        timeout = 0 if busy else IDLE_POLL_MS
-        while self.poller.poll(timeout):
-            self.handle(self.recv_sock.recv())
-            timeout = 0
+    def receive(self) -> list[bytes]:
+        """The leader's pending frames, waiting up to a second for one while idle
+        (so followers, blocked in the broadcast, hear from it at least that often)."""
+        frames: list[bytes] = []
+        if self.leader:
+            busy = self.scheduler.has_work or bool(self.errors)
+            timeout = 0 if busy else IDLE_POLL_MS
+            while self.poller.poll(timeout):
+                frames.append(self.recv_sock.recv())
+                timeout = 0
+        if self.sync is not None:
+            packed = msgspec.msgpack.encode(frames) if self.leader else None
+            frames = msgspec.msgpack.decode(self.sync.broadcast_bytes(packed) or b"\x90")
+        return frames
 
     # ---- the loop ---------------------------------------------------------------
     def run_once(self) -> None:
-        self.receive()
+        for frame in self.receive():
+            self.handle(frame)
         outs = self.errors
         self.errors = []
         if self.scheduler.has_work:
@@ -129,8 +174,18 @@ class SchedulerLoop:
             if not self.scheduler.has_work:
                 # Just went idle: every KV slot must be free or held by the tree.
                 self.scheduler.check_invariants()
-        if outs:
-            self.to_detok.send(encode(BatchTokenOut(outs)))
+        if self.leader:
+            if outs:
+                self.to_detok.send(encode(BatchTokenOut(outs)))
+            if self.args.dp_size > 1:
+                self._report_load()
+
+    def _report_load(self) -> None:
+        reqs = self.scheduler.reqs.values()
+        load = (len(reqs), sum(len(r.origin_input_ids) + len(r.output_ids) for r in reqs))
+        if load != self.last_load:
+            self.last_load = load
+            self.to_tok.send(encode(LoadReport(self.dp_rank, *load, self.num_received)))
 
     def run_forever(self) -> None:
         while True:
@@ -163,33 +218,57 @@ class StatsLogger:
         self.last_time, self.last_tokens = now, tokens
 
 
-def build_scheduler(args: ServerArgs, model_dir: str) -> Any:
+def build_scheduler(args: ServerArgs, model_dir: str, gpu_id: int | None = None) -> Any:
     from radixlm.models.loader import load_config
     from radixlm.scheduler.scheduler import Scheduler
     from radixlm.tokenizer import get_tokenizer
 
-    tokenizer = get_tokenizer(args.tokenizer_path or model_dir)
+    tokenizer = None if args.skip_tokenizer_init else \
+        get_tokenizer(args.tokenizer_path or model_dir)
     config = load_config(model_dir, args.context_length)
-    return Scheduler(args, model_dir, config, tokenizer)
+    return Scheduler(args, model_dir, config, tokenizer, gpu_id)
 
 
-def ready_info(scheduler: Any) -> dict[str, Any]:
+def ready_info(scheduler: Any, dp_rank: int = 0) -> dict[str, Any]:
     return {"max_total_tokens": scheduler.max_total_tokens,
             "max_running_requests": scheduler.max_running_requests,
-            "context_len": scheduler.context_len, "vocab_size": scheduler.vocab_size}
+            "context_len": scheduler.context_len, "vocab_size": scheduler.vocab_size,
+            "dp_rank": dp_rank}
+
+
+def init_tp_rank(args: ServerArgs, placement: Placement) -> None:
+    """Join the replica's tensor-parallel group (NCCL on GPUs, gloo on the CPU)."""
+    if args.tp_size == 1:
+        return
+    from radixlm.distributed import init_distributed
+    from radixlm.runtime.model_runner import resolve_device
+
+    device = resolve_device(args.device, placement.gpu_id)
+    if device.type == "cuda":
+        import torch
+
+        torch.cuda.set_device(device)
+    assert placement.dist_init_method is not None
+    init_distributed("nccl" if device.type == "cuda" else "gloo", placement.dist_init_method,
+                     args.tp_size, placement.tp_rank, args.dist_timeout)
 
 
 def run_scheduler_process(args_dict: dict[str, Any], model_dir: str, paths: IpcPaths,
-                          parent_pid: int) -> None:
+                          parent_pid: int, placement_dict: dict[str, Any] | None = None) -> None:
     """Entry point of the spawned process (arguments are plain data)."""
     import os
 
     install_child_signals()
     args = ServerArgs(**args_dict)
-    configure_child_logging(args.log_level, "scheduler")
-    scheduler = build_scheduler(args, model_dir)
-    loop = SchedulerLoop(scheduler, args, paths, parent_pid)
-    loop.to_tok.send(encode(ProcessReady("scheduler", os.getpid(), ready_info(scheduler))))
+    placement = Placement(**(placement_dict or {}))
+    single = args.tp_size == 1 and args.dp_size == 1
+    configure_child_logging(args.log_level, "scheduler" if single else placement.name)
+    init_tp_rank(args, placement)
+    scheduler = build_scheduler(args, model_dir, placement.gpu_id)
+    loop = SchedulerLoop(scheduler, args, paths, parent_pid, placement)
+    if loop.leader:
+        info = ready_info(scheduler, placement.dp_rank)
+        loop.to_tok.send(encode(ProcessReady("scheduler", os.getpid(), info)))
     code = EXIT_STEP_FAILED
     try:
         loop.run_forever()

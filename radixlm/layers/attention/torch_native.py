@@ -45,13 +45,15 @@ class TorchNativeBackend(AttentionBackend):
             qi = q[start:start + ext].transpose(0, 1)  # [h, ext, d]
             ki = k_buf[slots].transpose(0, 1)  # [kvh, total, d]
             vi = v_buf[slots].transpose(0, 1)
-            # Query j sits at position pre + j and sees keys 0..pre + j.
+            # Query j sits at position pre + j and sees keys 0..pre + j. Without a
+            # prefix that is plain causal attention, which needs no mask tensor.
             mask = None
-            if ext > 1:
+            if ext > 1 and pre > 0:
                 mask = torch.ones(ext, total, dtype=torch.bool, device=q.device).tril(pre)
             oi = F.scaled_dot_product_attention(
                 qi.unsqueeze(0), ki.unsqueeze(0), vi.unsqueeze(0), attn_mask=mask,
-                scale=layer.scaling, enable_gqa=layer.num_heads != layer.num_kv_heads)
+                is_causal=ext > 1 and pre == 0, scale=layer.scaling,
+                enable_gqa=layer.num_heads != layer.num_kv_heads)
             out[start:start + ext] = oi[0].transpose(0, 1)
             start += ext
         return out.view(-1, layer.num_heads * layer.head_dim)
