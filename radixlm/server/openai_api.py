@@ -6,7 +6,9 @@ is "stop" (EOS, stop string, stop token) or "length"; a sequence ended by
 /abort_request, a client-side abort, or server shutdown reports "abort" (vLLM's
 spelling), so a stream never ends a choice in silence. `stop_reason` (a vLLM
 extension) names the matched stop string. Usage counts each prompt once and
-every generated token, including any cut by a stop string.
+every generated token, including any cut by a stop string. A chat request that
+forces a tool call (tool_calls.py) answers with `tool_calls` and finish_reason
+"tool_calls".
 """
 
 from __future__ import annotations
@@ -36,6 +38,16 @@ from radixlm.server.tokenizer_manager import (
     PromptJob,
     RequestGroup,
     TokenizerManager,
+)
+from radixlm.server.tool_calls import (
+    ToolCallReader,
+    ToolPlan,
+    calls_as_text,
+    has_tool_messages,
+    history_message,
+    plan_tools,
+    read_calls,
+    schema_error,
 )
 
 EventIter = AsyncIterator[tuple[int, StrOut]]
@@ -68,6 +80,14 @@ def response_format_schema(rf: dict[str, Any] | None) -> str | dict[str, Any] | 
 def stop_reason(fr: dict[str, Any] | None) -> str | None:
     matched = (fr or {}).get("matched")
     return matched if isinstance(matched, str) else None
+
+
+def tool_finish_reason(fr: dict[str, Any] | None, made_calls: bool) -> str | None:
+    """"tool_calls" for a forced call that ended where its grammar ends; a call cut
+    short (token limit, a stop string) keeps "length" / "stop"."""
+    if made_calls and finish_reason(fr) == "stop" and stop_reason(fr) is None:
+        return "tool_calls"
+    return finish_reason(fr)
 
 
 @dataclass
@@ -130,7 +150,9 @@ class OpenAIServing:
             self._token_text[token_id] = text
         return text
 
-    def sampling_params(self, req: _CommonRequest, max_new_tokens: int) -> SamplingParams:
+    def sampling_params(self, req: _CommonRequest, max_new_tokens: int,
+                        schema: dict[str, Any] | None = None) -> SamplingParams:
+        """`schema`: a JSON schema that replaces the request's own (forced tool calls)."""
         d = {"max_new_tokens": max_new_tokens, "min_new_tokens": req.min_tokens, "n": req.n,
              "temperature": req.temperature, "top_p": req.top_p, "top_k": req.top_k,
              "min_p": req.min_p, "repetition_penalty": req.repetition_penalty,
@@ -142,7 +164,8 @@ class OpenAIServing:
              "spaces_between_special_tokens": req.spaces_between_special_tokens,
              "no_stop_trim": req.include_stop_str_in_output,
              "regex": req.regex, "ebnf": req.ebnf,
-             "json_schema": req.json_schema if req.json_schema is not None
+             "json_schema": schema if schema is not None
+             else req.json_schema if req.json_schema is not None
              else response_format_schema(getattr(req, "response_format", None))}
         try:
             return SamplingParams.from_dict({k: v for k, v in d.items()
@@ -275,33 +298,63 @@ class OpenAIServing:
                 "text_offset": offsets}, offset
 
     # ---- /v1/chat/completions -----------------------------------------------------------------
-    def _check_chat(self, req: ChatCompletionRequest) -> None:
+    def _check_chat(self, req: ChatCompletionRequest) -> ToolPlan:
         self.check_model(req.model)
         self.check_stream_options(req)
-        response_format_schema(req.response_format)  # 400 on an unknown type
-        if req.tools:
-            raise APIError(400, "tools are not supported yet", "tools")
+        has_format = response_format_schema(req.response_format) is not None  # 400 if unknown
+        plan = plan_tools(req.tools, req.tool_choice, req.parallel_tool_calls)
+        if plan.forcing:
+            # A forced call is itself a grammar; a second one cannot apply too.
+            for name, given in (("response_format", has_format), ("json_schema", req.json_schema),
+                                ("regex", req.regex), ("ebnf", req.ebnf)):
+                if given:
+                    raise APIError(400, f"{name} cannot be combined with a tool_choice that "
+                                        f"forces a tool call", name)
         if req.top_logprobs is not None:
             if not req.logprobs:
                 raise APIError(400, "top_logprobs requires logprobs to be true", "top_logprobs")
             if not 0 <= req.top_logprobs <= MAX_TOP_LOGPROBS:
                 raise APIError(400, f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got "
                                     f"{req.top_logprobs}", "top_logprobs")
+        return plan
 
-    def render_chat(self, req: ChatCompletionRequest) -> list[int]:
-        if not getattr(self.tokenizer, "chat_template", None):
+    def render_chat(self, req: ChatCompletionRequest, plan: ToolPlan) -> list[int]:
+        template = getattr(self.tokenizer, "chat_template", None)
+        if not template:
             raise APIError(400, "this model has no chat template; use /v1/completions",
                            "messages")
         messages = [self._message(i, m) for i, m in enumerate(req.messages)]
+        if "tool_calls" not in str(template):
+            # This template ignores earlier calls and would drop them silently
+            # (SmolLM2's does): show them to the model as text instead.
+            messages = calls_as_text(messages, results_too=False)
+        # The tools go to templates that render them; others ignore the argument.
+        kwargs = {**({"tools": plan.tools} if plan.tools else {}),
+                  **(req.chat_template_kwargs or {})}
         try:
-            text = self.tokenizer.apply_chat_template(
-                messages, tokenize=False, add_generation_prompt=req.add_generation_prompt,
-                continue_final_message=req.continue_final_message,
-                **(req.chat_template_kwargs or {}))
+            text = self._apply_template(req, messages, kwargs)
         except Exception as e:  # jinja2 errors, raise_exception() in templates, bad kwargs
-            raise APIError(400, f"the chat template failed on these messages: {e}",
-                           "messages") from None
+            if not has_tool_messages(messages):
+                raise APIError(400, f"the chat template failed on these messages: {e}",
+                               "messages") from None
+            # Templates without tool support may refuse the "tool" role (or the
+            # calls): fall back to tool results as text in user messages.
+            text = self._text_fallback(req, messages, kwargs)
         return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def _apply_template(self, req: ChatCompletionRequest, messages: list[dict[str, Any]],
+                        kwargs: dict[str, Any]) -> str:
+        return self.tokenizer.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=req.add_generation_prompt,
+            continue_final_message=req.continue_final_message, **kwargs)
+
+    def _text_fallback(self, req: ChatCompletionRequest, messages: list[dict[str, Any]],
+                       kwargs: dict[str, Any]) -> str:
+        try:
+            return self._apply_template(req, calls_as_text(messages, results_too=True), kwargs)
+        except Exception as e:
+            raise APIError(400, f"the chat template failed on these messages (tool calls "
+                                f"and results also as text): {e}", "messages") from None
 
     @staticmethod
     def _message(i: int, m: Any) -> dict[str, Any]:
@@ -318,11 +371,11 @@ class OpenAIServing:
                                    f"messages[{i}].content")
                 texts.append(part.text)
             content = "\n".join(texts)
-        return {"role": m.role, "content": content or ""}
+        return history_message(m, content or "")
 
     async def chat(self, req: ChatCompletionRequest, raw_request: Request) -> Response:
-        self._check_chat(req)
-        ids = self.render_chat(req)
+        plan = self._check_chat(req)
+        ids = self.render_chat(req, plan)
         max_new = req.max_completion_tokens if req.max_completion_tokens is not None \
             else req.max_tokens
         if max_new is None:
@@ -330,26 +383,43 @@ class OpenAIServing:
         call = Call(id=f"chatcmpl-{uuid.uuid4().hex}", created=int(time.time()),
                     model=self.served_name, prompt_of=[0] * req.n, include_usage=bool(
                         req.stream_options and req.stream_options.include_usage))
-        job = PromptJob(call.id, ids, self.sampling_params(req, max_new))
+        job = PromptJob(call.id, ids, self.sampling_params(req, max_new, plan.schema()))
+        try:
+            return await self._chat_response(req, plan, call, job)
+        except APIError as e:
+            raise schema_error(e, plan) from None
+
+    async def _chat_response(self, req: ChatCompletionRequest, plan: ToolPlan, call: Call,
+                             job: PromptJob) -> Response:
         group = await self.tm.submit([job], gid=call.id, stream=req.stream,
                                      return_logprob=req.logprobs,
                                      top_logprobs_num=req.top_logprobs or 0)
         if req.stream:
-            render = ChatStream(self, req, call, group)
+            render = ChatStream(self, req, call, group, plan)
             return await self.respond_stream(group, render.chunks, render.tail)
         seqs = await group.collect()
-        choices = [{"index": s.index,
-                    "message": {"role": "assistant", "content": s.text, "refusal": None,
-                                "tool_calls": []},
+        choices = [{"index": s.index, **self._chat_message(plan, s),
                     "logprobs": self.chat_logprobs(s.output_logprobs, s.output_top_logprobs,
                                                    req.top_logprobs or 0)
                     if req.logprobs else None,
-                    "finish_reason": finish_reason(s.finish_reason),
                     "stop_reason": stop_reason(s.finish_reason)} for s in seqs]
         return JSONResponse({"id": call.id, "object": "chat.completion",
                              "created": call.created, "model": call.model,
                              "system_fingerprint": None, "choices": choices,
                              "usage": call.usage(seqs)})
+
+    @staticmethod
+    def _chat_message(plan: ToolPlan, seq: SeqOutput) -> dict[str, Any]:
+        """A choice's message and finish_reason; a forced call's output is read
+        back into `tool_calls` (content null)."""
+        if not plan.forcing:
+            return {"message": {"role": "assistant", "content": seq.text, "refusal": None,
+                                "tool_calls": []},
+                    "finish_reason": finish_reason(seq.finish_reason)}
+        calls = read_calls(plan, seq.text)
+        return {"message": {"role": "assistant", "content": calls.content, "refusal": None,
+                            "tool_calls": [c.to_dict() for c in calls.calls]},
+                "finish_reason": tool_finish_reason(seq.finish_reason, bool(calls.calls))}
 
     def chat_logprobs(self, pairs: list[list[Any]], tops: list[list[list[Any]]] | None,
                       k: int) -> dict[str, Any]:
@@ -422,35 +492,67 @@ class CompletionStream(_Stream):
 
 class ChatStream(_Stream):
     """Renders one /v1/chat/completions stream: the role delta first for each
-    choice, then content deltas, then its finish_reason."""
+    choice, then content deltas, then its finish_reason. A forced tool call
+    streams as `delta.tool_calls` instead (see `_tool_deltas`)."""
 
     OBJECT = "chat.completion.chunk"
 
     def __init__(self, api: OpenAIServing, req: ChatCompletionRequest, call: Call,
-                 group: RequestGroup) -> None:
+                 group: RequestGroup, plan: ToolPlan | None = None) -> None:
         super().__init__(api, call, group)
         self.req = req
+        self.plan = plan or ToolPlan()
         self.started: set[int] = set()
+        self.readers: dict[int, ToolCallReader] = {}  # per choice, forced calls only
 
     def chunks(self, idx: int, out: StrOut) -> list[dict[str, Any]]:
         t = out.token
         chunks = []
         if idx not in self.started:
             self.started.add(idx)
+            content = None if self.plan.forcing else ""
             chunks.append(self._chunk([{"index": idx,
-                                        "delta": {"role": "assistant", "content": ""},
+                                        "delta": {"role": "assistant", "content": content},
                                         "logprobs": None, "finish_reason": None}]))
-        if not out.new_text and not t.new_token_ids and t.finish_reason is None:
+        if not out.new_text and not t.new_token_ids and t.finish_reason is None \
+                and not self.plan.forcing:
             return chunks
         logprobs = None
         if self.req.logprobs:
             logprobs = self.api.chat_logprobs(t.output_logprobs or [], t.output_top_logprobs,
                                               self.req.top_logprobs or 0)
-        delta = {"content": out.new_text} if out.new_text or t.finish_reason is None else {}
-        chunks.append(self._chunk([{"index": idx, "delta": delta, "logprobs": logprobs,
-                                    "finish_reason": finish_reason(t.finish_reason),
-                                    "stop_reason": stop_reason(t.finish_reason)}]))
+        if self.plan.forcing:
+            deltas, fr = self._tool_deltas(idx, out, bool(logprobs and t.new_token_ids))
+        else:
+            deltas = [{"content": out.new_text} if out.new_text or t.finish_reason is None
+                      else {}]
+            fr = finish_reason(t.finish_reason)
+        for i, delta in enumerate(deltas):
+            last = i == len(deltas) - 1
+            chunks.append(self._chunk([{"index": idx, "delta": delta,
+                                        "logprobs": logprobs if last else None,
+                                        "finish_reason": fr if last else None,
+                                        "stop_reason": stop_reason(t.finish_reason)
+                                        if last else None}]))
         return chunks
+
+    def _tool_deltas(self, idx: int, out: StrOut, has_logprobs: bool
+                     ) -> tuple[list[dict[str, Any]], str | None]:
+        """One delta per tool-call entry: a call's header (id, name, empty
+        arguments) as soon as its name is known, then argument pieces. In the
+        "required" mode the name comes first in the output, so only the text up
+        to the end of the name is held back; nothing is sent while it is."""
+        reader = self.readers.setdefault(idx, ToolCallReader(self.plan))
+        fr = out.token.finish_reason
+        deltas: list[dict[str, Any]] = [{"tool_calls": [entry]}
+                                        for entry in reader.feed(out.new_text)]
+        if fr is not None:
+            reader.finish()
+            if reader.content:  # cut short before any call could be read
+                deltas.append({"content": reader.content})
+        if not deltas and (fr is not None or has_logprobs):
+            deltas = [{}]  # the finish_reason, or logprobs of held-back tokens
+        return deltas, tool_finish_reason(fr, bool(reader.calls)) if fr is not None else None
 
 
 async def _sse_body(events: EventIter, first: tuple[int, StrOut],

@@ -77,10 +77,38 @@ class TextPart(_Lenient):
     text: str | None = None
 
 
+class FunctionDefinition(_Lenient):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema; None: no arguments
+    strict: bool | None = None  # accepted; forced calls are always constrained exactly
+
+
+class ChatTool(_Lenient):
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+class FunctionCall(_Lenient):
+    """A call the assistant made earlier in the conversation."""
+
+    name: str
+    # OpenAI sends a JSON string; some clients send the object itself.
+    arguments: str | dict[str, Any] = "{}"
+
+
+class ToolCallItem(_Lenient):
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(_Lenient):
     role: str
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCallItem] | None = None  # assistant messages
+    tool_call_id: str | None = None  # tool messages
 
 
 class ChatCompletionRequest(_CommonRequest):
@@ -90,8 +118,11 @@ class ChatCompletionRequest(_CommonRequest):
     logprobs: bool = False
     top_logprobs: int | None = None
     response_format: dict[str, Any] | None = None
-    tools: list[dict[str, Any]] | None = None
+    tools: list[ChatTool] | None = None
+    # "none" | "auto" | "required" | {"type": "function", "function": {"name": ...}};
+    # checked by tool_calls.plan_tools, whose messages are clearer than a union's.
     tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
@@ -108,6 +139,8 @@ class GenerateRequest(_Lenient):
     return_logprob: bool = False
     top_logprobs_num: int = 0
     logprob_start_len: int = -1
+    # {"id", "rid", "offset", "replace"}: continue a session (radixlm/scheduler/session.py)
+    session_params: dict[str, Any] | list[dict[str, Any]] | None = None
 
 
 class TokenizeRequest(_Lenient):
@@ -124,6 +157,15 @@ class DetokenizeRequest(_Lenient):
 class AbortRequest(_Lenient):
     rid: str | None = None
     abort_all: bool = False
+
+
+class OpenSessionRequest(_Lenient):
+    capacity_of_str_len: int  # the most input tokens of a session request (0: no limit)
+    session_id: str | None = None
+
+
+class CloseSessionRequest(_Lenient):
+    session_id: str
 
 
 Role = Literal["system", "developer", "user", "assistant", "tool"]
