@@ -33,7 +33,7 @@ class Detokenizer:
         return [self.process_one(o) for o in outs]
 
     def process_one(self, out: TokenOut) -> StrOut:
-        if self.tokenizer is None:  # skip_tokenizer_init: ids only
+        if self.tokenizer is None or out.embedding is not None:  # ids only, or no text at all
             return StrOut(token=out, new_text="")
         state = self.states.get(out.rid) or self._new_state(out)
         text = state.held + state.detok.add(out.new_token_ids)

@@ -24,6 +24,12 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from radixlm import __version__
 from radixlm.config import ServerArgs
 from radixlm.sampling_params import SamplingParams
+from radixlm.server.control_api import add_control_routes
+from radixlm.server.embeddings_api import (
+    EmbeddingServing,
+    add_embedding_routes,
+    refuse_generation,
+)
 from radixlm.server.errors import (
     APIError,
     api_error_handler,
@@ -37,9 +43,11 @@ from radixlm.server.openai_api import OpenAIServing
 from radixlm.server.openai_protocol import (
     AbortRequest,
     ChatCompletionRequest,
+    CloseSessionRequest,
     CompletionRequest,
     DetokenizeRequest,
     GenerateRequest,
+    OpenSessionRequest,
     TokenizeRequest,
 )
 from radixlm.server.tokenizer_manager import PromptJob, TokenizerManager
@@ -197,23 +205,29 @@ def build_app(state: ServerState) -> FastAPI:
     tm = state.tm
     openai = OpenAIServing(tm, state.tokenizer, state.served_name, state.args.model_path)
     native = NativeServing(tm, state.tokenizer, openai)
+    add_embedding_routes(app, EmbeddingServing(tm, state.tokenizer, openai, state.args,
+                                               state.model_dir))
     _add_health_routes(app, state)
     _add_info_routes(app, state)
+    add_control_routes(app, state)  # weights, memory, profiling, logging (control_api.py)
 
     @app.post("/generate")
     @with_cancellation
     async def generate(request: GenerateRequest, raw_request: Request) -> Response:
+        refuse_generation(state.args)
         return await native.generate(request, raw_request)
 
     @app.post("/v1/completions")
     @with_cancellation
     async def completions(request: CompletionRequest, raw_request: Request) -> Response:
+        refuse_generation(state.args)
         return await openai.completions(request, raw_request)
 
     @app.post("/v1/chat/completions")
     @with_cancellation
     async def chat_completions(request: ChatCompletionRequest,
                                raw_request: Request) -> Response:
+        refuse_generation(state.args)
         return await openai.chat(request, raw_request)
 
     @app.get("/v1/models")
@@ -235,6 +249,15 @@ def build_app(state: ServerState) -> FastAPI:
     @app.post("/abort_request")
     async def abort_request(request: AbortRequest) -> dict[str, Any]:
         return native.abort(request)
+
+    @app.post("/open_session")
+    async def open_session(request: OpenSessionRequest) -> str:
+        return await native.open_session(request)
+
+    @app.post("/close_session")
+    async def close_session(request: CloseSessionRequest) -> Response:
+        await native.close_session(request)
+        return Response(status_code=200)
 
     return app
 
@@ -277,7 +300,8 @@ def _add_info_routes(app: FastAPI, state: ServerState) -> None:
         limits = state.tm.require_limits()
         return {"model_path": state.args.model_path or state.served_name,
                 "tokenizer_path": state.args.tokenizer_path or state.model_dir,
-                "served_model_name": state.served_name, "is_generation": True,
+                "served_model_name": state.served_name,
+                "is_generation": not state.args.is_embedding,
                 "context_length": limits.context_len, "vocab_size": limits.vocab_size}
 
     @app.get("/get_server_info")

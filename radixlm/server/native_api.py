@@ -1,4 +1,5 @@
-"""SGLang's native API: /generate, /tokenize, /detokenize, /abort_request.
+"""SGLang's native API: /generate, /tokenize, /detokenize, /abort_request,
+/open_session, /close_session.
 
 /generate takes `text` or `input_ids`, one or a batch; `sampling_params` one
 dict or one per input; `rid` likewise. The answer mirrors the offline
@@ -6,6 +7,8 @@ Engine: one dict for one input (a list of n with n > 1), a flat input-major
 list for a batch. Stream chunks carry the cumulative `text` and `output_ids`
 of their sequence plus `meta_info` and `index` (input-major, as above); the
 last chunk of every index carries `meta_info.finish_reason`.
+`session_params` (one dict, or one per input) continues a session's earlier
+request: see radixlm/scheduler/session.py.
 """
 
 from __future__ import annotations
@@ -21,8 +24,10 @@ from radixlm.server.errors import APIError, from_value_error
 from radixlm.server.openai_api import OpenAIServing
 from radixlm.server.openai_protocol import (
     AbortRequest,
+    CloseSessionRequest,
     DetokenizeRequest,
     GenerateRequest,
+    OpenSessionRequest,
     TokenizeRequest,
 )
 from radixlm.server.tokenizer_manager import SAMPLING_NAMES, PromptJob, TokenizerManager
@@ -76,7 +81,9 @@ class NativeServing:
         inputs, single = self.inputs(req)
         params = self.params(req.sampling_params, len(inputs))
         gid, rids = self.rids(req.rid, len(inputs))
-        jobs = [PromptJob(r, ids, p) for r, ids, p in zip(rids, inputs, params, strict=True)]
+        sessions = self.session_params(req.session_params, len(inputs))
+        jobs = [PromptJob(r, ids, p, s)
+                for r, ids, p, s in zip(rids, inputs, params, sessions, strict=True)]
         group = await self.tm.submit(
             jobs, gid=gid, stream=req.stream, return_logprob=req.return_logprob,
             top_logprobs_num=req.top_logprobs_num, logprob_start_len=req.logprob_start_len)
@@ -88,6 +95,37 @@ class NativeServing:
         seqs = await group.collect()
         results = [s.native() for s in seqs]
         return JSONResponse(results[0] if single and len(results) == 1 else results)
+
+    @staticmethod
+    def session_params(sp: dict[str, Any] | list[dict[str, Any]] | None,
+                       n: int) -> list[dict[str, Any] | None]:
+        """One dict per input (a single dict applies to every input); the scheduler
+        checks the contents."""
+        if isinstance(sp, list):
+            if len(sp) != n:
+                raise APIError(400, f"got {len(sp)} session_params for {n} inputs",
+                               "session_params")
+            return list(sp)
+        return [sp] * n
+
+    # ---- sessions -----------------------------------------------------------------------
+    async def open_session(self, req: OpenSessionRequest) -> str:
+        """The new session's id (SGLang answers it as a bare JSON string)."""
+        result = await self._session_control(
+            "open_session", capacity_of_str_len=req.capacity_of_str_len,
+            session_id=req.session_id or self.tm.new_id())
+        return result["session_id"]
+
+    async def close_session(self, req: CloseSessionRequest) -> None:
+        await self._session_control("close_session", session_id=req.session_id)
+
+    async def _session_control(self, method: str, **args: Any) -> dict[str, Any]:
+        reply = await self.tm.control(method, **args)
+        if not reply.success:
+            raise APIError(500, reply.message)
+        if not reply.result["success"]:
+            raise APIError(400, reply.result["message"])
+        return reply.result
 
     # ---- tokens -----------------------------------------------------------------------
     def tokenize(self, req: TokenizeRequest) -> dict[str, Any]:

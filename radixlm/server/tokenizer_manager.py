@@ -37,9 +37,11 @@ from radixlm.protocol import (
     encode,
 )
 from radixlm.sampling_params import SamplingParams
+from radixlm.server.control_api import UpdateGate
 from radixlm.server.errors import APIError, from_value_error
 from radixlm.server.io import SeqOutput
 from radixlm.server.ipc import IpcPaths, pull_socket, push_socket
+from radixlm.server.request_dump import RequestDumper
 
 logger = logging.getLogger(__name__)
 
@@ -70,6 +72,7 @@ class PromptJob:
     rid: str
     input_ids: list[int]
     params: SamplingParams
+    session_params: dict[str, Any] | None = None  # the scheduler prepends the session context
 
 
 @dataclass
@@ -138,12 +141,17 @@ class TokenizerManager:
         self.accepting = True
         self.dead_reason: str | None = None
         self.recv_task: asyncio.Task[None] | None = None
+        # Runtime control (server/control_api.py): weight updates pause admission here;
+        # finished requests are dumped with --dump-requests-folder.
+        self.update_gate = UpdateGate()
+        self.dumper = RequestDumper(args.dump_requests_folder, args.dump_requests_threshold)
 
     # ---- lifecycle ----------------------------------------------------------------
     def start(self) -> None:
         self.recv_task = asyncio.get_running_loop().create_task(self._recv_loop())
 
     def close(self) -> None:
+        self.dumper.close()
         if self.recv_task is not None:
             self.recv_task.cancel()
         self.recv_sock.close(linger=0)
@@ -192,6 +200,7 @@ class TokenizerManager:
         if owner is None:
             return  # a sequence whose group already ended (e.g. failed elsewhere)
         group, idx = owner
+        self.dumper.on_output(out)
         now = time.monotonic()
         if out.token.new_token_ids:
             self._record_timing(group, idx, len(out.token.new_token_ids), now)
@@ -270,6 +279,7 @@ class TokenizerManager:
         members = group_members(gid, jobs)
         self._check_ids(list(members))
         self.check_admission(sum(job.params.n for job in jobs))
+        await self.update_gate.wait_open()  # a weight update is running: wait for it
         await self._warm_shared_prompts(jobs)
         # Again: other calls ran during the warm-up. Without the second admission
         # check, calls admitted meanwhile overfill the queue, and the scheduler
@@ -279,7 +289,8 @@ class TokenizerManager:
         reqs = [GenerateReq(rid=rid, input_ids=job.input_ids, sampling_params=sp,
                             stream=stream, return_logprob=return_logprob,
                             top_logprobs_num=top_logprobs_num,
-                            logprob_start_len=logprob_start_len if return_logprob else -1)
+                            logprob_start_len=logprob_start_len if return_logprob else -1,
+                            session_params=job.session_params)
                 for job in jobs for rid, sp in expand_samples(job)]
         frames = [encode_request(r) for r in reqs]  # may refuse: nothing is registered yet
         seqs = [SeqOutput(rid=r.rid, index=i, return_logprob=return_logprob,
@@ -287,6 +298,8 @@ class TokenizerManager:
         group = RequestGroup(gid, seqs, members, internal=internal, stream=stream,
                              manager=self, unfinished=len(reqs))
         self._register(group)
+        if not internal:
+            self.dumper.on_submit(reqs)
         for frame in frames:
             self._send_frame(frame)
         return group
@@ -309,7 +322,7 @@ class TokenizerManager:
             return
         warm = [PromptJob(self.new_id("warm-"), job.input_ids,
                           SamplingParams.from_dict({"max_new_tokens": 0}))
-                for job in jobs if job.params.n > 1]
+                for job in jobs if job.params.n > 1 and job.session_params is None]
         if not warm:
             return
         group = await self.submit(warm, gid=self.new_id("warm-"), internal=True)

@@ -1,0 +1,493 @@
+"""Changing the weights of a live model, and reading them back by HF name.
+
+Three sources (SGLang's API): a checkpoint on disk, tensors handed over
+in-process or as safetensors bytes, and a trainer that broadcasts tensors over
+a torch.distributed group of its own. One object per model runner, so under
+tensor parallelism every rank runs the same call on its own shard; tensors
+always arrive whole (HF layout) and each parameter's `weight_loader` takes
+this rank's piece, exactly as the initial load does.
+
+Every update is all or nothing:
+1. validate first, touching nothing: load format, architecture and the
+   config fields the modules were built from, every tensor's name, dtype
+   and HF shape, and (for a full checkpoint) that every parameter is there;
+2. load, taking a CPU copy of each parameter just before its first write;
+3. on any failure while loading (an unreadable shard, a device error), copy
+   the saved parameters back.
+The trade-off: step 2 holds a host-memory copy of what the update touches
+(for a full checkpoint, the model's size) for the duration of the update,
+instead of a second copy in scarce device memory (a staging model). Step 1
+catches the usual mistakes before anything is written, so the copy is the
+guarantee for the unusual ones.
+
+Nothing here pickles: tensors travel as safetensors bytes, or by broadcast.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from radixlm import distributed as tp
+from radixlm.layers.embedding import VocabParallelEmbedding
+from radixlm.layers.linear import (
+    ColumnParallelLinear,
+    MergedColumnParallelLinear,
+    QKVParallelLinear,
+    RowParallelLinear,
+)
+
+logger = logging.getLogger(__name__)
+
+DISK_LOAD_FORMATS = ("auto", "safetensors", "gguf")
+DEFAULT_GROUP = "weight_update_group"
+GROUP_TIMEOUT_S = 120.0
+# Config fields the modules were built from: a checkpoint that differs in any of
+# them cannot be loaded into this model in place.
+SHAPE_FIELDS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                "num_key_value_heads", "vocab_size", "tie_word_embeddings", "attention_bias",
+                "mlp_bias", "hidden_act", "rms_norm_eps")
+# safetensors header dtypes that are weights (integers/bools never are).
+_FLOAT_HEADER_DTYPES = {"F64", "F32", "F16", "BF16", "F8_E4M3", "F8_E5M2"}
+
+
+class WeightUpdateError(ValueError):
+    """A refused or failed update; the message says why (the weights are unchanged)."""
+
+
+# ---- where an HF tensor lives --------------------------------------------------------
+@dataclass(frozen=True)
+class HFSlot:
+    """The place of the HF checkpoint tensor `name` in our model: the parameter,
+    the shard id its weight_loader takes, and the module that owns it."""
+
+    name: str
+    param: nn.Parameter
+    shard_id: str | int | None
+    module: nn.Module
+
+    def full_shape(self) -> tuple[int, ...]:
+        """The shape of the whole HF tensor (all tensor-parallel ranks together)."""
+        m, p, sid = self.module, self.param, self.shard_id
+        rest = tuple(p.shape[1:])
+        if isinstance(m, QKVParallelLinear):
+            heads = {"q": m.total_num_heads, "k": m.total_num_kv_heads,
+                     "v": m.total_num_kv_heads}
+            n = heads[sid] if sid is not None else sum(heads.values())
+            return (n * m.head_size, *rest)
+        if isinstance(m, MergedColumnParallelLinear):
+            n = m.output_sizes[sid] if sid is not None else sum(m.output_sizes)
+            return (n, *rest)
+        if isinstance(m, ColumnParallelLinear):
+            return (m.output_size, *rest)
+        if isinstance(m, RowParallelLinear):
+            return (m.output_size,) if p.dim() == 1 else (m.output_size, m.input_size)
+        if isinstance(m, VocabParallelEmbedding):
+            return (m.num_embeddings, m.embedding_dim)
+        return tuple(p.shape)
+
+    def required_shards(self) -> set[str | int | None]:
+        """Shard ids a complete checkpoint must write into this parameter."""
+        if isinstance(self.module, QKVParallelLinear):
+            return {"q", "k", "v"}
+        if isinstance(self.module, MergedColumnParallelLinear):
+            return set(range(len(self.module.output_sizes)))
+        return {None}
+
+    def gather(self) -> torch.Tensor:
+        """The whole HF tensor. With tensor parallelism this is a collective:
+        every rank must call it, in the same order."""
+        m, p, sid = self.module, self.param.data, self.shard_id
+        if isinstance(m, QKVParallelLinear):
+            parts = [sid] if sid is not None else ["q", "k", "v"]
+            return torch.cat([_gather_qkv(m, p, s) for s in parts])
+        if isinstance(m, MergedColumnParallelLinear):
+            parts = [sid] if sid is not None else list(range(len(m.output_sizes)))
+            return torch.cat([_gather_merged(m, p, s) for s in parts])
+        if isinstance(m, ColumnParallelLinear):
+            return _gather_pieces(p, m.tp_rank * p.shape[0], 0, m.output_size)
+        if isinstance(m, RowParallelLinear):
+            if p.dim() == 1:
+                return p  # the bias is replicated
+            return _gather_pieces(p, m.input_start, 1, m.input_size)
+        if isinstance(m, VocabParallelEmbedding):
+            rows = m.vocab_end - m.vocab_start
+            return _gather_pieces(p[:rows], m.vocab_start, 0, m.num_embeddings)
+        return p
+
+
+def _gather_pieces(local: torch.Tensor, start: int, dim: int, total: int) -> torch.Tensor:
+    """Reassemble a tensor split along `dim` across the tensor-parallel ranks,
+    where this rank holds `local`, starting at `start`. Pieces may differ in
+    size (heads split unevenly) and overlap (replicated KV heads)."""
+    world = tp.get_tp_size()
+    if world == 1:
+        return local
+    rows = local.movedim(dim, 0)
+    meta = torch.tensor([start, rows.shape[0]], dtype=torch.int64, device=local.device)
+    metas = tp.tensor_model_parallel_all_gather(meta, 0).view(world, 2).tolist()
+    width = max(size for _, size in metas)
+    padded = rows.new_zeros((width, *rows.shape[1:]))
+    padded[:rows.shape[0]] = rows
+    chunks = tp.tensor_model_parallel_all_gather(padded, 0).chunk(world, 0)
+    out = rows.new_empty((total, *rows.shape[1:]))
+    for chunk, (first, size) in zip(chunks, metas):
+        out[first:first + size] = chunk[:size]
+    return out.movedim(0, dim)
+
+
+def _gather_qkv(m: QKVParallelLinear, p: torch.Tensor, sid: str) -> torch.Tensor:
+    hd = m.head_size
+    if sid == "q":
+        return _gather_pieces(p.narrow(0, 0, m.q_size), m.q_start * hd, 0,
+                              m.total_num_heads * hd)
+    offset = m.q_size if sid == "k" else m.q_size + m.kv_size
+    return _gather_pieces(p.narrow(0, offset, m.kv_size), m.kv_start * hd, 0,
+                          m.total_num_kv_heads * hd)
+
+
+def _gather_merged(m: MergedColumnParallelLinear, p: torch.Tensor, sid: int) -> torch.Tensor:
+    size = m.output_sizes[sid] // m.tp_size
+    offset = sum(m.output_sizes[:sid]) // m.tp_size
+    return _gather_pieces(p.narrow(0, offset, size), m.tp_rank * size, 0, m.output_sizes[sid])
+
+
+# ---- tensors as bytes ------------------------------------------------------------------
+def serialize_named_tensors(named_tensors: Iterable[tuple[str, torch.Tensor]]) -> bytes:
+    """safetensors bytes of (name, tensor) pairs: the wire form of a tensor update."""
+    from safetensors.torch import save
+
+    out: dict[str, torch.Tensor] = {}
+    for name, tensor in named_tensors:
+        if not isinstance(name, str) or not isinstance(tensor, torch.Tensor):
+            raise TypeError("named_tensors must be (str, torch.Tensor) pairs")
+        if name in out:
+            raise ValueError(f"tensor {name!r} appears twice")
+        # clone: safetensors refuses views that share storage (e.g. slices of one tensor).
+        out[name] = tensor.detach().to("cpu").contiguous().clone()
+    return save(out)
+
+
+def deserialize_named_tensors(data: bytes) -> list[tuple[str, torch.Tensor]]:
+    """The inverse of `serialize_named_tensors`; raises WeightUpdateError on bad bytes."""
+    from safetensors.torch import load
+
+    try:
+        return list(load(bytes(data)).items())
+    except Exception as e:  # safetensors raises its own error types for a bad header
+        raise WeightUpdateError(f"serialized_named_tensors is not valid safetensors data: "
+                                f"{e}") from None
+
+
+def parse_dtype(name: Any) -> torch.dtype:
+    """'bfloat16', 'torch.float16', ... -> a floating torch dtype; WeightUpdateError else."""
+    if isinstance(name, torch.dtype):
+        dtype = name
+    else:
+        dtype = getattr(torch, str(name).removeprefix("torch."), None)
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise WeightUpdateError(f"dtype {name!r} is not a floating-point torch dtype "
+                                "(e.g. 'bfloat16', 'float32')")
+    return dtype
+
+
+# ---- the updater -------------------------------------------------------------------------
+class WeightUpdater:
+    """Updates one model runner's weights in place; see the module docstring."""
+
+    def __init__(self, model: nn.Module, config: Any, device: torch.device,
+                 model_path: str | None) -> None:
+        self.model = model
+        self.config = config
+        self.device = device
+        self.model_path = model_path
+        self.groups: dict[str, WeightSyncGroup] = {}
+        self._owners = _owner_modules(model)
+
+    # ---- lookup ---------------------------------------------------------------------
+    def slot(self, name: str) -> HFSlot:
+        """The place of HF tensor `name`; WeightUpdateError if the model has none."""
+        found = self.model.hf_param(name) if isinstance(name, str) else None
+        if found is None:
+            raise WeightUpdateError(f"the model has no parameter named {name!r} (use HF "
+                                    "checkpoint names, e.g. 'model.layers.0.mlp.up_proj.weight')")
+        param, shard_id = found
+        return HFSlot(name, param, shard_id, self._owners[id(param)])
+
+    def get_weights_by_name(self, name: str, truncate_size: int = 100) -> list[float]:
+        """The first `truncate_size` values of the flattened HF tensor `name`."""
+        if not isinstance(truncate_size, int) or truncate_size < 0:
+            raise WeightUpdateError(f"truncate_size must be an integer >= 0, got "
+                                    f"{truncate_size!r}")
+        with torch.no_grad():
+            full = self.slot(name).gather()
+            return full.flatten()[:truncate_size].float().cpu().tolist()
+
+    # ---- from disk ------------------------------------------------------------------
+    def update_from_disk(self, model_path: str, load_format: str | None = "auto") -> None:
+        """Load the checkpoint at `model_path` (HF directory or GGUF file) in place.
+        Raises WeightUpdateError (weights unchanged) on any failure."""
+        from radixlm.models.loader import iter_safetensors, load_config, prepare_model_dir
+
+        load_format = load_format or "auto"
+        if load_format not in DISK_LOAD_FORMATS:
+            raise WeightUpdateError(f"load_format={load_format!r}: expected one of "
+                                    f"{', '.join(DISK_LOAD_FORMATS)}")
+        if not isinstance(model_path, str) or not model_path:
+            raise WeightUpdateError("model_path must be a non-empty string")
+        try:
+            model_dir = prepare_model_dir(model_path, load_format)
+            self._check_config(load_config(model_dir))
+            self._check_checkpoint(_checkpoint_header(model_dir))
+        except WeightUpdateError:
+            raise
+        except Exception as e:  # missing file, unreadable config or header, ...
+            raise WeightUpdateError(f"{type(e).__name__}: {e}") from None
+        self._load(iter_safetensors(model_dir))
+        self.model_path = model_path
+
+    def _check_config(self, new: Any) -> None:
+        from radixlm.layers.rotary import rope_parameters
+        from radixlm.models.llama import head_dim_of
+
+        old_arch, new_arch = getattr(self.config, "architectures", None), \
+            getattr(new, "architectures", None)
+        if old_arch and new_arch and list(old_arch) != list(new_arch):
+            raise WeightUpdateError(f"the checkpoint's architecture {new_arch} differs from the "
+                                    f"served model's {old_arch}")
+        diffs = [f"{f}: {getattr(self.config, f, None)!r} -> {getattr(new, f, None)!r}"
+                 for f in SHAPE_FIELDS if getattr(self.config, f, None) != getattr(new, f, None)]
+        if head_dim_of(self.config) != head_dim_of(new):
+            diffs.append(f"head_dim: {head_dim_of(self.config)} -> {head_dim_of(new)}")
+        if rope_parameters(self.config) != rope_parameters(new):
+            diffs.append("rope parameters differ")
+        if diffs:
+            raise WeightUpdateError("the checkpoint's config does not match the served model ("
+                                    + "; ".join(diffs) + "): restart the server to change "
+                                    "the architecture")
+
+    def _check_checkpoint(self, header: dict[str, tuple[str, tuple[int, ...]]]) -> None:
+        """Names, dtypes and shapes from the safetensors headers, and completeness."""
+        covered: dict[int, set[str | int | None]] = {}
+        for name, (dtype, shape) in header.items():
+            found = self.model.hf_param(name)
+            if found is None:
+                continue  # load_weights skips (and logs) tensors it has no place for
+            slot = self.slot(name)
+            if dtype not in _FLOAT_HEADER_DTYPES:
+                raise WeightUpdateError(f"checkpoint tensor {name} has dtype {dtype}, "
+                                        "not a floating-point type")
+            self._check_shape(slot, shape)
+            covered.setdefault(id(slot.param), set()).add(slot.shard_id)
+        missing = []
+        for pname, param in self.model.named_parameters():
+            slot = HFSlot(pname, param, None, self._owners[id(param)])
+            got = covered.get(id(param), set())
+            if None not in got and not slot.required_shards() <= got:
+                missing.append(pname)
+        if missing:
+            shown = ", ".join(missing[:5]) + (", ..." if len(missing) > 5 else "")
+            raise WeightUpdateError(f"the checkpoint lacks {len(missing)} parameter(s): {shown}")
+
+    @staticmethod
+    def _check_shape(slot: HFSlot, shape: tuple[int, ...]) -> None:
+        expected = slot.full_shape()
+        if tuple(shape) != expected:
+            raise WeightUpdateError(f"tensor {slot.name} has shape {list(shape)}, the model "
+                                    f"expects {list(expected)}")
+
+    # ---- from tensors ---------------------------------------------------------------
+    def update_from_tensors(self, named_tensors: list[tuple[str, torch.Tensor]]) -> None:
+        """Load whole HF-named tensors (a partial update is fine). Raises
+        WeightUpdateError (weights unchanged) for a bad name, dtype or shape."""
+        if not named_tensors:
+            raise WeightUpdateError("no tensors to load")
+        for name, tensor in named_tensors:
+            slot = self.slot(name)
+            if not tensor.dtype.is_floating_point:
+                raise WeightUpdateError(f"tensor {name} has dtype "
+                                        f"{str(tensor.dtype).removeprefix('torch.')}, not a "
+                                        "floating-point type")
+            self._check_shape(slot, tuple(tensor.shape))
+        self._load(named_tensors)
+
+    # ---- from a trainer over torch.distributed ------------------------------------------
+    def init_group(self, master_address: str, master_port: int, rank_offset: int,
+                   world_size: int, group_name: str = DEFAULT_GROUP, backend: str | None = None,
+                   timeout_s: float = GROUP_TIMEOUT_S) -> None:
+        """Join the trainer's weight-sync group as rank `rank_offset + tp_rank` (the
+        trainer is rank 0). A group of its own, never the default process group
+        (tensor parallelism uses that one). Blocks until every rank has joined."""
+        backend = backend or ("nccl" if self.device.type == "cuda" else "gloo")
+        if group_name in self.groups:
+            raise WeightUpdateError(f"weight update group {group_name!r} already exists")
+        if backend not in ("gloo", "nccl"):
+            raise WeightUpdateError(f"backend={backend!r}: expected 'gloo' or 'nccl'")
+        if backend == "nccl" and self.device.type != "cuda":
+            raise WeightUpdateError("backend 'nccl' needs the model on a CUDA device; use gloo")
+        rank = rank_offset + tp.get_tp_rank()
+        if not 0 < rank < world_size:
+            raise WeightUpdateError(f"rank {rank} (rank_offset {rank_offset}) is outside "
+                                    f"[1, world_size={world_size}): rank 0 is the trainer")
+        try:
+            self.groups[group_name] = new_weight_sync_group(
+                master_address, master_port, rank, world_size, group_name, backend, timeout_s)
+        except Exception as e:  # unreachable trainer, timeout, ...
+            raise WeightUpdateError(f"could not join weight update group {group_name!r} at "
+                                    f"{master_address}:{master_port}: {e}") from None
+
+    def destroy_group(self, group_name: str = DEFAULT_GROUP) -> None:
+        if self.groups.pop(group_name, None) is None:
+            raise WeightUpdateError(f"no weight update group named {group_name!r}")
+
+    def update_from_distributed(self, names: list[str], dtypes: list[Any],
+                                shapes: list[list[int]], group_name: str = DEFAULT_GROUP) -> None:
+        """Receive each tensor by broadcast from the trainer (rank 0), in order, then
+        load them all. Bad names, dtypes or shapes are refused before receiving
+        anything, so the trainer must not broadcast when the call fails."""
+        group = self.groups.get(group_name)
+        if group is None:
+            raise WeightUpdateError(f"no weight update group named {group_name!r}: call "
+                                    "init_weights_update_group first")
+        specs = self._distributed_specs(names, dtypes, shapes)
+        device = self.device if group.backend == "nccl" else torch.device("cpu")
+        received = []
+        for name, dtype, shape in specs:
+            tensor = torch.empty(shape, dtype=dtype, device=device)
+            group.broadcast(tensor)
+            received.append((name, tensor))
+        self._load(received)
+
+    def _distributed_specs(self, names: Any, dtypes: Any,
+                           shapes: Any) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
+        if not isinstance(names, list) or not names:
+            raise WeightUpdateError("names must be a non-empty list of parameter names")
+        if not (isinstance(dtypes, list) and isinstance(shapes, list)
+                and len(dtypes) == len(names) == len(shapes)):
+            raise WeightUpdateError(f"names, dtypes and shapes must be lists of equal length "
+                                    f"(got {len(names)} names)")
+        specs = []
+        for name, dtype, shape in zip(names, dtypes, shapes):
+            slot = self.slot(name)
+            if not (isinstance(shape, (list, tuple))
+                    and all(isinstance(d, int) and d >= 0 for d in shape)):
+                raise WeightUpdateError(f"shape of {name} must be a list of non-negative "
+                                        f"integers, got {shape!r}")
+            self._check_shape(slot, tuple(shape))
+            specs.append((name, parse_dtype(dtype), tuple(shape)))
+        return specs
+
+    # ---- loading with rollback ----------------------------------------------------------
+    def _load(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        backup = _Backup()
+        try:
+            self.model.load_weights(self._saving(weights, backup))
+        except Exception as e:
+            backup.restore()
+            logger.error("weight update failed while loading (%s); restored %d parameter(s)",
+                         e, len(backup))
+            raise WeightUpdateError(f"loading failed ({type(e).__name__}: {e}); the previous "
+                                    "weights were restored") from None
+        finally:
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)  # copies done before anyone reads them
+
+    def _saving(self, weights: Iterable[tuple[str, torch.Tensor]],
+                backup: _Backup) -> Iterator[tuple[str, torch.Tensor]]:
+        for name, tensor in weights:
+            found = self.model.hf_param(name)
+            if found is not None:
+                backup.save(found[0])
+            yield name, tensor
+
+
+class _Backup:
+    """CPU copies of parameters, taken just before their first write."""
+
+    def __init__(self) -> None:
+        self.saved: dict[int, tuple[nn.Parameter, torch.Tensor]] = {}
+
+    def __len__(self) -> int:
+        return len(self.saved)
+
+    def save(self, param: nn.Parameter) -> None:
+        if id(param) not in self.saved:
+            self.saved[id(param)] = (param, param.detach().to("cpu", copy=True))
+
+    def restore(self) -> None:
+        with torch.no_grad():
+            for param, copy in self.saved.values():
+                param.data.copy_(copy)
+
+
+def _owner_modules(model: nn.Module) -> dict[int, nn.Module]:
+    """id(parameter) -> the first module that holds it directly (tied weights:
+    the embedding, whose layout the LM head shares)."""
+    owners: dict[int, nn.Module] = {}
+    for module in model.modules():
+        for param in module.parameters(recurse=False):
+            owners.setdefault(id(param), module)
+    return owners
+
+
+def _checkpoint_header(model_dir: str) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """name -> (safetensors dtype, shape) from the shards' headers, reading no data."""
+    from pathlib import Path
+
+    from safetensors import safe_open
+
+    from radixlm.models.loader import _safetensors_files
+
+    files = _safetensors_files(Path(model_dir))
+    if not files:
+        raise WeightUpdateError(f"no *.safetensors files in {model_dir}")
+    header = {}
+    for f in files:
+        with safe_open(str(f), framework="pt", device="cpu") as handle:
+            for name in handle.keys():  # noqa: SIM118 (safe_open objects are not mappings)
+                piece = handle.get_slice(name)
+                header[name] = (piece.get_dtype(), tuple(piece.get_shape()))
+    return header
+
+
+# ---- the weight-sync process group ------------------------------------------------------
+@dataclass
+class WeightSyncGroup:
+    """A process group of the trainer (rank 0) and the inference ranks."""
+
+    pg: Any  # a ProcessGroupGloo / ProcessGroupNCCL, driven directly
+    store: Any  # the TCP store: it must outlive the group
+    backend: str
+    rank: int
+
+    def broadcast(self, tensor: torch.Tensor) -> None:
+        """From rank 0 into `tensor` on every other rank (rank 0: sends it)."""
+        opts = dist.BroadcastOptions()
+        opts.rootRank = 0
+        self.pg.broadcast([tensor], opts).wait()
+
+
+def new_weight_sync_group(master_address: str, master_port: int, rank: int, world_size: int,
+                          group_name: str = DEFAULT_GROUP, backend: str = "gloo",
+                          timeout_s: float = GROUP_TIMEOUT_S) -> WeightSyncGroup:
+    """Join (rank > 0) or host (rank 0: the trainer, which runs the TCP store) a
+    weight-sync group. It is built straight from a store, so it neither is nor
+    needs the default process group. Trainers call this too, with rank 0, so
+    both sides agree on the store layout, then `group.broadcast(tensor)` for
+    each tensor named in an update_weights_from_distributed call."""
+    timeout = datetime.timedelta(seconds=timeout_s)
+    store = dist.TCPStore(master_address, int(master_port), world_size, is_master=rank == 0,
+                          timeout=timeout)
+    prefixed = dist.PrefixStore(f"radixlm-weights/{group_name}", store)
+    if backend == "nccl":
+        pg = dist.ProcessGroupNCCL(prefixed, rank, world_size)
+    else:
+        pg = dist.ProcessGroupGloo(prefixed, rank, world_size, timeout)
+    return WeightSyncGroup(pg, store, backend, rank)

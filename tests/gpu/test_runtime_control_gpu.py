@@ -1,0 +1,139 @@
+"""Runtime control on CUDA: memory release/resume really frees device memory and
+recaptures the CUDA graphs; weight updates are seen by graph replays; the
+profiler records CUDA kernels; a gloo trainer can feed a CUDA model."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    pytest.skip("needs CUDA", allow_module_level=True)
+
+pytestmark = pytest.mark.gpu
+
+from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
+
+import radixlm  # noqa: E402
+
+NEW = 16
+
+
+def _checkpoint(path, seed: int) -> str:
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=32000, hidden_size=1024, intermediate_size=2816,
+                      num_hidden_layers=6, num_attention_heads=16, num_key_value_heads=4,
+                      head_dim=64, max_position_embeddings=4096, tie_word_embeddings=False)
+    model = LlamaForCausalLM(cfg)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.normal_(0, 0.05)
+    model.save_pretrained(path, safe_serialization=True)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def ckpts(tmp_path_factory):
+    root = tmp_path_factory.mktemp("ckpts")
+    return _checkpoint(root / "a", 0), _checkpoint(root / "b", 1)
+
+
+@pytest.fixture(scope="module")
+def engine(ckpts):
+    with radixlm.Engine(ckpts[0], dtype="bfloat16", skip_tokenizer_init=True,
+                        max_total_tokens=20000, cuda_graph_max_bs=8) as e:
+        yield e
+
+
+PROMPTS = [[5, 17, 300, 42, 9], [1000, 2000, 3000], [7] * 40]
+SP = {"max_new_tokens": NEW, "temperature": 0.0}
+
+
+def greedy(engine) -> list[list[int]]:
+    return [o["output_ids"] for o in engine.generate(input_ids=PROMPTS, sampling_params=SP)]
+
+
+def test_release_frees_memory_and_resume_recaptures_graphs(engine):
+    before = greedy(engine)
+    runner = engine.scheduler.runner
+    assert runner.graph_runner is not None and runner.graph_runner.graphs
+    torch.cuda.synchronize()
+    held = torch.cuda.memory_allocated()
+    reserved = torch.cuda.memory_reserved()
+    ok, message = engine.release_memory_occupation()
+    assert ok, message
+    freed = held - torch.cuda.memory_allocated()
+    assert freed > 300 << 20, f"only {freed >> 20} MiB freed"
+    assert torch.cuda.memory_reserved() < reserved - (300 << 20)  # back to the driver
+    assert runner.graph_runner is None
+    with pytest.raises(ValueError, match="resume_memory_occupation"):
+        engine.generate(input_ids=PROMPTS[0], sampling_params=SP)
+    ok, message = engine.resume_memory_occupation()
+    assert ok, message
+    assert runner.graph_runner is not None and runner.graph_runner.graphs
+    assert greedy(engine) == before
+
+
+def test_weight_updates_reach_graph_replays(engine, ckpts):
+    """Tensor updates copy in place, so captured graphs read the new weights: the
+    outputs equal those of a fresh engine on the second checkpoint."""
+    original = greedy(engine)
+    with radixlm.Engine(ckpts[1], dtype="bfloat16", skip_tokenizer_init=True,
+                        max_total_tokens=20000, cuda_graph_max_bs=8) as other:
+        expected = greedy(other)
+    assert expected != original
+    from safetensors.torch import load_file
+
+    tensors = load_file(f"{ckpts[1]}/model.safetensors")
+    ok, message = engine.update_weights_from_tensor(list(tensors.items()))
+    assert ok, message
+    name = "model.layers.3.self_attn.k_proj.weight"
+    want = tensors[name].to(torch.bfloat16).float().flatten()[:10].tolist()
+    assert engine.get_weights_by_name(name, 10) == want
+    assert greedy(engine) == expected
+    ok, message = engine.update_weights_from_disk(ckpts[0])
+    assert ok, message
+    assert greedy(engine) == original
+    ok, message = engine.update_weights_from_disk(ckpts[1] + "-missing")
+    assert not ok and greedy(engine) == original
+
+
+def test_profile_records_cuda_kernels(engine, tmp_path):
+    assert engine.start_profile(output_dir=str(tmp_path))[0]
+    greedy(engine)
+    ok, message = engine.stop_profile()
+    assert ok, message
+    (trace,) = tmp_path.glob("*.trace.json")
+    events = json.loads(trace.read_text())["traceEvents"]
+    assert any(e.get("cat") == "kernel" for e in events)
+
+
+def test_gloo_trainer_feeds_a_cuda_model(engine, ckpts, tmp_path):
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from safetensors.torch import load_file
+    from server_utils import free_port
+    from weight_update_utils import GROUP, Trainer
+
+    name = "model.layers.2.mlp.down_proj.weight"
+    tensor = load_file(f"{ckpts[1]}/model.safetensors")[name]
+    port = free_port()
+    trainer = Trainer(port, {name: tensor}, tmp_path)
+    try:
+        assert engine.init_weights_update_group("127.0.0.1", port, 1, 2, GROUP, "gloo")[0]
+        trainer.wait("joined")
+        trainer.send([name])
+        ok, message = engine.update_weights_from_distributed([name], ["float32"],
+                                                             [list(tensor.shape)], GROUP)
+        assert ok, message
+        trainer.wait("sent")
+        assert engine.get_weights_by_name(name, 5) == \
+            tensor.to(torch.bfloat16).float().flatten()[:5].tolist()
+    finally:
+        trainer.close()
+        engine.update_weights_from_disk(ckpts[0])
