@@ -242,14 +242,19 @@ class WeightUpdater:
                                     f"{', '.join(DISK_LOAD_FORMATS)}")
         if not isinstance(model_path, str) or not model_path:
             raise WeightUpdateError("model_path must be a non-empty string")
+        error = None
         try:
             model_dir = prepare_model_dir(model_path, load_format)
             self._check_config(load_config(model_dir))
             self._check_checkpoint(_checkpoint_header(model_dir))
-        except WeightUpdateError:
-            raise
+        except WeightUpdateError as e:
+            error = str(e)
         except Exception as e:  # missing file, unreadable config or header, ...
-            raise WeightUpdateError(f"{type(e).__name__}: {e}") from None
+            error = f"{type(e).__name__}: {e}"
+        # Ranks may see different files (multi-node): all go ahead, or none does.
+        if not _all_ranks_agree(error is None):
+            raise WeightUpdateError(error or "the checkpoint failed its checks on another "
+                                             "tensor-parallel rank")
         self._load(iter_safetensors(model_dir))
         self.model_path = model_path
 
@@ -386,18 +391,23 @@ class WeightUpdater:
 
     # ---- loading with rollback ----------------------------------------------------------
     def _load(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Load in place; on a failure here or on any other tensor-parallel rank,
+        restore every parameter touched, so the ranks never hold different models."""
         backup = _Backup()
+        error = None
         try:
             self.model.load_weights(self._saving(weights, backup))
         except Exception as e:
-            backup.restore()
-            logger.error("weight update failed while loading (%s); restored %d parameter(s)",
-                         e, len(backup))
-            raise WeightUpdateError(f"loading failed ({type(e).__name__}: {e}); the previous "
-                                    "weights were restored") from None
-        finally:
-            if self.device.type == "cuda":
-                torch.cuda.synchronize(self.device)  # copies done before anyone reads them
+            error = f"{type(e).__name__}: {e}"
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)  # copies done before anyone reads them
+        if _all_ranks_agree(error is None):
+            return
+        backup.restore()
+        logger.error("weight update failed while loading (%s); restored %d parameter(s)",
+                     error or "on another rank", len(backup))
+        raise WeightUpdateError(f"loading failed ({error or 'on another tensor-parallel rank'}); "
+                                "the previous weights were restored")
 
     def _saving(self, weights: Iterable[tuple[str, torch.Tensor]],
                 backup: _Backup) -> Iterator[tuple[str, torch.Tensor]]:
@@ -406,6 +416,12 @@ class WeightUpdater:
             if found is not None:
                 backup.save(found[0])
             yield name, tensor
+
+
+def _all_ranks_agree(ok: bool) -> bool:
+    """True when `ok` holds on every tensor-parallel rank (each rank must call this)."""
+    sync = tp.get_tp_sync()
+    return ok if sync is None else bool(sync.min_int(int(ok)))
 
 
 class _Backup:
