@@ -332,8 +332,10 @@ def test_dump_requests_and_configure_logging(server, client, prompt_ids, baselin
                         "meta_info", "created_time", "finished_time"}
     assert rec["meta_info"]["finish_reason"] is not None
     assert rec["finished_time"] >= rec["created_time"]
-    assert any(r["input_ids"] == prompt_ids[0] and r["output_ids"] == baseline[0]
-               for r in records)
+    # Any of the three may still be buffered (records come in finishing order), and
+    # earlier tests' requests are in the folder too.
+    expected = {tuple(p): out for p, out in zip(prompt_ids, baseline)}
+    assert any(expected.get(tuple(r["input_ids"])) == r["output_ids"] for r in records)
 
     refused(client.post("/configure_logging", json={"log_level": "loud"}), "log_level")
     refused(client.post("/configure_logging", json={"dump_requests_threshold": 0}),
@@ -366,4 +368,5 @@ def test_dumps_are_flushed_at_shutdown(server, client, prompt_ids, dirs):
     generate(client, prompt_ids[:2])
     assert _dumped(folder) == []  # below the threshold: still buffered
     assert server.stop() == 0
-    assert [r["input_ids"] for r in _dumped(folder)] == prompt_ids[:2]
+    # Written in finishing order, which a batch does not fix.
+    assert sorted(r["input_ids"] for r in _dumped(folder)) == sorted(prompt_ids[:2])

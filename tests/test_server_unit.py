@@ -25,6 +25,7 @@ from radixlm.protocol import (
     encode,
 )
 from radixlm.sampling_params import SamplingParams
+from radixlm.scheduler.control import ControlMixin
 from radixlm.server.errors import APIError, from_value_error
 from radixlm.server.http_server import GuardMiddleware
 from radixlm.server.io import SeqOutput, sse
@@ -121,7 +122,7 @@ def test_guard_limits_the_body_size() -> None:
 
 
 # ---- the scheduler process loop ------------------------------------------------------
-class FakeScheduler:
+class FakeScheduler(ControlMixin):
     """Stands in for Scheduler: refuses prompts containing token 0."""
 
     max_running_requests = 0  # everything queues
@@ -200,7 +201,7 @@ def _pump_until(loop: SchedulerLoop, cond: Any) -> None:
     deadline = time.monotonic() + 5
     while not cond():
         assert time.monotonic() < deadline
-        loop.receive()
+        loop.run_once()
 
 
 def test_loop_refuses_beyond_the_queue_limit(loop_and_peers: Any) -> None:

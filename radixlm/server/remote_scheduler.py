@@ -16,6 +16,7 @@ import logging
 import os
 import signal
 import time
+import weakref
 from typing import Any
 
 import zmq
@@ -74,6 +75,9 @@ class RemoteScheduler:
         self.control_replies: dict[int, ControlReply] = {}
         self.next_control_id = 0
         self.procs = spawn_schedulers(args, model_dir, self.paths)
+        # Also on garbage collection or interpreter exit: stop the ranks, close the
+        # sockets (a zmq context collected with open sockets blocks forever).
+        self._finalizer = weakref.finalize(self, _stop, self.procs, self.ctx, self.paths)
         info = self._wait_ready()
         self.vocab_size: int = info["vocab_size"]
         self.context_len: int = info["context_len"]
@@ -156,14 +160,18 @@ class RemoteScheduler:
 
     # ---- lifetime ------------------------------------------------------------------
     def shutdown(self) -> None:
-        for proc in self.procs.values():
-            if proc.exitcode is None and proc.pid is not None:
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(proc.pid, signal.SIGUSR1)
-        for proc in self.procs.values():
+        self._finalizer()
+
+
+def _stop(procs: dict[str, Any], ctx: zmq.Context, paths: IpcPaths) -> None:
+    for proc in procs.values():
+        if proc.exitcode is None and proc.pid is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(proc.pid, signal.SIGUSR1)
+    for proc in procs.values():
+        proc.join(STOP_TIMEOUT_S)
+        if proc.exitcode is None:
+            proc.kill()
             proc.join(STOP_TIMEOUT_S)
-            if proc.exitcode is None:
-                proc.kill()
-                proc.join(STOP_TIMEOUT_S)
-        self.ctx.destroy(linger=0)
-        self.paths.cleanup()
+    ctx.destroy(linger=0)
+    paths.cleanup()

@@ -82,7 +82,7 @@ class SchedulerLoop:
         self.args = args
         self.parent_pid = parent_pid
         self.dp_rank = placement.dp_rank
-        self.sync = scheduler.tp_sync
+        self.sync = getattr(scheduler, "tp_sync", None)  # None: a single rank
         self.leader = self.sync is None or self.sync.is_leader
         self.errors: list[TokenOut] = []
         self.stats = StatsLogger(scheduler, args.stats_interval if self.leader else 0)
