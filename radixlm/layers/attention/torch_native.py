@@ -66,7 +66,13 @@ class TorchNativeBackend(AttentionBackend):
         q = q.view(bs, layer.num_heads, 1, layer.head_dim)
         keys = k_buf[self.decode_kv_index].transpose(1, 2)  # [bs, kvh, max_len, d]
         values = v_buf[self.decode_kv_index].transpose(1, 2)
+        dtype = q.dtype
+        if q.device.type == "cpu" and dtype != torch.float32:
+            # CPU SDPA's half-precision path for one query row is several times slower
+            # than its float32 path (measured 33 vs 14 ms per layer for bf16 at 64 x 320
+            # tokens, conversions included): gather in the pool's dtype, attend in fp32.
+            q, keys, values = q.float(), keys.float(), values.float()
         out = F.scaled_dot_product_attention(
             q, keys, values, attn_mask=self.decode_mask, scale=layer.scaling,
             enable_gqa=layer.num_heads != layer.num_kv_heads)
-        return out.reshape(bs, layer.num_heads * layer.head_dim)
+        return out.to(dtype).reshape(bs, layer.num_heads * layer.head_dim)
