@@ -274,8 +274,13 @@ def run_scheduler_process(args_dict: dict[str, Any], model_dir: str, paths: IpcP
         loop.run_forever()
     except SystemExit as e:  # SIGUSR1 from the parent, or the parent is gone
         code = e.code if isinstance(e.code, int) else 1
-    except Exception:
-        logger.exception("the scheduler loop failed; exiting")
+    except Exception as e:
+        if not loop.leader and "closed by peer" in str(e):
+            # Rank 0 went first (a shutdown, or it died): the launcher's watchdog
+            # tells the two apart, so no traceback here.
+            logger.warning("lost tensor-parallel rank 0 (%s); exiting", e)
+        else:
+            logger.exception("the scheduler loop failed; exiting")
     loop.ctx.destroy(linger=0)
     exit_now(code)
 
