@@ -75,22 +75,14 @@ def measure(engine, name: str, results: dict) -> None:
 
 
 def shared_prefix(method: str) -> tuple[float, float]:
-    import radixlm
-    from radixlm.bench.shared_prefix import build_workload
+    from radixlm.bench.shared_prefix import build_workload, run
+    from radixlm.config import ServerArgs
 
     work = build_workload(16, 16, 1024, 128, 128000, seed=0)
-    sp = {"max_new_tokens": 128, "temperature": 0.0, "ignore_eos": True}
-    with radixlm.Engine(dp_size=2, load_balance_method=method, **COMMON) as e:
-        e.generate(input_ids=[1, 2, 3, 4], sampling_params={**sp, "max_new_tokens": 2})
-        e.flush_cache()
-        t0 = time.perf_counter()
-        outs = e.generate(input_ids=work, sampling_params=sp)
-        dt = time.perf_counter() - t0
-        info = e.get_server_info()
-    tok_s = sum(len(o["output_ids"]) for o in outs) / dt
-    log(f"dp=2 {method}: shared prefix 16x16 (1024 + 128 in, 128 out): {tok_s:.0f} tok/s, "
-        f"hit rate {info['cache_hit_rate']:.1%}, routed {info['dp']['routed']}")
-    return tok_s, info["cache_hit_rate"]
+    r = run(ServerArgs(dp_size=2, load_balance_method=method, **COMMON), work, 128)
+    log(f"dp=2 {method}: shared prefix 16x16 (1024 + 128 in, 128 out): {r['tok_s']:.0f} "
+        f"tok/s, hit rate {r['hit_rate']:.1%}, routed {r['routed']}")
+    return r["tok_s"], r["hit_rate"]
 
 
 def main() -> None:

@@ -18,6 +18,9 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 ATTENTION_BACKENDS = ("auto", "torch_native", "triton")
 EMBEDDING_POOLINGS = ("last", "mean")
 LOAD_BALANCE_METHODS = ("round_robin", "shortest_queue", "cache_aware")
+LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
+# SGLang's default name of the group over which a trainer broadcasts new weights.
+WEIGHT_UPDATE_GROUP = "weight_update_group"
 
 
 def _opt(group: str, help: str, choices: tuple[str, ...] | None = None, **kw: Any) -> Any:

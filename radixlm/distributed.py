@@ -8,6 +8,9 @@ torch.distributed.
 
 from __future__ import annotations
 
+from typing import Any
+
+import msgspec
 import torch
 import torch.distributed as dist
 
@@ -77,7 +80,7 @@ class TpSync:
     """Host-side lockstep of the scheduler ranks of one tensor-parallel group.
 
     Rank 0 alone talks to the outside world; each step it broadcasts what it
-    received (opaque bytes: msgpack frames, never pickle) so every rank applies
+    received (msgpack, never pickle) so every rank applies
     the same inputs in the same order and takes the same scheduling decisions.
     Uses a gloo group, which is the TP group itself on the CPU and a separate
     one next to NCCL on GPUs (NCCL cannot move host bytes).
@@ -94,20 +97,22 @@ class TpSync:
     def is_leader(self) -> bool:
         return self.rank == 0
 
-    def broadcast_bytes(self, data: bytes | None) -> bytes:
-        """Rank 0 passes its bytes; every rank returns them."""
-        size = torch.tensor([len(data) if self.is_leader and data else 0], dtype=torch.int64)
+    def broadcast_obj(self, obj: Any = None) -> Any:
+        """Rank 0 passes a msgpack-able value (followers pass nothing); every rank
+        returns rank 0's value, except that an empty one (None, [], ...) arrives as
+        None and costs a single 8-byte broadcast: the common case of a busy step."""
+        data = msgspec.msgpack.encode(obj) if self.is_leader and obj else b""
+        size = torch.tensor([len(data)], dtype=torch.int64)
         dist.broadcast(size, src=0, group=self.group)
         n = int(size.item())
         if n == 0:
-            return b""
+            return None
         if self.is_leader:
-            assert data is not None
             buf = torch.frombuffer(bytearray(data), dtype=torch.uint8)
         else:
             buf = torch.empty(n, dtype=torch.uint8)
         dist.broadcast(buf, src=0, group=self.group)
-        return data if self.is_leader and data is not None else buf.numpy().tobytes()
+        return obj if self.is_leader else msgspec.msgpack.decode(buf.numpy().tobytes())
 
     def min_int(self, value: int) -> int:
         """The smallest `value` over the ranks (e.g. the KV capacity all can hold)."""

@@ -13,7 +13,7 @@ import uuid
 from collections.abc import Iterator
 from typing import Any
 
-from radixlm.config import ServerArgs
+from radixlm.config import WEIGHT_UPDATE_GROUP, ServerArgs
 from radixlm.protocol import GenerateReq, StrOut
 from radixlm.runtime.detokenize import Detokenizer
 from radixlm.sampling_params import SamplingParams
@@ -151,7 +151,7 @@ class Engine:
 
     def init_weights_update_group(self, master_address: str, master_port: int,
                                   rank_offset: int, world_size: int,
-                                  group_name: str = "weight_update_group",
+                                  group_name: str = WEIGHT_UPDATE_GROUP,
                                   backend: str | None = None) -> tuple[bool, str]:
         """Join a trainer's weight-sync group (the trainer is rank 0 and runs
         `weight_updater.new_weight_sync_group(..., rank=0)`); blocks until all joined."""
@@ -159,13 +159,13 @@ class Engine:
                             master_port=master_port, rank_offset=rank_offset,
                             world_size=world_size, group_name=group_name, backend=backend)
 
-    def destroy_weights_update_group(self, group_name: str = "weight_update_group"
+    def destroy_weights_update_group(self, group_name: str = WEIGHT_UPDATE_GROUP
                                      ) -> tuple[bool, str]:
         return self._result("destroy_weights_update_group", group_name=group_name)
 
     def update_weights_from_distributed(self, names: list[str], dtypes: list[Any],
                                         shapes: list[list[int]],
-                                        group_name: str = "weight_update_group",
+                                        group_name: str = WEIGHT_UPDATE_GROUP,
                                         flush_cache: bool = True,
                                         abort_all_requests: bool = False) -> tuple[bool, str]:
         """Receive `names` by broadcast from the trainer (in order) and load them."""
@@ -250,12 +250,9 @@ class Engine:
 
     @staticmethod
     def _normalize_params(sp, n: int) -> list[SamplingParams]:
-        if isinstance(sp, list):
-            if len(sp) != n:
-                raise ValueError(f"got {len(sp)} sampling_params for {n} inputs")
-            return [SamplingParams.from_dict(p) for p in sp]
-        p = SamplingParams.from_dict(sp)
-        return [p] * n
+        if not isinstance(sp, list):
+            return [SamplingParams.from_dict(sp)] * n
+        return [SamplingParams.from_dict(p) for p in _per_input(sp, n, "sampling_params")]
 
     @staticmethod
     def _normalize_rids(rid, n: int) -> list[str]:
@@ -267,12 +264,11 @@ class Engine:
         return rids
 
     def _build_requests(self, inputs, params, rids, stream, return_logprob, top_logprobs_num,
-                        logprob_start_len, sessions=None) -> list[tuple[int, int, GenerateReq]]:
+                        logprob_start_len, sessions) -> list[tuple[int, int, GenerateReq]]:
         if top_logprobs_num < 0:
             raise ValueError(f"top_logprobs_num must be >= 0, got {top_logprobs_num}")
         reqs = []
-        for i, (ids, p, rid, session) in enumerate(zip(inputs, params, rids,
-                                                       sessions or [None] * len(inputs))):
+        for i, (ids, p, rid, session) in enumerate(zip(inputs, params, rids, sessions)):
             self.scheduler.validate_input(ids, p.max_new_tokens)
             p.validate(self.scheduler.vocab_size)
             self.scheduler.grammars.validate(p)  # compiles (cached): errors name the grammar

@@ -52,7 +52,7 @@ def run(server_args: ServerArgs, prompts: list[list[int]], output_len: int) -> d
         torch.cuda.empty_cache()  # the next engine sizes its KV pool from free memory
     tokens = sum(len(o["output_ids"]) for o in outs)
     return {"seconds": dt, "tokens": tokens, "tok_s": tokens / dt,
-            "hit_rate": info["cache_hit_rate"]}
+            "hit_rate": info["cache_hit_rate"], "routed": info.get("dp", {}).get("routed")}
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -36,6 +36,7 @@ import torch.distributed as dist
 from torch import nn
 
 from radixlm import distributed as tp
+from radixlm.config import WEIGHT_UPDATE_GROUP
 from radixlm.layers.embedding import VocabParallelEmbedding
 from radixlm.layers.linear import (
     ColumnParallelLinear,
@@ -47,7 +48,6 @@ from radixlm.layers.linear import (
 logger = logging.getLogger(__name__)
 
 DISK_LOAD_FORMATS = ("auto", "safetensors", "gguf")
-DEFAULT_GROUP = "weight_update_group"
 GROUP_TIMEOUT_S = 120.0
 # Config fields the modules were built from: a checkpoint that differs in any of
 # them cannot be loaded into this model in place.
@@ -325,8 +325,8 @@ class WeightUpdater:
 
     # ---- from a trainer over torch.distributed ------------------------------------------
     def init_group(self, master_address: str, master_port: int, rank_offset: int,
-                   world_size: int, group_name: str = DEFAULT_GROUP, backend: str | None = None,
-                   timeout_s: float = GROUP_TIMEOUT_S) -> None:
+                   world_size: int, group_name: str = WEIGHT_UPDATE_GROUP,
+                   backend: str | None = None, timeout_s: float = GROUP_TIMEOUT_S) -> None:
         """Join the trainer's weight-sync group as rank `rank_offset + tp_rank` (the
         trainer is rank 0). A group of its own, never the default process group
         (tensor parallelism uses that one). Blocks until every rank has joined."""
@@ -348,12 +348,13 @@ class WeightUpdater:
             raise WeightUpdateError(f"could not join weight update group {group_name!r} at "
                                     f"{master_address}:{master_port}: {e}") from None
 
-    def destroy_group(self, group_name: str = DEFAULT_GROUP) -> None:
+    def destroy_group(self, group_name: str = WEIGHT_UPDATE_GROUP) -> None:
         if self.groups.pop(group_name, None) is None:
             raise WeightUpdateError(f"no weight update group named {group_name!r}")
 
     def update_from_distributed(self, names: list[str], dtypes: list[Any],
-                                shapes: list[list[int]], group_name: str = DEFAULT_GROUP) -> None:
+                                shapes: list[list[int]],
+                                group_name: str = WEIGHT_UPDATE_GROUP) -> None:
         """Receive each tensor by broadcast from the trainer (rank 0), in order, then
         load them all. Bad names, dtypes or shapes are refused before receiving
         anything, so the trainer must not broadcast when the call fails."""
@@ -491,7 +492,7 @@ class WeightSyncGroup:
 
 
 def new_weight_sync_group(master_address: str, master_port: int, rank: int, world_size: int,
-                          group_name: str = DEFAULT_GROUP, backend: str = "gloo",
+                          group_name: str = WEIGHT_UPDATE_GROUP, backend: str = "gloo",
                           timeout_s: float = GROUP_TIMEOUT_S) -> WeightSyncGroup:
     """Join (rank > 0) or host (rank 0: the trainer, which runs the TCP store) a
     weight-sync group. It is built straight from a store, so it neither is nor

@@ -19,12 +19,13 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING, Any
 
+from radixlm.config import LOG_LEVELS, WEIGHT_UPDATE_GROUP
+
 if TYPE_CHECKING:
     from radixlm.runtime.memory_occupation import MemoryOccupation
     from radixlm.runtime.profiler import Profiler
     from radixlm.runtime.weight_updater import WeightUpdater
 
-LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 
 
 def _ok(message: str, **extra: Any) -> dict[str, Any]:
@@ -149,7 +150,7 @@ class RuntimeControlMixin:
 
     def _control_init_weights_update_group(self, master_address: str, master_port: int,
                                            rank_offset: int, world_size: int,
-                                           group_name: str = "weight_update_group",
+                                           group_name: str = WEIGHT_UPDATE_GROUP,
                                            backend: str | None = None,
                                            timeout_s: float = 120.0) -> dict[str, Any]:
         from radixlm.runtime.weight_updater import WeightUpdateError
@@ -162,7 +163,7 @@ class RuntimeControlMixin:
         return _ok(f"joined weight update group {group_name!r}")
 
     def _control_destroy_weights_update_group(
-            self, group_name: str = "weight_update_group") -> dict[str, Any]:
+            self, group_name: str = WEIGHT_UPDATE_GROUP) -> dict[str, Any]:
         from radixlm.runtime.weight_updater import WeightUpdateError
 
         try:
@@ -173,7 +174,7 @@ class RuntimeControlMixin:
 
     def _control_update_weights_from_distributed(
             self, names: list[str], dtypes: list[str], shapes: list[list[int]],
-            group_name: str = "weight_update_group", flush_cache: bool = True,
+            group_name: str = WEIGHT_UPDATE_GROUP, flush_cache: bool = True,
             abort_all_requests: bool = False) -> dict[str, Any]:
         from radixlm.runtime.weight_updater import WeightUpdateError
 

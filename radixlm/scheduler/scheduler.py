@@ -13,7 +13,6 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
-import msgspec
 import torch
 
 from radixlm import distributed as tp
@@ -162,22 +161,7 @@ class Scheduler(ControlMixin):
             self.waiting.append(req)
 
     def validate_input(self, input_ids: list[int], max_new_tokens: int) -> None:
-        n = len(input_ids)
-        if n == 0:
-            raise ValueError("the prompt is empty: at least one input token is required")
-        bad = next((t for t in input_ids if not 0 <= t < self.vocab_size), None)
-        if bad is not None:
-            raise ValueError(f"input token id {bad} is outside the vocabulary "
-                             f"[0, {self.vocab_size})")
-        limit = min(self.context_len, self.max_total_tokens)
-        if n >= limit:
-            raise ValueError(f"the prompt has {n} tokens, but this model accepts at most "
-                             f"{limit - 1} input tokens")
-        if n + max_new_tokens > limit:
-            raise ValueError(f"the prompt ({n} tokens) plus max_new_tokens ({max_new_tokens}) "
-                             f"is {n + max_new_tokens} tokens, more than the limit of {limit} "
-                             f"(context length {self.context_len}, KV pool "
-                             f"{self.max_total_tokens} tokens)")
+        check_input(self, input_ids, max_new_tokens)
 
     def abort(self, rid: str | None = None, abort_all: bool = False) -> None:
         targets = list(self.reqs.values()) if abort_all else (
@@ -237,9 +221,8 @@ class Scheduler(ControlMixin):
         if sync is None or sync.is_leader:
             ready, failed = self.grammars.poll(GRAMMAR_WAIT_S if idle else 0.0)
         if sync is not None:  # compile times differ per rank: rank 0's poll decides
-            done = msgspec.msgpack.encode([r.rid for r in ready + failed]) \
-                if sync.is_leader else None
-            rids = msgspec.msgpack.decode(sync.broadcast_bytes(done) or b"\x90")
+            rids = sync.broadcast_obj([r.rid for r in ready + failed] if sync.is_leader
+                                      else None) or []
             if not sync.is_leader:
                 ready, failed = self.grammars.poll_selected(rids)
         self.waiting += ready
@@ -584,6 +567,28 @@ class Scheduler(ControlMixin):
 
     def check_invariants(self) -> None:
         self.kv.check_invariants(list(self.reqs.values()))
+
+
+def check_input(sizes: Any, input_ids: list[int], max_new_tokens: int) -> None:
+    """ValueError (naming the limit) unless the prompt fits. `sizes` has `vocab_size`,
+    `context_len` and `max_total_tokens`: a Scheduler, or the sizes a front end
+    (TokenizerManager, the Engine's RemoteScheduler) learned from one."""
+    n = len(input_ids)
+    if n == 0:
+        raise ValueError("the prompt is empty: at least one input token is required")
+    bad = next((t for t in input_ids if not 0 <= t < sizes.vocab_size), None)
+    if bad is not None:
+        raise ValueError(f"input token id {bad} is outside the vocabulary "
+                         f"[0, {sizes.vocab_size})")
+    limit = min(sizes.context_len, sizes.max_total_tokens)
+    if n >= limit:
+        raise ValueError(f"the prompt has {n} tokens, but this model accepts at most "
+                         f"{limit - 1} input tokens")
+    if n + max_new_tokens > limit:
+        raise ValueError(f"the prompt ({n} tokens) plus max_new_tokens ({max_new_tokens}) "
+                         f"is {n + max_new_tokens} tokens, more than the limit of {limit} "
+                         f"(context length {sizes.context_len}, KV pool "
+                         f"{sizes.max_total_tokens} tokens)")
 
 
 def _min_tokens_ban(req: Req) -> set[int]:

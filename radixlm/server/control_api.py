@@ -28,6 +28,7 @@ from fastapi import FastAPI
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict
 
+from radixlm.config import LOG_LEVELS, WEIGHT_UPDATE_GROUP
 from radixlm.server.errors import APIError
 
 if TYPE_CHECKING:
@@ -41,8 +42,6 @@ logger = logging.getLogger(__name__)
 UPDATE_TIMEOUT = 1800.0
 # How long a weight update waits for running requests before giving up.
 DRAIN_TIMEOUT = 600.0
-DEFAULT_GROUP = "weight_update_group"
-LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 
 
 # ---- request bodies ----------------------------------------------------------------------
@@ -68,20 +67,20 @@ class InitWeightsUpdateGroupRequest(_Body):
     master_port: int
     rank_offset: int
     world_size: int
-    group_name: str = DEFAULT_GROUP
+    group_name: str = WEIGHT_UPDATE_GROUP
     backend: str | None = None  # default: nccl on a GPU, gloo on the CPU
     timeout_s: float = 120.0
 
 
 class DestroyWeightsUpdateGroupRequest(_Body):
-    group_name: str = DEFAULT_GROUP
+    group_name: str = WEIGHT_UPDATE_GROUP
 
 
 class UpdateWeightsFromDistributedRequest(_Body):
     names: list[str]
     dtypes: list[str]
     shapes: list[list[int]]
-    group_name: str = DEFAULT_GROUP
+    group_name: str = WEIGHT_UPDATE_GROUP
     flush_cache: bool = True
     abort_all_requests: bool = False
 

@@ -28,7 +28,7 @@ from radixlm.config import ServerArgs
 from radixlm.sampling_params import SamplingParams
 from radixlm.server.errors import APIError
 from radixlm.server.io import SeqOutput, with_cancellation
-from radixlm.server.openai_api import OpenAIServing
+from radixlm.server.native_api import NativeServing
 from radixlm.server.tokenizer_manager import PromptJob, TokenizerManager, raise_if_failed
 
 MAX_INPUTS = 2048  # OpenAI's limit on inputs per embeddings call
@@ -63,11 +63,12 @@ def refuse_generation(args: ServerArgs) -> None:
 
 
 class EmbeddingServing:
-    def __init__(self, tm: TokenizerManager, tokenizer: Any, openai: OpenAIServing,
+    def __init__(self, tm: TokenizerManager, tokenizer: Any, native: NativeServing,
                  args: ServerArgs, model_dir: str) -> None:
         self.tm = tm
         self.tokenizer = tokenizer
-        self.openai = openai
+        self.native = native  # /encode takes /generate's inputs and rids
+        self.openai = native.openai
         self.args = args
         self.model_dir = model_dir
         self._hidden_size: int | None = None
@@ -138,30 +139,10 @@ class EmbeddingServing:
                 "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
 
     # ---- /encode ------------------------------------------------------------------------
-    def native_inputs(self, req: EncodeRequest) -> tuple[list[list[int]], bool]:
-        """Token ids per input, and whether the call named a single input."""
-        if (req.text is None) == (req.input_ids is None):
-            raise APIError(400, "pass exactly one of text or input_ids", "text")
-        if req.text is not None:
-            texts = [req.text] if isinstance(req.text, str) else req.text
-            if not texts:
-                raise APIError(400, "text must not be an empty list", "text")
-            return [self.tokenizer.encode(t) for t in texts], isinstance(req.text, str)
-        ids = req.input_ids
-        single = not ids or not isinstance(ids[0], list)
-        return ([list(ids)] if single else [list(x) for x in ids]), single  # type: ignore
-
     async def encode(self, req: EncodeRequest) -> Response:
         self.require_embedding_server()
-        inputs, single = self.native_inputs(req)
-        if req.rid is None:
-            gid = self.tm.new_id()
-            rids = [gid] if len(inputs) == 1 else [f"{gid}-{i}" for i in range(len(inputs))]
-        else:
-            rids = [req.rid] if isinstance(req.rid, str) else list(req.rid)
-            if len(rids) != len(inputs):
-                raise APIError(400, f"got {len(rids)} rids for {len(inputs)} inputs", "rid")
-            gid = rids[0] if len(rids) == 1 else self.tm.new_id()
+        inputs, single = self.native.inputs(req)
+        gid, rids = self.native.rids(req.rid, len(inputs))
         results = [{"embedding": vec, "meta_info": seq.meta_info()}
                    for vec, seq in await self.embed(inputs, rids, gid)]
         return JSONResponse(results[0] if single else results)

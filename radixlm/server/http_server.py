@@ -205,7 +205,7 @@ def build_app(state: ServerState) -> FastAPI:
     tm = state.tm
     openai = OpenAIServing(tm, state.tokenizer, state.served_name, state.args.model_path)
     native = NativeServing(tm, state.tokenizer, openai)
-    add_embedding_routes(app, EmbeddingServing(tm, state.tokenizer, openai, state.args,
+    add_embedding_routes(app, EmbeddingServing(tm, state.tokenizer, native, state.args,
                                                state.model_dir))
     _add_health_routes(app, state)
     _add_info_routes(app, state)

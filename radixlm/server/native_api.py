@@ -13,7 +13,7 @@ request: see radixlm/scheduler/session.py.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
@@ -32,6 +32,9 @@ from radixlm.server.openai_protocol import (
 )
 from radixlm.server.tokenizer_manager import SAMPLING_NAMES, PromptJob, TokenizerManager
 
+if TYPE_CHECKING:
+    from radixlm.server.embeddings_api import EncodeRequest
+
 
 class NativeServing:
     def __init__(self, tm: TokenizerManager, tokenizer: Any, openai: OpenAIServing) -> None:
@@ -40,8 +43,9 @@ class NativeServing:
         self.openai = openai  # for its stream plumbing
 
     # ---- /generate ----------------------------------------------------------------
-    def inputs(self, req: GenerateRequest) -> tuple[list[list[int]], bool]:
-        """Token ids per input, and whether the call named a single input."""
+    def inputs(self, req: GenerateRequest | EncodeRequest) -> tuple[list[list[int]], bool]:
+        """Token ids per input (`text` or `input_ids`, one or a batch), and whether the
+        call named a single input."""
         if (req.text is None) == (req.input_ids is None):
             raise APIError(400, "pass exactly one of text or input_ids", "text")
         if req.text is not None:

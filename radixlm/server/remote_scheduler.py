@@ -36,7 +36,7 @@ from radixlm.protocol import (
     encode,
 )
 from radixlm.sampling_params import SamplingParams
-from radixlm.scheduler.scheduler import Scheduler
+from radixlm.scheduler.scheduler import check_input
 from radixlm.server.ipc import IpcPaths, pull_socket, push_socket
 from radixlm.server.workers import spawn_schedulers
 
@@ -103,7 +103,7 @@ class RemoteScheduler:
 
     # ---- the Scheduler members the Engine uses -------------------------------------
     def validate_input(self, input_ids: list[int], max_new_tokens: int) -> None:
-        Scheduler.validate_input(self, input_ids, max_new_tokens)  # type: ignore[arg-type]
+        check_input(self, input_ids, max_new_tokens)
 
     def add_request(self, msg: GenerateReq) -> None:
         if msg.rid in self.reqs:

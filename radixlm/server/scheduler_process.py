@@ -16,7 +16,6 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-import msgspec
 import zmq
 
 from radixlm.config import ServerArgs
@@ -158,8 +157,7 @@ class SchedulerLoop:
                 frames.append(self.recv_sock.recv())
                 timeout = 0
         if self.sync is not None:
-            packed = msgspec.msgpack.encode(frames) if self.leader else None
-            frames = msgspec.msgpack.decode(self.sync.broadcast_bytes(packed) or b"\x90")
+            frames = self.sync.broadcast_obj(frames) or []
         return frames
 
     # ---- the loop ---------------------------------------------------------------

@@ -52,8 +52,8 @@ MAX_TOP_LOGPROBS = 20  # vLLM's default cap on top-k logprobs per token
 
 @dataclass(frozen=True)
 class Limits:
-    """The scheduler's sizes, as its ready message reports them. Attribute names
-    match the Scheduler's, so its own `validate_input` can run on this."""
+    """The scheduler's sizes, as its ready message reports them (the `sizes` that
+    the scheduler's own input rule, `check_input`, reads)."""
 
     vocab_size: int
     context_len: int
@@ -238,12 +238,12 @@ class TokenizerManager:
 
     def validate(self, job: PromptJob) -> None:
         """The scheduler's own input rules, applied before anything is sent."""
-        from radixlm.scheduler.scheduler import Scheduler
+        from radixlm.scheduler.scheduler import check_input
 
         limits = self.require_limits()
         try:
-            # Unbound on purpose: one rule, enforced here and in the scheduler.
-            Scheduler.validate_input(limits, job.input_ids, job.params.max_new_tokens)
+            # One rule, enforced here and in the scheduler.
+            check_input(limits, job.input_ids, job.params.max_new_tokens)
             job.params.validate(limits.vocab_size)
             # Grammar checks that need no compiler; a grammar that fails to compile
             # comes back from the scheduler as a 400 abort.
