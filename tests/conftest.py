@@ -8,7 +8,6 @@ import os
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import pytest  # noqa: E402
-import torch  # noqa: E402
 
 
 @pytest.fixture(scope="session")
@@ -22,7 +21,6 @@ def model_dir() -> str:
 @pytest.fixture(scope="session")
 def hf_model(model_dir):
     """HF transformers' Llama on the same converted weights: the reference."""
-    from transformers import AutoModelForCausalLM
+    from hf_reference import load_hf
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    return model.eval()
+    return load_hf(model_dir)

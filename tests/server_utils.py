@@ -12,7 +12,6 @@ from __future__ import annotations
 import atexit
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -22,14 +21,10 @@ from typing import Any
 
 import httpx
 
+from radixlm.server.workers import free_port
+
 READY_TIMEOUT = 300.0  # a cold start converts the GGUF once; a busy 2-core box is slow
 REPO = Path(__file__).resolve().parents[1]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class ServerProcess:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hf_reference
 import pytest
 import torch
 
@@ -30,13 +31,7 @@ def prompt_ids(engine_default) -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def hf_greedy(hf_model, prompt_ids) -> list[list[int]]:
-    outs = []
-    for ids in prompt_ids:
-        x = torch.tensor([ids])
-        y = hf_model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=NEW_TOKENS,
-                              do_sample=False)
-        outs.append(y[0, len(ids):].tolist())
-    return outs
+    return hf_reference.hf_greedy(hf_model, prompt_ids, NEW_TOKENS)
 
 
 @pytest.fixture(scope="module")

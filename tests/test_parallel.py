@@ -11,6 +11,7 @@ import httpx
 import psutil
 import pytest
 import torch
+from hf_reference import hf_greedy
 from server_utils import ServerProcess
 from test_models import TINY_CONFIGS, save_random_hf_model
 
@@ -22,16 +23,6 @@ PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, i
            "Explain why the sky is blue in one sentence."]
 NEW_TOKENS = 24
 GREEDY = {"max_new_tokens": NEW_TOKENS, "temperature": 0.0}
-
-
-def hf_generate(model, prompts_ids: list[list[int]], n: int) -> list[list[int]]:
-    outs = []
-    for ids in prompts_ids:
-        x = torch.tensor([ids])
-        y = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=n,
-                           do_sample=False)
-        outs.append(y[0, len(ids):].tolist())
-    return outs
 
 
 # ---- head partition -----------------------------------------------------------------
@@ -100,7 +91,7 @@ def embedded_ids(model_dir) -> list[list[int]]:
 
 def test_tp2_embedded_model_matches_tp1_and_hf(embedded_ids, hf_model):
     """SmolLM2's 9 heads / 3 KV heads split 6+3 / 2+1 over two gloo ranks."""
-    ref = hf_generate(hf_model, embedded_ids, NEW_TOKENS)
+    ref = hf_greedy(hf_model, embedded_ids, NEW_TOKENS)
     with radixlm.Engine(max_total_tokens=4096) as e:
         tp1 = [o["output_ids"] for o in e.generate(input_ids=embedded_ids, sampling_params=GREEDY)]
     with radixlm.Engine(tp_size=2, max_total_tokens=4096, chunked_prefill_size=8) as e:
@@ -123,7 +114,7 @@ def test_tp2_random_models_match_hf(name, tmp_path):
     gen = torch.Generator().manual_seed(1)
     prompts = [torch.randint(0, config.vocab_size, (n,), generator=gen).tolist()
                for n in (5, 17, 33)]
-    ref = hf_generate(hf, prompts, 12)
+    ref = hf_greedy(hf, prompts, 12)
     with radixlm.Engine(model_path=str(tmp_path), tp_size=2, skip_tokenizer_init=True,
                         max_total_tokens=1024, load_format="safetensors") as e:
         out = e.generate(input_ids=prompts, sampling_params={"max_new_tokens": 12,

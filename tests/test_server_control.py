@@ -20,13 +20,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from hf_reference import hf_greedy, load_hf
 from server_utils import DEFAULT_ARGS, ServerProcess, free_port
 from weight_update_utils import (
     GROUP,
     PERTURBED,
     Trainer,
-    hf_greedy,
-    load_hf,
     other_config_checkpoint,
     perturb,
     same_prefix,

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from hf_reference import hf_greedy, load_hf
 from safetensors.torch import save
 from server_utils import free_port
 from weight_update_utils import (
@@ -19,8 +20,6 @@ from weight_update_utils import (
     PERTURBED,
     Trainer,
     checkpoint_with,
-    hf_greedy,
-    load_hf,
     other_config_checkpoint,
     perturb,
     renamed_architecture,

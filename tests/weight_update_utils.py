@@ -20,12 +20,6 @@ PERTURBED = ["model.norm.weight", "model.layers.0.mlp.down_proj.weight",
 GROUP = "test_weight_sync"
 
 
-def load_hf(model_dir: str) -> Any:
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-
-
 def perturb(model: Any, seed: int = 0) -> dict[str, torch.Tensor]:
     """Change the PERTURBED tensors of an HF model in place; returns their new values."""
     gen = torch.Generator().manual_seed(seed)
@@ -41,17 +35,6 @@ def perturb(model: Any, seed: int = 0) -> dict[str, torch.Tensor]:
                 p.add_(0.5 * p.std() * noise)
             out[name] = p.detach().clone()
     return out
-
-
-def hf_greedy(model: Any, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
-    outs = []
-    with torch.no_grad():
-        for ids in prompts:
-            x = torch.tensor([ids])
-            y = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=new_tokens,
-                               do_sample=False)
-            outs.append(y[0, len(ids):].tolist())
-    return outs
 
 
 def same_prefix(ours: list[list[int]], ref: list[list[int]]) -> bool:

@@ -12,7 +12,8 @@ if not torch.cuda.is_available():
 
 pytestmark = pytest.mark.gpu
 
-from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
+from gpu_models import save_random_llama  # noqa: E402
+from transformers import LlamaForCausalLM  # noqa: E402
 
 import radixlm  # noqa: E402
 
@@ -21,18 +22,7 @@ PROMPT_LENS = [7, 33, 128, 300, 5]
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=32000, hidden_size=1024, intermediate_size=2816,
-                      num_hidden_layers=6, num_attention_heads=16, num_key_value_heads=4,
-                      head_dim=64, max_position_embeddings=4096, tie_word_embeddings=False)
-    model = LlamaForCausalLM(cfg)
-    with torch.no_grad():  # larger-than-default init: decisive greedy paths
-        for p in model.parameters():
-            if p.dim() == 2:
-                p.normal_(0, 0.05)
-    d = tmp_path_factory.mktemp("tiny-llama-embed")
-    model.save_pretrained(d, safe_serialization=True)
-    return str(d)
+    return save_random_llama(tmp_path_factory.mktemp("tiny-llama-embed"))
 
 
 @pytest.fixture(scope="module")

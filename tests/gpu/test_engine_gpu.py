@@ -11,7 +11,8 @@ if not torch.cuda.is_available():
 
 pytestmark = pytest.mark.gpu
 
-from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
+from gpu_models import save_random_llama  # noqa: E402
+from transformers import LlamaForCausalLM  # noqa: E402
 
 import radixlm  # noqa: E402
 
@@ -19,28 +20,12 @@ PROMPT_LENS = [7, 33, 128, 300, 5, 64]
 NEW = 24
 
 
-def _config() -> LlamaConfig:
-    return LlamaConfig(
-        vocab_size=32000, hidden_size=1024, intermediate_size=2816, num_hidden_layers=6,
-        num_attention_heads=16, num_key_value_heads=4, head_dim=64, max_position_embeddings=4096,
-        rope_theta=500000.0, rms_norm_eps=1e-5, tie_word_embeddings=False,
-        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                      "high_freq_factor": 4.0, "original_max_position_embeddings": 1024})
-
-
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    torch.manual_seed(0)
-    cfg = _config()
-    model = LlamaForCausalLM(cfg)
-    # Larger-than-default init so logits are not flat and greedy paths are decisive.
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() == 2:
-                p.normal_(0, 0.05)
-    d = tmp_path_factory.mktemp("tiny-llama")
-    model.save_pretrained(d, safe_serialization=True)
-    return str(d)
+    return save_random_llama(
+        tmp_path_factory.mktemp("tiny-llama"), rope_theta=500000.0, rms_norm_eps=1e-5,
+        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                      "high_freq_factor": 4.0, "original_max_position_embeddings": 1024})
 
 
 @pytest.fixture(scope="module")

@@ -14,31 +14,17 @@ if not torch.cuda.is_available():
 
 pytestmark = pytest.mark.gpu
 
-from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
+from gpu_models import save_random_llama  # noqa: E402
 
 import radixlm  # noqa: E402
 
 NEW = 16
 
 
-def _checkpoint(path, seed: int) -> str:
-    torch.manual_seed(seed)
-    cfg = LlamaConfig(vocab_size=32000, hidden_size=1024, intermediate_size=2816,
-                      num_hidden_layers=6, num_attention_heads=16, num_key_value_heads=4,
-                      head_dim=64, max_position_embeddings=4096, tie_word_embeddings=False)
-    model = LlamaForCausalLM(cfg)
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() == 2:
-                p.normal_(0, 0.05)
-    model.save_pretrained(path, safe_serialization=True)
-    return str(path)
-
-
 @pytest.fixture(scope="module")
 def ckpts(tmp_path_factory):
     root = tmp_path_factory.mktemp("ckpts")
-    return _checkpoint(root / "a", 0), _checkpoint(root / "b", 1)
+    return save_random_llama(root / "a", 0), save_random_llama(root / "b", 1)
 
 
 @pytest.fixture(scope="module")
