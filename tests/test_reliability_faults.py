@@ -113,15 +113,27 @@ def test_sigterm_during_load_ends_every_call_and_exits_0(limited: ServerProcess,
     """Short and long calls in flight (2 running, the rest queued or refused);
     SIGTERM: the short ones finish, the long ones end with "abort" after
     --shutdown-timeout (2 s), every stream ends with [DONE], exit code 0."""
+    async def running_at_least(c: httpx.AsyncClient, k: int) -> None:
+        deadline = time.monotonic() + 60
+        while (await c.get("/get_server_info")).json()["num_running_requests"] < k:
+            assert time.monotonic() < deadline, "the load never started"
+            await asyncio.sleep(0.05)
+
     async def load() -> list[dict[str, Any]]:
         async with httpx.AsyncClient(base_url=limited.url, timeout=120) as c:
-            calls = [asyncio.ensure_future(call(c, i, 4 if i % 2 else 200)) for i in range(8)]
-            deadline = time.monotonic() + 60
-            while (await c.get("/get_server_info")).json()["num_running_requests"] < MAX_RUNNING:
-                assert time.monotonic() < deadline, "the load never started"
-                await asyncio.sleep(0.05)
+            def start(i: int) -> asyncio.Future[dict[str, Any]]:
+                return asyncio.ensure_future(call(c, i, 4 if i % 2 else 200))
+
+            # Which calls win the 2 running slots must not be left to chance: a long
+            # one-sequence call (i=4) and a short one (i=1) run first, then the rest
+            # arrive and SIGTERM comes at once.
+            calls = {4: start(4)}
+            await running_at_least(c, 1)
+            calls[1] = start(1)
+            await running_at_least(c, MAX_RUNNING)
+            calls.update({i: start(i) for i in range(8) if i not in calls})
             limited.proc.send_signal(signal.SIGTERM)
-            return await asyncio.gather(*calls, return_exceptions=True)
+            return await asyncio.gather(*calls.values(), return_exceptions=True)
 
     t0 = time.monotonic()
     results = asyncio.run(load())
