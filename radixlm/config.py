@@ -15,7 +15,7 @@ from typing import Any, Literal, get_args, get_origin
 SCHEDULE_POLICIES = ("fcfs", "lpm", "dfs-weight")
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
-ATTENTION_BACKENDS = ("auto", "torch_native", "triton")
+ATTENTION_BACKENDS = ("auto", "torch_native", "cpu", "triton")
 EMBEDDING_POOLINGS = ("last", "mean")
 LOAD_BALANCE_METHODS = ("round_robin", "shortest_queue", "cache_aware")
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
@@ -72,8 +72,9 @@ class ServerArgs:
     disable_radix_cache: bool = _opt("scheduling", "Disable prefix sharing", default=False)
 
     # Execution
-    attention_backend: str = _opt("runtime", "Attention kernels", ATTENTION_BACKENDS,
-                                  default="auto")
+    attention_backend: str = _opt(
+        "runtime", "Attention kernels (auto: triton on CUDA; on the CPU our C++ decode kernel "
+        "when a compiler is present, else torch_native)", ATTENTION_BACKENDS, default="auto")
     disable_cuda_graph: bool = _opt("runtime", "Run decode without CUDA graphs", default=False)
     cuda_graph_max_bs: int = _opt("runtime", "Largest decode batch captured in a CUDA graph",
                                   default=256)

@@ -2,7 +2,15 @@
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
 import torch
+
+
+def cache_root() -> Path:
+    """Where converted weights and built CPU kernels are kept ($RADIXLM_CACHE_DIR)."""
+    return Path(os.environ.get("RADIXLM_CACHE_DIR") or Path.home() / ".cache" / "radixlm")
 
 
 def to_device(t: torch.Tensor, device: torch.device | str,

@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from radixlm.layers import fused_ops
+from radixlm.layers import cpu_ops, fused_ops
 
 
 class SiluAndMul(nn.Module):
@@ -15,5 +15,7 @@ class SiluAndMul(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.is_cuda:
             return fused_ops.silu_and_mul(x)
+        if cpu_ops.use_fused(x):
+            return cpu_ops.silu_and_mul(x)
         gate, up = x.chunk(2, dim=-1)
         return F.silu(gate) * up

