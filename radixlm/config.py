@@ -80,6 +80,9 @@ class ServerArgs:
                                   default=256)
     disable_overlap_schedule: bool = _opt("runtime", "Do not overlap CPU scheduling with the GPU",
                                           default=False)
+    disable_cascade_attention: bool = _opt(
+        "runtime", "In decode attention, read a prefix that running requests share once per "
+        "request instead of once per group (triton backend)", default=False)
     num_threads: int | None = _opt("runtime", "torch CPU threads (default: all cores)",
                                    default=None)
 

@@ -8,6 +8,11 @@ With `--disable-cuda-graph` the same padded static batches run eagerly: the
 kernels then see exactly the shapes the graphs would, so outputs are
 identical with and without graphs (GEMM and split-KV reductions can otherwise
 round differently for a batch of 5 and one padded to 8).
+
+With cascade attention (`cascade_attention_wanted`, a backend with
+`supports_cascade_decode`) the graphs capture the cascade decode path and each
+replay hands the batch's `prefix_groups` to the backend, which writes their
+plan into its static tables (none: plain decode through the same kernels).
 """
 
 from __future__ import annotations
@@ -19,7 +24,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from radixlm.runtime.forward_batch import ForwardBatch, ForwardMode
+from radixlm.runtime.forward_batch import ForwardBatch, ForwardMode, cascade_attention_wanted
 
 if TYPE_CHECKING:
     from radixlm.runtime.model_runner import ModelRunner
@@ -48,7 +53,13 @@ class CudaGraphRunner:
         self.rows = torch.arange(n, dtype=torch.int64, device=dev)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
-        runner.attn_backend.init_cuda_graph_state(n)
+        backend = runner.attn_backend
+        self.cascade = (getattr(backend, "supports_cascade_decode", False)
+                        and cascade_attention_wanted(runner.args))
+        if self.cascade:
+            backend.init_cuda_graph_state(n, cascade=True)
+        else:
+            backend.init_cuda_graph_state(n)
         if use_graphs:
             self._capture_all()
 
@@ -103,8 +114,14 @@ class CudaGraphRunner:
         self.req_pool_indices[:bs].copy_(fb.req_pool_indices, non_blocking=True)
         self.seq_lens[:bs].copy_(fb.seq_lens, non_blocking=True)
         self.out_cache_loc[:bs].copy_(fb.out_cache_loc, non_blocking=True)
-        self.runner.attn_backend.init_forward_metadata_cuda_graph(
-            padded, self.req_pool_indices[:padded], self.seq_lens[:padded])
+        backend = self.runner.attn_backend
+        if self.cascade:
+            backend.init_forward_metadata_cuda_graph(
+                padded, self.req_pool_indices[:padded], self.seq_lens[:padded],
+                prefix_groups=fb.prefix_groups)
+        else:
+            backend.init_forward_metadata_cuda_graph(
+                padded, self.req_pool_indices[:padded], self.seq_lens[:padded])
         if not self.use_graphs:
             return self.runner.model(self.input_ids[:padded], self.positions[:padded],
                                      self._batch(padded))[:bs]

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import operator
+from collections import defaultdict
+from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import Enum, auto
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -54,6 +57,9 @@ class ForwardBatch:
     # Rows of the flat token axis whose logits are wanted, [num_logit_rows] int64.
     # Default: the last new token of each request.
     logit_rows: torch.Tensor | None = None
+    # Decode only: requests sharing their first KV slots (cascade attention); None:
+    # no sharing, or not looked for. Backends without cascade attention ignore it.
+    prefix_groups: PrefixGroups | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -86,3 +92,132 @@ class ForwardBatch:
             extend_prefix_lens_cpu=prefix_lens, req_to_token_pool=req_to_token_pool,
             token_to_kv_pool=token_to_kv_pool, attn_backend=attn_backend,
             logit_rows=t(logit_rows))
+
+
+# ---- shared prefixes in a decode batch (cascade attention) ------------------------
+# A group saves (members - 1) x prefix_len K/V reads per layer and step; below this
+# many tokens the saving does not pay for the extra kernel and merge.
+MIN_SHARED_PREFIX = 64
+# Depth of the search below a common prefix (a chain of ever longer shared
+# prefixes); deeper levels join their parent's group.
+_MAX_LEVELS = 32
+
+
+@dataclass(frozen=True)
+class PrefixGroups:
+    """Requests of a decode batch whose KV slot lists begin with the same run of slots.
+
+    `groups[k] = (prefix_len, members)`: the batch indices (ascending) of >= 2
+    requests whose first `prefix_len` slots are identical; each member has at least
+    one token after them. A request is in at most one group. A new object means a
+    new grouping (backends may cache what they derive from one, by identity).
+    """
+
+    batch_size: int
+    groups: tuple[tuple[int, tuple[int, ...]], ...]
+
+
+def find_prefix_groups(slot_lists: Sequence[Sequence[int]],
+                       min_prefix_len: int = MIN_SHARED_PREFIX) -> PrefixGroups:
+    """Group requests by shared leading KV slots (their table rows' host copies).
+
+    Relies on the pool's sharing rule: a slot held by two live requests came from
+    the prefix cache, whose path to that slot is unique, so two requests with the
+    same slot at position p also share every slot before p. The length two lists
+    share is then found by bisection on single positions, O(log n) per request.
+
+    Where the shared prefixes nest (a system prompt common to all, then a longer
+    prefix per group), each subtree goes either to its own deeper groups or to its
+    parent's group, whichever saves more K/V reads ((members - 1) x prefix_len).
+    """
+    caps = [len(s) - 1 for s in slot_lists]  # keep >= 1 own token per request
+    min_prefix_len = max(1, min_prefix_len)
+    buckets: dict[int, list[int]] = defaultdict(list)
+    for i, s in enumerate(slot_lists):
+        if caps[i] >= min_prefix_len:
+            buckets[s[0]].append(i)
+    groups: list[tuple[int, tuple[int, ...]]] = []
+    for members in buckets.values():
+        if len(members) >= 2:
+            groups += _plan_groups(members, 1, slot_lists, caps, min_prefix_len, 0)[1]
+    groups.sort(key=lambda g: g[1][0])
+    return PrefixGroups(len(slot_lists), tuple(groups))
+
+
+def _plan_groups(members: list[int], lo: int, slots: Sequence[Sequence[int]],
+                 caps: list[int], min_len: int, level: int
+                 ) -> tuple[int, list[tuple[int, tuple[int, ...]]]]:
+    """Best grouping of `members`, which share their first `lo` slots: (reads saved,
+    groups)."""
+    lead = slots[members[0]]
+    depth = caps[members[0]]
+    for j in members[1:]:
+        depth = _shared_len(lead, slots[j], lo, min(depth, caps[j]))
+    pool_value = depth if depth >= min_len else 0
+    pooled: list[int] = []
+    saved, groups = 0, []
+    subtrees: dict[int, list[int]] = defaultdict(list)
+    for j in members:
+        if caps[j] > depth and level < _MAX_LEVELS:
+            subtrees[slots[j][depth]].append(j)
+        else:
+            pooled.append(j)
+    for sub in subtrees.values():
+        if len(sub) >= 2:
+            sub_saved, sub_groups = _plan_groups(sub, depth + 1, slots, caps, min_len,
+                                                 level + 1)
+            if sub_saved > len(sub) * pool_value:
+                saved += sub_saved
+                groups += sub_groups
+                continue
+        pooled += sub
+    if len(pooled) >= 2 and pool_value:
+        # The pool may share more than `depth` (e.g. one subtree whose own groups
+        # lost): take all it shares.
+        lp = min(caps[j] for j in pooled)
+        first = slots[pooled[0]]
+        for j in pooled[1:]:
+            lp = _shared_len(first, slots[j], depth, lp)
+        saved += (len(pooled) - 1) * lp
+        groups.append((lp, tuple(sorted(pooled))))
+    return saved, groups
+
+
+def _shared_len(a: Sequence[int], b: Sequence[int], lo: int, hi: int) -> int:
+    """Largest p in [lo, hi] with a[p - 1] == b[p - 1], given that it holds at lo and,
+    by the sharing rule, at every p below the answer and at none above."""
+    if a[hi - 1] == b[hi - 1]:
+        return hi
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if a[mid - 1] == b[mid - 1]:
+            lo = mid
+        else:
+            hi = mid
+    return lo
+
+
+class SharedPrefixTracker:
+    """`find_prefix_groups` for successive decode batches, recomputed only when the
+    batch's requests change: a running request's prefix slots do not change while
+    it decodes (it only appends slots of its own)."""
+
+    def __init__(self, min_prefix_len: int = MIN_SHARED_PREFIX) -> None:
+        self.min_prefix_len = min_prefix_len
+        self._reqs: list[Any] = []
+        self._groups: PrefixGroups | None = None
+
+    def find(self, reqs: Sequence[Any]) -> PrefixGroups | None:
+        """Groups of `reqs` (objects with a `slots` list: their table row's host
+        copy); None when no group qualifies."""
+        if len(reqs) != len(self._reqs) or not all(map(operator.is_, reqs, self._reqs)):
+            self._reqs = list(reqs)  # holding them keeps their identities unique
+            groups = find_prefix_groups([r.slots for r in reqs], self.min_prefix_len)
+            self._groups = groups if groups.groups else None
+        return self._groups
+
+
+def cascade_attention_wanted(args: Any) -> bool:
+    """Whether decode batches should look for shared prefixes (ServerArgs)."""
+    return not (args.disable_cascade_attention or args.disable_radix_cache
+                or args.is_embedding)

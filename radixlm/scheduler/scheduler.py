@@ -21,7 +21,12 @@ from radixlm.config import ServerArgs
 from radixlm.constrained.manager import create_grammar_manager
 from radixlm.layers.sampler import Sampler, SamplingBatchInfo
 from radixlm.protocol import GenerateReq, TokenOut
-from radixlm.runtime.forward_batch import ForwardBatch, ForwardMode
+from radixlm.runtime.forward_batch import (
+    ForwardBatch,
+    ForwardMode,
+    SharedPrefixTracker,
+    cascade_attention_wanted,
+)
 from radixlm.runtime.model_runner import ModelRunner
 from radixlm.sampling_params import SamplingParams
 from radixlm.scheduler.control import ControlMixin
@@ -122,6 +127,9 @@ class Scheduler(ControlMixin):
                                       device=self.device)
         self.stats = Stats()
         self.forward_ct = 0
+        # Decode batches' shared prefixes, for backends with cascade attention.
+        self.prefix_groups = SharedPrefixTracker() if cascade_attention_wanted(args) and \
+            getattr(self.runner.attn_backend, "supports_cascade_decode", False) else None
 
     def _make_cache(self) -> PrefixCache:
         if self.args.disable_radix_cache:
@@ -409,6 +417,8 @@ class Scheduler(ControlMixin):
             self.runner.attn_backend, self.device)
         # Each request's newest token, wherever it was sampled, is on the device.
         fb.input_ids = self.future_ids[fb.req_pool_indices]
+        if self.prefix_groups is not None:
+            fb.prefix_groups = self.prefix_groups.find(batch)
         logits = self.runner.forward(fb)
         self.forward_ct += 1
         self.new_token_ratio = max(MIN_NEW_TOKEN_RATIO,

@@ -9,6 +9,17 @@ import torch
 
 from radixlm.cache.memory_pool import MHATokenToKVPool
 from radixlm.layers.attention.base import AttentionBackend
+from radixlm.layers.attention.triton_ops.cascade_decode import (
+    MAX_PREFIX_SPLITS,
+    SPLIT_ALIGN,
+    CascadePlan,
+    CascadeTables,
+    build_cascade_plan,
+    cascade_decode_fwd,
+    cascade_members,
+    table_size,
+    table_views,
+)
 from radixlm.layers.attention.triton_ops.decode_attention import (
     DECODE_BLOCK_N,
     decode_attention_fwd,
@@ -19,10 +30,18 @@ from radixlm.layers.attention.triton_ops.extend_attention import (
     extend_config,
 )
 from radixlm.layers.attention.triton_ops.kv_store import store_kv
+from radixlm.utils import to_device
 
 if TYPE_CHECKING:
     from radixlm.layers.attention.radix_attention import RadixAttention
-    from radixlm.runtime.forward_batch import ForwardBatch
+    from radixlm.runtime.forward_batch import ForwardBatch, PrefixGroups
+
+
+@dataclass
+class _CascadeMeta:
+    tables: CascadeTables  # device views
+    mid_po: torch.Tensor  # [>= bs, num_heads, MAX_PREFIX_SPLITS, head_dim] fp32 scratch
+    mid_plse: torch.Tensor  # [>= bs, num_heads, MAX_PREFIX_SPLITS] fp32 scratch
 
 
 @dataclass
@@ -32,6 +51,7 @@ class _DecodeMeta:
     mid_o: torch.Tensor  # [bs, num_heads, num_splits, head_dim] fp32 scratch
     mid_lse: torch.Tensor  # [bs, num_heads, num_splits] fp32 scratch
     num_splits: int
+    cascade: _CascadeMeta | None = None
 
 
 @dataclass
@@ -64,6 +84,12 @@ class TritonAttentionBackend(AttentionBackend):
       at every size on H200 (1.6 vs 6.4 us at 32 tokens in a CUDA graph, 36 vs
       155 us at 16k tokens), hence the default 1.
 
+    Cascade (prefix-sharing) decode: a decode batch whose `fb.prefix_groups` lists
+    requests sharing their first KV slots reads each shared prefix once per group
+    of requests (`triton_ops.cascade_decode`); the plan is rebuilt on the host only
+    when the groups object changes. Needs >= 2 requests per pass-1 program
+    (`supports_cascade_decode`: GQA ratio <= 32).
+
     Decode never synchronizes with the host. The new tokens' K/V are stored in
     the pool before the kernels read it (extend reads the new keys from there).
 
@@ -73,10 +99,15 @@ class TritonAttentionBackend(AttentionBackend):
     the indices and lengths into the backend's static buffers (device copies, no
     sync) and points the decode metadata at slices of preallocated scratch, so
     the captured kernels read the new values on replay. Do not call
-    `init_forward_metadata` for a batch that is being captured.
+    `init_forward_metadata` for a batch that is being captured. With
+    `init_cuda_graph_state(max_bs, cascade=True)` the graphs capture the cascade
+    path (its tables live in static buffers, zero when a batch has no groups) and
+    `init_forward_metadata_cuda_graph(..., prefix_groups=...)` writes a batch's
+    plan there (one host-to-device copy, only when the groups changed).
     """
 
     supports_cuda_graph = True
+    supports_cascade_decode = True
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int,
                  device: torch.device | str, max_context_len: int | None = None,
@@ -97,9 +128,22 @@ class TritonAttentionBackend(AttentionBackend):
             self.max_kv_splits = max(1, min(max_kv_splits, -(-max_context_len // DECODE_BLOCK_N)))
         self.programs_per_sm = programs_per_sm
         self.kv_store_min_tokens = kv_store_min_tokens
+        group = num_heads // num_kv_heads
+        self.cascade_members = cascade_members(group, head_dim)
+        # A pass-1 program must hold >= 2 requests (GQA ratio <= 32) to save reads.
+        self.supports_cascade_decode = self.cascade_members >= 2
+        # Pass-1 items: twice the split policy's program target, so that 2+ splits
+        # per group fit for as many groups as fill the GPU.
+        target = programs_per_sm * self.num_sms
+        self.max_cascade_items = max(64, 2 * -(-target // num_kv_heads))
         self._decode: _DecodeMeta | None = None
         self._extend: _ExtendMeta | None = None
         self._cg: dict[str, torch.Tensor] | None = None
+        self._cg_cascade: _CascadeMeta | None = None
+        self._cg_groups: PrefixGroups | None = None
+        self._cg_tables_buf: torch.Tensor | None = None
+        self._plan_groups: PrefixGroups | None = None
+        self._plan_value: CascadePlan | None = None
 
     def num_kv_splits(self, bs: int) -> int:
         target = self.programs_per_sm * self.num_sms
@@ -115,12 +159,41 @@ class TritonAttentionBackend(AttentionBackend):
                                 device=self.device)
             mid_lse = torch.empty((bs, self.num_heads, s), dtype=torch.float32,
                                   device=self.device)
-            self._decode = _DecodeMeta(fb.req_pool_indices, fb.seq_lens, mid_o, mid_lse, s)
+            self._decode = _DecodeMeta(fb.req_pool_indices, fb.seq_lens, mid_o, mid_lse, s,
+                                       self._eager_cascade(fb.prefix_groups, bs))
         else:
             self._extend = _ExtendMeta(list(fb.extend_prefix_lens_cpu),
                                        list(fb.extend_seq_lens_cpu))
 
-    def init_cuda_graph_state(self, max_bs: int) -> None:
+    def _plan(self, groups: PrefixGroups | None) -> CascadePlan | None:
+        """The groups' cascade plan (host tables), cached for the last groups object."""
+        if groups is not self._plan_groups:
+            self._plan_groups = groups
+            self._plan_value = None
+            if groups is not None and self.supports_cascade_decode:
+                self._plan_value = build_cascade_plan(
+                    groups.groups, groups.batch_size, self.cascade_members, self.num_kv_heads,
+                    self.programs_per_sm * self.num_sms, self.max_cascade_items, SPLIT_ALIGN)
+        return self._plan_value
+
+    def _cascade_scratch(self, bs: int) -> tuple[torch.Tensor, torch.Tensor]:
+        h, d, p = self.num_heads, self.head_dim, MAX_PREFIX_SPLITS
+        return (torch.empty((bs, h, p, d), dtype=torch.float32, device=self.device),
+                torch.empty((bs, h, p), dtype=torch.float32, device=self.device))
+
+    def _eager_cascade(self, groups: PrefixGroups | None, bs: int) -> _CascadeMeta | None:
+        if groups is None:
+            return None
+        assert groups.batch_size == bs, "prefix groups of another batch"
+        plan = self._plan(groups)
+        if plan is None:
+            return None
+        buf = to_device(plan.pack(bs, plan.num_items), self.device)
+        tables = table_views(buf, bs, plan.num_items, self.cascade_members)
+        return _CascadeMeta(tables, *self._cascade_scratch(bs))
+
+    def init_cuda_graph_state(self, max_bs: int, cascade: bool = False) -> None:
+        """`cascade`: capture the cascade decode path (see the class docstring)."""
         s = self.num_kv_splits(1)  # the policy's largest split count
         h, d, dev = self.num_heads, self.head_dim, self.device
         self._cg = {
@@ -129,9 +202,21 @@ class TritonAttentionBackend(AttentionBackend):
             "mid_o": torch.empty((max_bs, h, s, d), dtype=torch.float32, device=dev),
             "mid_lse": torch.empty((max_bs, h, s), dtype=torch.float32, device=dev),
         }
+        self._cg_cascade = None
+        if cascade and self.supports_cascade_decode:
+            m, items = self.cascade_members, self.max_cascade_items
+            self._cg_tables_buf = torch.zeros(table_size(max_bs, items, m), dtype=torch.int32,
+                                              device=dev)
+            tables = table_views(self._cg_tables_buf, max_bs, items, m)
+            tables.members.fill_(-1)
+            self._cg_cascade = _CascadeMeta(tables, *self._cascade_scratch(max_bs))
+            self._cg_groups = None
 
     def init_forward_metadata_cuda_graph(self, bs: int, req_pool_indices: torch.Tensor,
-                                         seq_lens: torch.Tensor) -> None:
+                                         seq_lens: torch.Tensor,
+                                         prefix_groups: PrefixGroups | None = None) -> None:
+        """`prefix_groups` (of the unpadded batch, indices < bs) is used only when the
+        graphs capture the cascade path; otherwise decode stays plain."""
         if self._cg is None:
             raise RuntimeError("call init_cuda_graph_state(max_bs) first")
         cg = self._cg
@@ -143,7 +228,23 @@ class TritonAttentionBackend(AttentionBackend):
         if sl.data_ptr() != seq_lens.data_ptr():
             sl.copy_(seq_lens[:bs], non_blocking=True)
         s = self.num_kv_splits(bs)
-        self._decode = _DecodeMeta(rpi, sl, cg["mid_o"][:bs], cg["mid_lse"][:bs], s)
+        cascade = self._cg_cascade
+        if cascade is not None and prefix_groups is not self._cg_groups:
+            self._write_graph_plan(prefix_groups)
+        self._decode = _DecodeMeta(rpi, sl, cg["mid_o"][:bs], cg["mid_lse"][:bs], s, cascade)
+
+    def _write_graph_plan(self, groups: PrefixGroups | None) -> None:
+        """The groups' plan (or none: all zero) into the static tables, whole, so no
+        row or item of an earlier plan survives."""
+        buf = self._cg_tables_buf
+        assert buf is not None
+        max_bs = self._cg["seq_lens"].shape[0]
+        plan = self._plan(groups)
+        if plan is None:
+            plan = CascadePlan(0, self.cascade_members, [], [], [], [])  # all zero
+        host = plan.pack(max_bs, self.max_cascade_items)
+        buf.copy_(host.pin_memory() if buf.is_cuda else host, non_blocking=True)
+        self._cg_groups = groups
 
     # ---- forward -------------------------------------------------------
     def _store(self, k: torch.Tensor, v: torch.Tensor, layer: RadixAttention,
@@ -188,6 +289,13 @@ class TritonAttentionBackend(AttentionBackend):
         k_buf, v_buf = fb.token_to_kv_pool.get_kv_buffer(layer.layer_id)
         bs, h, d = q.shape[0], layer.num_heads, layer.head_dim
         o = torch.empty((bs, h, d), dtype=q.dtype, device=q.device)
+        c = meta.cascade
+        if c is not None:
+            cascade_decode_fwd(
+                q.view(bs, h, d), k_buf, v_buf, o, fb.req_to_token_pool.req_to_token,
+                meta.req_pool_indices, meta.seq_lens, meta.mid_o, meta.mid_lse,
+                meta.num_splits, layer.scaling, c.tables, c.mid_po, c.mid_plse)
+            return o.view(bs, h * d)
         decode_attention_fwd(
             q.view(bs, h, d), k_buf, v_buf, o, fb.req_to_token_pool.req_to_token,
             meta.req_pool_indices, meta.seq_lens, meta.mid_o, meta.mid_lse, meta.num_splits,

@@ -12,6 +12,11 @@ The group's heads form the M side of a `tl.dot`, padded to 16 rows.
 
 Stage 2, grid (bs, num_heads): merges the splits with their log-sum-exps.
 
+Prefix-sharing (cascade) decode, `cascade_decode.py`, reuses both stages: with
+`prefix_lens` stage 1 covers only tokens prefix_lens[b]..seq_len of each request
+(its own suffix; another kernel handled the shared prefix), and stage 2 also
+merges that kernel's `num_prefix[b]` partials from `mid_po` / `mid_plse`.
+
 Split sizing is CUDA-graph friendly: `num_splits` is a host integer that depends
 only on the batch size (so a graph captured for a batch size has a fixed grid),
 and each program derives its chunk from the request's `seq_len` on the device:
@@ -24,6 +29,8 @@ Exponentials use exp2 with log2(e) folded into the scale; accumulation is fp32.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
@@ -31,9 +38,32 @@ import triton.language as tl
 _LOG2E = 1.4426950408889634
 
 
+@dataclass
+class DecodePrefix:
+    """What the shared-prefix pass hands the split-KV stages (all on the device):
+    prefix_lens [bs] int32: tokens of each request the pass covered (0: none);
+    num_prefix [bs] int32: its partials per request; mid_po [>= bs, num_heads,
+    max_partials, head_dim] and mid_plse [>= bs, num_heads, max_partials] fp32:
+    the partials (normalized outputs, log2-domain log-sum-exps)."""
+
+    prefix_lens: torch.Tensor
+    num_prefix: torch.Tensor
+    mid_po: torch.Tensor
+    mid_plse: torch.Tensor
+
+
+@triton.jit
+def _first_token(PrefixLens, b, seq_len, HAS_PREFIX: tl.constexpr):
+    """First token the split-KV stages cover: after the request's shared prefix."""
+    first = seq_len * 0
+    if HAS_PREFIX:
+        first = tl.minimum(tl.load(PrefixLens + b).to(seq_len.dtype), seq_len)
+    return first
+
+
 @triton.jit
 def _decode_stage1_kernel(
-    Q, K, V, ReqToToken, ReqPoolIdx, SeqLens, MidO, MidLse,
+    Q, K, V, ReqToToken, ReqPoolIdx, SeqLens, PrefixLens, MidO, MidLse,
     sm_scale_log2, num_splits,
     stride_qb, stride_qh,
     stride_kn, stride_kh, stride_vn, stride_vh,
@@ -41,15 +71,16 @@ def _decode_stage1_kernel(
     stride_mob, stride_moh, stride_mos,
     stride_mlb, stride_mlh,
     GROUP: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
-    HEAD_DIM: tl.constexpr, DOT_PREC: tl.constexpr,
+    HEAD_DIM: tl.constexpr, DOT_PREC: tl.constexpr, HAS_PREFIX: tl.constexpr,
 ):
     b = tl.program_id(0)
     g = tl.program_id(1)
     s = tl.program_id(2)
 
     seq_len = tl.load(SeqLens + b)
-    chunk = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
-    start = s * chunk
+    first = _first_token(PrefixLens, b, seq_len, HAS_PREFIX)
+    chunk = tl.cdiv(tl.cdiv(seq_len - first, num_splits), BLOCK_N) * BLOCK_N
+    start = first + s * chunk
     end = tl.minimum(start + chunk, seq_len)
     if start >= end:  # beyond this request's length: nothing to do (stage 2 knows)
         return
@@ -96,18 +127,24 @@ def _decode_stage1_kernel(
 
 @triton.jit
 def _decode_stage2_kernel(
-    MidO, MidLse, Out, SeqLens, num_splits,
+    MidO, MidLse, Out, SeqLens, PrefixLens, NumPrefix, MidPO, MidPLse, num_splits,
     stride_mob, stride_moh, stride_mos,
     stride_mlb, stride_mlh,
+    stride_pob, stride_poh, stride_pos,
+    stride_plb, stride_plh,
     stride_ob, stride_oh,
-    BLOCK_S: tl.constexpr, CHUNK_ALIGN: tl.constexpr, HEAD_DIM: tl.constexpr,
+    BLOCK_S: tl.constexpr, BLOCK_P: tl.constexpr, CHUNK_ALIGN: tl.constexpr,
+    HEAD_DIM: tl.constexpr, HAS_PREFIX: tl.constexpr,
 ):
     b = tl.program_id(0)
     h = tl.program_id(1)
     seq_len = tl.load(SeqLens + b)
+    if HAS_PREFIX:
+        n_pre = tl.load(NumPrefix + b)
+    n = seq_len - _first_token(PrefixLens, b, seq_len, HAS_PREFIX)
     # Same chunking as stage 1: the number of splits that did work.
-    chunk = tl.cdiv(tl.cdiv(seq_len, num_splits), CHUNK_ALIGN) * CHUNK_ALIGN
-    n_valid = tl.cdiv(seq_len, tl.maximum(chunk, 1))
+    chunk = tl.cdiv(tl.cdiv(n, num_splits), CHUNK_ALIGN) * CHUNK_ALIGN
+    n_valid = tl.cdiv(n, tl.maximum(chunk, 1))
 
     offs_s = tl.arange(0, BLOCK_S)
     smask = offs_s < n_valid
@@ -120,6 +157,23 @@ def _decode_stage2_kernel(
                 + offs_d[None, :], mask=smask[:, None], other=0.0)
     denom = tl.sum(w, 0)
     num = tl.sum(w[:, None] * o, 0)
+    if HAS_PREFIX:  # noqa: SIM102 (a compile-time branch around a run-time one)
+        # The shared-prefix pass's partials, merged in by rescaling the suffix's sums.
+        # A row without any skips this: the same result, bit for bit, as plain
+        # decode, at the cost of one load.
+        if n_pre > 0:
+            offs_p = tl.arange(0, BLOCK_P)
+            pmask = offs_p < n_pre
+            plse = tl.load(MidPLse + b * stride_plb + h * stride_plh + offs_p, mask=pmask,
+                           other=float("-inf"))
+            m_all = tl.maximum(m, tl.max(plse, 0))
+            wp = tl.where(pmask, tl.exp2(plse - m_all), 0.0)
+            po = tl.load(MidPO + b * stride_pob + h * stride_poh
+                         + offs_p[:, None] * stride_pos + offs_d[None, :],
+                         mask=pmask[:, None], other=0.0)
+            c = tl.exp2(m - m_all)  # 0 when the suffix had no split (m = -inf)
+            denom = denom * c + tl.sum(wp, 0)
+            num = num * c + tl.sum(wp[:, None] * po, 0)
     # seq_len == 0 (padding row): no valid split, write zeros instead of NaN.
     out = tl.where(denom > 0, num / denom, 0.0)
     tl.store(Out + b * stride_ob + h * stride_oh + offs_d, out.to(Out.dtype.element_ty))
@@ -160,6 +214,7 @@ def decode_attention_fwd(
     block_n: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
+    prefix: DecodePrefix | None = None,
 ) -> torch.Tensor:
     """Decode attention; writes and returns `o`.
 
@@ -169,6 +224,9 @@ def decode_attention_fwd(
     mid_o: [>= bs, num_heads, >= num_splits, head_dim] fp32 scratch;
     mid_lse: [>= bs, num_heads, >= num_splits] fp32 scratch (slices of
     preallocated CUDA-graph buffers are fine). No host synchronization.
+    prefix: the shared-prefix pass's results (cascade decode): stage 1 then skips
+    each request's first `prefix.prefix_lens[b]` tokens and stage 2 merges the
+    pass's partials; None: plain decode over all tokens.
     """
     bs, num_heads, head_dim = q.shape
     num_kv_heads = k_buffer.shape[1]
@@ -180,8 +238,11 @@ def decode_attention_fwd(
         return o
     group = num_heads // num_kv_heads
     block_n = block_n or default_block_n(head_dim, q.dtype)
+    has_prefix = prefix is not None
+    # Without a prefix the pointer arguments are unused: any tensor will do.
+    pl = prefix.prefix_lens if has_prefix else seq_lens
     _decode_stage1_kernel[(bs, num_kv_heads, num_splits)](
-        q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, mid_o, mid_lse,
+        q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, pl, mid_o, mid_lse,
         sm_scale * _LOG2E, num_splits,
         q.stride(0), q.stride(1),
         k_buffer.stride(0), k_buffer.stride(1), v_buffer.stride(0), v_buffer.stride(1),
@@ -189,15 +250,21 @@ def decode_attention_fwd(
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2),
         mid_lse.stride(0), mid_lse.stride(1),
         GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n,
-        HEAD_DIM=head_dim, DOT_PREC=dot_precision(q.dtype),
+        HEAD_DIM=head_dim, DOT_PREC=dot_precision(q.dtype), HAS_PREFIX=has_prefix,
         num_warps=num_warps or DECODE_NUM_WARPS, num_stages=num_stages or DECODE_NUM_STAGES,
     )
+    po, plse = (prefix.mid_po, prefix.mid_plse) if has_prefix else (mid_o, mid_lse)
     _decode_stage2_kernel[(bs, num_heads)](
-        mid_o, mid_lse, o, seq_lens, num_splits,
+        mid_o, mid_lse, o, seq_lens, pl, prefix.num_prefix if has_prefix else seq_lens,
+        po, plse, num_splits,
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2),
         mid_lse.stride(0), mid_lse.stride(1),
+        po.stride(0), po.stride(1), po.stride(2),
+        plse.stride(0), plse.stride(1),
         o.stride(0), o.stride(1),
-        BLOCK_S=triton.next_power_of_2(num_splits), CHUNK_ALIGN=block_n, HEAD_DIM=head_dim,
+        BLOCK_S=triton.next_power_of_2(num_splits),
+        BLOCK_P=triton.next_power_of_2(po.shape[2]) if has_prefix else 1,
+        CHUNK_ALIGN=block_n, HEAD_DIM=head_dim, HAS_PREFIX=has_prefix,
         num_warps=4 if head_dim >= 128 else 2,
     )
     return o
