@@ -169,7 +169,8 @@ void run(const Args<T, I>& a, int64_t bs, T* out, int64_t o_sb, int64_t o_sh) {
   });
   // Merge the splits of each (request, head) by their log-sum-exps.
   const int d = a.dim;
-  at::parallel_for(0, bs * a.heads, 16, [&](int64_t begin, int64_t end) {
+  const int64_t merge_grain = std::max<int64_t>(16, (int64_t{1} << 16) / (a.splits * d));
+  at::parallel_for(0, bs * a.heads, merge_grain, [&](int64_t begin, int64_t end) {
     std::vector<float> sum(d);
     for (int64_t bh = begin; bh < end; ++bh) {
       const int64_t b = bh / a.heads, h = bh % a.heads;

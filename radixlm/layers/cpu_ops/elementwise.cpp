@@ -13,6 +13,7 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <vector>
@@ -20,6 +21,13 @@
 namespace {
 
 using namespace radixlm_cpu;
+
+// Rows per thread: enough elements that waking a second thread pays off. A
+// decode batch (tens of rows) then runs on the calling thread alone, which
+// also keeps it from waiting on a thread the OS has descheduled.
+inline int64_t grain(int64_t elements_per_row) {
+  return std::max<int64_t>(1, (int64_t{1} << 16) / std::max<int64_t>(1, elements_per_row));
+}
 
 template <typename T>
 float load1(const T* p) {
@@ -35,7 +43,7 @@ float round1(float x) {
 template <typename T>
 void rms_norm_rows(const T* x, const T* res, const T* w, T* out, T* res_out, int64_t rows,
                    int64_t n, int64_t sx, int64_t sr, int64_t so, int64_t sro, float eps) {
-  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, rows, grain(n), [&](int64_t begin, int64_t end) {
     std::vector<float> sum_row(n);
     for (int64_t r = begin; r < end; ++r) {
       float* s = sum_row.data();
@@ -76,7 +84,7 @@ void rms_norm_rows(const T* x, const T* res, const T* w, T* out, T* res_out, int
 // (torch computes F.silu(gate) into a tensor, then multiplies).
 template <typename T>
 void silu_and_mul_rows(const T* x, T* out, int64_t rows, int64_t d, int64_t sx, int64_t so) {
-  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, rows, grain(2 * d), [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const T* gate = x + r * sx;
       const T* up = gate + d;
@@ -102,7 +110,7 @@ template <typename T>
 void rope_rows(T* x, const int64_t* pos, const T* cos_sin, int64_t rows, int64_t heads,
                int64_t head_dim, int64_t rotary_dim, int64_t sx, int64_t scs) {
   const int64_t half = rotary_dim / 2;
-  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, rows, grain(heads * rotary_dim), [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const T* cs = cos_sin + pos[r] * scs;
       for (int64_t h = 0; h < heads; ++h) {
