@@ -197,3 +197,18 @@ def test_cpu_backend_decode_matches_torch_native(dtype):
         outs.append(backend.forward(q, k, v, Layer(), fb))
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(outs[1].float(), outs[0].float(), atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_store_kv_matches_index_put(dtype):
+    gen = torch.Generator().manual_seed(5)
+    qkv = torch.randn(7, 9 * 64 + 2 * 3 * 64, generator=gen).to(dtype)
+    _, k, v = qkv.split([9 * 64, 3 * 64, 3 * 64], dim=-1)  # strided rows, as in the model
+    loc = torch.randperm(40, generator=gen)[:7]
+    k_buf, v_buf = torch.zeros(40, 3, 64, dtype=dtype), torch.zeros(40, 3, 64, dtype=dtype)
+    cpu_ops.store_kv(k, v, k_buf, v_buf, loc)
+    ref_k, ref_v = torch.zeros_like(k_buf), torch.zeros_like(v_buf)
+    ref_k[loc], ref_v[loc] = k.view(-1, 3, 64), v.view(-1, 3, 64)
+    assert torch.equal(k_buf, ref_k) and torch.equal(v_buf, ref_v)
+    with pytest.raises(RuntimeError, match="out of range"):
+        cpu_ops.store_kv(k, v, k_buf, v_buf, loc + 40)

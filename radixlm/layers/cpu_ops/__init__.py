@@ -125,3 +125,10 @@ def rope_(positions: torch.Tensor, x: torch.Tensor, cos_sin: torch.Tensor, head_
     [max_position, rotary_dim] = cat(cos, sin) in x's dtype."""
     torch.ops.radixlm_cpu.rope(positions, x, cos_sin, head_dim, rotary_dim)
     return x
+
+
+def store_kv(k: torch.Tensor, v: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor,
+             loc: torch.Tensor) -> None:
+    """k_buf[loc] = k, v_buf[loc] = v for k/v [n, kv_heads * head_dim] and pools
+    [size, kv_heads, head_dim] of the same dtype."""
+    torch.ops.radixlm_cpu.store_kv(k, v, k_buf, v_buf, loc)

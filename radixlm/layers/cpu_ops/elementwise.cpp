@@ -16,6 +16,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <vector>
 
 namespace {
@@ -137,6 +138,34 @@ void rope_rows(T* x, const int64_t* pos, const T* cos_sin, int64_t rows, int64_t
   });
 }
 
+// k_buf[loc[i]] = k[i] and v_buf[loc[i]] = v[i]: rows of `row` elements.
+void store_kv(const at::Tensor& k, const at::Tensor& v, const at::Tensor& k_buf,
+              const at::Tensor& v_buf, const at::Tensor& loc) {
+  TORCH_CHECK(loc.scalar_type() == at::kLong && loc.is_contiguous(), "store_kv: int64 loc");
+  TORCH_CHECK(k.scalar_type() == k_buf.scalar_type() && v.scalar_type() == v_buf.scalar_type(),
+              "store_kv: k/v in the pool's dtype");
+  const int64_t n = loc.size(0), row = k_buf[0].numel();
+  TORCH_CHECK(k.dim() == 2 && v.dim() == 2 && k.size(0) == n && v.size(0) == n &&
+                  k.size(1) == row && v.size(1) == row && k.stride(1) == 1 && v.stride(1) == 1,
+              "store_kv: k/v are [n, kv_heads * head_dim] rows");
+  TORCH_CHECK(k_buf.is_contiguous() && v_buf.is_contiguous(), "store_kv: contiguous pools");
+  const int64_t bytes = row * k.element_size();
+  const int64_t* slots = loc.data_ptr<int64_t>();
+  const char* ks = static_cast<const char*>(k.data_ptr());
+  const char* vs = static_cast<const char*>(v.data_ptr());
+  char* kd = static_cast<char*>(k_buf.data_ptr());
+  char* vd = static_cast<char*>(v_buf.data_ptr());
+  const int64_t pool = k_buf.size(0), ksb = k.stride(0) * k.element_size();
+  const int64_t vsb = v.stride(0) * v.element_size();
+  at::parallel_for(0, n, grain(2 * row), [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      TORCH_CHECK(slots[i] >= 0 && slots[i] < pool, "store_kv: slot out of range");
+      std::memcpy(kd + slots[i] * bytes, ks + i * ksb, bytes);
+      std::memcpy(vd + slots[i] * bytes, vs + i * vsb, bytes);
+    }
+  });
+}
+
 template <typename F>
 void dispatch_half(const at::Tensor& t, const char* name, F&& f) {
   switch (t.scalar_type()) {
@@ -220,6 +249,7 @@ TORCH_LIBRARY_FRAGMENT(radixlm_cpu, m) {
         "Tensor(a!) out, Tensor(b!) residual_out) -> ()");
   m.def("silu_and_mul(Tensor x, Tensor(a!) out) -> ()");
   m.def("rope(Tensor positions, Tensor(a!) x, Tensor cos_sin, int head_dim, int rotary_dim) -> ()");
+  m.def("store_kv(Tensor k, Tensor v, Tensor(a!) k_buf, Tensor(b!) v_buf, Tensor loc) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(radixlm_cpu, CPU, m) {
@@ -227,4 +257,5 @@ TORCH_LIBRARY_IMPL(radixlm_cpu, CPU, m) {
   m.impl("fused_add_rms_norm", &fused_add_rms_norm);
   m.impl("silu_and_mul", &silu_and_mul);
   m.impl("rope", &rope);
+  m.impl("store_kv", &store_kv);
 }
