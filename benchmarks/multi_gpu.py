@@ -1,20 +1,28 @@
 """Multi-GPU measurements (issue 7): tp=2 vs tp=1 and dp=2 vs dp=1 on
 Llama-3.1-8B's shape with dummy bf16 weights, in one process tree.
 
-    NCCL_NVLS_ENABLE=0 python benchmarks/multi_gpu.py
+    NCCL_NVLS_ENABLE=0 python benchmarks/multi_gpu.py [ar] [tp] [profile] [dp] [prefix]
 
 Prints: prompt-logprob agreement of tp=2 with tp=1, single-stream decode tok/s
 beside the one- and two-GPU HBM rooflines, offline throughput (256 x 512 in /
-256 out) for tp=1, tp=2, dp=1 (= tp=1) and dp=2, and cache-aware vs
-round-robin routing on a generated shared-prefix workload.
+256 out) for tp=1, tp=2 with NCCL alone, tp=2 with the custom all-reduce, dp=1
+(= tp=1) and dp=2, and cache-aware vs round-robin routing on a generated
+shared-prefix workload. `ar`: latency of one all-reduce, NCCL vs the custom
+one, eager and replayed from a CUDA graph. `profile` (with `tp`): a
+torch.profiler breakdown of 40 tp=2 decode steps on rank 0 (GPU kernels per
+step by kind, GPU idle time, host time waiting on the GPU).
 """
 
 from __future__ import annotations
 
 import gc
+import glob
+import json
 import os
 import sys
+import tempfile
 import time
+from collections import defaultdict
 
 import torch
 
@@ -48,7 +56,7 @@ def prompts(n: int, length: int, seed: int = 0) -> list[list[int]]:
     return torch.randint(100, 128000, (n, length), generator=g).tolist()
 
 
-def measure(engine, name: str, results: dict) -> None:
+def measure(engine, name: str, results: dict, profile: bool = False) -> None:
     greedy = {"temperature": 0.0, "ignore_eos": True}
     ids = prompts(1, 128, seed=7)[0]
     out = engine.generate(input_ids=ids, sampling_params={**greedy, "max_new_tokens": 1},
@@ -62,6 +70,8 @@ def measure(engine, name: str, results: dict) -> None:
                     sampling_params={**greedy, "max_new_tokens": 256})
     one = 256 / (time.perf_counter() - t0)
     engine.flush_cache()
+    if profile:
+        profile_decode(engine, name)
     work = prompts(256, 512)
     engine.generate(input_ids=work[:4], sampling_params={**greedy, "max_new_tokens": 4})
     engine.flush_cache()
@@ -72,6 +82,153 @@ def measure(engine, name: str, results: dict) -> None:
     results[name] = (one, offline)
     log(f"{name}: single-stream decode {one:.1f} tok/s; offline 256x512/256 {offline:.0f} "
         f"tok/s ({dt:.2f} s)")
+
+
+# ---- where a decode step's time goes ----------------------------------------------
+KERNEL_KINDS = [("all-reduce", ("allreduce", "all_reduce")), ("broadcast", ("broadcast",)),
+                ("all-gather", ("allgather", "all_gather")),
+                ("attention", ("attn", "attention", "decode_kernel", "flash")),
+                ("gemm", ("gemm", "gemv", "nvjet", "cutlass", "sm90", "splitk", "matmul"))]
+
+
+def kernel_kind(name: str) -> str:
+    low = name.lower()
+    return next((kind for kind, keys in KERNEL_KINDS if any(k in low for k in keys)), "other")
+
+
+def profile_decode(engine, name: str, steps: int = 40) -> None:
+    """Trace `steps` single-stream decode steps on every rank and print rank 0's
+    per-step breakdown."""
+    out_dir = tempfile.mkdtemp(prefix="radixlm-prof-")
+    greedy = {"temperature": 0.0, "ignore_eos": True}
+    ids = prompts(1, 128, seed=3)[0]
+    engine.generate(input_ids=ids, sampling_params={**greedy, "max_new_tokens": 8})
+    engine.start_profile(output_dir=out_dir, num_steps=steps)
+    engine.generate(input_ids=ids, sampling_params={**greedy, "max_new_tokens": steps + 16})
+    engine.flush_cache()
+    for _ in range(100):  # the rank writes the trace when its step count runs out
+        paths = sorted(glob.glob(os.path.join(out_dir, "*-TP-0.trace.json")))
+        if paths:
+            break
+        time.sleep(0.2)
+    time.sleep(1.0)
+    if not paths:
+        log(f"{name}: no trace written")
+        return
+    log(f"{name}: profile of {steps} scheduler steps on rank 0 ({paths[0]}):")
+    for line in summarize_trace(paths[0]):
+        log("    " + line)
+
+
+def summarize_trace(path: str) -> list[str]:
+    with open(path) as f:
+        events = [e for e in json.load(f)["traceEvents"] if e.get("ph") == "X"]
+    launches = sorted(e["ts"] for e in events if e.get("name") == "cudaGraphLaunch")
+    gpu = sorted((e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")),
+                 key=lambda e: e["ts"])
+    if len(launches) < 12 or not gpu:
+        return [f"too few graph replays traced ({len(launches)})"]
+    # Steady state: from the 5th replay to the last, skipping the prefill.
+    first, last = launches[4], launches[-1]
+    n = len(launches) - 5
+    window = [e for e in gpu if first <= e["ts"] < last]
+    busy, end = 0.0, first
+    for e in window:  # union of busy intervals
+        s, f = max(e["ts"], end), e["ts"] + e["dur"]
+        if f > s:
+            busy += f - s
+            end = f
+    by_kind: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
+    by_name: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
+    for e in window:
+        for table, key in ((by_kind, kernel_kind(e["name"])), (by_name, e["name"][:90])):
+            table[key][0] += 1
+            table[key][1] += e["dur"]
+    host = defaultdict(float)
+    for e in events:
+        if first <= e["ts"] < last and e.get("cat") in ("cuda_runtime", "cpu_op",
+                                                        "user_annotation"):
+            host[e["name"][:60]] += e["dur"]
+    span = (last - first) / n
+    lines = [f"wall per step {span:.0f} us (replay to replay), GPU busy {busy / n:.0f} us, "
+             f"GPU idle {span - busy / n:.0f} us"]
+    for kind, (count, dur) in sorted(by_kind.items(), key=lambda kv: -kv[1][1]):
+        lines.append(f"{kind:>10}: {count / n:6.1f} kernels/step, {dur / n:7.0f} us/step")
+    lines.append("top kernels (us/step, calls/step):")
+    for key, (count, dur) in sorted(by_name.items(), key=lambda kv: -kv[1][1])[:8]:
+        lines.append(f"  {dur / n:7.0f} {count / n:5.1f}  {key}")
+    lines.append("top host events (us/step):")
+    for key, dur in sorted(host.items(), key=lambda kv: -kv[1])[:10]:
+        lines.append(f"  {dur / n:7.0f}  {key}")
+    return lines
+
+
+# ---- all-reduce latency -------------------------------------------------------------
+AR_SIZES = [8 << 10, 64 << 10, 512 << 10, 2 << 20]
+
+
+def _ar_worker(rank: int, port: int) -> None:
+    from radixlm import distributed as tp
+
+    torch.cuda.set_device(rank)
+    tp.init_distributed("nccl", f"tcp://127.0.0.1:{port}", 2, rank, 120)
+    custom = tp._CUSTOM_AR
+    rows = []
+    for nbytes in AR_SIZES:
+        x = torch.randn(nbytes // 2, dtype=torch.bfloat16, device="cuda")
+        fns = {"nccl": lambda x=x: torch.distributed.all_reduce(x)}
+        if custom is not None:
+            fns["custom"] = lambda x=x: custom(x)
+        for label, fn in fns.items():
+            rows.append((nbytes, label, _time_eager(fn), _time_graph(fn)))
+    if rank == 0:
+        log(f"custom all-reduce: {'on' if custom is not None else 'UNAVAILABLE'}")
+        log("bytes     impl    eager us  in-graph us (mean of 64 back to back)")
+        for nbytes, label, eager, graph in rows:
+            log(f"{nbytes:>8} {label:>7} {eager:9.1f} {graph:11.1f}")
+    torch.distributed.destroy_process_group()
+
+
+def _time_eager(fn, iters: int = 200) -> float:
+    for _ in range(20):
+        fn()
+    torch.cuda.synchronize()
+    torch.distributed.barrier()
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t0) / iters * 1e6
+
+
+def _time_graph(fn, calls: int = 64, replays: int = 20) -> float:
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream):
+        for _ in range(calls):
+            fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    torch.distributed.barrier()
+    start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(replays):
+        graph.replay()
+    stop.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(stop) * 1e3 / (calls * replays)
+
+
+def all_reduce_latency() -> None:
+    import torch.multiprocessing as mp
+
+    from radixlm.server.workers import free_port
+
+    mp.spawn(_ar_worker, args=(free_port(),), nprocs=2)
 
 
 def shared_prefix(method: str) -> tuple[float, float]:
@@ -88,16 +245,20 @@ def shared_prefix(method: str) -> tuple[float, float]:
 def main() -> None:
     import radixlm
 
-    phases = sys.argv[1:] or ["tp", "dp", "prefix"]
+    phases = sys.argv[1:] or ["ar", "tp", "dp", "prefix"]
+    if "ar" in phases:
+        all_reduce_latency()
     bw = copy_bandwidth()
     weight_bytes = 16.06e9
     log(f"copy bandwidth {bw / 1e12:.2f} TB/s per GPU; rooflines: 1 GPU "
         f"{bw / weight_bytes:.0f} tok/s, 2 GPUs {2 * bw / weight_bytes:.0f} tok/s")
     results: dict = {}
     if "tp" in phases:
-        for tp in (1, 2):
-            e = radixlm.Engine(tp_size=tp, **COMMON)
-            measure(e, f"tp={tp}", results)
+        variants = [("tp=1", {}), ("tp=2 nccl", {"tp_size": 2, "disable_custom_all_reduce": True}),
+                    ("tp=2", {"tp_size": 2})]
+        for name, kw in variants:
+            e = radixlm.Engine(**kw, **COMMON)
+            measure(e, name, results, profile="profile" in phases and name != "tp=1")
             e.shutdown()
             del e  # tp=1 runs in this process: free its GPU memory for the next one
             gc.collect()
@@ -108,9 +269,12 @@ def main() -> None:
         log(f"prompt logprobs tp=2 vs tp=1 (127 positions): max |diff| "
             f"{(a - b).abs().max():.4f}, mean {(a - b).abs().mean():.4f}; greedy prefix "
             f"agreement {agree}/32")
-        one1, one2 = results["tp=1"][0], results["tp=2"][0]
-        log(f"single-stream: tp=2 / tp=1 = {one2 / one1:.2f}x; tp=2 = "
-            f"{one2 / (2 * bw / weight_bytes):.0%} of the two-GPU roofline")
+        one1 = results["tp=1"][0]
+        for name in ("tp=2 nccl", "tp=2"):
+            one2 = results[name][0]
+            log(f"single-stream: {name} / tp=1 = {one2 / one1:.2f}x; {name} = "
+                f"{one2 / (2 * bw / weight_bytes):.0%} of the two-GPU roofline "
+                f"({1e3 / one2:.2f} ms per step)")
     if "dp" in phases:
         with radixlm.Engine(dp_size=2, **COMMON) as e:
             measure(e, "dp=2", results)

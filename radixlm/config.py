@@ -100,6 +100,9 @@ class ServerArgs:
                             default=0)
     dist_timeout: float = _opt("parallelism", "Seconds a collective may wait for a peer rank",
                                default=600.0)
+    disable_custom_all_reduce: bool = _opt(
+        "parallelism", "Sum tensor-parallel partial results with NCCL alone, not the one-shot "
+        "all-reduce over NVLink (symmetric memory) that small messages use", default=False)
 
     # Server
     host: str = _opt("server", "Bind address", default="127.0.0.1")

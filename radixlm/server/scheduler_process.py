@@ -248,7 +248,8 @@ def init_tp_rank(args: ServerArgs, placement: Placement) -> None:
         torch.cuda.set_device(device)
     assert placement.dist_init_method is not None
     init_distributed("nccl" if device.type == "cuda" else "gloo", placement.dist_init_method,
-                     args.tp_size, placement.tp_rank, args.dist_timeout)
+                     args.tp_size, placement.tp_rank, args.dist_timeout,
+                     custom_all_reduce=not args.disable_custom_all_reduce)
 
 
 def run_scheduler_process(args_dict: dict[str, Any], model_dir: str, paths: IpcPaths,

@@ -1,0 +1,102 @@
+"""Tensor parallelism on two GPUs: the custom all-reduce against NCCL (eager and
+inside a CUDA graph), and a tp=2 engine against tp=1 on the same random model."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+if torch.cuda.device_count() < 2:
+    pytest.skip("needs two CUDA GPUs", allow_module_level=True)
+
+pytestmark = pytest.mark.gpu
+
+import torch.distributed as dist  # noqa: E402
+import torch.multiprocessing as mp  # noqa: E402
+from gpu_models import save_random_llama  # noqa: E402
+
+import radixlm  # noqa: E402
+from radixlm import distributed as tp  # noqa: E402
+from radixlm.server.workers import free_port  # noqa: E402
+
+# (numel, dtype): batch 1 and batch 37 of hidden 4096, an odd length, fp32
+SHAPES = [((1, 4096), torch.bfloat16), ((37, 4096), torch.bfloat16), ((3, 1000), torch.bfloat16),
+          ((5, 1024), torch.float32), ((256, 4096), torch.bfloat16)]
+
+
+def _all_reduce_worker(rank: int, port: int) -> None:
+    torch.cuda.set_device(rank)
+    tp.init_distributed("nccl", f"tcp://127.0.0.1:{port}", 2, rank, 120)
+    assert tp.custom_all_reduce_enabled(), "symmetric-memory all-reduce did not start"
+    gen = torch.Generator(device="cuda").manual_seed(100 + rank)
+    for shape, dtype in SHAPES:
+        x = torch.randn(shape, generator=gen, device="cuda").to(dtype)
+        _check(x, tp.tensor_model_parallel_all_reduce(x.clone()))
+    # Inside a CUDA graph: three reduces in a row, replayed on fresh inputs.
+    static = torch.zeros(2, 4096, dtype=torch.bfloat16, device="cuda")
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        step = lambda: tp.tensor_model_parallel_all_reduce(  # noqa: E731
+            tp.tensor_model_parallel_all_reduce(static * 0.5) + 1) * 2
+        step()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream):
+        out = tp.tensor_model_parallel_all_reduce(step())
+    for _ in range(3):
+        static.copy_(torch.randn(static.shape, generator=gen, device="cuda"))
+        graph.replay()
+        ref = static * 0.5
+        dist.all_reduce(ref)
+        ref = ref + 1
+        dist.all_reduce(ref)
+        ref = ref * 2
+        dist.all_reduce(ref)
+        torch.testing.assert_close(out, ref, atol=0.1, rtol=0.02)
+        _same_on_every_rank(out)
+    dist.destroy_process_group()
+
+
+def _check(x: torch.Tensor, got: torch.Tensor) -> None:
+    ref = x.clone()
+    dist.all_reduce(ref)  # torch.distributed itself: NCCL
+    assert got.shape == x.shape and got.dtype == x.dtype
+    tol = dict(atol=2e-2, rtol=1e-2) if x.dtype == torch.bfloat16 else dict(atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(got, ref, **tol)
+    _same_on_every_rank(got)
+
+
+def _same_on_every_rank(t: torch.Tensor) -> None:
+    parts = [torch.empty_like(t) for _ in range(2)]
+    dist.all_gather(parts, t.contiguous())
+    assert torch.equal(parts[0], parts[1]), "ranks disagree on the sum"
+
+
+def test_custom_all_reduce_matches_nccl_eager_and_in_graph():
+    mp.spawn(_all_reduce_worker, args=(free_port(),), nprocs=2)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return save_random_llama(tmp_path_factory.mktemp("tiny-llama-tp"))
+
+
+def _greedy(model_dir, **kw) -> tuple[list[list[int]], list[float]]:
+    g = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(10, 32000, (n,), generator=g).tolist() for n in (9, 40, 130)]
+    with radixlm.Engine(model_dir, dtype="float32", skip_tokenizer_init=True,
+                        max_total_tokens=20000, **kw) as e:
+        outs = e.generate(input_ids=prompts, sampling_params={"temperature": 0.0,
+                                                              "max_new_tokens": 24})
+        lp = e.generate(input_ids=prompts[1], sampling_params={"max_new_tokens": 1},
+                        return_logprob=True, logprob_start_len=0)
+    return [o["output_ids"] for o in outs], [v for v, _ in lp["meta_info"]
+                                             ["input_token_logprobs"][1:]]
+
+
+def test_tp2_greedy_matches_tp1_fp32(model_dir):
+    ids1, lp1 = _greedy(model_dir)
+    ids2, lp2 = _greedy(model_dir, tp_size=2)
+    assert ids2 == ids1
+    assert max(abs(a - b) for a, b in zip(lp1, lp2)) < 2e-3
