@@ -280,3 +280,45 @@ def test_served_model_name() -> None:
     assert served_model_name(ServerArgs(model_path="/m/Llama-3-8B/")) == "Llama-3-8B"
     assert served_model_name(ServerArgs(model_path="/m/x.Q4.gguf")) == "x.Q4"
     assert served_model_name(ServerArgs(served_model_name="n")) == "n"
+
+
+def test_tokenize_runs_off_the_event_loop() -> None:
+    """Prompt encoding runs on the TokenizerManager's one tokenizer thread, so the
+    event loop keeps streaming while a long prompt is encoded; errors come back."""
+    import threading
+
+    from radixlm.server.tokenizer_manager import TokenizerManager
+
+    async def main() -> None:
+        paths = IpcPaths.create()
+        tm = TokenizerManager(ServerArgs(), tokenizer=None, paths=paths)
+        try:
+            loop_thread = threading.current_thread().name
+            ticks = 0
+
+            async def ticker() -> None:
+                nonlocal ticks
+                while True:
+                    ticks += 1
+                    await asyncio.sleep(0.005)
+
+            def slow_encode(n: int) -> tuple[str, int]:
+                time.sleep(0.2)  # a long prompt: the loop must keep running meanwhile
+                return threading.current_thread().name, n
+
+            task = asyncio.get_running_loop().create_task(ticker())
+            name, n = await tm.tokenize(slow_encode, 7)
+            task.cancel()
+            assert n == 7 and name != loop_thread and name.startswith("radixlm-tokenize")
+            assert ticks >= 10
+
+            def bad() -> None:
+                raise APIError(400, "prompt is empty", "prompt")
+
+            with pytest.raises(APIError, match="prompt is empty"):
+                await tm.tokenize(bad)
+        finally:
+            tm.close()
+            paths.cleanup()
+
+    asyncio.run(main())

@@ -128,7 +128,7 @@ class EmbeddingServing:
         if req.dimensions is not None and req.dimensions != self.hidden_size:
             raise APIError(400, f"dimensions={req.dimensions} is not supported: this model's "
                                 f"embeddings have {self.hidden_size} dimensions", "dimensions")
-        inputs = self.openai_inputs(req.input)
+        inputs = await self.tm.tokenize(self.openai_inputs, req.input)
         gid = self.tm.new_id("embd-")
         results = await self.embed(inputs, [f"{gid}-{i}" for i in range(len(inputs))], gid)
         data = [{"object": "embedding", "index": i,
@@ -141,7 +141,7 @@ class EmbeddingServing:
     # ---- /encode ------------------------------------------------------------------------
     async def encode(self, req: EncodeRequest) -> Response:
         self.require_embedding_server()
-        inputs, single = self.native.inputs(req)
+        inputs, single = await self.tm.tokenize(self.native.inputs, req)
         gid, rids = self.native.rids(req.rid, len(inputs))
         results = [{"embedding": vec, "meta_info": seq.meta_info()}
                    for vec, seq in await self.embed(inputs, rids, gid)]

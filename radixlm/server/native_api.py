@@ -82,7 +82,7 @@ class NativeServing:
         return (rids[0] if n == 1 else self.tm.new_id()), rids
 
     async def generate(self, req: GenerateRequest, raw_request: Request) -> Response:
-        inputs, single = self.inputs(req)
+        inputs, single = await self.tm.tokenize(self.inputs, req)
         params = self.params(req.sampling_params, len(inputs))
         gid, rids = self.rids(req.rid, len(inputs))
         sessions = self.session_params(req.session_params, len(inputs))

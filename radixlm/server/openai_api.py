@@ -234,7 +234,7 @@ class OpenAIServing:
 
     async def completions(self, req: CompletionRequest, raw_request: Request) -> Response:
         self._check_completion(req)
-        prompts = self.completion_prompts(req.prompt)
+        prompts = await self.tm.tokenize(self.completion_prompts, req.prompt)
         call = Call(id=f"cmpl-{uuid.uuid4().hex}", created=int(time.time()),
                     model=self.served_name, include_usage=bool(
                         req.stream_options and req.stream_options.include_usage),
@@ -375,7 +375,7 @@ class OpenAIServing:
 
     async def chat(self, req: ChatCompletionRequest, raw_request: Request) -> Response:
         plan = self._check_chat(req)
-        ids = self.render_chat(req, plan)
+        ids = await self.tm.tokenize(self.render_chat, req, plan)
         max_new = req.max_completion_tokens if req.max_completion_tokens is not None \
             else req.max_tokens
         if max_new is None:

@@ -11,13 +11,15 @@ sequences are numbered input-major (prompt i, sample j -> i * n + j), the
 from __future__ import annotations
 
 import asyncio
+import functools
 import itertools
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import zmq
 import zmq.asyncio
@@ -119,6 +121,9 @@ def raise_if_failed(seqs: list[SeqOutput]) -> None:
             raise APIError(s.error_status, s.error_message)
 
 
+_T = TypeVar("_T")
+
+
 class TokenizerManager:
     def __init__(self, args: ServerArgs, tokenizer: Any, paths: IpcPaths,
                  metrics: Any = None) -> None:
@@ -145,6 +150,19 @@ class TokenizerManager:
         # finished requests are dumped with --dump-requests-folder.
         self.update_gate = UpdateGate()
         self.dumper = RequestDumper(args.dump_requests_folder, args.dump_requests_threshold)
+        # Prompt encoding and chat templates run here, off the event loop (below).
+        self.tokenize_thread = ThreadPoolExecutor(max_workers=1,
+                                                  thread_name_prefix="radixlm-tokenize")
+
+    async def tokenize(self, fn: Callable[..., _T], *args: Any) -> _T:
+        """fn(*args) (encoding prompts, rendering chat templates) on the one tokenizer
+        thread. A long prompt then does not stall the event loop that streams every
+        other request's tokens; one thread keeps encodes serialized. HF fast
+        tokenizers release the GIL while encoding and take only shared borrows of
+        their Rust state unless truncation/padding settings change, which they do
+        not after the start-up warm-up, so decodes on the loop may run meanwhile."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self.tokenize_thread, functools.partial(fn, *args))
 
     # ---- lifecycle ----------------------------------------------------------------
     def start(self) -> None:
@@ -152,6 +170,7 @@ class TokenizerManager:
 
     def close(self) -> None:
         self.dumper.close()
+        self.tokenize_thread.shutdown(wait=False, cancel_futures=True)
         if self.recv_task is not None:
             self.recv_task.cancel()
         self.recv_sock.close(linger=0)
