@@ -35,11 +35,11 @@ import triton
 import triton.language as tl
 
 from radixlm.layers.attention.triton_ops.decode_attention import (
-    _LOG2E,
     DecodePrefix,
     decode_attention_fwd,
     dot_precision,
 )
+from radixlm.layers.attention.triton_ops.flash_block import LOG2E, attend_block
 
 # Pass-1 tiles (H200 sweep, docs/kernels.md). CASCADE_ROWS query rows per program
 # (members x GQA heads): one K/V block read feeds 64 dot rows instead of 16.
@@ -217,16 +217,9 @@ def _cascade_prefix_kernel(
         nmask = offs_n < end
         # Masked tokens read slot 0 (the padding row); int64 offsets as in decode.
         slot = tl.load(r2t + offs_n, mask=nmask, other=0).to(tl.int64)
-        k = tl.load(k_base + slot[:, None] * stride_kn)
-        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * sm_scale_log2
-        qk = tl.where(nmask[None, :], qk, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(qk, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(qk - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_base + slot[:, None] * stride_vn)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
-        m_i = m_new
+        m_i, l_i, acc = attend_block(q, k_base, v_base, slot, stride_kn, stride_vn,
+                                     nmask[None, :], m_i, l_i, acc, sm_scale_log2,
+                                     DOT_PREC=DOT_PREC, MASKED=True)
 
     po = MidPO + b[:, None] * stride_pob + heads[:, None] * stride_poh + split * stride_pos
     tl.store(po + offs_d[None, :], acc / l_i[:, None], mask=valid[:, None])
@@ -250,7 +243,7 @@ def cascade_prefix_fwd(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.
     block_m = max(16, triton.next_power_of_2(members * group))
     _cascade_prefix_kernel[(n_items, num_kv_heads)](
         q, k_buffer, v_buffer, req_to_token, req_pool_indices, tables.items, tables.members,
-        mid_po, mid_plse, sm_scale * _LOG2E,
+        mid_po, mid_plse, sm_scale * LOG2E,
         q.stride(0), q.stride(1),
         k_buffer.stride(0), k_buffer.stride(1), v_buffer.stride(0), v_buffer.stride(1),
         req_to_token.stride(0),

@@ -35,7 +35,7 @@ import torch
 import triton
 import triton.language as tl
 
-_LOG2E = 1.4426950408889634
+from radixlm.layers.attention.triton_ops.flash_block import LOG2E, attend_block
 
 
 @dataclass
@@ -107,17 +107,10 @@ def _decode_stage1_kernel(
         # gathers need no mask; their scores are masked to -inf below. int64:
         # slot * row stride overflows int32 for pools past ~2M tokens.
         slot = tl.load(r2t + offs_n, mask=nmask, other=0).to(tl.int64)
-        k = tl.load(k_base + slot[:, None] * stride_kn)
-        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * sm_scale_log2
-        qk = tl.where(nmask[None, :], qk, float("-inf"))
-        # Every block has >= 1 valid token, so m_new is finite and no NaN appears.
-        m_new = tl.maximum(m_i, tl.max(qk, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(qk - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_base + slot[:, None] * stride_vn)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
-        m_i = m_new
+        # Every block has >= 1 valid token, so m_i is finite and no NaN appears.
+        m_i, l_i, acc = attend_block(q, k_base, v_base, slot, stride_kn, stride_vn,
+                                     nmask[None, :], m_i, l_i, acc, sm_scale_log2,
+                                     DOT_PREC=DOT_PREC, MASKED=True)
 
     mo = MidO + b * stride_mob + heads[:, None] * stride_moh + s * stride_mos + offs_d[None, :]
     tl.store(mo, acc / l_i[:, None], mask=hmask[:, None])
@@ -243,7 +236,7 @@ def decode_attention_fwd(
     pl = prefix.prefix_lens if has_prefix else seq_lens
     _decode_stage1_kernel[(bs, num_kv_heads, num_splits)](
         q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, pl, mid_o, mid_lse,
-        sm_scale * _LOG2E, num_splits,
+        sm_scale * LOG2E, num_splits,
         q.stride(0), q.stride(1),
         k_buffer.stride(0), k_buffer.stride(1), v_buffer.stride(0), v_buffer.stride(1),
         req_to_token.stride(0),

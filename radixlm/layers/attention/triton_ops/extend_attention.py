@@ -29,8 +29,7 @@ import triton
 import triton.language as tl
 
 from radixlm.layers.attention.triton_ops.decode_attention import dot_precision
-
-_LOG2E = 1.4426950408889634
+from radixlm.layers.attention.triton_ops.flash_block import LOG2E, attend_block
 
 
 @triton.jit
@@ -72,15 +71,9 @@ def _extend_kernel(
     full_end = ((prefix + m0) // BLOCK_N) * BLOCK_N
     for n0 in range(0, full_end, BLOCK_N):
         slot = tl.load(r2t + n0 + tl.arange(0, BLOCK_N)).to(tl.int64)
-        k = tl.load(k_base + slot[:, None] * stride_kn)
-        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * sm_scale_log2
-        m_new = tl.maximum(m_i, tl.max(qk, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(qk - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_base + slot[:, None] * stride_vn)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
-        m_i = m_new
+        m_i, l_i, acc = attend_block(q, k_base, v_base, slot, stride_kn, stride_vn, None,
+                                     m_i, l_i, acc, sm_scale_log2,
+                                     DOT_PREC=DOT_PREC, MASKED=False)
 
     # Causal tail: keys [full_end, min(prefix + m0 + BLOCK_M, seq_len)). Key
     # full_end <= every query position, so each row's first tail block has a
@@ -92,17 +85,10 @@ def _extend_kernel(
         nmask = offs_n < tail_end
         # Masked-off keys read slot 0 (padding row): gathers stay unmasked.
         slot = tl.load(r2t + offs_n, mask=nmask, other=0).to(tl.int64)
-        k = tl.load(k_base + slot[:, None] * stride_kn)
-        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * sm_scale_log2
         visible = (offs_n[None, :] <= q_pos[:, None]) & nmask[None, :]
-        qk = tl.where(visible, qk, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(qk, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(qk - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_base + slot[:, None] * stride_vn)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
-        m_i = m_new
+        m_i, l_i, acc = attend_block(q, k_base, v_base, slot, stride_kn, stride_vn, visible,
+                                     m_i, l_i, acc, sm_scale_log2,
+                                     DOT_PREC=DOT_PREC, MASKED=True)
 
     out = acc / l_i[:, None]
     tl.store(Out + (q_start + offs_m)[:, None] * stride_ot + h * stride_oh + offs_d[None, :],
@@ -182,7 +168,7 @@ def extend_attention_fwd(
     _extend_kernel[(num_heads, num_blocks)](
         q, k_buffer, v_buffer, o, req_to_token, req_pool_indices, prefix_lens, extend_lens,
         extend_start_loc, block_table,
-        sm_scale * _LOG2E,
+        sm_scale * LOG2E,
         q.stride(0), q.stride(1), o.stride(0), o.stride(1),
         k_buffer.stride(0), k_buffer.stride(1), v_buffer.stride(0), v_buffer.stride(1),
         req_to_token.stride(0),
