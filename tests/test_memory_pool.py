@@ -9,7 +9,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from radixlm.cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
+from radixlm.cache.memory_pool import MHATokenToKVPool, ReqToTokenPool, row_kv_buffers
 
 
 def make_kv_pool(size: int = 16, num_layers: int = 2) -> MHATokenToKVPool:
@@ -211,3 +211,19 @@ ReqAllocMachine.TestCase.settings = settings(
     max_examples=50, stateful_step_count=30, deadline=None)
 TestKVAllocMachine = KVAllocMachine.TestCase
 TestReqAllocMachine = ReqAllocMachine.TestCase
+
+
+def test_row_kv_buffers_only_for_the_plain_layout_in_its_dtype():
+    """Kernels that copy K/V rows straight into the pool (the CPU and Triton
+    backends' stores) get the buffers only where set_kv_buffer is the plain one."""
+    pool = MHATokenToKVPool(8, torch.float32, 2, 4, 2, "cpu")
+    k_buf, v_buf = row_kv_buffers(pool, 1, torch.float32)
+    assert k_buf is pool.get_kv_buffer(1)[0] and v_buf is pool.get_kv_buffer(1)[1]
+    assert row_kv_buffers(pool, 1, torch.bfloat16) is None
+
+    class OtherLayout(MHATokenToKVPool):
+        def set_kv_buffer(self, layer_id, loc, k, v):  # e.g. a quantized cache
+            super().set_kv_buffer(layer_id, loc, k, v)
+
+    other = OtherLayout(8, torch.float32, 2, 4, 2, "cpu")
+    assert row_kv_buffers(other, 1, torch.float32) is None

@@ -68,6 +68,17 @@ class KVPool(ABC):
                       v: torch.Tensor) -> None: ...
 
 
+def row_kv_buffers(pool: KVPool, layer_id: int,
+                   dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Layer `layer_id`'s (k, v) buffers when a kernel may copy new K/V rows of
+    `dtype` straight into them: the plain MHA layout in that dtype. None for pools
+    that override `set_kv_buffer` (other layouts, quantized caches): use it."""
+    if type(pool).set_kv_buffer is not MHATokenToKVPool.set_kv_buffer:
+        return None
+    k_buf, v_buf = pool.get_kv_buffer(layer_id)
+    return (k_buf, v_buf) if k_buf.dtype == dtype else None
+
+
 class MHATokenToKVPool(KVPool):
     def __init__(self, size: int, dtype: torch.dtype, num_kv_heads: int, head_dim: int,
                  num_layers: int, device: torch.device | str) -> None:

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from radixlm.cache.memory_pool import MHATokenToKVPool
+from radixlm.cache.memory_pool import row_kv_buffers
 from radixlm.layers import cpu_ops
 from radixlm.layers.attention.torch_native import TorchNativeBackend
 
@@ -42,13 +42,10 @@ class CpuAttentionBackend(TorchNativeBackend):
 
     def _store(self, k: torch.Tensor, v: torch.Tensor, layer: RadixAttention,
                fb: ForwardBatch) -> None:
-        pool = fb.token_to_kv_pool
-        k_buf, v_buf = pool.get_kv_buffer(layer.layer_id)
-        # One memcpy per row instead of two index_put ops, for the plain MHA layout
-        # (other pools override set_kv_buffer).
-        if (type(pool).set_kv_buffer is MHATokenToKVPool.set_kv_buffer
-                and k.dtype == k_buf.dtype and fb.out_cache_loc.dtype == torch.int64):
-            cpu_ops.store_kv(k, v, k_buf, v_buf, fb.out_cache_loc)
+        # One memcpy per row instead of the pool's two index_put ops.
+        bufs = row_kv_buffers(fb.token_to_kv_pool, layer.layer_id, k.dtype)
+        if bufs is not None and fb.out_cache_loc.dtype == torch.int64:
+            cpu_ops.store_kv(k, v, *bufs, fb.out_cache_loc)
         else:
             super()._store(k, v, layer, fb)
 

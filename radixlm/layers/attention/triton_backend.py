@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from radixlm.cache.memory_pool import MHATokenToKVPool
+from radixlm.cache.memory_pool import row_kv_buffers
 from radixlm.layers.attention.base import AttentionBackend
 from radixlm.layers.attention.triton_ops.cascade_decode import (
     MAX_PREFIX_SPLITS,
@@ -250,15 +250,11 @@ class TritonAttentionBackend(AttentionBackend):
     def _store(self, k: torch.Tensor, v: torch.Tensor, layer: RadixAttention,
                fb: ForwardBatch) -> None:
         pool = fb.token_to_kv_pool
-        # The Triton store writes the plain MHA layout only: skip it for pools
-        # that override set_kv_buffer (other layouts, quantized caches).
-        if (k.shape[0] >= self.kv_store_min_tokens
-                and type(pool).set_kv_buffer is MHATokenToKVPool.set_kv_buffer):
-            k_buf, v_buf = pool.get_kv_buffer(layer.layer_id)
-            if k.dtype == k_buf.dtype:
-                store_kv(k, v, k_buf, v_buf, fb.out_cache_loc)
-                return
-        pool.set_kv_buffer(layer.layer_id, fb.out_cache_loc, k, v)
+        bufs = row_kv_buffers(pool, layer.layer_id, k.dtype)
+        if bufs is not None and k.shape[0] >= self.kv_store_min_tokens:
+            store_kv(k, v, *bufs, fb.out_cache_loc)
+        else:
+            pool.set_kv_buffer(layer.layer_id, fb.out_cache_loc, k, v)
 
     def forward_extend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                        layer: RadixAttention, fb: ForwardBatch) -> torch.Tensor:
