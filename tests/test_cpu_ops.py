@@ -149,6 +149,17 @@ def test_silu_and_mul_matches_torch(dtype, inter):
     assert torch.equal(SiluAndMul()(x), out)
 
 
+def test_silu_and_mul_keeps_inf_and_nan():
+    """Overflowed activations: silu(+inf) = +inf and NaN stays NaN, as in torch
+    (the vector exp clamps its argument instead of converting inf to an exponent)."""
+    gate = torch.tensor([float("inf"), float("nan"), 90.0, 3.0] * 4)
+    x = torch.cat([gate, torch.ones(16)]).view(1, 32).bfloat16()
+    out = cpu_ops.silu_and_mul(x)[0].float()
+    ref = F.silu(gate.bfloat16()).float()
+    assert torch.equal(out.isnan(), ref.isnan())
+    assert torch.equal(out[~ref.isnan()], ref[~ref.isnan()])
+
+
 @pytest.mark.parametrize("dtype", HALF)
 @pytest.mark.parametrize("head_dim,rotary_dim", [(64, 64), (128, 128), (64, 32)])
 def test_rope_matches_torch(dtype, head_dim, rotary_dim):

@@ -133,7 +133,7 @@ void attend_chunk(const Args<T, I>& a, int64_t b, int s, int64_t start, int64_t 
       }
       for (int j = bn; j < kBlockN; ++j) sh[j] = -1e30f;  // a short last block
       alpha[h] = std::exp(m[h] - mx);  // exp(-inf) = 0 on the first block
-      vfloat sum = load_vec(sh) * 0.f;
+      vfloat sum = vfloat{};
       for (int j = 0; j < kBlockN; j += kLanes) {
         vfloat e = exp_vec(load_vec(sh + j) - mx);
         store_vec(sh + j, e);

@@ -50,7 +50,7 @@ void rms_norm_rows(const T* x, const T* res, const T* w, T* out, T* res_out, int
       float* s = sum_row.data();
       const T* xr = x + r * sx;
       int64_t c = 0;
-      vfloat sq = load_vec(s) * 0.f;
+      vfloat sq = vfloat{};
       for (; c + kLanes <= n; c += kLanes) {
         vfloat v = load_vec(xr + c);
         if (res) {

@@ -69,10 +69,13 @@ inline float hsum(vfloat v) {
 
 // exp over a vector: 2^n * e^r with n = round(x / ln 2) and |r| <= ln 2 / 2,
 // e^r by its degree-6 Taylor polynomial (relative error < 2e-7, below fp32's
-// rounding of the sum). Inputs below -87 (e.g. a padded score) give ~1e-38.
+// rounding of the sum). Inputs are clamped to [-87, 88] so that 2^n stays a
+// normal float: below, e.g. a padded score or -inf, give ~1e-38; above, ~1.7e38
+// (+inf included); NaN stays NaN.
 inline vfloat exp_vec(vfloat x) {
-  const vfloat lo = x * 0.f - 87.f;
+  const vfloat lo = vfloat{} - 87.f, hi = vfloat{} + 88.f;
   x = x < lo ? lo : x;
+  x = x > hi ? hi : x;
   const float shifter = 12582912.f;  // 1.5 * 2^23: adding it rounds to an integer
   vfloat n = (x * 1.44269504f + shifter) - shifter;
   vfloat r = x - n * 0.693359375f + n * 2.12194440e-4f;  // ln 2 split in two parts
