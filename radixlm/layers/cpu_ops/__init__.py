@@ -25,7 +25,7 @@ _DIR = Path(__file__).parent
 SOURCES = [_DIR / "decode_attention.cpp", _DIR / "elementwise.cpp"]
 HEADERS = [_DIR / "vec.h"]
 _lock = threading.Lock()
-_state: dict[str, bool] = {}
+_loaded: bool | None = None  # None: not tried yet
 
 
 def _cpu_flags() -> str:
@@ -49,11 +49,14 @@ def _build_key() -> str:
 
 def load() -> bool:
     """Build (once per machine) and load the kernels; True when they are usable
-    as `torch.ops.radixlm_cpu.*`."""
-    with _lock:
-        if "ok" not in _state:
-            _state["ok"] = _load()
-        return _state["ok"]
+    as `torch.ops.radixlm_cpu.*`. Cheap after the first call (layers ask on
+    every forward)."""
+    global _loaded
+    if _loaded is None:
+        with _lock:
+            if _loaded is None:
+                _loaded = _load()
+    return _loaded
 
 
 def _load() -> bool:
