@@ -54,12 +54,8 @@ class CudaGraphRunner:
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
         backend = runner.attn_backend
-        self.cascade = (getattr(backend, "supports_cascade_decode", False)
-                        and cascade_attention_wanted(runner.args))
-        if self.cascade:
-            backend.init_cuda_graph_state(n, cascade=True)
-        else:
-            backend.init_cuda_graph_state(n)
+        self.cascade = backend.supports_cascade_decode and cascade_attention_wanted(runner.args)
+        backend.init_cuda_graph_state(n, cascade=self.cascade)
         if use_graphs:
             self._capture_all()
 
@@ -114,14 +110,9 @@ class CudaGraphRunner:
         self.req_pool_indices[:bs].copy_(fb.req_pool_indices, non_blocking=True)
         self.seq_lens[:bs].copy_(fb.seq_lens, non_blocking=True)
         self.out_cache_loc[:bs].copy_(fb.out_cache_loc, non_blocking=True)
-        backend = self.runner.attn_backend
-        if self.cascade:
-            backend.init_forward_metadata_cuda_graph(
-                padded, self.req_pool_indices[:padded], self.seq_lens[:padded],
-                prefix_groups=fb.prefix_groups)
-        else:
-            backend.init_forward_metadata_cuda_graph(
-                padded, self.req_pool_indices[:padded], self.seq_lens[:padded])
+        self.runner.attn_backend.init_forward_metadata_cuda_graph(
+            padded, self.req_pool_indices[:padded], self.seq_lens[:padded],
+            prefix_groups=fb.prefix_groups if self.cascade else None)
         if not self.use_graphs:
             return self.runner.model(self.input_ids[:padded], self.positions[:padded],
                                      self._batch(padded))[:bs]

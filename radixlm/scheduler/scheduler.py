@@ -129,7 +129,7 @@ class Scheduler(ControlMixin):
         self.forward_ct = 0
         # Decode batches' shared prefixes, for backends with cascade attention.
         self.prefix_groups = SharedPrefixTracker() if cascade_attention_wanted(args) and \
-            getattr(self.runner.attn_backend, "supports_cascade_decode", False) else None
+            self.runner.attn_backend.supports_cascade_decode else None
 
     def _make_cache(self) -> PrefixCache:
         if self.args.disable_radix_cache:

@@ -14,7 +14,7 @@ import torch
 
 if TYPE_CHECKING:
     from radixlm.layers.attention.radix_attention import RadixAttention
-    from radixlm.runtime.forward_batch import ForwardBatch
+    from radixlm.runtime.forward_batch import ForwardBatch, PrefixGroups
 
 
 class AttentionBackend(ABC):
@@ -30,6 +30,12 @@ class AttentionBackend(ABC):
       padded batch is written into that state in place, so a captured graph
       replays with new inputs. Backends without graph support keep the
       defaults, which raise.
+    - Cascade (prefix-sharing) decode, for backends with
+      `supports_cascade_decode`: `fb.prefix_groups` lists requests that share
+      their first KV slots; `init_cuda_graph_state(max_bs, cascade=True)` has the
+      graphs capture that path, and `init_forward_metadata_cuda_graph(...,
+      prefix_groups=...)` hands each replay its batch's groups. Other backends
+      ignore the groups (decode reads each request's KV in full).
     """
 
     @abstractmethod
@@ -51,10 +57,12 @@ class AttentionBackend(ABC):
 
     # ---- CUDA graphs ---------------------------------------------------
     supports_cuda_graph = False
+    supports_cascade_decode = False
 
-    def init_cuda_graph_state(self, max_bs: int) -> None:
+    def init_cuda_graph_state(self, max_bs: int, cascade: bool = False) -> None:
         raise NotImplementedError(f"{type(self).__name__} does not support CUDA graphs")
 
     def init_forward_metadata_cuda_graph(self, bs: int, req_pool_indices: torch.Tensor,
-                                         seq_lens: torch.Tensor) -> None:
+                                         seq_lens: torch.Tensor,
+                                         prefix_groups: PrefixGroups | None = None) -> None:
         raise NotImplementedError(f"{type(self).__name__} does not support CUDA graphs")
