@@ -26,3 +26,23 @@ def save_random_llama(path: str | Path, seed: int = 0, **config: Any) -> str:
                 p.normal_(0, 0.05)
     model.save_pretrained(path, safe_serialization=True)
     return str(path)
+
+
+def random_attention_pools(group: int, head_dim: int, dtype: torch.dtype, seed: int,
+                           device: torch.device | str, max_requests: int, pool_tokens: int,
+                           num_layers: int = 1, layer_id: int = 0) -> tuple[Any, ...]:
+    """(heads, kv_heads, req_to_token pool, KV pool, layer) for backend tests: 2 KV
+    heads x `group` query heads, every pool slot random (zeros would hide bad
+    indexing), `layer_id` the layer the RadixAttention reads."""
+    from radixlm.cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
+    from radixlm.layers.attention.radix_attention import RadixAttention
+
+    torch.manual_seed(seed)
+    kvh = 2
+    h = kvh * group
+    r2t_pool = ReqToTokenPool(max_requests, 4096, device)
+    kv_pool = MHATokenToKVPool(pool_tokens, dtype, kvh, head_dim, num_layers, device)
+    for buf in kv_pool.k_buffer + kv_pool.v_buffer:
+        buf.copy_(torch.randn_like(buf, dtype=torch.float32))
+    layer = RadixAttention(layer_id, h, kvh, head_dim, head_dim ** -0.5)
+    return h, kvh, r2t_pool, kv_pool, layer

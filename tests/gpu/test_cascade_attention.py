@@ -291,17 +291,10 @@ def test_cascade_decode_matches_reference(group, d, dtype, spec, plan_args):
 
 
 def _backend_setup(group: int, d: int, dtype: torch.dtype, spec, seed: int):
-    from radixlm.cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
-    from radixlm.layers.attention.radix_attention import RadixAttention
+    from gpu_models import random_attention_pools
 
-    torch.manual_seed(seed)
-    kvh = 2
-    h = kvh * group
-    r2t_pool = ReqToTokenPool(32, 4096, DEV)
-    kv_pool = MHATokenToKVPool(20000, dtype, kvh, d, 1, DEV)
-    for buf in kv_pool.k_buffer + kv_pool.v_buffer:  # no zeros: they hide bad indexing
-        buf.copy_(torch.randn_like(buf, dtype=torch.float32))
-    layer = RadixAttention(0, h, kvh, d, d ** -0.5)
+    h, kvh, r2t_pool, kv_pool, layer = random_attention_pools(
+        group, d, dtype, seed, DEV, max_requests=32, pool_tokens=20000)
     # Each request's table row: its group's prefix slots, then its own.
     lists = []
     for lp, own in spec:

@@ -11,8 +11,6 @@ if not torch.cuda.is_available():
     pytest.skip("needs CUDA", allow_module_level=True)
 pytest.importorskip("triton")
 
-from radixlm.cache.memory_pool import MHATokenToKVPool, ReqToTokenPool  # noqa: E402
-from radixlm.layers.attention.radix_attention import RadixAttention  # noqa: E402
 from radixlm.layers.attention.torch_native import TorchNativeBackend  # noqa: E402
 from radixlm.layers.attention.triton_backend import TritonAttentionBackend  # noqa: E402
 from radixlm.layers.attention.triton_ops.decode_attention import (  # noqa: E402
@@ -183,15 +181,10 @@ def test_store_kv_matches_index_put():
 # ---- the backend through ForwardBatch, against TorchNativeBackend on one pool
 
 def _setup_backend_case(group: int, d: int, dtype: torch.dtype, seed: int):
-    torch.manual_seed(seed)
-    kvh = 2
-    h = kvh * group
-    r2t_pool = ReqToTokenPool(16, 4096, DEV)
-    kv_pool = MHATokenToKVPool(40000, dtype, kvh, d, 2, DEV)
-    for buf in kv_pool.k_buffer + kv_pool.v_buffer:  # no zeros: they hide bad indexing
-        buf.copy_(torch.randn_like(buf, dtype=torch.float32))
-    layer = RadixAttention(1, h, kvh, d, d ** -0.5)
-    return h, kvh, r2t_pool, kv_pool, layer
+    from gpu_models import random_attention_pools
+
+    return random_attention_pools(group, d, dtype, seed, DEV, max_requests=16,
+                                  pool_tokens=40000, num_layers=2, layer_id=1)
 
 
 def _run_both(fb_args: dict, q, k, v, layer, backends):
