@@ -17,6 +17,7 @@ from __future__ import annotations
 import ast
 import os
 import pickle
+import socket
 import stat
 import tempfile
 import time
@@ -185,6 +186,22 @@ def test_pickle_sent_to_every_ipc_socket_is_dropped(server: ServerProcess) -> No
 
 
 # ---- headers ---------------------------------------------------------------------------
+def test_oversized_headers_in_small_chunks_get_the_guards_431(server: ServerProcess) -> None:
+    """A 100 KB header block that arrives a few KB at a time is refused by our guard
+    (431, JSON error) and not by the HTTP parser's buffer limit (400, reset)."""
+    request = (b"GET /v1/models HTTP/1.1\r\nHost: x\r\nx-filler: " + b"a" * 100_000
+               + b"\r\nConnection: close\r\n\r\n")
+    with socket.create_connection(("127.0.0.1", server.port), timeout=30) as sock:
+        for i in range(0, len(request), 4096):
+            sock.sendall(request[i:i + 4096])
+            time.sleep(0.002)  # each chunk its own read on the server
+        reply = b""
+        while chunk := sock.recv(65536):
+            reply += chunk
+    assert reply.startswith(b"HTTP/1.1 431"), reply[:200]
+    assert b"headers" in reply
+
+
 def test_oversized_headers_are_refused(server: ServerProcess) -> None:
     with server.client() as c:
         r = c.get("/v1/models", headers={"x-filler": "a" * 100_000})

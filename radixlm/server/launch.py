@@ -31,7 +31,7 @@ import uvicorn
 from radixlm.config import ServerArgs
 from radixlm.sampling_params import SamplingParams
 from radixlm.server.detokenizer_process import run_detokenizer_process
-from radixlm.server.http_server import ServerState, build_app
+from radixlm.server.http_server import MAX_HEADER_BYTES, ServerState, build_app
 from radixlm.server.ipc import IpcPaths
 from radixlm.server.metrics import Metrics
 from radixlm.server.tokenizer_manager import PromptJob, TokenizerManager
@@ -137,10 +137,15 @@ class Launcher:
             watch.cancel()
 
     async def _serve(self, app: Any) -> int:
+        # h11 refuses (400, connection closed) a request whose headers are still
+        # incomplete past its buffer limit, 16 KB by default: whether a 100 KB header
+        # block got our 431 or that 400 and a reset depended on how the bytes were
+        # chunked. A limit well above MAX_HEADER_BYTES leaves the refusal to the guard.
         config = uvicorn.Config(app, host=self.args.host, port=self.args.port,
                                 log_level=self.args.log_level.lower(), lifespan="off",
                                 access_log=self.args.log_level.lower() == "debug",
-                                timeout_keep_alive=5, timeout_graceful_shutdown=5)
+                                timeout_keep_alive=5, timeout_graceful_shutdown=5,
+                                h11_max_incomplete_event_size=4 * MAX_HEADER_BYTES)
         server = _Uvicorn(config)
         serve_task = asyncio.get_running_loop().create_task(server.serve())
         try:
