@@ -322,3 +322,34 @@ def test_tokenize_runs_off_the_event_loop() -> None:
             paths.cleanup()
 
     asyncio.run(main())
+
+
+def test_sse_backlog_goes_out_in_one_write() -> None:
+    """A stream that fell behind writes its queued chunks together; one that keeps
+    up writes each as it comes. Either way the client reads the same events."""
+    from radixlm.server.io import SSE_DONE
+    from radixlm.server.openai_api import _sse_body
+
+    def render(idx: int, out: StrOut) -> list[dict[str, Any]]:
+        return [{"i": idx, "t": out.new_text}]
+
+    async def body(backlog: bool) -> list[bytes]:
+        queue: asyncio.Queue[tuple[int, StrOut]] = asyncio.Queue()
+        for text in "bcd":
+            queue.put_nowait((0, _out("r", [1], text)))
+
+        async def events() -> Any:
+            while not queue.empty():
+                yield await queue.get()
+
+        # A stream keeping up sees an empty queue after every message.
+        caught_up = queue.empty if backlog else (lambda: True)
+        gen = _sse_body(events(), (0, _out("r", [1], "a")), render,
+                        lambda: [{"end": 1}], caught_up)
+        return [w async for w in gen]
+
+    events = b"".join(sse({"i": 0, "t": t}) for t in "abcd") + sse({"end": 1}) + SSE_DONE
+    behind = asyncio.run(body(backlog=True))
+    assert b"".join(behind) == events and len(behind) == 2  # the first at once, then the rest
+    keeping_up = asyncio.run(body(backlog=False))
+    assert b"".join(keeping_up) == events and len(keeping_up) == 5

@@ -199,7 +199,7 @@ class OpenAIServing:
         if seq.error_status is not None:
             await events.aclose()
             raise APIError(seq.error_status, seq.error_message)
-        return StreamingResponse(_sse_body(events, first, render, tail),
+        return StreamingResponse(_sse_body(events, first, render, tail, group.queue.empty),
                                  media_type="text/event-stream")
 
     # ---- /v1/completions --------------------------------------------------------------------
@@ -557,17 +557,27 @@ class ChatStream(_Stream):
 
 async def _sse_body(events: EventIter, first: tuple[int, StrOut],
                     render: Callable[[int, StrOut], list[dict[str, Any]]],
-                    tail: Callable[[], list[dict[str, Any]]]) -> AsyncIterator[bytes]:
+                    tail: Callable[[], list[dict[str, Any]]],
+                    caught_up: Callable[[], bool]) -> AsyncIterator[bytes]:
     """SSE frames: `data: {chunk}` per rendered chunk, then `data: [DONE]`.
-    Closing `events` (also on a client disconnect) aborts unfinished choices."""
+    Closing `events` (also on a client disconnect) aborts unfinished choices.
+
+    Frames are written once `caught_up()` says nothing more is queued for this
+    call: a stream that fell behind (a busy server, many streams per step)
+    sends its backlog in one write. Each write is one ASGI send and one socket
+    write, and at saturation that per-write cost, not the JSON, is what limits
+    the API process; the client still sees one event per chunk."""
     try:
-        for chunk in render(*first):
-            yield sse(chunk)
+        frames = [sse(chunk) for chunk in render(*first)]
+        if caught_up() and frames:
+            yield b"".join(frames)
+            frames.clear()
         async for idx, out in events:
-            for chunk in render(idx, out):
-                yield sse(chunk)
-        for chunk in tail():
-            yield sse(chunk)
-        yield SSE_DONE
+            frames += [sse(chunk) for chunk in render(idx, out)]
+            if caught_up() and frames:
+                yield b"".join(frames)
+                frames.clear()
+        frames += [sse(chunk) for chunk in tail()]
+        yield b"".join(frames) + SSE_DONE
     finally:
         await events.aclose()
