@@ -278,6 +278,23 @@ def test_32_concurrent_requests_complete(server: ServerProcess) -> None:
     assert server.wait_idle()["kv_tokens_in_use"] == 0
 
 
+def test_bench_serving_over_two_client_processes(server: ServerProcess, tmp_path: Any) -> None:
+    """The serving benchmark with its requests dealt over two client processes:
+    every request is accounted for, in order, with the server's exact usage."""
+    from radixlm.bench import serving
+
+    out = tmp_path / "serving.json"
+    rc = serving.main(["--base-url", server.url, "--num-prompts", "6", "--random-input-len",
+                       "8", "--random-output-len", "3", "--vocab-size", "1000",
+                       "--client-processes", "2", "--warmup-requests", "0",
+                       "--output-json", str(out)])
+    got = json.loads(out.read_text())["results"][0]
+    assert rc == 0 and got["completed"] == 6 and got["failed"] == 0
+    assert got["total_input_tokens"] == 48 and got["total_output_tokens"] == 18
+    assert 0 < got["duration_s"] < 120
+    assert server.wait_idle()["kv_tokens_in_use"] == 0
+
+
 # ---- aborts and disconnects ----------------------------------------------------------
 LONG = {"max_new_tokens": 200, "ignore_eos": True}  # within the 256-token context
 
