@@ -83,6 +83,10 @@ class ServerArgs:
     disable_cascade_attention: bool = _opt(
         "runtime", "In decode attention, read a prefix that running requests share once per "
         "request instead of once per group (triton backend)", default=False)
+    disable_weight_prepack: bool = _opt(
+        "runtime", "On the CPU in bf16, run linear layers from the plain weights instead of "
+        "a copy prepacked for oneDNN (the copy is faster and costs the weights' memory "
+        "again)", default=False)
     num_threads: int | None = _opt("runtime", "torch CPU threads (default: all cores)",
                                    default=None)
 

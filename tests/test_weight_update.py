@@ -173,6 +173,22 @@ def test_update_from_tensor(engine, prompt_ids, baseline, second, model_dir):
     assert greedy(engine, prompt_ids) == baseline
 
 
+def test_bf16_updates_replace_the_prepacked_weights(model_dir, prompt_ids, second):
+    """On the CPU in bf16 the linear layers run from copies prepacked for oneDNN: an
+    update must reach them (a stale copy would go on serving the old model)."""
+    kw = {"dtype": "bfloat16", "max_total_tokens": 4096, "context_length": 256,
+          "num_threads": 1}
+    with radixlm.Engine(model_path=second["path"], skip_tokenizer_init=True, **kw) as fresh:
+        want = greedy(fresh, prompt_ids)
+    with radixlm.Engine(**kw) as e:
+        base = greedy(e, prompt_ids)  # packs the embedded model's weights
+        ok, message = e.update_weights_from_tensor(list(second["tensors"].items()))
+        assert ok, message
+        assert greedy(e, prompt_ids) == want != base
+        restore(e, model_dir)
+        assert greedy(e, prompt_ids) == base
+
+
 @pytest.mark.parametrize(("tensors", "phrase"), [
     ([("model.layers.99.mlp.up_proj.weight", torch.zeros(1536, 576))], "no parameter named"),
     ([("model.norm.weight", torch.zeros(575))], "has shape [575], the model expects [576]"),

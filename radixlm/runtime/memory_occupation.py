@@ -22,6 +22,8 @@ from typing import Any
 
 import torch
 
+from radixlm.layers.linear import drop_packed_weights
+
 logger = logging.getLogger(__name__)
 
 TAGS = ("kv_cache", "weights")
@@ -85,6 +87,7 @@ class MemoryOccupation:
     def _release_weights(self) -> None:
         device = self.runner.device
         seen: set[int] = set()
+        drop_packed_weights(self.runner.model)  # CPU copies in oneDNN's layout go too
         with torch.no_grad():
             for param in self.runner.model.parameters():  # tied weights: once
                 if id(param) in seen:

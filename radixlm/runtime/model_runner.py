@@ -12,6 +12,7 @@ from radixlm import distributed as tp
 from radixlm.cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
 from radixlm.config import ServerArgs
 from radixlm.layers.attention.base import AttentionBackend
+from radixlm.layers.linear import set_weight_prepack
 from radixlm.runtime.forward_batch import ForwardBatch
 
 logger = logging.getLogger(__name__)
@@ -66,6 +67,7 @@ class ModelRunner:
         self.device = resolve_device(args.device, gpu_id)
         if self.device.type == "cpu":
             self._set_cpu_threads()
+            set_weight_prepack(not args.disable_weight_prepack)  # one model per process
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device.index or 0)
         self.dtype = resolve_dtype(args.dtype, config, self.device)

@@ -43,6 +43,7 @@ from radixlm.layers.linear import (
     MergedColumnParallelLinear,
     QKVParallelLinear,
     RowParallelLinear,
+    drop_packed_weights,
 )
 
 logger = logging.getLogger(__name__)
@@ -400,6 +401,8 @@ class WeightUpdater:
             self.model.load_weights(self._saving(weights, backup))
         except Exception as e:
             error = f"{type(e).__name__}: {e}"
+        finally:
+            drop_packed_weights(self.model)  # repacked from the new (or restored) weights
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)  # copies done before anyone reads them
         if _all_ranks_agree(error is None):
