@@ -47,6 +47,7 @@ class Result:
     output_tokens: int = 0
     ttft: float = 0.0
     e2e: float = 0.0
+    sent: float = 0.0  # seconds from the run's start to sending the request
     itl: list[float] = field(default_factory=list)
 
 
@@ -80,7 +81,7 @@ def shared_prefix_dataset(args: argparse.Namespace, rng: random.Random) -> list[
 
 # ---- one request ---------------------------------------------------------------------
 async def send(client: httpx.AsyncClient, args: argparse.Namespace, model: str,
-               req: Request) -> Result:
+               req: Request, run_start: float = 0.0) -> Result:
     body: dict[str, Any] = {"model": model, "prompt": req.prompt, "max_tokens": req.output_len,
                             "temperature": 0.0, "stream": True,
                             "stream_options": {"include_usage": True}}
@@ -88,6 +89,7 @@ async def send(client: httpx.AsyncClient, args: argparse.Namespace, model: str,
         body.update(ignore_eos=True, min_tokens=req.output_len)
     res = Result()
     t0 = last = time.perf_counter()
+    res.sent = t0 - run_start
     try:
         async with client.stream("POST", "/v1/completions", json=body) as r:
             if r.status_code != 200:
@@ -128,12 +130,13 @@ async def run_rate(args: argparse.Namespace, model: str, reqs: list[Request],
                           keepalive_expiry=2.0)
     async with httpx.AsyncClient(base_url=args.base_url, headers=headers, limits=limits,
                                  timeout=httpx.Timeout(args.timeout)) as client:
+        t0 = time.perf_counter()
+
         async def gated(req: Request) -> Result:
             async with gate:
-                return await send(client, args, model, req)
+                return await send(client, args, model, req, t0)
 
         tasks = []
-        t0 = time.perf_counter()
         for req in reqs:
             tasks.append(asyncio.create_task(gated(req)))
             if math.isfinite(rate):
@@ -196,6 +199,9 @@ def summarize(results: list[Result], duration: float) -> dict[str, float]:
     out.update(stats("tpot", tpot))
     out.update(stats("itl", [x for r in ok for x in r.itl]))
     out.update(stats("e2e", [r.e2e for r in ok]))
+    # When the load really arrived: a slow client shows as a late last send.
+    out["last_sent_s"] = max((r.sent for r in results), default=0.0)
+    out["first_token_s"] = min((r.sent + r.ttft for r in ok), default=0.0)
     return out
 
 
@@ -205,7 +211,9 @@ ROWS = [("completed", "Successful requests", "{:.0f}"), ("failed", "Failed reque
         ("total_output_tokens", "Output tokens", "{:.0f}"),
         ("request_throughput", "Request throughput (req/s)", "{:.3f}"),
         ("input_throughput", "Input throughput (tok/s)", "{:.1f}"),
-        ("output_throughput", "Output throughput (tok/s)", "{:.1f}")] + [
+        ("output_throughput", "Output throughput (tok/s)", "{:.1f}"),
+        ("last_sent_s", "Last request sent at (s)", "{:.2f}"),
+        ("first_token_s", "First token at (s)", "{:.2f}")] + [
         (f"{m}_{s}_ms", f"{label} {s} (ms)", "{:.1f}")
         for m, label in (("ttft", "TTFT"), ("tpot", "TPOT"), ("itl", "ITL"), ("e2e", "E2E"))
         for s in ("mean", "p50", "p99")]
