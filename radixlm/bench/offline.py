@@ -176,14 +176,21 @@ def main(argv: list[str] | None = None, mode: str = "offline") -> None:
     from radixlm.engine import Engine
     server_args = ServerArgs.from_cli_args(args)
     engine = Engine(**vars(server_args))
-    runner = engine.scheduler.runner
-    prompts = random_prompts(args.num_prompts, args.input_len, runner.shape.vocab_size,
-                             args.seed)
+    # With tp/dp > 1 the model runs in rank processes: no runner here, so no
+    # roofline and no HF peer (which would need the same devices).
+    runner = getattr(engine.scheduler, "runner", None)
+    if runner is None and not args.skip_hf:
+        engine.shutdown()
+        parser.error("with --tp-size/--dp-size > 1, pass --skip-hf")
+    vocab = engine.scheduler.vocab_size
+    prompts = random_prompts(args.num_prompts, args.input_len, vocab, args.seed)
     ours, ttft = run_ours(engine, prompts, args.output_len)
     ours.prefill_seconds, ours.num_seqs = ttft, args.num_prompts
+    where = (f"device {runner.device}, dtype {runner.dtype}" if runner is not None else
+             f"tp {server_args.tp_size} x dp {server_args.dp_size}, dtype {server_args.dtype}")
     extra = [f"workload: {args.num_prompts} x {args.input_len} in / {args.output_len} out, "
-             f"device {runner.device}, dtype {runner.dtype}"]
-    if runner.device.type == "cuda":
+             + where]
+    if runner is not None and runner.device.type == "cuda":
         bw = measure_copy_bandwidth(runner.device)
         weight_bytes = sum(p.numel() * p.element_size() for p in runner.model.parameters())
         bound = bw / weight_bytes * args.num_prompts
