@@ -5,6 +5,7 @@ TokenizerManager. Incremental decoding and stop-string hold-back live in
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import sys
@@ -56,6 +57,7 @@ def run_detokenizer_process(tokenizer_path: str, paths: IpcPaths, parent_pid: in
     ctx = zmq.Context()
     recv_sock = pull_socket(ctx, paths.detokenizer)
     to_tok = push_socket(ctx, paths.tokenizer)
+    gc.freeze()  # the start-up heap (the tokenizer) stays out of every collection
     to_tok.send(encode(ProcessReady("detokenizer", os.getpid())))
     try:
         while True:

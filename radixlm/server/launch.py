@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import gc
 import logging
 import multiprocessing as mp
 import os
@@ -157,6 +158,11 @@ class Launcher:
                 return self.exit_code
             assert self.state is not None
             self.state.ready = True
+            # Everything alive now (torch, the tokenizer, the app) lives as long as the
+            # process: out of the collector's sight, a full collection walks only what
+            # requests allocate. Walking the start-up heap paused the event loop, and
+            # every stream with it, for ~0.2 s per full collection (measured here).
+            gc.freeze()
             logger.info("The server is ready: http://%s:%d", self.args.host, self.args.port)
             await self.stop.wait()
             if self.exit_code == 0:

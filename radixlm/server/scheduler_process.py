@@ -10,6 +10,7 @@ non-zero, and the parent's watchdog takes the server down.
 
 from __future__ import annotations
 
+import gc
 import logging
 import sys
 import time
@@ -265,6 +266,7 @@ def run_scheduler_process(args_dict: dict[str, Any], model_dir: str, paths: IpcP
     init_tp_rank(args, placement)
     scheduler = build_scheduler(args, model_dir, placement.gpu_id)
     loop = SchedulerLoop(scheduler, args, paths, parent_pid, placement)
+    gc.freeze()  # the start-up heap (torch, the model) stays out of every collection
     if loop.leader:
         info = ready_info(scheduler, placement.dp_rank)
         loop.to_tok.send(encode(ProcessReady("scheduler", os.getpid(), info)))
