@@ -168,6 +168,26 @@ def test_logprobs(engine_default, hf_model):
         assert top[0][1] == tok  # greedy: the chosen token is the top one
 
 
+def test_bf16_engine_tracks_hf(prompt_ids, hf_model):
+    """The CPU bf16 path (C++ kernels, prepacked weights, scores from raw bf16 keys)
+    against HF in fp32: prompt logprobs within bf16 error, and each greedy token
+    HF's top choice or within a near-tie of it (bf16 may flip those)."""
+    with radixlm.Engine(dtype="bfloat16", max_total_tokens=8192) as e:
+        outs = e.generate(input_ids=prompt_ids, return_logprob=True, logprob_start_len=0,
+                          sampling_params={"max_new_tokens": 12, "temperature": 0})
+        e.scheduler.check_invariants()
+    for ids, out in zip(prompt_ids, outs, strict=True):
+        with torch.no_grad():
+            ref = torch.log_softmax(hf_model(torch.tensor([ids + out["output_ids"]])).logits[0],
+                                    -1)
+        got = torch.tensor([lp for lp, _ in out["meta_info"]["input_token_logprobs"][1:]])
+        diff = (got - ref[torch.arange(len(ids) - 1), torch.tensor(ids[1:])]).abs()
+        assert diff.mean() < 0.15 and diff.max() < 0.6, (diff.mean(), diff.max())
+        for k, tok in enumerate(out["output_ids"]):
+            row = ref[len(ids) - 1 + k]
+            assert row.max() - row[tok] < 0.25, (k, tok)
+
+
 def test_abort_frees_kv(engine_default):
     s = engine_default.scheduler
     from radixlm.protocol import GenerateReq
