@@ -120,6 +120,9 @@ class ServerArgs:
         default=1000)
     enable_metrics: bool = _opt("server", "Expose Prometheus /metrics", default=False)
     stats_interval: float = _opt("server", "Seconds between stats log lines", default=10.0)
+    stream_interval: int = _opt(
+        "server", "Streamed requests report every this many new tokens (the first at once): "
+        "larger values spend less of the front end per token", default=1)
     shutdown_timeout: float = _opt("server", "Seconds to drain on SIGTERM", default=30.0)
     skip_warmup: bool = _opt("server", "Skip the warm-up request", default=False)
     grammar_backend: str = _opt("server", "Constrained decoding backend", ("xgrammar", "none"),
@@ -139,6 +142,8 @@ class ServerArgs:
             raise ValueError("mem_fraction_static must be in (0, 1)")
         if self.dump_requests_threshold < 1:
             raise ValueError("dump_requests_threshold must be >= 1")
+        if self.stream_interval < 1:
+            raise ValueError("stream_interval must be >= 1")
         self._check_parallelism()
 
     def _check_parallelism(self) -> None:

@@ -140,6 +140,20 @@ def test_streaming_equals_non_streaming(engine_default):
     assert chunks[-1]["meta_info"]["finish_reason"] is not None
 
 
+def test_stream_interval_batches_streamed_tokens():
+    """--stream-interval 5: the first token at once, then five at a time, the rest
+    with the finish; the same tokens and text as without streaming."""
+    sp = {"max_new_tokens": 23, "temperature": 0, "ignore_eos": True}
+    with radixlm.Engine(max_total_tokens=4096, stream_interval=5) as e:
+        full = e.generate("Tell me about Paris.", sp)
+        chunks = list(e.generate("Tell me about Paris.", sp, stream=True))
+    assert [len(c["output_ids"]) for c in chunks] == [1, 5, 5, 5, 5, 2]
+    assert sum((c["output_ids"] for c in chunks), []) == full["output_ids"]
+    assert "".join(c["text"] for c in chunks) == full["text"]
+    with pytest.raises(ValueError, match="stream_interval"):
+        radixlm.Engine(stream_interval=0)
+
+
 def test_stream_abandoned_frees_kv(engine_default):
     gen = engine_default.generate("Tell me a long story.", {"max_new_tokens": 64}, stream=True)
     next(gen)

@@ -500,8 +500,9 @@ class Scheduler(ControlMixin):
             req.check_finished(self.tokenizer)
             if req.finished:
                 self._finish(req)
-            elif req.stream:
-                self._emit(req)
+            elif req.stream and (req.sent_output_len == 0 or len(req.output_ids)
+                                 - req.sent_output_len >= self.args.stream_interval):
+                self._emit(req)  # the first token at once, then every stream_interval
 
     def _finish(self, req: Req) -> None:
         """Free the request's resources and report its last message. Idempotent."""
