@@ -10,6 +10,8 @@ fused layers use `shard_id` to say which of the fused projections it is.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -25,10 +27,15 @@ def set_weight_prepack(enabled: bool) -> None:
     _prepack["enabled"] = enabled
 
 
+@functools.cache
+def _onednn_bf16() -> bool:
+    """Whether this CPU and torch build run oneDNN in bf16 (asked once per process)."""
+    return torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+
+
 def _can_prepack(x: torch.Tensor, weight: torch.Tensor) -> bool:
     return (_prepack["enabled"] and x.device.type == "cpu" and weight.dtype == torch.bfloat16
-            and x.dtype == torch.bfloat16 and torch.backends.mkldnn.is_available()
-            and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+            and x.dtype == torch.bfloat16 and _onednn_bf16())
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
