@@ -225,3 +225,80 @@ def test_store_kv_matches_index_put(dtype):
     assert torch.equal(k_buf, ref_k) and torch.equal(v_buf, ref_v)
     with pytest.raises(RuntimeError, match="out of range"):
         cpu_ops.store_kv(k, v, k_buf, v_buf, loc + 40)
+
+
+needs_extend = pytest.mark.skipif(not cpu_ops.load() or not cpu_ops.has_extend_attention(),
+                                  reason="the prefill kernel needs AVX512-BF16")
+
+
+def reference_prefill(q, k, v, starts, lens, scale):
+    out = torch.zeros(q.shape)
+    for s, n in zip(starts.tolist(), lens.tolist()):
+        qi, ki, vi = (t[s:s + n].float().transpose(0, 1) for t in (q, k, v))
+        out[s:s + n] = F.scaled_dot_product_attention(
+            qi, ki, vi, is_causal=True, scale=scale, enable_gqa=True).transpose(0, 1)
+    return out
+
+
+@needs_extend
+@pytest.mark.parametrize("heads,kv_heads,dim", [(9, 3, 64), (8, 2, 128), (4, 4, 64)])
+def test_extend_attention_matches_causal_sdpa(heads, kv_heads, dim):
+    gen = torch.Generator().manual_seed(3)
+    # Lengths around the 32-key blocks and the 4-row (dim 64) / 2-row tiles.
+    lens = torch.tensor([1, 5, 31, 32, 33, 70, 3, 0])
+    starts = torch.cumsum(lens, 0) - lens + 2  # rows 0-1 belong to no prompt
+    total = int(starts[-1] + lens[-1]) + 1
+    qkv = torch.randn(total, (heads + 2 * kv_heads) * dim, generator=gen).bfloat16()
+    q, k, v = qkv.split([heads * dim, kv_heads * dim, kv_heads * dim], dim=-1)  # strided
+    q, k, v = q.view(total, heads, dim), k.view(total, kv_heads, dim), v.view(total, kv_heads,
+                                                                              dim)
+    out = torch.full((total, heads, dim), 7.0, dtype=torch.bfloat16)
+    cpu_ops.extend_attention(q, k, v, out, starts, lens, dim ** -0.5)
+    ref = reference_prefill(q, k, v, starts, lens, dim ** -0.5)
+    inside = torch.zeros(total, dtype=torch.bool)
+    for s, n in zip(starts.tolist(), lens.tolist()):
+        inside[s:s + n] = True
+    # bf16 probabilities in the second product and a bf16 output: ~1e-2 absolute.
+    torch.testing.assert_close(out[inside].float(), ref[inside], atol=2e-2, rtol=2e-2)
+    assert torch.all(out[~inside] == 7.0)  # rows of no prompt are untouched
+    # The first row of a prompt sees only itself: its output is its own value row.
+    first = int(starts[2])
+    torch.testing.assert_close(out[first].float(),
+                               v[first].float().repeat_interleave(heads // kv_heads, 0),
+                               atol=1e-2, rtol=1e-2)
+    with pytest.raises(RuntimeError, match="out of range"):
+        cpu_ops.extend_attention(q, k, v, out, starts, lens + total, 0.1)
+
+
+@needs_extend
+def test_cpu_backend_extend_mixes_fresh_and_cached_prompts():
+    """Fresh prompts go to the kernel, one after a cached prefix to SDPA over the pool;
+    both must agree with the torch backend on the same batch."""
+    heads, kv_heads, dim, dtype = 9, 3, 64, torch.bfloat16
+    req_pool = ReqToTokenPool(4, 200, "cpu")
+    kv_pool = MHATokenToKVPool(1024, dtype, kv_heads, dim, 1, "cpu")
+    gen = torch.Generator().manual_seed(8)
+    for buf in kv_pool.get_kv_buffer(0):
+        buf.copy_(torch.randn(buf.shape, generator=gen).to(dtype))
+    prefix, extend = [0, 40, 0], [37, 9, 64]
+    rows = [req_pool.alloc() for _ in prefix]
+    new = []
+    for row, pre, ext in zip(rows, prefix, extend):
+        slots = kv_pool.alloc(pre + ext).to(torch.int32)
+        req_pool.req_to_token[row, :pre + ext] = slots
+        new.append(slots[pre:].long())
+
+    class Layer:
+        layer_id, num_heads, num_kv_heads, head_dim, scaling = 0, heads, kv_heads, dim, 0.125
+
+    n = sum(extend)
+    qkv = torch.randn(n, (heads + 2 * kv_heads) * dim, generator=gen).to(dtype)
+    q, k, v = qkv.split([heads * dim, kv_heads * dim, kv_heads * dim], dim=-1)
+    outs = []
+    for backend in (TorchNativeBackend(), CpuAttentionBackend()):
+        fb = ForwardBatch.build(ForwardMode.EXTEND, list(range(n)), rows, prefix, extend,
+                                torch.cat(new), req_pool, kv_pool, backend,
+                                torch.device("cpu"))
+        backend.init_forward_metadata(fb)
+        outs.append(backend.forward(q, k, v, Layer(), fb))
+    torch.testing.assert_close(outs[1].float(), outs[0].float(), atol=2e-2, rtol=2e-2)

@@ -22,7 +22,7 @@ from radixlm.utils import cache_root
 logger = logging.getLogger(__name__)
 
 _DIR = Path(__file__).parent
-SOURCES = [_DIR / "decode_attention.cpp", _DIR / "elementwise.cpp"]
+SOURCES = [_DIR / "decode_attention.cpp", _DIR / "elementwise.cpp", _DIR / "extend_attention.cpp"]
 HEADERS = [_DIR / "vec.h"]
 _lock = threading.Lock()
 _loaded: bool | None = None  # None: not tried yet
@@ -96,6 +96,20 @@ def decode_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor,
     chunks worked on in parallel (for few, long requests)."""
     torch.ops.radixlm_cpu.decode_attention(q, k_buf, v_buf, out, req_to_token,
                                            req_pool_indices, seq_lens, scale, num_splits)
+
+
+def has_extend_attention() -> bool:
+    """Whether `extend_attention` exists: it is built only for CPUs with AVX512-BF16."""
+    return load() and hasattr(torch.ops.radixlm_cpu, "extend_attention")
+
+
+def extend_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                     starts: torch.Tensor, lens: torch.Tensor, scale: float) -> None:
+    """Causal attention of fresh prompts (no cached prefix), bf16: prompt i is rows
+    `starts[i]:starts[i] + lens[i]` of q/out [tokens, heads, dim] and of k/v
+    [tokens, kv_heads, dim] (dim 64 or 128; GQA when kv_heads < heads); rows
+    outside every prompt are left untouched."""
+    torch.ops.radixlm_cpu.extend_attention(q, k, v, out, starts, lens, scale)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
