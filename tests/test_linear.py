@@ -64,3 +64,30 @@ def test_other_dtypes_and_the_switch_use_f_linear() -> None:
         assert not hasattr(wb, L._PACKED)
     finally:
         L.set_weight_prepack(True)
+
+
+@needs_onednn_bf16
+@pytest.mark.parametrize("rows", [1, 64, 300])
+def test_gate_up_with_fused_silu_mul(rows: int) -> None:
+    w, _ = _weights(2 * 48, 96)
+    x = torch.randn(rows, 96).bfloat16()
+    got = L.linear_silu_mul(x, w)
+    gate, up = F.linear(x, w).float().chunk(2, dim=-1)
+    want = F.silu(gate) * up
+    assert got.shape == (rows, 48) and got.dtype == torch.bfloat16
+    # One bf16 rounding more than the unfused kernel (silu(gate) is stored first).
+    torch.testing.assert_close(got.float(), want, rtol=2e-2, atol=2e-2)
+    model = nn.Module()
+    model.w = w
+    with torch.inference_mode():
+        w.data.neg_()
+    L.drop_packed_weights(model)
+    assert not hasattr(w, L._PACKED_HALVES)
+    gate, up = F.linear(x, w).float().chunk(2, dim=-1)
+    torch.testing.assert_close(L.linear_silu_mul(x, w).float(), F.silu(gate) * up,
+                               rtol=2e-2, atol=2e-2)
+
+
+def test_fused_silu_mul_declines_other_dtypes() -> None:
+    w, _ = _weights(2 * 8, 16, torch.float32)
+    assert L.linear_silu_mul(torch.randn(3, 16), w) is None

@@ -20,6 +20,7 @@ from radixlm import distributed as tp
 
 # ---- CPU: bf16 weights prepacked for oneDNN ---------------------------------------------
 _PACKED = "_radixlm_onednn"  # the attribute holding a weight's (data_ptr, packed copy)
+_PACKED_HALVES = "_radixlm_onednn_halves"  # (data_ptr, (packed gate, packed up))
 _prepack = {"enabled": True}
 
 
@@ -56,13 +57,40 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return torch.ops.mkldnn._linear_pointwise(x.contiguous(), cached[1], bias, "none", [], "")
 
 
+def _packed_halves(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    cached = getattr(weight, _PACKED_HALVES, None)
+    if cached is None or cached[0] != weight.data_ptr():
+        gate, up = weight.detach().chunk(2, dim=0)
+        pack = torch.ops.mkldnn._reorder_linear_weight
+        cached = (weight.data_ptr(), (pack(gate.contiguous()), pack(up.contiguous())))
+        setattr(weight, _PACKED_HALVES, cached)
+    return cached[1]
+
+
+def linear_silu_mul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
+    """silu(x G^T) * (x U^T) for a merged weight [G; U] (gate_up_proj), or None
+    when the caller must run the matmul and the activation itself. On the CPU in
+    bf16, oneDNN applies silu to the gate product and the multiply to the up
+    product as they are written (post-ops), so the [tokens, 2 * d] intermediate
+    is never stored and re-read: ~14 of ~99 ms per MLP of 8192 prefill tokens
+    (SmolLM2), same speed in decode. silu(gate) is rounded to bf16 before the
+    multiply, one rounding more than the unfused kernel."""
+    if not _can_prepack(x, weight):
+        return None
+    gate, up = _packed_halves(weight)
+    x = x.contiguous()
+    g = torch.ops.mkldnn._linear_pointwise(x, gate, None, "swish", [], "")
+    return torch.ops.mkldnn._linear_pointwise.binary(x, g, up, None, "mul")
+
+
 def drop_packed_weights(model: nn.Module) -> None:
     """Forget the prepacked copies: the next call repacks from the weights as they
     are now. Weight loads write in place, which keeps the data pointer, so every
     path that changes weights must call this."""
     for param in model.parameters():
-        if hasattr(param, _PACKED):
-            delattr(param, _PACKED)
+        for attr in (_PACKED, _PACKED_HALVES):
+            if hasattr(param, attr):
+                delattr(param, attr)
 
 
 def divide(numerator: int, denominator: int) -> int:

@@ -23,6 +23,7 @@ from radixlm.layers.linear import (
     QKVParallelLinear,
     RowParallelLinear,
     default_weight_loader,
+    linear_silu_mul,
 )
 from radixlm.layers.norm import RMSNorm
 from radixlm.layers.rotary import RotaryEmbedding, get_rope
@@ -57,7 +58,12 @@ class LlamaMLP(nn.Module):
         self.act_fn = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+        h = None
+        if self.gate_up_proj.bias is None:
+            h = linear_silu_mul(x, self.gate_up_proj.weight)
+        if h is None:
+            h = self.act_fn(self.gate_up_proj(x))
+        return self.down_proj(h)
 
 
 class LlamaAttention(nn.Module):
