@@ -1,12 +1,13 @@
 """Multi-GPU measurements (issue 7): tp=2 vs tp=1 and dp=2 vs dp=1 on
 Llama-3.1-8B's shape with dummy bf16 weights, in one process tree.
 
-    NCCL_NVLS_ENABLE=0 python benchmarks/multi_gpu.py [ar] [tp] [profile] [dp] [prefix]
+    NCCL_NVLS_ENABLE=0 python benchmarks/multi_gpu.py [ar] [tp] [nccl] [profile] [dp] [prefix]
 
 Prints: prompt-logprob agreement of tp=2 with tp=1, single-stream decode tok/s
 beside the one- and two-GPU HBM rooflines, offline throughput (256 x 512 in /
-256 out) for tp=1, tp=2 with NCCL alone, tp=2 with the custom all-reduce, dp=1
-(= tp=1) and dp=2, and cache-aware vs round-robin routing on a generated
+256 out) for tp=1 and tp=2, each also with cuBLAS in place of our decode GEMV
+(`nccl`: also tp=2 with NCCL in place of the custom all-reduce), dp=1 (= tp=1)
+and dp=2, and cache-aware vs round-robin routing on a generated
 shared-prefix workload. `ar`: latency of one all-reduce, NCCL vs the custom
 one, eager and replayed from a CUDA graph. `profile` (with `tp`): a
 torch.profiler breakdown of 40 tp=2 decode steps on rank 0 (GPU kernels per
@@ -254,11 +255,16 @@ def main() -> None:
         f"{bw / weight_bytes:.0f} tok/s, 2 GPUs {2 * bw / weight_bytes:.0f} tok/s")
     results: dict = {}
     if "tp" in phases:
-        variants = [("tp=1", {}), ("tp=2 nccl", {"tp_size": 2, "disable_custom_all_reduce": True}),
-                    ("tp=2", {"tp_size": 2})]
+        # Peers in the same run: cuBLAS instead of our GEMV, and with `nccl`, NCCL
+        # instead of the custom all-reduce.
+        variants = [("tp=1", {}), ("tp=1 cublas", {"disable_gemv": True}),
+                    ("tp=2", {"tp_size": 2}),
+                    ("tp=2 cublas", {"tp_size": 2, "disable_gemv": True})]
+        if "nccl" in phases:
+            variants.append(("tp=2 nccl", {"tp_size": 2, "disable_custom_all_reduce": True}))
         for name, kw in variants:
             e = radixlm.Engine(**kw, **COMMON)
-            measure(e, name, results, profile="profile" in phases and name != "tp=1")
+            measure(e, name, results, profile="profile" in phases and name == "tp=2")
             e.shutdown()
             del e  # tp=1 runs in this process: free its GPU memory for the next one
             gc.collect()
@@ -270,7 +276,9 @@ def main() -> None:
             f"{(a - b).abs().max():.4f}, mean {(a - b).abs().mean():.4f}; greedy prefix "
             f"agreement {agree}/32")
         one1 = results["tp=1"][0]
-        for name in ("tp=2 nccl", "tp=2"):
+        log(f"single-stream: tp=1 = {one1 / (bw / weight_bytes):.0%} of the one-GPU roofline; "
+            f"tp=1 cublas = {results['tp=1 cublas'][0] / (bw / weight_bytes):.0%}")
+        for name in [v[0] for v in variants if v[0].startswith("tp=2")]:
             one2 = results[name][0]
             log(f"single-stream: {name} / tp=1 = {one2 / one1:.2f}x; {name} = "
                 f"{one2 / (2 * bw / weight_bytes):.0%} of the two-GPU roofline "

@@ -87,6 +87,9 @@ class ServerArgs:
         "runtime", "On the CPU in bf16, run linear layers from the plain weights instead of "
         "a copy prepacked for oneDNN (the copy is faster and costs the weights' memory "
         "again)", default=False)
+    disable_gemv: bool = _opt(
+        "runtime", "On CUDA, run decode's small-batch linear layers with cuBLAS instead of "
+        "our Triton GEMV", default=False)
     num_threads: int | None = _opt("runtime", "torch CPU threads (default: all cores)",
                                    default=None)
 

@@ -17,11 +17,17 @@ import torch.nn.functional as F
 from torch import nn
 
 from radixlm import distributed as tp
+from radixlm.layers.gemv import gemv, use_gemv
 
 # ---- CPU: bf16 weights prepacked for oneDNN ---------------------------------------------
 _PACKED = "_radixlm_onednn"  # the attribute holding a weight's (data_ptr, packed copy)
 _PACKED_HALVES = "_radixlm_onednn_halves"  # (data_ptr, (packed gate, packed up))
 _prepack = {"enabled": True}
+_gemv = {"enabled": True}
+
+
+def set_gemv(enabled: bool) -> None:
+    _gemv["enabled"] = enabled
 
 
 def set_weight_prepack(enabled: bool) -> None:
@@ -41,13 +47,21 @@ def _can_prepack(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
            ) -> torch.Tensor:
-    """F.linear, but on the CPU in bf16 the weight is read from a copy reordered
-    once into oneDNN's blocked layout (what torch.compile's CPU freezing does).
-    Given the plain [out, in] weight, every call pays that layout work again:
-    the copy makes this machine's decode step 8-15 ms faster (of ~140 ms at 64
-    requests of SmolLM2) and single-row products twice as fast; the results are
-    bitwise the same. The copy costs the weight's memory once more, and is
-    dropped whenever weights are loaded (`drop_packed_weights`)."""
+    """F.linear, with two exceptions.
+
+    - On CUDA with 1-8 rows (decode at small batch), our Triton GEMV
+      (`layers.gemv`) on the shapes where it measured faster than cuBLAS.
+    - On the CPU in bf16, the weight is read from a copy reordered once into
+      oneDNN's blocked layout (what torch.compile's CPU freezing does). Given
+      the plain [out, in] weight, every call pays that layout work again: the
+      copy makes this machine's decode step 8-15 ms faster (of ~140 ms at 64
+      requests of SmolLM2) and single-row products twice as fast; the results
+      are bitwise the same. The copy costs the weight's memory once more, and
+      is dropped whenever weights are loaded (`drop_packed_weights`)."""
+    if x.is_cuda:
+        if _gemv["enabled"] and use_gemv(x, weight):
+            return gemv(x, weight, bias)
+        return F.linear(x, weight, bias)
     if not _can_prepack(x, weight):
         return F.linear(x, weight, bias)
     cached = getattr(weight, _PACKED, None)

@@ -12,7 +12,7 @@ from radixlm import distributed as tp
 from radixlm.cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
 from radixlm.config import ServerArgs
 from radixlm.layers.attention.base import AttentionBackend
-from radixlm.layers.linear import set_weight_prepack
+from radixlm.layers.linear import set_gemv, set_weight_prepack
 from radixlm.runtime.forward_batch import ForwardBatch
 
 logger = logging.getLogger(__name__)
@@ -70,6 +70,7 @@ class ModelRunner:
             set_weight_prepack(not args.disable_weight_prepack)  # one model per process
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device.index or 0)
+            set_gemv(not args.disable_gemv)
         self.dtype = resolve_dtype(args.dtype, config, self.device)
         self.config = config
         self.shape = ModelShape.from_config(config, args.context_length, args.tp_size,
