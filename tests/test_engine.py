@@ -154,6 +154,23 @@ def test_stream_interval_batches_streamed_tokens():
         radixlm.Engine(stream_interval=0)
 
 
+def test_full_batch_skips_ordering_the_queue(monkeypatch):
+    """With max_running_requests running, decode steps must not order (for lpm:
+    radix-match) the waiting queue: that work scaled with the queue every step."""
+    import radixlm.scheduler.scheduler as sched
+
+    calls = []
+    real = sched.order_waiting
+    monkeypatch.setattr(sched, "order_waiting", lambda *a: calls.append(1) or real(*a))
+    sp = {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True}
+    with radixlm.Engine(max_total_tokens=4096, max_running_requests=2,
+                        schedule_policy="lpm") as e:
+        outs = e.generate([f"Count to {i}:" for i in range(6)], sp)
+    assert all(len(o["output_ids"]) == 8 for o in outs)
+    # Three waves of two: about one ordering per wave, not one per decode step (~24).
+    assert len(calls) <= 6, len(calls)
+
+
 def test_stream_abandoned_frees_kv(engine_default):
     gen = engine_default.generate("Tell me a long story.", {"max_new_tokens": 64}, stream=True)
     next(gen)

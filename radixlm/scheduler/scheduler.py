@@ -245,6 +245,8 @@ class Scheduler(ControlMixin):
     def _schedule_prefill(self) -> list[Req]:
         if not self.waiting and self.chunked_req is None:
             return []
+        if self.chunked_req is None and len(self.running) >= self.max_running_requests:
+            return []  # full: don't order (or, for lpm, match) the queue every decode step
         chunk_size = self.args.chunked_prefill_size
         chunk_left = chunk_size if chunk_size > 0 else 1 << 62
         token_budget = self.args.max_prefill_tokens
