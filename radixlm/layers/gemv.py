@@ -53,7 +53,7 @@ class GemvConfig(NamedTuple):
 
 
 def pick_config(m: int, n: int, k: int) -> GemvConfig:
-    """The config measured best on an H200 for the Llama-8B shapes (.gpu/gemv_bench.py --sweep).
+    """The config measured best on an H200 for the Llama-8B shapes (benchmarks/gemv.py --sweep).
 
     Mostly a matter of how many programs the grid gets: enough to fill the 132 SMs
     without a small second wave.
