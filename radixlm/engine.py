@@ -14,7 +14,8 @@ from collections.abc import Iterator
 from typing import Any
 
 from radixlm.config import WEIGHT_UPDATE_GROUP, ServerArgs
-from radixlm.protocol import GenerateReq, StrOut
+from radixlm.outputs import SeqOutput
+from radixlm.protocol import GenerateReq
 from radixlm.runtime.detokenize import Detokenizer
 from radixlm.sampling_params import SamplingParams
 
@@ -315,21 +316,23 @@ class Engine:
 
     def _run_to_completion(self, reqs) -> list[dict[str, Any]]:
         self._submit(reqs)
-        index = {msg.rid: (i, j) for i, j, msg in reqs}
-        acc: dict[str, dict[str, Any]] = {}
+        seqs = {msg.rid: SeqOutput(msg.rid, j, return_logprob=msg.return_logprob)
+                for _, j, msg in reqs}
         t0 = time.monotonic()
-        while len([r for r in acc.values() if r["meta_info"].get("finish_reason")]) < len(reqs):
+        while not all(seq.finished for seq in seqs.values()):
             if not self.scheduler.has_work:
                 raise RuntimeError("scheduler went idle with requests unfinished")
             for out in self.detokenizer.process(self.scheduler.step()):
-                if out.token.rid in index:
-                    _accumulate(acc, out, index[out.token.rid])
+                seq = seqs.get(out.token.rid)
+                if seq is not None:
+                    seq.update(out)
         logger.debug("generated %d sequences in %.2fs", len(reqs), time.monotonic() - t0)
-        return [acc[msg.rid] for _, _, msg in reqs]
+        # The Python API keeps -inf logprobs (only JSON needs them finite).
+        return [seqs[msg.rid].native(json_safe=False) for _, _, msg in reqs]
 
     def _stream(self, reqs) -> Iterator[dict[str, Any]]:
         self._submit(reqs)
-        index = {msg.rid: (i, j) for i, j, msg in reqs}
+        index = {msg.rid: (j, msg.return_logprob) for _, j, msg in reqs}
         pending = set(index)
         try:
             while pending:
@@ -339,53 +342,15 @@ class Engine:
                         continue
                     if out.token.finish_reason is not None:
                         pending.discard(rid)
-                    yield _chunk(out, index[rid])
+                    # A chunk is this message alone: the new text, ids and logprobs.
+                    chunk = SeqOutput(rid, index[rid][0], return_logprob=index[rid][1])
+                    chunk.update(out)
+                    yield chunk.native(json_safe=False)
         finally:
             for rid in pending:  # the caller stopped iterating: free their KV
                 self.scheduler.abort(rid)
             if pending:
                 self.scheduler.step()
-
-
-def _meta(out: StrOut) -> dict[str, Any]:
-    t = out.token
-    meta: dict[str, Any] = {
-        "id": t.rid, "prompt_tokens": t.prompt_tokens, "completion_tokens": t.completion_tokens,
-        "cached_tokens": t.cached_tokens, "finish_reason": t.finish_reason}
-    if t.output_logprobs is not None:
-        meta["output_token_logprobs"] = t.output_logprobs
-        meta["output_top_logprobs"] = t.output_top_logprobs
-    if t.input_logprobs is not None:
-        meta["input_token_logprobs"] = t.input_logprobs
-        meta["input_top_logprobs"] = t.input_top_logprobs
-    return meta
-
-
-def _chunk(out: StrOut, idx: tuple[int, int]) -> dict[str, Any]:
-    chunk = {"text": out.new_text, "output_ids": out.token.new_token_ids,
-             "meta_info": _meta(out), "index": idx[1]}
-    if out.token.embedding is not None:
-        chunk["embedding"] = out.token.embedding
-    return chunk
-
-
-def _accumulate(acc: dict[str, dict[str, Any]], out: StrOut, idx: tuple[int, int]) -> None:
-    rid = out.token.rid
-    chunk = _chunk(out, idx)
-    if rid not in acc:
-        acc[rid] = chunk
-        return
-    prev = acc[rid]
-    prev["text"] += chunk["text"]
-    prev["output_ids"] += chunk["output_ids"]
-    for key in ("output_token_logprobs", "output_top_logprobs"):
-        if chunk["meta_info"].get(key) is not None:
-            chunk["meta_info"][key] = (prev["meta_info"].get(key) or []) + chunk["meta_info"][key]
-    for key in ("input_token_logprobs", "input_top_logprobs"):
-        if prev["meta_info"].get(key) is not None:
-            chunk["meta_info"][key] = prev["meta_info"][key]
-    prev["meta_info"] = chunk["meta_info"]
-
 
 def _per_input(value: Any, n: int, name: str) -> list[Any]:
     """One value per input: a list must have n entries, anything else is shared."""

@@ -1,107 +1,21 @@
-"""Shapes shared by the API layers: per-sequence output accumulation (SGLang's
-`text`/`output_ids`/`meta_info` dict), SSE framing, JSON-safe floats.
-
-`SeqOutput` is the server's equivalent of the offline Engine's `_accumulate`:
-it folds the incremental `StrOut` messages of one sequence into the
-cumulative result that non-streaming responses and native stream chunks show.
-"""
+"""Shapes shared by the API layers: SSE framing, compact JSON, client
+disconnects. Per-sequence accumulation (`SeqOutput`) and JSON-safe floats
+live in `radixlm.outputs`, shared with the offline Engine."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import functools
-import math
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
 from fastapi import Request, Response
 
-from radixlm.protocol import StrOut
+from radixlm.outputs import MIN_LOGPROB, SeqOutput, finite
 
-# JSON has no -inf; vLLM reports impossible tokens' logprobs as this instead.
-MIN_LOGPROB = -9999.0
-
-
-def finite(x: float | None) -> float | None:
-    if x is None:
-        return None
-    return x if math.isfinite(x) else MIN_LOGPROB
-
-
-@dataclass
-class SeqOutput:
-    """Everything known so far about one sequence (one scheduler request)."""
-
-    rid: str
-    index: int
-    text: str = ""
-    output_ids: list[int] = field(default_factory=list)
-    output_logprobs: list[list[Any]] = field(default_factory=list)
-    output_top_logprobs: list[list[list[Any]]] = field(default_factory=list)
-    input_logprobs: list[list[Any]] | None = None
-    input_top_logprobs: list[list[list[Any]]] | None = None
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    cached_tokens: int = 0
-    finish_reason: dict[str, Any] | None = None
-    return_logprob: bool = False
-
-    def update(self, out: StrOut) -> None:
-        t = out.token
-        self.text += out.new_text
-        self.output_ids += t.new_token_ids
-        if t.output_logprobs is not None:
-            self.output_logprobs += t.output_logprobs
-        if t.output_top_logprobs is not None:
-            self.output_top_logprobs += t.output_top_logprobs
-        if t.input_logprobs is not None:
-            self.input_logprobs = t.input_logprobs
-            self.input_top_logprobs = t.input_top_logprobs
-        self.prompt_tokens = t.prompt_tokens
-        self.completion_tokens = t.completion_tokens
-        self.cached_tokens = t.cached_tokens
-        self.finish_reason = t.finish_reason
-
-    @property
-    def finished(self) -> bool:
-        return self.finish_reason is not None
-
-    @property
-    def error_status(self) -> int | None:
-        """The HTTP status of a sequence the server refused or failed (else None)."""
-        fr = self.finish_reason
-        return fr.get("status_code") if fr else None
-
-    @property
-    def error_message(self) -> str:
-        return str((self.finish_reason or {}).get("message", "request failed"))
-
-    def meta_info(self) -> dict[str, Any]:
-        meta: dict[str, Any] = {
-            "id": self.rid, "finish_reason": self.finish_reason,
-            "prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
-            "cached_tokens": self.cached_tokens}
-        if self.return_logprob:
-            meta["output_token_logprobs"] = _safe_pairs(self.output_logprobs)
-            meta["output_top_logprobs"] = [_safe_pairs(x) for x in self.output_top_logprobs]
-            if self.input_logprobs is not None:
-                meta["input_token_logprobs"] = _safe_pairs(self.input_logprobs)
-                meta["input_top_logprobs"] = [_safe_pairs(x)
-                                              for x in self.input_top_logprobs or []]
-        return meta
-
-    def native(self) -> dict[str, Any]:
-        """SGLang's /generate result (and stream chunk): cumulative text and ids."""
-        return {"text": self.text, "output_ids": list(self.output_ids),
-                "meta_info": self.meta_info(), "index": self.index}
-
-
-def _safe_pairs(pairs: list[list[Any]]) -> list[list[Any]]:
-    return [[finite(p[0]), *p[1:]] for p in pairs]
-
+__all__ = ["MIN_LOGPROB", "SeqOutput", "finite", "dumps", "sse", "SSE_DONE"]
 
 _encoder = msgspec.json.Encoder()
 
