@@ -11,6 +11,8 @@ fused layers use `shard_id` to say which of the fused projections it is.
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -64,20 +66,21 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         return F.linear(x, weight, bias)
     if not _can_prepack(x, weight):
         return F.linear(x, weight, bias)
-    cached = getattr(weight, _PACKED, None)
-    if cached is None or cached[0] != weight.data_ptr():
-        cached = (weight.data_ptr(), torch.ops.mkldnn._reorder_linear_weight(weight.detach()))
-        setattr(weight, _PACKED, cached)
-    return torch.ops.mkldnn._linear_pointwise(x.contiguous(), cached[1], bias, "none", [], "")
+    packed = _packed(weight, _PACKED, _pack)
+    return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed, bias, "none", [], "")
 
 
-def _packed_halves(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    cached = getattr(weight, _PACKED_HALVES, None)
+def _pack(weight: torch.Tensor) -> torch.Tensor:
+    return torch.ops.mkldnn._reorder_linear_weight(weight.contiguous())
+
+
+def _packed(weight: torch.Tensor, attr: str, make: Callable[[torch.Tensor], Any]) -> Any:
+    """make(weight), cached on the parameter under `attr` until its storage changes
+    (or `drop_packed_weights` forgets it)."""
+    cached = getattr(weight, attr, None)
     if cached is None or cached[0] != weight.data_ptr():
-        gate, up = weight.detach().chunk(2, dim=0)
-        pack = torch.ops.mkldnn._reorder_linear_weight
-        cached = (weight.data_ptr(), (pack(gate.contiguous()), pack(up.contiguous())))
-        setattr(weight, _PACKED_HALVES, cached)
+        cached = (weight.data_ptr(), make(weight.detach()))
+        setattr(weight, attr, cached)
     return cached[1]
 
 
@@ -91,7 +94,8 @@ def linear_silu_mul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | Non
     multiply, one rounding more than the unfused kernel."""
     if not _can_prepack(x, weight):
         return None
-    gate, up = _packed_halves(weight)
+    gate, up = _packed(weight, _PACKED_HALVES,
+                       lambda w: tuple(_pack(half) for half in w.chunk(2, dim=0)))
     x = x.contiguous()
     g = torch.ops.mkldnn._linear_pointwise(x, gate, None, "swish", [], "")
     return torch.ops.mkldnn._linear_pointwise.binary(x, g, up, None, "mul")
