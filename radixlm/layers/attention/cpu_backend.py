@@ -37,7 +37,10 @@ class CpuAttentionBackend(TorchNativeBackend):
 
     def __init__(self) -> None:
         self.num_splits = 1
-        self.fresh = self.fresh_starts = self.fresh_lens = torch.empty(0, dtype=torch.int64)
+        # Extend: rows (start, length) of the prompts without a cached prefix, for the
+        # fresh-prompt kernel, and (request, start, prefix, length) of the others.
+        self.fresh_starts = self.fresh_lens = torch.empty(0, dtype=torch.int64)
+        self.cached: list[tuple[int, int, int, int]] = []
 
     @staticmethod
     def supports(head_dim: int) -> bool:
@@ -54,11 +57,16 @@ class CpuAttentionBackend(TorchNativeBackend):
 
     def init_forward_metadata(self, fb: ForwardBatch) -> None:
         if not fb.mode.is_decode():
-            # Prompts without a cached prefix, for the fresh-prompt kernel.
-            fresh = [i for i, pre in enumerate(fb.extend_prefix_lens_cpu) if pre == 0]
-            self.fresh = torch.tensor(fresh, dtype=torch.int64)
-            self.fresh_starts = fb.extend_start_loc.cpu()[self.fresh].contiguous()
-            self.fresh_lens = fb.extend_seq_lens.cpu()[self.fresh].contiguous()
+            fresh, self.cached, start = [], [], 0
+            for i, (pre, ext) in enumerate(zip(fb.extend_prefix_lens_cpu,
+                                               fb.extend_seq_lens_cpu)):
+                if pre == 0:
+                    fresh.append((start, ext))
+                else:
+                    self.cached.append((i, start, pre, ext))
+                start += ext
+            rows = torch.tensor(fresh, dtype=torch.int64).view(-1, 2)
+            self.fresh_starts, self.fresh_lens = rows[:, 0].contiguous(), rows[:, 1].contiguous()
             return
         # Few requests leave threads idle: split each over the threads instead.
         threads = torch.get_num_threads()
@@ -68,7 +76,7 @@ class CpuAttentionBackend(TorchNativeBackend):
     def forward_extend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                        layer: RadixAttention, fb: ForwardBatch) -> torch.Tensor:
         h, kvh, d = layer.num_heads, layer.num_kv_heads, layer.head_dim
-        if not (q.dtype == torch.bfloat16 and d in (64, 128) and len(self.fresh)
+        if not (q.dtype == torch.bfloat16 and d in (64, 128) and len(self.fresh_lens)
                 and cpu_ops.has_extend_attention()):
             return super().forward_extend(q, k, v, layer, fb)
         self._store(k, v, layer, fb)
@@ -78,15 +86,9 @@ class CpuAttentionBackend(TorchNativeBackend):
         out = torch.empty_like(q3)
         cpu_ops.extend_attention(q3, k3, v3, out, self.fresh_starts, self.fresh_lens,
                                  layer.scaling)
-        if len(self.fresh) < fb.batch_size:  # the rest read a cached prefix from the pool
-            fresh = set(self.fresh.tolist())
-            start = 0
-            for i, (pre, ext) in enumerate(zip(fb.extend_prefix_lens_cpu,
-                                               fb.extend_seq_lens_cpu)):
-                if i not in fresh:
-                    out[start:start + ext] = self._extend_one(q3[start:start + ext], i, pre,
-                                                              ext, layer, fb)
-                start += ext
+        for i, start, pre, ext in self.cached:  # these read a cached prefix from the pool
+            rows = slice(start, start + ext)
+            out[rows] = self._extend_one(q3[rows], i, pre, ext, layer, fb)
         return out.view(-1, h * d)
 
     def forward_decode(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
