@@ -130,9 +130,13 @@ void attend_chunk(const Args<T, I>& a, int64_t b, int s, int64_t start, int64_t 
   float* m = score + heads * kBlockN;     // [heads] running max
   float* l = m + heads;                   // [heads] running sum of exponentials
   float* alpha = l + heads;               // [heads] this block's rescale factor
+  constexpr bool raw_keys = kBf16Dot && std::is_same_v<T, c10::BFloat16>;
+  const bool bf16_dot = raw_keys && d % 32 == 0;  // scores from the bf16 query row itself
   for (int h = 0; h < heads; ++h) {
-    row_to_float(a.q + b * a.q_sb + h * a.q_sh, qf + h * d, d);
-    for (int i = 0; i < d; ++i) qf[h * d + i] *= a.scale;
+    if (!bf16_dot) {
+      row_to_float(a.q + b * a.q_sb + h * a.q_sh, qf + h * d, d);
+      for (int i = 0; i < d; ++i) qf[h * d + i] *= a.scale;
+    }
     m[h] = -std::numeric_limits<float>::infinity();
     l[h] = 0.f;
   }
@@ -144,8 +148,6 @@ void attend_chunk(const Args<T, I>& a, int64_t b, int s, int64_t start, int64_t 
       for (int g = 0; g < kvh; ++g) row_to_float(token + g * sh, rows + j * stride + g * d, d);
     }
   };
-  constexpr bool raw_keys = kBf16Dot && std::is_same_v<T, c10::BFloat16>;
-  const bool bf16_dot = raw_keys && d % 32 == 0;
   // The bf16 block of keys fits in the first half of `rows` (V overwrites it later).
   T* raw = reinterpret_cast<T*>(rows);
   for (int64_t n0 = start; n0 < end; n0 += kBlockN) {
