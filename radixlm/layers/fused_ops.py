@@ -108,8 +108,10 @@ if HAS_TRITON:
 
     @triton.jit
     def _rope_kernel(Q, K, CosSin, Pos, stride_qt, stride_qh, stride_kt, stride_kh, stride_cs,
+                     V, KBuf, VBuf, Loc, stride_vt,
                      NQ: tl.constexpr, NK: tl.constexpr, BLOCK_HQ: tl.constexpr,
-                     BLOCK_HK: tl.constexpr, HALF: tl.constexpr, BLOCK_HALF: tl.constexpr):
+                     BLOCK_HK: tl.constexpr, HALF: tl.constexpr, BLOCK_HALF: tl.constexpr,
+                     STORE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
         t = tl.program_id(0).to(tl.int64)
         pos = tl.load(Pos + t).to(tl.int64)
         offs = tl.arange(0, BLOCK_HALF)
@@ -131,8 +133,19 @@ if HAS_TRITON:
         pk = K + t * stride_kt + hk[:, None] * stride_kh + offs[None, :]
         y1 = tl.load(pk, mask=mk, other=0.0).to(tl.float32)
         y2 = tl.load(pk + HALF, mask=mk, other=0.0).to(tl.float32)
-        tl.store(pk, (y1 * cos - y2 * sin).to(K.dtype.element_ty), mask=mk)
-        tl.store(pk + HALF, (y2 * cos + y1 * sin).to(K.dtype.element_ty), mask=mk)
+        k1 = (y1 * cos - y2 * sin).to(K.dtype.element_ty)
+        k2 = (y2 * cos + y1 * sin).to(K.dtype.element_ty)
+        tl.store(pk, k1, mask=mk)
+        tl.store(pk + HALF, k2, mask=mk)
+        if STORE:  # the rotated K row and the V row into the pool's slot (full rotary only)
+            row = tl.load(Loc + t).to(tl.int64) * (NK * HEAD_DIM)
+            pkb = KBuf + row + hk[:, None] * HEAD_DIM + offs[None, :]
+            tl.store(pkb, k1, mask=mk)
+            tl.store(pkb + HALF, k2, mask=mk)
+            dv = tl.arange(0, BLOCK_D)
+            mv = (hk < NK)[:, None] & (dv < HEAD_DIM)[None, :]
+            heads = hk[:, None] * HEAD_DIM + dv[None, :]
+            tl.store(VBuf + row + heads, tl.load(V + t * stride_vt + heads, mask=mv), mask=mv)
 
     @triton.jit
     def _silu_and_mul_kernel(X, Y, stride_x, stride_y, D, BLOCK: tl.constexpr):
@@ -181,12 +194,22 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
 
 
 def apply_rope_(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, head_dim: int,
-                cos_sin_cache: torch.Tensor, *, use_triton: bool | None = None
-                ) -> tuple[torch.Tensor, torch.Tensor]:
+                cos_sin_cache: torch.Tensor, *, use_triton: bool | None = None,
+                kv_store: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None
+                = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Neox-style RoPE in place. q: [T, nq * head_dim], k: [T, nk * head_dim] (rows may be
-    strided, e.g. views into a fused qkv output); returns (q, k)."""
+    strided, e.g. views into a fused qkv output); returns (q, k).
+
+    `kv_store` (v, k_buffer, v_buffer, loc): also write the rotated k and v rows
+    into slots `loc` of the pool's [size, nk, head_dim] buffers, as
+    `store_kv` does, in the same kernel (needs rotary over the whole head)."""
     if not _use_triton(q, use_triton):
-        return apply_rope_torch_(positions, q, k, head_dim, cos_sin_cache)
+        apply_rope_torch_(positions, q, k, head_dim, cos_sin_cache)
+        if kv_store is not None:
+            v, k_buf, v_buf, loc = kv_store
+            k_buf[loc] = k.view(-1, *k_buf.shape[1:])
+            v_buf[loc] = v.view(-1, *v_buf.shape[1:])
+        return q, k
     t = q.shape[0]
     if t == 0:
         return q, k
@@ -197,11 +220,21 @@ def apply_rope_(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, head_
     assert rot % 2 == 0 and rot <= head_dim
     nq, nk = qv.shape[1], kv.shape[1]
     half = rot // 2
+    store = kv_store is not None
+    if store:
+        v, k_buf, v_buf, loc = kv_store
+        vv = v.view(t, nk, head_dim)
+        assert rot == head_dim and vv.stride(1) == head_dim and vv.stride(2) == 1
+        assert k_buf.is_contiguous() and v_buf.is_contiguous() and k_buf.dtype == k.dtype
+        assert k_buf.shape[1:] == (nk, head_dim) and v_buf.dtype == v.dtype
+    else:
+        vv, k_buf, v_buf, loc = kv, kv, kv, positions  # unused pointers
     _rope_kernel[(t,)](
         qv, kv, cos_sin_cache, positions, qv.stride(0), qv.stride(1), kv.stride(0), kv.stride(1),
-        cos_sin_cache.stride(0), NQ=nq, NK=nk, BLOCK_HQ=triton.next_power_of_2(nq),
+        cos_sin_cache.stride(0), vv, k_buf, v_buf, loc, vv.stride(0),
+        NQ=nq, NK=nk, BLOCK_HQ=triton.next_power_of_2(nq),
         BLOCK_HK=triton.next_power_of_2(nk), HALF=half, BLOCK_HALF=triton.next_power_of_2(half),
-        num_warps=4,
+        STORE=store, HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim), num_warps=4,
     )
     return q, k
 

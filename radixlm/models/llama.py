@@ -87,8 +87,7 @@ class LlamaAttention(nn.Module):
         """`rows`: project only these rows of the attention output (every token's
         K/V is still computed and stored)."""
         q, k, v = self.qkv_proj(hidden).split(self.split_sizes, dim=-1)
-        q, k = self.rotary_emb(positions, q, k)
-        out = self.attn(q, k, v, fb)
+        out = self.attn(q, k, v, fb, rope=(self.rotary_emb, positions))
         return self.o_proj(out if rows is None else out[rows])
 
 

@@ -93,6 +93,42 @@ def test_rope_in_place(dtype, head_dim, rotary_dim, nq, nk):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("head_dim,nq,nk", [(128, 32, 8), (64, 12, 12), (128, 8, 1)])
+def test_rope_with_kv_store_matches_rope_then_store(dtype, head_dim, nq, nk):
+    """RoPE that also writes the rotated K and the V rows into pool slots: the same
+    q and k as the plain op, and the pool as `store_kv` leaves it (no other slot
+    written)."""
+    from radixlm.layers.attention.triton_ops.kv_store import store_kv
+
+    torch.manual_seed(head_dim + nk)
+    t, slots = 45, 200
+    cache = fused_ops.rope_cos_sin_cache(head_dim, 4096, 10000.0, device=DEV).to(dtype)
+    pos = torch.randint(0, 4096, (t,), device=DEV)
+    loc = torch.randperm(slots - 1, device=DEV)[:t] + 1
+    qkv = torch.randn(t, (nq + 2 * nk) * head_dim, device=DEV).to(dtype)
+    bufs = [torch.randn(slots, nk, head_dim, device=DEV).to(dtype) for _ in range(2)]
+    orig, ref_qkv, ref_bufs = qkv.clone(), qkv.clone(), [b.clone() for b in bufs]
+
+    def split(x: torch.Tensor) -> list[torch.Tensor]:
+        return list(x.split([nq * head_dim, nk * head_dim, nk * head_dim], dim=-1))
+
+    q, k, v = split(ref_qkv)
+    fused_ops.apply_rope_(pos, q, k, head_dim, cache)
+    store_kv(k, v, *ref_bufs, loc)
+    q, k, v = split(qkv)
+    fused_ops.apply_rope_(pos, q, k, head_dim, cache, kv_store=(v, *bufs, loc))
+    assert torch.equal(qkv, ref_qkv)
+    assert torch.equal(bufs[0], ref_bufs[0]) and torch.equal(bufs[1], ref_bufs[1])
+    # The torch path (CPU, no Triton) stores the same rows, up to its rounding.
+    q, k, v = split(orig)
+    tbufs = [b.clone() for b in ref_bufs]
+    fused_ops.apply_rope_(pos, q, k, head_dim, cache, use_triton=False,
+                          kv_store=(v, *tbufs, loc))
+    assert torch.equal(tbufs[1], bufs[1])
+    assert _rel_err(tbufs[0], bufs[0]) < max(TOL[dtype], 2e-6)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("d", [14336, 1000, 64])
 def test_silu_and_mul(dtype, d):
     torch.manual_seed(d)

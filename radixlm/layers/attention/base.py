@@ -14,18 +14,24 @@ import torch
 
 if TYPE_CHECKING:
     from radixlm.layers.attention.radix_attention import RadixAttention
+    from radixlm.layers.rotary import RotaryEmbedding
     from radixlm.runtime.forward_batch import ForwardBatch, PrefixGroups
+
+    Rope = tuple[RotaryEmbedding, torch.Tensor]  # (the layer's rotary embedding, positions)
 
 
 class AttentionBackend(ABC):
     """Contract:
     - `init_forward_metadata(fb)` is called once per forward before any layer
       runs; per-layer calls may reuse what it computed.
-    - `forward(q, k, v, layer, fb)`: q is [num_tokens, num_heads * head_dim],
-      k and v are [num_tokens, num_kv_heads * head_dim] for the new tokens.
-      The backend stores k/v at `fb.out_cache_loc` in layer `layer.layer_id`
-      of the pool, then returns [num_tokens, num_heads * head_dim]: each new
-      token attends causally to its request's tokens 0..position.
+    - `forward(q, k, v, layer, fb, rope=None)`: q is [num_tokens, num_heads *
+      head_dim], k and v are [num_tokens, num_kv_heads * head_dim] for the new
+      tokens. With `rope` = (rotary embedding, positions), q and k are not
+      rotated yet: the backend rotates them first (in place or not; a backend
+      may fuse it with the store). The backend stores k/v at `fb.out_cache_loc`
+      in layer `layer.layer_id` of the pool, then returns [num_tokens,
+      num_heads * head_dim]: each new token attends causally to its request's
+      tokens 0..position.
     - CUDA-graph hooks: state sized once for `max_bs`, then metadata for a
       padded batch is written into that state in place, so a captured graph
       replays with new inputs. Backends without graph support keep the
@@ -42,7 +48,10 @@ class AttentionBackend(ABC):
     def init_forward_metadata(self, fb: ForwardBatch) -> None: ...
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                layer: RadixAttention, fb: ForwardBatch) -> torch.Tensor:
+                layer: RadixAttention, fb: ForwardBatch, rope: Rope | None = None
+                ) -> torch.Tensor:
+        if rope is not None:
+            q, k = rope[0](rope[1], q, k)
         if fb.mode.is_decode():
             return self.forward_decode(q, k, v, layer, fb)
         return self.forward_extend(q, k, v, layer, fb)

@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 if TYPE_CHECKING:
+    from radixlm.layers.attention.base import Rope
     from radixlm.runtime.forward_batch import ForwardBatch
 
 
@@ -22,5 +23,7 @@ class RadixAttention(nn.Module):
         self.scaling = scaling
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                fb: ForwardBatch) -> torch.Tensor:
-        return fb.attn_backend.forward(q, k, v, self, fb)
+                fb: ForwardBatch, rope: Rope | None = None) -> torch.Tensor:
+        """`rope`: (rotary embedding, positions) to apply to q and k first, left to
+        the backend so it can fuse it with the K/V store."""
+        return fb.attn_backend.forward(q, k, v, self, fb, rope)

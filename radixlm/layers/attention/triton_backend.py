@@ -30,9 +30,11 @@ from radixlm.layers.attention.triton_ops.extend_attention import (
     extend_config,
 )
 from radixlm.layers.attention.triton_ops.kv_store import store_kv
+from radixlm.layers.fused_ops import apply_rope_
 from radixlm.utils import to_device
 
 if TYPE_CHECKING:
+    from radixlm.layers.attention.base import Rope
     from radixlm.layers.attention.radix_attention import RadixAttention
     from radixlm.runtime.forward_batch import ForwardBatch, PrefixGroups
 
@@ -247,6 +249,26 @@ class TritonAttentionBackend(AttentionBackend):
         self._cg_groups = groups
 
     # ---- forward -------------------------------------------------------
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                layer: RadixAttention, fb: ForwardBatch, rope: Rope | None = None
+                ) -> torch.Tensor:
+        """As the base class; RoPE and the K/V store run as one kernel (one launch
+        less per layer) where the pool takes plain rows and the rotary covers
+        the whole head."""
+        stored = False
+        if rope is not None:
+            emb, positions = rope
+            bufs = row_kv_buffers(fb.token_to_kv_pool, layer.layer_id, k.dtype)
+            if bufs is not None and emb.rotary_dim == emb.head_dim:
+                apply_rope_(positions, q, k, emb.head_dim, emb.cos_sin_cache,
+                            kv_store=(v, *bufs, fb.out_cache_loc))
+                stored = True
+            else:
+                q, k = emb(positions, q, k)
+        if fb.mode.is_decode():
+            return self.forward_decode(q, k, v, layer, fb, kv_stored=stored)
+        return self.forward_extend(q, k, v, layer, fb, kv_stored=stored)
+
     def _store(self, k: torch.Tensor, v: torch.Tensor, layer: RadixAttention,
                fb: ForwardBatch) -> None:
         pool = fb.token_to_kv_pool
@@ -257,10 +279,12 @@ class TritonAttentionBackend(AttentionBackend):
             pool.set_kv_buffer(layer.layer_id, fb.out_cache_loc, k, v)
 
     def forward_extend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                       layer: RadixAttention, fb: ForwardBatch) -> torch.Tensor:
+                       layer: RadixAttention, fb: ForwardBatch,
+                       kv_stored: bool = False) -> torch.Tensor:
         meta = self._extend
         assert meta is not None, "init_forward_metadata was not called for this extend batch"
-        self._store(k, v, layer, fb)
+        if not kv_stored:
+            self._store(k, v, layer, fb)
         k_buf, v_buf = fb.token_to_kv_pool.get_kv_buffer(layer.layer_id)
         n, h, d = q.shape[0], layer.num_heads, layer.head_dim
         qv = q.view(n, h, d)
@@ -278,10 +302,12 @@ class TritonAttentionBackend(AttentionBackend):
         return o.view(n, h * d)
 
     def forward_decode(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                       layer: RadixAttention, fb: ForwardBatch) -> torch.Tensor:
+                       layer: RadixAttention, fb: ForwardBatch,
+                       kv_stored: bool = False) -> torch.Tensor:
         meta = self._decode
         assert meta is not None, "init_forward_metadata was not called for this decode batch"
-        self._store(k, v, layer, fb)
+        if not kv_stored:
+            self._store(k, v, layer, fb)
         k_buf, v_buf = fb.token_to_kv_pool.get_kv_buffer(layer.layer_id)
         bs, h, d = q.shape[0], layer.num_heads, layer.head_dim
         o = torch.empty((bs, h, d), dtype=q.dtype, device=q.device)
