@@ -230,7 +230,9 @@ class TritonAttentionBackend(AttentionBackend):
         if sl.data_ptr() != seq_lens.data_ptr():
             sl.copy_(seq_lens[:bs], non_blocking=True)
         s = self.num_kv_splits(bs)
-        cascade = self._cg_cascade
+        # A graph of one request has no group to share with: it captures plain
+        # decode, which saves the cascade pass's launch in every layer.
+        cascade = self._cg_cascade if bs > 1 else None
         if cascade is not None and prefix_groups is not self._cg_groups:
             self._write_graph_plan(prefix_groups)
         self._decode = _DecodeMeta(rpi, sl, cg["mid_o"][:bs], cg["mid_lse"][:bs], s, cascade)
