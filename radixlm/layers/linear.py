@@ -47,9 +47,10 @@ def _can_prepack(x: torch.Tensor, weight: torch.Tensor) -> bool:
             and x.dtype == torch.bfloat16 and _onednn_bf16())
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
-           ) -> torch.Tensor:
-    """F.linear, with two exceptions.
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+           out: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear, with two exceptions (and `out`: a contiguous CUDA tensor to write
+    the result into, for callers that need it in a given place).
 
     - On CUDA with 1-8 rows (decode at small batch), our Triton GEMV
       (`layers.gemv`) on the shapes where it measured faster than cuBLAS.
@@ -62,8 +63,17 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
       is dropped whenever weights are loaded (`drop_packed_weights`)."""
     if x.is_cuda:
         if _gemv["enabled"] and use_gemv(x, weight):
-            return gemv(x, weight, bias)
-        return F.linear(x, weight, bias)
+            return gemv(x, weight, bias, out=out)
+        if out is None:
+            return F.linear(x, weight, bias)
+        x2 = x.reshape(-1, x.shape[-1])
+        y = out.view(x2.shape[0], weight.shape[0])
+        if bias is None:
+            torch.mm(x2, weight.t(), out=y)
+        else:
+            torch.addmm(bias, x2, weight.t(), out=y)
+        return out
+    assert out is None, "out= is for CUDA tensors"
     if not _can_prepack(x, weight):
         return F.linear(x, weight, bias)
     packed = _packed(weight, _PACKED, _pack)
@@ -86,12 +96,21 @@ def _packed(weight: torch.Tensor, attr: str, make: Callable[[torch.Tensor], Any]
 
 def linear_silu_mul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
     """silu(x G^T) * (x U^T) for a merged weight [G; U] (gate_up_proj), or None
-    when the caller must run the matmul and the activation itself. On the CPU in
-    bf16, oneDNN applies silu to the gate product and the multiply to the up
-    product as they are written (post-ops), so the [tokens, 2 * d] intermediate
-    is never stored and re-read: ~14 of ~99 ms per MLP of 8192 prefill tokens
-    (SmolLM2), same speed in decode. silu(gate) is rounded to bf16 before the
-    multiply, one rounding more than the unfused kernel."""
+    when the caller must run the matmul and the activation itself.
+
+    - On CUDA with 1-8 rows, where `linear` would take our GEMV: the GEMV
+      computes matching gate and up columns and applies the activation in
+      registers, one launch instead of two per MLP, same bits.
+    - On the CPU in bf16, oneDNN applies silu to the gate product and the
+      multiply to the up product as they are written (post-ops), so the
+      [tokens, 2 * d] intermediate is never stored and re-read: ~14 of ~99 ms
+      per MLP of 8192 prefill tokens (SmolLM2), same speed in decode. silu(gate)
+      is rounded to bf16 before the multiply, one rounding more than the
+      unfused kernel."""
+    if x.is_cuda:
+        if _gemv["enabled"] and use_gemv(x, weight):
+            return gemv(x, weight, silu_mul=True)
+        return None
     if not _can_prepack(x, weight):
         return None
     gate, up = _packed(weight, _PACKED_HALVES,

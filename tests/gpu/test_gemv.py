@@ -71,6 +71,22 @@ def test_gemv_ragged_shapes(kernel, k, n):
         _check(x, w, b, G.GemvConfig(kernel, 16, 512, 4, 3))
 
 
+@pytest.mark.parametrize("k,n", [(4096, 28672), (4096, 14336), (640, 2 * 1000)])
+@pytest.mark.parametrize("m", [1, 2, 8])
+def test_gemv_silu_mul_matches_unfused(k, n, m):
+    """The fused gate/up + SiLU-and-mul equals the GEMV followed by `silu_and_mul`,
+    bit for bit (both round gate and up to bf16 first)."""
+    from radixlm.layers.fused_ops import silu_and_mul
+
+    w = _weights(k, n, torch.bfloat16)[0] if n > 2000 else \
+        (torch.randn(n, k, device=DEV) * k ** -0.5).to(torch.bfloat16)
+    x = torch.randn(m, k, device=DEV).to(torch.bfloat16)
+    torch.full((m * n + 1024,), float("nan"), device=DEV)
+    out = G.gemv(x, w, silu_mul=True)
+    assert out.shape == (m, n // 2)
+    assert torch.equal(out, silu_and_mul(G.gemv(x, w)))
+
+
 def test_gemv_3d_input_and_fp16():
     w, b = _weights(4096, 4096, torch.float16)
     x = torch.randn(2, 3, 4096, device=DEV).half()
