@@ -1,15 +1,19 @@
 """Multi-GPU measurements (issue 7): tp=2 vs tp=1 and dp=2 vs dp=1 on
 Llama-3.1-8B's shape with dummy bf16 weights, in one process tree.
 
-    NCCL_NVLS_ENABLE=0 python benchmarks/multi_gpu.py [ar] [tp] [nccl] [profile] [dp] [prefix]
+    NCCL_NVLS_ENABLE=0 python benchmarks/multi_gpu.py [ar] [tp] [cublas] [nccl] [profile] [dp]
+        [prefix]
 
 Prints: prompt-logprob agreement of tp=2 with tp=1, single-stream decode tok/s
 beside the one- and two-GPU HBM rooflines, offline throughput (256 x 512 in /
-256 out) for tp=1 and tp=2, each also with cuBLAS in place of our decode GEMV
-(`nccl`: also tp=2 with NCCL in place of the custom all-reduce), dp=1 (= tp=1)
+256 out) for tp=1, tp=2 and tp=2 with the all-reduce and the add + RMSNorm
+after it as separate kernels (`cublas`: also tp=1 and tp=2 with cuBLAS in
+place of our decode GEMV; `nccl`: also tp=2 with NCCL in place of the custom
+all-reduce), dp=1 (= tp=1)
 and dp=2, and cache-aware vs round-robin routing on a generated
 shared-prefix workload. `ar`: latency of one all-reduce, NCCL vs the custom
-one, eager and replayed from a CUDA graph. `profile` (with `tp`): a
+one, and each followed by add + RMSNorm against the fused kernel, eager and
+replayed from a CUDA graph. `profile` (with `tp`): a
 torch.profiler breakdown of 40 tp=2 decode steps on rank 0 (GPU kernels per
 step by kind, GPU idle time, host time waiting on the GPU).
 """
@@ -65,11 +69,18 @@ def measure(engine, name: str, results: dict, profile: bool = False) -> None:
     results[name + ":logprobs"] = [lp for lp, _ in out["meta_info"]["input_token_logprobs"][1:]]
     results[name + ":greedy"] = engine.generate(
         input_ids=ids, sampling_params={**greedy, "max_new_tokens": 32})["output_ids"]
-    engine.flush_cache()
-    t0 = time.perf_counter()
-    engine.generate(input_ids=prompts(1, 128, seed=1)[0],
-                    sampling_params={**greedy, "max_new_tokens": 256})
-    one = 256 / (time.perf_counter() - t0)
+    # Single stream, 128 in / 256 out: end to end (prefill and request handling
+    # included), and decode alone: the same request cut to 1 output token, timed
+    # too, is subtracted (255 decode steps in the difference).
+    single = prompts(1, 128, seed=1)[0]
+    took = {}
+    for n in (1, 256, 1, 256):  # each twice, the faster kept
+        engine.flush_cache()
+        t0 = time.perf_counter()
+        engine.generate(input_ids=single, sampling_params={**greedy, "max_new_tokens": n})
+        took[n] = min(took.get(n, float("inf")), time.perf_counter() - t0)
+    one = 256 / took[256]
+    decode = 255 / (took[256] - took[1])
     engine.flush_cache()
     if profile:
         profile_decode(engine, name)
@@ -80,9 +91,10 @@ def measure(engine, name: str, results: dict, profile: bool = False) -> None:
     outs = engine.generate(input_ids=work, sampling_params={**greedy, "max_new_tokens": 256})
     dt = time.perf_counter() - t0
     offline = sum(len(o["output_ids"]) for o in outs) / dt
-    results[name] = (one, offline)
-    log(f"{name}: single-stream decode {one:.1f} tok/s; offline 256x512/256 {offline:.0f} "
-        f"tok/s ({dt:.2f} s)")
+    results[name] = (one, offline, decode)
+    log(f"{name}: single stream {one:.1f} tok/s end to end, decode alone {decode:.1f} tok/s "
+        f"({1e3 / decode:.2f} ms per step; first token {took[1] * 1e3:.1f} ms); offline "
+        f"256x512/256 {offline:.0f} tok/s ({dt:.2f} s)")
 
 
 # ---- where a decode step's time goes ----------------------------------------------
@@ -173,6 +185,8 @@ def _ar_worker(rank: int, port: int) -> None:
 
     torch.cuda.set_device(rank)
     tp.init_distributed("nccl", f"tcp://127.0.0.1:{port}", 2, rank, 120)
+    from radixlm.layers.fused_ops import rms_norm
+
     custom = tp._CUSTOM_AR
     rows = []
     for nbytes in AR_SIZES:
@@ -180,13 +194,19 @@ def _ar_worker(rank: int, port: int) -> None:
         fns = {"nccl": lambda x=x: torch.distributed.all_reduce(x)}
         if custom is not None:
             fns["custom"] = lambda x=x: custom(x)
+            # The same sum followed by add + RMSNorm (hidden 4096), apart and fused.
+            x2, w = x.view(-1, 4096), torch.ones(4096, dtype=torch.bfloat16, device="cuda")
+            fns["custom+norm"] = lambda x2=x2, w=w: rms_norm(custom(x2), w, 1e-5, x2)
+            if tp.partial_sum_buffer(x2.shape, x2.dtype, x2.device) is not None:
+                fns["fused"] = lambda x2=x2, w=w: tp.all_reduce_add_rms_norm(
+                    tp.partial_sum_buffer(x2.shape, x2.dtype, x2.device), x2, w, 1e-5)
         for label, fn in fns.items():
             rows.append((nbytes, label, _time_eager(fn), _time_graph(fn)))
     if rank == 0:
         log(f"custom all-reduce: {'on' if custom is not None else 'UNAVAILABLE'}")
-        log("bytes     impl    eager us  in-graph us (mean of 64 back to back)")
+        log("bytes     impl         eager us  in-graph us (mean of 64 back to back)")
         for nbytes, label, eager, graph in rows:
-            log(f"{nbytes:>8} {label:>7} {eager:9.1f} {graph:11.1f}")
+            log(f"{nbytes:>8} {label:>12} {eager:9.1f} {graph:11.1f}")
     torch.distributed.destroy_process_group()
 
 
@@ -257,9 +277,11 @@ def main() -> None:
     if "tp" in phases:
         # Peers in the same run: cuBLAS instead of our GEMV, and with `nccl`, NCCL
         # instead of the custom all-reduce.
-        variants = [("tp=1", {}), ("tp=1 cublas", {"disable_gemv": True}),
-                    ("tp=2", {"tp_size": 2}),
-                    ("tp=2 cublas", {"tp_size": 2, "disable_gemv": True})]
+        variants = [("tp=1", {}), ("tp=2", {"tp_size": 2}),
+                    ("tp=2 unfused", {"tp_size": 2, "disable_allreduce_fusion": True})]
+        if "cublas" in phases:
+            variants += [("tp=1 cublas", {"disable_gemv": True}),
+                         ("tp=2 cublas", {"tp_size": 2, "disable_gemv": True})]
         if "nccl" in phases:
             variants.append(("tp=2 nccl", {"tp_size": 2, "disable_custom_all_reduce": True}))
         for name, kw in variants:
@@ -275,14 +297,18 @@ def main() -> None:
         log(f"prompt logprobs tp=2 vs tp=1 (127 positions): max |diff| "
             f"{(a - b).abs().max():.4f}, mean {(a - b).abs().mean():.4f}; greedy prefix "
             f"agreement {agree}/32")
-        one1 = results["tp=1"][0]
-        log(f"single-stream: tp=1 = {one1 / (bw / weight_bytes):.0%} of the one-GPU roofline; "
-            f"tp=1 cublas = {results['tp=1 cublas'][0] / (bw / weight_bytes):.0%}")
+        one1, dec1 = results["tp=1"][0], results["tp=1"][2]
+        roof1, roof2 = bw / weight_bytes, 2 * bw / weight_bytes
+        for name in [v[0] for v in variants if v[0].startswith("tp=1")]:
+            one, _, dec = results[name]
+            log(f"single-stream: {name} = {one / roof1:.0%} of the one-GPU roofline end to "
+                f"end, {dec / roof1:.0%} decode alone")
         for name in [v[0] for v in variants if v[0].startswith("tp=2")]:
-            one2 = results[name][0]
-            log(f"single-stream: {name} / tp=1 = {one2 / one1:.2f}x; {name} = "
-                f"{one2 / (2 * bw / weight_bytes):.0%} of the two-GPU roofline "
-                f"({1e3 / one2:.2f} ms per step)")
+            one2, _, dec2 = results[name]
+            log(f"single-stream: {name} / tp=1 = {one2 / one1:.2f}x end to end, "
+                f"{dec2 / dec1:.2f}x decode alone; {name} = {one2 / roof2:.0%} of the two-GPU "
+                f"roofline end to end ({1e3 / one2:.2f} ms per token), {dec2 / roof2:.0%} "
+                f"decode alone ({1e3 / dec2:.2f} ms per step)")
     if "dp" in phases:
         with radixlm.Engine(dp_size=2, **COMMON) as e:
             measure(e, "dp=2", results)

@@ -110,6 +110,9 @@ class ServerArgs:
     disable_custom_all_reduce: bool = _opt(
         "parallelism", "Sum tensor-parallel partial results with NCCL alone, not the one-shot "
         "all-reduce over NVLink (symmetric memory) that small messages use", default=False)
+    disable_allreduce_fusion: bool = _opt(
+        "parallelism", "Run the custom all-reduce and the residual add + RMSNorm after it as "
+        "separate kernels instead of one", default=False)
 
     # Server
     host: str = _opt("server", "Bind address", default="127.0.0.1")

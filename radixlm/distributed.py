@@ -9,11 +9,14 @@ torch.distributed.
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 import torch
 import torch.distributed as dist
+
+if TYPE_CHECKING:
+    from radixlm.layers.allreduce_norm import AllReduceNorm
 
 logger = logging.getLogger(__name__)
 
@@ -22,10 +25,11 @@ _TP_GROUP: dist.ProcessGroup | None = None
 
 def set_tp_group(group: dist.ProcessGroup | None) -> None:
     """Use `group` (e.g. `dist.group.WORLD`) for tensor parallelism; None resets to one rank."""
-    global _TP_GROUP, _TP_SYNC, _CUSTOM_AR
+    global _TP_GROUP, _TP_SYNC, _CUSTOM_AR, _AR_NORM
     _TP_GROUP = group
     _TP_SYNC = None
     _CUSTOM_AR = None
+    _AR_NORM = None
 
 
 def get_tp_group() -> dist.ProcessGroup | None:
@@ -75,16 +79,19 @@ def tensor_model_parallel_broadcast(x: torch.Tensor, src: int = 0) -> torch.Tens
 
 
 def init_distributed(backend: str, init_method: str, world_size: int, rank: int,
-                     timeout_s: float, custom_all_reduce: bool = True) -> None:
+                     timeout_s: float, custom_all_reduce: bool = True,
+                     allreduce_fusion: bool = True) -> None:
     """Join the tensor-parallel group (the default process group) and use it for TP;
-    on NCCL also set up the custom all-reduce unless `custom_all_reduce` is False."""
+    on NCCL also set up the custom all-reduce unless `custom_all_reduce` is False,
+    and with it the all-reduce fused with add + RMSNorm unless `allreduce_fusion`
+    is False."""
     from datetime import timedelta
 
     dist.init_process_group(backend, init_method=init_method, world_size=world_size,
                             rank=rank, timeout=timedelta(seconds=timeout_s))
     set_tp_group(dist.group.WORLD)
     if backend == "nccl" and custom_all_reduce and world_size > 1:
-        init_custom_all_reduce()
+        init_custom_all_reduce(allreduce_fusion)
 
 
 # ---- custom all-reduce ------------------------------------------------------------
@@ -137,30 +144,100 @@ class SymmMemAllReduce:
 
 
 _CUSTOM_AR: SymmMemAllReduce | None = None
+_AR_NORM: AllReduceNorm | None = None
 
 
-def init_custom_all_reduce() -> bool:
-    """Set up the custom all-reduce for the TP group (a collective: every rank
-    calls it). On any rank's failure every rank keeps NCCL alone; returns
-    whether it is in use."""
-    global _CUSTOM_AR
+def _agree(ok: bool, device: torch.device) -> bool:
+    """Whether `ok` holds on every rank of the TP group (a collective)."""
+    agreed = torch.tensor([int(ok)], device=device)
+    dist.all_reduce(agreed, op=dist.ReduceOp.MIN, group=_TP_GROUP)
+    return bool(agreed.item())
+
+
+def init_custom_all_reduce(allreduce_fusion: bool = True) -> bool:
+    """Set up the custom all-reduce for the TP group, and (`allreduce_fusion`) the
+    all-reduce fused with add + RMSNorm (collectives: every rank calls this). On
+    any rank's failure every rank keeps NCCL alone, or the unfused path;
+    returns whether the custom all-reduce is in use."""
+    global _CUSTOM_AR, _AR_NORM
     assert _tp_active() and _TP_GROUP is not None
     device = torch.device("cuda", torch.cuda.current_device())
+    world = get_tp_size()
     custom: SymmMemAllReduce | None = None
     try:
         custom = SymmMemAllReduce(_TP_GROUP, device)
         probe = torch.full((64,), float(get_tp_rank() + 1), device=device)
-        ok = bool((custom(probe) == get_tp_size() * (get_tp_size() + 1) / 2).all())
+        ok = bool((custom(probe) == world * (world + 1) / 2).all())
     except Exception as e:  # no P2P, no symmetric memory in this torch, ...
         logger.warning("custom all-reduce unavailable (%s: %s); using NCCL", type(e).__name__, e)
         ok = False
-    agreed = torch.tensor([int(ok)], device=device)
-    dist.all_reduce(agreed, op=dist.ReduceOp.MIN, group=_TP_GROUP)
-    _CUSTOM_AR = custom if agreed.item() else None
-    if _CUSTOM_AR is not None:
-        logger.info("custom all-reduce on: one-shot over symmetric memory up to %d KB",
-                    CUSTOM_AR_MAX_BYTES >> 10)
-    return _CUSTOM_AR is not None
+    _CUSTOM_AR = custom if _agree(ok, device) else None
+    if _CUSTOM_AR is None:
+        return False
+    logger.info("custom all-reduce on: one-shot over symmetric memory up to %d KB",
+                CUSTOM_AR_MAX_BYTES >> 10)
+    if allreduce_fusion:
+        _AR_NORM = _init_allreduce_norm(device)
+        if _AR_NORM is not None:
+            logger.info("all-reduce fused with residual add + RMSNorm on")
+    return True
+
+
+def _init_allreduce_norm(device: torch.device) -> AllReduceNorm | None:
+    """The fused all-reduce + add + RMSNorm, if every rank can set it up and a probe
+    sums right. Ranks agree before the probe: a rank that launched the kernel
+    alone would wait at its barrier forever."""
+    fused: AllReduceNorm | None = None
+    try:
+        fused = _symm_allreduce_norm(_TP_GROUP, device)
+    except Exception as e:  # no Triton, an older symmetric-memory API, ...
+        logger.warning("fused all-reduce + RMSNorm unavailable (%s: %s)", type(e).__name__, e)
+    if not _agree(fused is not None, device):
+        return None
+    assert fused is not None
+    world = get_tp_size()
+    x = fused.buffer((1, 64), torch.float32)
+    x.fill_(float(get_tp_rank() + 1))
+    _, summed = fused(x, torch.zeros_like(x), torch.ones(64, device=device), 1e-6)
+    ok = bool((summed == world * (world + 1) / 2).all())
+    return fused if _agree(ok, device) else None
+
+
+def _symm_allreduce_norm(group: dist.ProcessGroup, device: torch.device) -> AllReduceNorm:
+    """An `AllReduceNorm` over two slots of `FUSED_MAX_BYTES` in symmetric memory."""
+    import torch.distributed._symmetric_memory as symm_mem
+
+    from radixlm.layers.allreduce_norm import FUSED_MAX_BYTES, MAX_PROGRAMS, AllReduceNorm
+
+    buf = symm_mem.empty(2 * FUSED_MAX_BYTES, dtype=torch.uint8, device=device)
+    handle = symm_mem.rendezvous(buf, group.group_name)
+    assert handle.buffer_ptrs[handle.rank] == buf.data_ptr()
+    assert handle.signal_pad_size >= MAX_PROGRAMS * handle.world_size * 4
+    ptrs = torch.tensor(handle.buffer_ptrs, dtype=torch.int64, device=device)
+    pads = torch.tensor(handle.signal_pad_ptrs, dtype=torch.int64, device=device)
+    return AllReduceNorm(buf, ptrs, pads, handle.rank, handle.world_size)
+
+
+def partial_sum_buffer(shape: torch.Size | tuple[int, ...], dtype: torch.dtype,
+                       device: torch.device) -> torch.Tensor | None:
+    """Where a row-parallel layer should write a partial sum that the next
+    `all_reduce_add_rms_norm` takes: a slot of symmetric memory, or None (write
+    it anywhere; the reduction then runs apart from the norm)."""
+    fused = _AR_NORM
+    if fused is None or device.type != "cuda" or not fused.can_reduce(shape, dtype):
+        return None
+    return fused.buffer(shape, dtype)
+
+
+def all_reduce_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                            eps: float) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(rmsnorm(all_reduce(x) + residual) * weight, all_reduce(x) + residual) in one
+    kernel (`layers.allreduce_norm`), or None where that kernel is not set up or
+    does not take x: the caller then reduces and normalizes apart."""
+    fused = _AR_NORM
+    if fused is None or not x.is_cuda or not fused.can_reduce(x.shape, x.dtype):
+        return None
+    return fused(x, residual, weight, eps)
 
 
 def custom_all_reduce_enabled() -> bool:

@@ -387,7 +387,8 @@ def test_two_tensor_parallel_ranks_match_hf(tmp_path):
     gen = torch.Generator().manual_seed(2)
     # Llama: 2 KV heads, one per rank; tied embeddings over an odd vocabulary
     # (each rank's half is padded). Mistral: 1 KV head, replicated on both ranks.
-    for name in ("llama3-rope-tied", "mistral-head-dim"):
+    # Biases: o_proj's and down_proj's go into one rank's partial sum only.
+    for name in ("llama3-rope-tied", "mistral-head-dim", "llama-linear-rope-biases"):
         config = TINY_CONFIGS[name]()
         config.vocab_size = 157
         hf = save_random_hf_model(config, tmp_path / name)

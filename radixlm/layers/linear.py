@@ -325,10 +325,10 @@ class RowParallelLinear(nn.Module):
             return linear(x, self.weight, self.bias)
         if not self.input_is_parallel:
             x = x.narrow(-1, self.input_start, self.input_size_per_partition)
-        out = linear(x, self.weight)
         if self.reduce_results:
-            out = tp.tensor_model_parallel_all_reduce(out)
-        # Unreduced partial sums are summed by the caller later: only rank 0 adds the bias.
-        if self.bias is None or not (self.reduce_results or self.tp_rank == 0):
-            return out
-        return out + self.bias
+            out = tp.tensor_model_parallel_all_reduce(linear(x, self.weight))
+            return out if self.bias is None else out + self.bias
+        # The consumer sums the partials (maybe fused with its norm, from the buffer
+        # every rank writes in the same order): only rank 0 adds the bias, in place.
+        buf = tp.partial_sum_buffer((*x.shape[:-1], self.output_size), x.dtype, x.device)
+        return linear(x, self.weight, self.bias if self.tp_rank == 0 else None, out=buf)

@@ -54,7 +54,9 @@ class LlamaMLP(nn.Module):
         super().__init__()
         self.gate_up_proj = MergedColumnParallelLinear(hidden_size, [intermediate_size] * 2,
                                                        bias=bias)
-        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias=bias)
+        # Partial sums under tensor parallelism: the next norm all-reduces them.
+        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias=bias,
+                                           reduce_results=False)
         self.act_fn = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -76,7 +78,8 @@ class LlamaAttention(nn.Module):
         self.qkv_proj = QKVParallelLinear(hidden, head_dim, num_heads, num_kv_heads, bias=qkv_bias)
         qkv = self.qkv_proj
         self.o_proj = RowParallelLinear(num_heads * head_dim, hidden, bias=o_bias,
-                                        input_partition=(qkv.q_start * head_dim, qkv.q_size))
+                                        input_partition=(qkv.q_start * head_dim, qkv.q_size),
+                                        reduce_results=False)
         self.rotary_emb = rotary_emb
         self.split_sizes = [self.qkv_proj.q_size, self.qkv_proj.kv_size, self.qkv_proj.kv_size]
         self.attn = RadixAttention(layer_id, self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads,
@@ -106,15 +109,17 @@ class LlamaDecoderLayer(nn.Module):
                 residual: torch.Tensor | None, fb: ForwardBatch,
                 rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """`rows`: return only these token rows (the last layer in prefill, where
-        only the rows that get logits go on)."""
+        only the rows that get logits go on). Under tensor parallelism `hidden`
+        (in and out, after the first layer) is the rank's partial sum of the
+        previous MLP: the norms all-reduce, fused with their add where they can."""
         if residual is None:
             residual, hidden = hidden, self.input_layernorm(hidden)
         else:
-            hidden, residual = self.input_layernorm(hidden, residual)
+            hidden, residual = self.input_layernorm(hidden, residual, reduce=True)
         hidden = self.self_attn(positions, hidden, fb, rows)
         if rows is not None:
             residual = residual[rows]
-        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        hidden, residual = self.post_attention_layernorm(hidden, residual, reduce=True)
         return self.mlp(hidden), residual
 
 
@@ -131,8 +136,9 @@ class LlamaModel(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, fb: ForwardBatch,
                 last_rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Returns (last layer's output, residual stream): the final norm is left
-        to the caller so it can run on the rows it needs only. With `last_rows`
+        """Returns (last layer's output, residual stream): the final norm (with
+        reduce=True: the output is a per-rank partial sum under tensor
+        parallelism) is left to the caller. With `last_rows`
         the last layer runs its output projection and MLP on those rows only,
         and only they are returned."""
         hidden, residual = self.embed_tokens(input_ids), None
@@ -170,19 +176,22 @@ class LlamaForCausalLM(nn.Module):
         rows = fb.logit_rows
         if rows is None:
             rows = fb.extend_start_loc + fb.extend_seq_lens - 1
-        if fb.mode.is_decode() or rows.numel() == fb.num_tokens:
-            hidden, residual = self.model(input_ids, positions, fb)
-            hidden, residual = hidden[rows], residual[rows]
-        else:  # prefill: the last layer's o_proj and MLP only for the logit rows (~3%)
-            hidden, residual = self.model(input_ids, positions, fb, last_rows=rows)
-        hidden, _ = self.model.norm(hidden, residual)
+        # Prefill: the last layer's o_proj and MLP only for the logit rows (~3%).
+        every_row = fb.mode.is_decode() or rows.numel() == fb.num_tokens
+        hidden, residual = self.model(input_ids, positions, fb,
+                                      last_rows=None if every_row else rows)
+        # Normed before picking rows: the norm all-reduces the MLP's partial sums
+        # in place (in the buffer the MLP wrote), which a gathered copy is not.
+        hidden = self.model.norm(hidden, residual, reduce=True)[0]
+        if every_row:
+            hidden = hidden[rows]
         return self.lm_head.compute_logits(hidden).float()
 
     def forward_hidden(self, input_ids: torch.Tensor, positions: torch.Tensor,
                        fb: ForwardBatch) -> torch.Tensor:
         """Final-normed hidden states [num_tokens, hidden] of every token."""
         hidden, residual = self.model(input_ids, positions, fb)
-        return self.model.norm(hidden, residual)[0]
+        return self.model.norm(hidden, residual, reduce=True)[0]
 
     # ---- weights ---------------------------------------------------------
     def hf_param(self, name: str) -> tuple[nn.Parameter, str | int | None] | None:
