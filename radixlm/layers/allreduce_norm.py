@@ -42,19 +42,17 @@ try:  # CPU-only installs may lack Triton; callers then reduce and normalize apa
 except ImportError:  # pragma: no cover - depends on the install
     HAS_TRITON = False
 
-# One row per program up to this many rows (a row's loads wait on NVLink latency,
-# so rows in flight at once is what makes large batches fast: 2 MB took 61 us
-# with 32 programs vs 24 for the one-shot all-reduce + norm). Every program of
-# the grid must fit on the GPU at once, since each waits for its twin on the
-# peers; 256 programs of <= 16 warps do. Flags used per rank: MAX_PROGRAMS *
-# world_size 32-bit words of the signal pad.
+# One row per program, up to this many rows (more loop in their programs).
+# Every program of the grid waits for its twin on each peer, so the whole grid
+# must fit on the GPU at once: 256 programs of <= 16 warps do. Flags used per
+# rank: MAX_PROGRAMS * world_size 32-bit words of the signal pad.
 MAX_PROGRAMS = 256
 MAX_HIDDEN = 16384  # one program holds a whole row in registers
 # Messages up to this size take the fused kernel (decode at up to 8 rows of
 # hidden 4096: the GEMV regime). Measured on 2 x H200 in CUDA graphs, fused vs
 # torch's one-shot all-reduce + our norm: 5.1 vs 8.4 us at 8 KB, 6.8 vs 8.7 at
-# 64 KB, but 17.5 vs 12.9 at 512 KB and 55.5 vs 24.0 at 2 MB (one row per
-# program waits on NVLink latency row by row; the one-shot kernel streams).
+# 64 KB, but 17.5 vs 12.9 at 512 KB and 55.5 vs 24.0 at 2 MB (with 32 or 256
+# programs, .cg or volatile loads alike: not understood yet).
 FUSED_MAX_BYTES = 64 << 10
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -157,8 +155,7 @@ if HAS_TRITON:
             acc = tl.zeros([BLOCK], dtype=tl.float32)
             for p in tl.static_range(WORLD):  # rank order on every rank: same bits everywhere
                 part = tl.load(BufPtrs + p).to(tl.pointer_type(RO.dtype.element_ty))
-                # .cg: from L2 / over NVLink, never a stale L1 line (and, unlike
-                # volatile, vectorized: volatile loads took 2 MB from 24 to 56 us).
+                # .cg: from L2 / over NVLink, never a stale L1 line.
                 acc += tl.load(part + slot_offset + row * N + offs, mask=mask, other=0.0,
                                cache_modifier=".cg").to(tl.float32)
             summed = acc.to(RO.dtype.element_ty).to(tl.float32)  # what the all-reduce returns
