@@ -207,8 +207,15 @@ def _symm_allreduce_norm(group: dist.ProcessGroup, device: torch.device) -> AllR
     """An `AllReduceNorm` over two slots of `FUSED_MAX_BYTES` in symmetric memory."""
     import torch.distributed._symmetric_memory as symm_mem
 
-    from radixlm.layers.allreduce_norm import FUSED_MAX_BYTES, MAX_PROGRAMS, AllReduceNorm
+    from radixlm.layers.allreduce_norm import (
+        FUSED_MAX_BYTES,
+        HAS_TRITON,
+        MAX_PROGRAMS,
+        AllReduceNorm,
+    )
 
+    if not HAS_TRITON:
+        raise RuntimeError("Triton is not installed")
     buf = symm_mem.empty(2 * FUSED_MAX_BYTES, dtype=torch.uint8, device=device)
     handle = symm_mem.rendezvous(buf, group.group_name)
     assert handle.buffer_ptrs[handle.rank] == buf.data_ptr()

@@ -84,7 +84,8 @@ class TritonAttentionBackend(AttentionBackend):
       with the one-launch Triton kernel (`triton_ops.kv_store`), smaller ones with
       the pool's `set_kv_buffer` (two index_put). The Triton store measured faster
       at every size on H200 (1.6 vs 6.4 us at 32 tokens in a CUDA graph, 36 vs
-      155 us at 16k tokens), hence the default 1.
+      155 us at 16k tokens), hence the default 1. Those batches store K/V in the
+      RoPE kernel itself when `forward` gets `rope` (full rotary, plain pool).
 
     Cascade (prefix-sharing) decode: a decode batch whose `fb.prefix_groups` lists
     requests sharing their first KV slots reads each shared prefix once per group
@@ -261,7 +262,8 @@ class TritonAttentionBackend(AttentionBackend):
         if rope is not None:
             emb, positions = rope
             bufs = row_kv_buffers(fb.token_to_kv_pool, layer.layer_id, k.dtype)
-            if bufs is not None and emb.rotary_dim == emb.head_dim:
+            if (bufs is not None and emb.rotary_dim == emb.head_dim
+                    and k.shape[0] >= self.kv_store_min_tokens):
                 apply_rope_(positions, q, k, emb.head_dim, emb.cos_sin_cache,
                             kv_store=(v, *bufs, fb.out_cache_loc))
                 stored = True
