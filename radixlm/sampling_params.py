@@ -58,7 +58,11 @@ class SamplingParams:
         return p
 
     def to_dict(self) -> dict[str, Any]:
-        d = dataclasses.asdict(self)
+        """The wire form: every field, lists copied, logit_bias keyed by strings.
+        (Not dataclasses.asdict: its deep recursion was ~12% of the API process's
+        CPU per request; the fields are flat.)"""
+        d = dict(self.__dict__)
+        d["stop"], d["stop_token_ids"] = list(self.stop), list(self.stop_token_ids)
         d["logit_bias"] = {str(k): v for k, v in self.logit_bias.items()}
         return d
 

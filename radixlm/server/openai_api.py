@@ -113,6 +113,12 @@ class Call:
                                                                for s in first.values())}}
 
 
+def _has_text(prompt: Any) -> bool:
+    """Whether a completions prompt (any of OpenAI's four forms) holds a string."""
+    return isinstance(prompt, str) or (isinstance(prompt, list)
+                                       and any(isinstance(p, str) for p in prompt))
+
+
 class OpenAIServing:
     def __init__(self, tm: TokenizerManager, tokenizer: Any, served_name: str,
                  model_path: str | None) -> None:
@@ -234,7 +240,10 @@ class OpenAIServing:
 
     async def completions(self, req: CompletionRequest, raw_request: Request) -> Response:
         self._check_completion(req)
-        prompts = await self.tm.tokenize(self.completion_prompts, req.prompt)
+        if _has_text(req.prompt):
+            prompts = await self.tm.tokenize(self.completion_prompts, req.prompt)
+        else:  # token ids: nothing to encode, so no hop to the tokenizer thread
+            prompts = self.completion_prompts(req.prompt)
         call = Call(id=f"cmpl-{uuid.uuid4().hex}", created=int(time.time()),
                     model=self.served_name, include_usage=bool(
                         req.stream_options and req.stream_options.include_usage),

@@ -295,7 +295,8 @@ class TokenizerManager:
         for job in jobs:
             self.validate(job)
         check_logprob_args(top_logprobs_num, logprob_start_len)
-        members = group_members(gid, jobs)
+        samples = [expand_samples(job) for job in jobs]
+        members = group_members(gid, jobs, samples)
         self._check_ids(list(members))
         self.check_admission(sum(job.params.n for job in jobs))
         await self.update_gate.wait_open()  # a weight update is running: wait for it
@@ -310,7 +311,8 @@ class TokenizerManager:
                             top_logprobs_num=top_logprobs_num,
                             logprob_start_len=logprob_start_len if return_logprob else -1,
                             session_params=job.session_params)
-                for job in jobs for rid, sp in expand_samples(job)]
+                for job, job_samples in zip(jobs, samples, strict=True)
+                for rid, sp in job_samples]
         frames = [encode_request(r) for r in reqs]  # may refuse: nothing is registered yet
         seqs = [SeqOutput(rid=r.rid, index=i, return_logprob=return_logprob,
                           prompt_tokens=len(r.input_ids)) for i, r in enumerate(reqs)]
@@ -425,13 +427,15 @@ def check_logprob_args(top_logprobs_num: int, logprob_start_len: int) -> None:
                        "logprob_start_len")
 
 
-def group_members(gid: str, jobs: list[PromptJob]) -> dict[str, list[int]]:
-    """Which sequence indices each id of the call covers; 400 on a repeated id."""
+def group_members(gid: str, jobs: list[PromptJob],
+                  expanded: list[list[tuple[str, dict[str, Any]]]] | None = None
+                  ) -> dict[str, list[int]]:
+    """Which sequence indices each id of the call covers (`expanded`: each job's
+    `expand_samples`, if already made); 400 on a repeated id."""
     members: dict[str, list[int]] = {gid: []}
     seq_rids: set[str] = set()
     index = 0
-    for job in jobs:
-        samples = expand_samples(job)
+    for job, samples in zip(jobs, expanded or map(expand_samples, jobs)):
         ids = list(range(index, index + len(samples)))
         members[gid] += ids
         if job.rid != gid:
