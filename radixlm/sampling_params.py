@@ -59,8 +59,8 @@ class SamplingParams:
 
     def to_dict(self) -> dict[str, Any]:
         """The wire form: every field, lists copied, logit_bias keyed by strings.
-        (Not dataclasses.asdict: its deep recursion was ~12% of the API process's
-        CPU per request; the fields are flat.)"""
+        (Not dataclasses.asdict, whose deep recursion the flat fields do not need:
+        0.8 vs 19.8 us per call.)"""
         d = dict(self.__dict__)
         d["stop"], d["stop_token_ids"] = list(self.stop), list(self.stop_token_ids)
         d["logit_bias"] = {str(k): v for k, v in self.logit_bias.items()}

@@ -32,6 +32,8 @@ each peer reaches only once its call-n kernel (which read the slot) is done.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 try:  # CPU-only installs may lack Triton; callers then reduce and normalize apart.
@@ -78,9 +80,7 @@ class AllReduceNorm:
         self.next_slot = 0
 
     def can_reduce(self, shape: torch.Size | tuple[int, ...], dtype: torch.dtype) -> bool:
-        numel = 1
-        for s in shape:
-            numel *= s
+        numel = math.prod(shape)
         return (HAS_TRITON and dtype in DTYPES and 0 < shape[-1] <= MAX_HIDDEN
                 and numel * dtype.itemsize <= min(self.slot_bytes, FUSED_MAX_BYTES))
 
@@ -88,10 +88,7 @@ class AllReduceNorm:
         """The next slot, as a tensor of `shape` (check `can_reduce` first)."""
         slot, self.next_slot = self.next_slot, self.next_slot ^ 1
         start = slot * self.slot_bytes
-        numel = 1
-        for s in shape:
-            numel *= s
-        raw = self.buffers[start:start + numel * dtype.itemsize]
+        raw = self.buffers[start:start + math.prod(shape) * dtype.itemsize]
         return raw.view(dtype).view(shape)
 
     def slot_of(self, x: torch.Tensor) -> int | None:

@@ -32,6 +32,10 @@ def set_gemv(enabled: bool) -> None:
     _gemv["enabled"] = enabled
 
 
+def _takes_gemv(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    return _gemv["enabled"] and use_gemv(x, weight)
+
+
 def set_weight_prepack(enabled: bool) -> None:
     _prepack["enabled"] = enabled
 
@@ -62,7 +66,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
       are bitwise the same. The copy costs the weight's memory once more, and
       is dropped whenever weights are loaded (`drop_packed_weights`)."""
     if x.is_cuda:
-        if _gemv["enabled"] and use_gemv(x, weight):
+        if _takes_gemv(x, weight):
             return gemv(x, weight, bias, out=out)
         if out is None:
             return F.linear(x, weight, bias)
@@ -108,7 +112,7 @@ def linear_silu_mul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | Non
       is rounded to bf16 before the multiply, one rounding more than the
       unfused kernel."""
     if x.is_cuda:
-        if _gemv["enabled"] and use_gemv(x, weight):
+        if _takes_gemv(x, weight):
             return gemv(x, weight, silu_mul=True)
         return None
     if not _can_prepack(x, weight):
