@@ -3,11 +3,14 @@ itself can load the same weights as the reference)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
+
+_T = TypeVar("_T")
 
 BASE_CONFIG: dict[str, Any] = dict(
     vocab_size=32000, hidden_size=1024, intermediate_size=2816, num_hidden_layers=6,
@@ -46,3 +49,19 @@ def random_attention_pools(group: int, head_dim: int, dtype: torch.dtype, seed: 
         buf.copy_(torch.randn_like(buf, dtype=torch.float32))
     layer = RadixAttention(layer_id, h, kvh, head_dim, head_dim ** -0.5)
     return h, kvh, r2t_pool, kv_pool, layer
+
+
+def capture_graph(fn: Callable[[], _T]) -> tuple[torch.cuda.CUDAGraph, _T]:
+    """Run `fn` once on a side stream (Triton compiles, collectives set up, outside
+    the capture), then capture it into a CUDA graph on that stream. Returns the
+    graph and what the captured call returned: its outputs, rewritten by each
+    replay."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream):
+        out = fn()
+    return graph, out

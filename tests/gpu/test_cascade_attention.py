@@ -344,14 +344,9 @@ def test_backend_static_tables_follow_the_groups():
 
     graph = None
     if HAS_CUDA:
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            run()
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            s_out = run()
+        from gpu_models import capture_graph
+
+        graph, s_out = capture_graph(run)
 
     # The newest token's slot is the last of each list (written by the forward).
     cases = [(find_prefix_groups(lists, 1), lists), (None, lists),

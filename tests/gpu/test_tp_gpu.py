@@ -13,7 +13,7 @@ pytestmark = pytest.mark.gpu
 
 import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
-from gpu_models import save_random_llama  # noqa: E402
+from gpu_models import capture_graph, save_random_llama  # noqa: E402
 
 import radixlm  # noqa: E402
 from radixlm import distributed as tp  # noqa: E402
@@ -34,16 +34,12 @@ def _all_reduce_worker(rank: int, port: int) -> None:
         _check(x, tp.tensor_model_parallel_all_reduce(x.clone()))
     # Inside a CUDA graph: three reduces in a row, replayed on fresh inputs.
     static = torch.zeros(2, 4096, dtype=torch.bfloat16, device="cuda")
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        step = lambda: tp.tensor_model_parallel_all_reduce(  # noqa: E731
-            tp.tensor_model_parallel_all_reduce(static * 0.5) + 1) * 2
-        step()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, stream=stream):
-        out = tp.tensor_model_parallel_all_reduce(step())
+
+    def step() -> torch.Tensor:
+        reduce = tp.tensor_model_parallel_all_reduce
+        return reduce(reduce(reduce(static * 0.5) + 1) * 2)
+
+    graph, out = capture_graph(step)
     for _ in range(3):
         static.copy_(torch.randn(static.shape, generator=gen, device="cuda"))
         graph.replay()
@@ -104,14 +100,7 @@ def _allreduce_norm_worker(rank: int, port: int) -> None:
             outs.append(y)
         return torch.stack(outs), residual
 
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        chain()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, stream=stream):
-        outs, last = chain()
+    graph, (outs, last) = capture_graph(chain)
     for _ in range(3):
         static.copy_(torch.randn(static.shape, generator=gen, device="cuda"))
         residual0.copy_(torch.randn(residual0.shape, generator=same, device="cuda"))

@@ -11,6 +11,8 @@ if not torch.cuda.is_available():
     pytest.skip("needs CUDA", allow_module_level=True)
 pytest.importorskip("triton")
 
+from gpu_models import capture_graph  # noqa: E402
+
 from radixlm.layers.attention.torch_native import TorchNativeBackend  # noqa: E402
 from radixlm.layers.attention.triton_backend import TritonAttentionBackend  # noqa: E402
 from radixlm.layers.attention.triton_ops.decode_attention import (  # noqa: E402
@@ -268,14 +270,7 @@ def test_backend_decode_cuda_graph_replay():
     graph_fb = fb_for([10] * bs)
     graph_fb.out_cache_loc = s_loc
     be.init_forward_metadata_cuda_graph(bs, s_rows, s_seq)
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):  # warm-up compiles outside the capture
-        be.forward(s_q, s_k, s_v, layer, graph_fb)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        s_out = be.forward(s_q, s_k, s_v, layer, graph_fb)
+    graph, s_out = capture_graph(lambda: be.forward(s_q, s_k, s_v, layer, graph_fb))
 
     for seq_lens in ([1, 4096, 77, 2048, 3000], [4000, 2, 3, 4095, 1]):
         loc = r2t_pool.req_to_token[s_rows, torch.tensor(seq_lens, device=DEV) - 1].long()
