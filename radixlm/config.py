@@ -90,6 +90,10 @@ class ServerArgs:
     disable_gemv: bool = _opt(
         "runtime", "On CUDA, run decode's small-batch linear layers with cuBLAS instead of "
         "our Triton GEMV", default=False)
+    disable_pdl: bool = _opt(
+        "runtime", "On Hopper and newer GPUs, launch the decode kernels one after another "
+        "instead of with programmatic dependent launch (which lets each start during "
+        "the previous one's tail)", default=False)
     num_threads: int | None = _opt("runtime", "torch CPU threads (default: all cores)",
                                    default=None)
 

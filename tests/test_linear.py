@@ -91,3 +91,14 @@ def test_gate_up_with_fused_silu_mul(rows: int) -> None:
 def test_fused_silu_mul_declines_other_dtypes() -> None:
     w, _ = _weights(2 * 8, 16, torch.float32)
     assert L.linear_silu_mul(torch.randn(3, 16), w) is None
+
+
+def test_pdl_stays_off_without_a_hopper_gpu() -> None:
+    """The CPU (and the Triton interpreter) launch kernels plainly: turning
+    programmatic dependent launch on is refused and the launch keywords stay off."""
+    from radixlm.layers import pdl
+
+    if pdl.supported():
+        pytest.skip("this machine supports PDL")
+    assert not pdl.set_pdl(True)
+    assert pdl.launch_args() == {"PDL": False, "launch_pdl": False}

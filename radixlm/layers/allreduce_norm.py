@@ -36,6 +36,8 @@ import math
 
 import torch
 
+from radixlm.layers import pdl
+
 try:  # CPU-only installs may lack Triton; callers then reduce and normalize apart.
     import triton
     import triton.language as tl
@@ -121,16 +123,21 @@ class AllReduceNorm:
             self.buffer_ptrs, self.pad_ptrs, slot * (self.slot_bytes // x.element_size()),
             r2, weight, y, new_res, rows, n, r2.stride(0), eps,
             RANK=self.rank, WORLD=self.world_size, BLOCK=block,
-            num_warps=max(1, min(16, block // 512)))
+            num_warps=max(1, min(16, block // 512)), **pdl.launch_args())
         return y, new_res
 
 
 if HAS_TRITON:
+    from radixlm.layers.pdl import pdl_trigger, pdl_wait
 
     @triton.jit
     def _allreduce_add_rms_norm_kernel(BufPtrs, PadPtrs, slot_offset, R, W, Y, RO, M, N,
                                        stride_r, eps, RANK: tl.constexpr, WORLD: tl.constexpr,
-                                       BLOCK: tl.constexpr):
+                                       BLOCK: tl.constexpr, PDL: tl.constexpr):
+        # The wait comes before the barrier: meeting the peers says "my partial is
+        # in the slot", which the previous kernel (the projection) writes.
+        pdl_wait(PDL)
+        pdl_trigger(PDL)
         pid = tl.program_id(0)
         # Meet every peer's program `pid` (see the module docstring).
         for p in tl.static_range(WORLD):

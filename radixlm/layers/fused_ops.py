@@ -21,6 +21,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from radixlm.layers import pdl
+
 try:  # CPU-only installs may lack Triton; the torch paths cover them.
     import triton
     import triton.language as tl
@@ -87,10 +89,13 @@ def rope_cos_sin_cache(rotary_dim: int, max_position: int, base: float = 10000.0
 # ---------------------------------------------------------------- Triton kernels
 
 if HAS_TRITON:
+    from radixlm.layers.pdl import pdl_trigger, pdl_wait
 
     @triton.jit
     def _rms_norm_kernel(X, R, W, Y, RO, stride_x, stride_r, stride_y, stride_ro, N, eps,
-                         HAS_RES: tl.constexpr, BLOCK: tl.constexpr):
+                         HAS_RES: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+        pdl_wait(PDL)
+        pdl_trigger(PDL)
         row = tl.program_id(0).to(tl.int64)
         offs = tl.arange(0, BLOCK)
         mask = offs < N
@@ -111,7 +116,10 @@ if HAS_TRITON:
                      V, KBuf, VBuf, Loc, stride_vt,
                      NQ: tl.constexpr, NK: tl.constexpr, BLOCK_HQ: tl.constexpr,
                      BLOCK_HK: tl.constexpr, HALF: tl.constexpr, BLOCK_HALF: tl.constexpr,
-                     STORE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
+                     STORE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                     PDL: tl.constexpr):
+        pdl_wait(PDL)
+        pdl_trigger(PDL)
         t = tl.program_id(0).to(tl.int64)
         pos = tl.load(Pos + t).to(tl.int64)
         offs = tl.arange(0, BLOCK_HALF)
@@ -148,7 +156,10 @@ if HAS_TRITON:
             tl.store(VBuf + row + heads, tl.load(V + t * stride_vt + heads, mask=mv), mask=mv)
 
     @triton.jit
-    def _silu_and_mul_kernel(X, Y, stride_x, stride_y, D, BLOCK: tl.constexpr):
+    def _silu_and_mul_kernel(X, Y, stride_x, stride_y, D, BLOCK: tl.constexpr,
+                             PDL: tl.constexpr):
+        pdl_wait(PDL)
+        pdl_trigger(PDL)
         row = tl.program_id(0).to(tl.int64)
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         mask = cols < D
@@ -179,7 +190,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     if residual is None:
         if rows:
             _rms_norm_kernel[(rows,)](x2, x2, weight, y2, y2, x2.stride(0), 0, y2.stride(0), 0,
-                                      n, eps, HAS_RES=False, BLOCK=block, num_warps=warps)
+                                      n, eps, HAS_RES=False, BLOCK=block, num_warps=warps,
+                                      **pdl.launch_args())
         return y
     r2 = residual.reshape(-1, n)
     if r2.stride(-1) != 1:
@@ -189,7 +201,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     if rows:
         _rms_norm_kernel[(rows,)](x2, r2, weight, y2, ro2, x2.stride(0), r2.stride(0),
                                   y2.stride(0), ro2.stride(0), n, eps, HAS_RES=True,
-                                  BLOCK=block, num_warps=warps)
+                                  BLOCK=block, num_warps=warps, **pdl.launch_args())
     return y, new_res
 
 
@@ -235,6 +247,7 @@ def apply_rope_(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, head_
         NQ=nq, NK=nk, BLOCK_HQ=triton.next_power_of_2(nq),
         BLOCK_HK=triton.next_power_of_2(nk), HALF=half, BLOCK_HALF=triton.next_power_of_2(half),
         STORE=store, HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim), num_warps=4,
+        **pdl.launch_args(),
     )
     return q, k
 
@@ -253,5 +266,6 @@ def silu_and_mul(x: torch.Tensor, *, use_triton: bool | None = None) -> torch.Te
     if rows:
         block = min(1024, triton.next_power_of_2(d))
         _silu_and_mul_kernel[(rows, triton.cdiv(d, block))](
-            x2, y2, x2.stride(0), y2.stride(0), d, BLOCK=block, num_warps=4)
+            x2, y2, x2.stride(0), y2.stride(0), d, BLOCK=block, num_warps=4,
+            **pdl.launch_args())
     return y

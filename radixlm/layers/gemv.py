@@ -33,6 +33,8 @@ from typing import NamedTuple
 
 import torch
 
+from radixlm.layers import pdl
+
 try:  # CPU-only installs may lack Triton; callers then use F.linear.
     import triton
     import triton.language as tl
@@ -119,7 +121,8 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     b = bias if bias is not None else weight  # dummy pointer when HAS_BIAS is False
     grid = (triton.cdiv(n, cfg.bn),)
     common = dict(BN=cfg.bn, BK=cfg.bk, HAS_BIAS=bias is not None, EVEN_K=k % cfg.bk == 0,
-                  SILU_MUL=silu_mul, num_warps=cfg.warps, num_stages=cfg.stages)
+                  SILU_MUL=silu_mul, num_warps=cfg.warps, num_stages=cfg.stages,
+                  **pdl.launch_args())
     if cfg.kernel == "fma":
         assert m == 1
         _gemv_fma_kernel[grid](x2, weight, b, y, n, k, **common)
@@ -130,6 +133,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
 
 
 if HAS_TRITON:
+    from radixlm.layers.pdl import pdl_trigger, pdl_wait
 
     @triton.jit
     def _silu_mul(gate, up, dtype: tl.constexpr):
@@ -138,33 +142,52 @@ if HAS_TRITON:
         return g / (1.0 + tl.exp(-g)) * up.to(dtype).to(tl.float32)
 
     @triton.jit
+    def _load_w(w_ptrs, up_ptrs, k, offs_k, K, EVEN_K: tl.constexpr, SILU_MUL: tl.constexpr):
+        """The [BN, BK] weight tile at k (and its up tile with SILU_MUL; else a copy)."""
+        if EVEN_K:
+            w = tl.load(w_ptrs + k, eviction_policy="evict_first")
+            wu = w
+            if SILU_MUL:
+                wu = tl.load(up_ptrs + k, eviction_policy="evict_first")
+        else:
+            k_ok = k + offs_k < K
+            w = tl.load(w_ptrs + k, mask=k_ok[None, :], other=0.0, eviction_policy="evict_first")
+            wu = w
+            if SILU_MUL:
+                wu = tl.load(up_ptrs + k, mask=k_ok[None, :], other=0.0,
+                             eviction_policy="evict_first")
+        return w, wu
+
+    @triton.jit
+    def _load_x(x_ptr, k, offs_k, K, EVEN_K: tl.constexpr):
+        if EVEN_K:
+            return tl.load(x_ptr + k + offs_k)
+        return tl.load(x_ptr + k + offs_k, mask=k + offs_k < K, other=0.0)
+
+    @triton.jit
     def _gemv_fma_kernel(x_ptr, w_ptr, b_ptr, y_ptr, N, K,
                          BN: tl.constexpr, BK: tl.constexpr,
-                         HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, SILU_MUL: tl.constexpr):
+                         HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, SILU_MUL: tl.constexpr,
+                         PDL: tl.constexpr):
         offs_n = tl.program_id(0) * BN + tl.arange(0, BN)
         rows = tl.minimum(offs_n, N - 1).to(tl.int64)  # clamped: loads need no row mask
         offs_k = tl.arange(0, BK)
         w_ptrs = w_ptr + rows[:, None] * K + offs_k[None, :]
         up_ptrs = w_ptrs + N * K  # SILU_MUL: the up rows, N below the gate rows
-        acc = tl.zeros([BN, BK], dtype=tl.float32)
-        acc_up = tl.zeros([BN, BK], dtype=tl.float32)
-        for k in range(0, K, BK):
-            if EVEN_K:
-                xk = tl.load(x_ptr + k + offs_k)
-                w = tl.load(w_ptrs + k, eviction_policy="evict_first")
-                if SILU_MUL:
-                    wu = tl.load(up_ptrs + k, eviction_policy="evict_first")
-            else:
-                k_ok = k + offs_k < K
-                xk = tl.load(x_ptr + k + offs_k, mask=k_ok, other=0.0)
-                w = tl.load(w_ptrs + k, mask=k_ok[None, :], other=0.0,
-                            eviction_policy="evict_first")
-                if SILU_MUL:
-                    wu = tl.load(up_ptrs + k, mask=k_ok[None, :], other=0.0,
-                                 eviction_policy="evict_first")
-            acc += w.to(tl.float32) * xk.to(tl.float32)[None, :]
+        # The first weight tile is loaded before the PDL wait: weights are constant,
+        # so these reads overlap the previous kernel's tail.
+        w, wu = _load_w(w_ptrs, up_ptrs, 0, offs_k, K, EVEN_K, SILU_MUL)
+        pdl_wait(PDL)
+        pdl_trigger(PDL)
+        xk = _load_x(x_ptr, 0, offs_k, K, EVEN_K).to(tl.float32)[None, :]
+        acc = w.to(tl.float32) * xk
+        acc_up = wu.to(tl.float32) * xk
+        for k in range(BK, K, BK):
+            w, wu = _load_w(w_ptrs, up_ptrs, k, offs_k, K, EVEN_K, SILU_MUL)
+            xk = _load_x(x_ptr, k, offs_k, K, EVEN_K).to(tl.float32)[None, :]
+            acc += w.to(tl.float32) * xk
             if SILU_MUL:
-                acc_up += wu.to(tl.float32) * xk.to(tl.float32)[None, :]
+                acc_up += wu.to(tl.float32) * xk
         y = tl.sum(acc, axis=1)
         if HAS_BIAS:
             y += tl.load(b_ptr + rows).to(tl.float32)
@@ -175,7 +198,12 @@ if HAS_TRITON:
     @triton.jit
     def _gemv_mma_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_ym,
                          BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                         HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, SILU_MUL: tl.constexpr):
+                         HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, SILU_MUL: tl.constexpr,
+                         PDL: tl.constexpr):
+        # Waits first (no weight prefetch): the loop below is software-pipelined
+        # over num_stages weight tiles, which a peeled first tile would disturb.
+        pdl_wait(PDL)
+        pdl_trigger(PDL)
         offs_n = tl.program_id(0) * BN + tl.arange(0, BN)
         rows = tl.minimum(offs_n, N - 1).to(tl.int64)
         offs_m = tl.arange(0, BM)

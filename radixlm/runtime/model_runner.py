@@ -13,6 +13,7 @@ from radixlm.cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
 from radixlm.config import ServerArgs
 from radixlm.layers.attention.base import AttentionBackend
 from radixlm.layers.linear import set_gemv, set_weight_prepack
+from radixlm.layers.pdl import set_pdl
 from radixlm.runtime.forward_batch import ForwardBatch
 
 logger = logging.getLogger(__name__)
@@ -71,6 +72,8 @@ class ModelRunner:
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device.index or 0)
             set_gemv(not args.disable_gemv)
+            if set_pdl(not args.disable_pdl, self.device):
+                logger.info("programmatic dependent launch on for the decode kernels")
         self.dtype = resolve_dtype(args.dtype, config, self.device)
         self.config = config
         self.shape = ModelShape.from_config(config, args.context_length, args.tp_size,

@@ -90,6 +90,25 @@ def test_cuda_graph_on_off_identical(model_dir, prompts):
     assert [o["output_ids"] for o in sampled] == [o["output_ids"] for o in sampled2]
 
 
+def test_pdl_on_off_identical(model_dir, prompts):
+    """Programmatic dependent launch changes when kernels start, not what they compute:
+    the same greedy tokens and prompt logprobs, bit for bit (graphs and eager prefill)."""
+    from radixlm.layers import pdl
+
+    if not pdl.supported():
+        pytest.skip("PDL needs compute capability >= 9")
+    results = []
+    for disable in (False, True):
+        with _engine(model_dir, "bfloat16", disable_pdl=disable) as e:
+            assert pdl.pdl_on() is not disable  # the engine's runner shares this process
+            outs = e.generate(input_ids=prompts, sampling_params={"max_new_tokens": NEW,
+                                                                  "temperature": 0},
+                              return_logprob=True, logprob_start_len=0)
+            results.append([(o["output_ids"], o["meta_info"]["input_token_logprobs"])
+                            for o in outs])
+    assert results[0] == results[1]
+
+
 def test_overlap_on_off_identical(model_dir, prompts):
     """The overlap scheduler changes when the host reads results, never what is computed:
     greedy, seeded sampling and stop tokens. Then a pool small enough to force

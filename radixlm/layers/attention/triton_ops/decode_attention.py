@@ -35,7 +35,9 @@ import torch
 import triton
 import triton.language as tl
 
+from radixlm.layers import pdl
 from radixlm.layers.attention.triton_ops.flash_block import LOG2E, attend_block
+from radixlm.layers.pdl import pdl_trigger, pdl_wait
 
 
 @dataclass
@@ -72,7 +74,10 @@ def _decode_stage1_kernel(
     stride_mlb, stride_mlh,
     GROUP: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
     HEAD_DIM: tl.constexpr, DOT_PREC: tl.constexpr, HAS_PREFIX: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl_wait(PDL)
+    pdl_trigger(PDL)
     b = tl.program_id(0)
     g = tl.program_id(1)
     s = tl.program_id(2)
@@ -127,8 +132,10 @@ def _decode_stage2_kernel(
     stride_plb, stride_plh,
     stride_ob, stride_oh,
     BLOCK_S: tl.constexpr, BLOCK_P: tl.constexpr, CHUNK_ALIGN: tl.constexpr,
-    HEAD_DIM: tl.constexpr, HAS_PREFIX: tl.constexpr,
+    HEAD_DIM: tl.constexpr, HAS_PREFIX: tl.constexpr, PDL: tl.constexpr,
 ):
+    pdl_wait(PDL)
+    pdl_trigger(PDL)
     b = tl.program_id(0)
     h = tl.program_id(1)
     seq_len = tl.load(SeqLens + b)
@@ -245,6 +252,7 @@ def decode_attention_fwd(
         GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n,
         HEAD_DIM=head_dim, DOT_PREC=dot_precision(q.dtype), HAS_PREFIX=has_prefix,
         num_warps=num_warps or DECODE_NUM_WARPS, num_stages=num_stages or DECODE_NUM_STAGES,
+        **pdl.launch_args(),
     )
     po, plse = (prefix.mid_po, prefix.mid_plse) if has_prefix else (mid_o, mid_lse)
     _decode_stage2_kernel[(bs, num_heads)](
@@ -258,7 +266,7 @@ def decode_attention_fwd(
         BLOCK_S=triton.next_power_of_2(num_splits),
         BLOCK_P=triton.next_power_of_2(po.shape[2]) if has_prefix else 1,
         CHUNK_ALIGN=block_n, HEAD_DIM=head_dim, HAS_PREFIX=has_prefix,
-        num_warps=4 if head_dim >= 128 else 2,
+        num_warps=4 if head_dim >= 128 else 2, **pdl.launch_args(),
     )
     return o
 

@@ -1,0 +1,91 @@
+"""Programmatic dependent launch (PDL) for the decode-path Triton kernels.
+
+Why: at batch 1 a decode step is ~300 small kernels. Normally a kernel starts
+only after the one before it in the stream has finished and drained, so every
+boundary costs a launch plus the next kernel's ramp-up. On Hopper and newer, a
+kernel launched with PDL may start as soon as every program of the kernel
+before it has signalled (`pdl_trigger`); it then blocks in `pdl_wait` until
+that kernel has finished and its writes are visible. What a kernel does before
+its wait (address math, loading weights) overlaps the previous kernel.
+
+Contract for a kernel that takes part (it takes a `PDL: tl.constexpr` argument
+and is launched with `**launch_args()`):
+- before `pdl_wait(PDL)` it reads nothing but constant data (the weights) and
+  writes nothing; everything else comes after the wait;
+- it calls `pdl_trigger(PDL)` after its wait. When a kernel runs its pre-wait
+  code, the kernel before it has therefore passed its own wait, so everything
+  earlier in the stream has finished.
+Kernels that do not take part (torch's, cuBLAS, NCCL) are ordinary stream
+dependencies and need nothing.
+
+The switch is per process (`set_pdl`), off by default and where unsupported
+(pre-Hopper GPUs, CPU, the Triton interpreter, a Triton without `gdc_wait`).
+The model runner turns it on for CUDA unless `--disable-pdl`.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+try:  # CPU-only installs may lack Triton
+    import triton
+    import triton.language as tl
+
+    HAS_TRITON = True
+except ImportError:  # pragma: no cover - depends on the install
+    HAS_TRITON = False
+
+try:
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+    HAS_GDC = True
+except ImportError:  # pragma: no cover - older Triton
+    HAS_GDC = False
+
+_state = {"on": False}
+
+
+def pdl_on() -> bool:
+    return _state["on"]
+
+
+def launch_args() -> dict:
+    """Launch keywords for a kernel that takes part: its `PDL` constexpr and Triton's
+    `launch_pdl` (the launch attribute)."""
+    on = _state["on"]
+    return {"PDL": on, "launch_pdl": on}
+
+
+def set_pdl(enabled: bool, device: torch.device | None = None) -> bool:
+    """Turn PDL on (where `supported(device)`) or off for this process; returns the
+    resulting state."""
+    _state["on"] = bool(enabled) and supported(device)
+    return _state["on"]
+
+
+def supported(device: torch.device | None = None) -> bool:
+    if not (HAS_TRITON and HAS_GDC and torch.cuda.is_available()):
+        return False
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        return False
+    return torch.cuda.get_device_capability(device)[0] >= 9
+
+
+if HAS_TRITON:
+
+    @triton.jit
+    def pdl_wait(PDL: tl.constexpr):
+        """Block until the previous kernel in the stream has finished (no-op without PDL)."""
+        if PDL:
+            gdc_wait()
+
+    @triton.jit
+    def pdl_trigger(PDL: tl.constexpr):
+        """Let the next kernel in the stream launch (no-op without PDL)."""
+        if PDL:
+            gdc_launch_dependents()

@@ -1,0 +1,78 @@
+"""Programmatic dependent launch (radixlm/layers/pdl.py): a chain of dependent decode
+kernels computes the same bits with PDL as without, eagerly and replayed from a CUDA
+graph (Hopper or newer only)."""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+if not torch.cuda.is_available():
+    pytest.skip("needs CUDA", allow_module_level=True)
+pytest.importorskip("triton")
+
+from gpu_models import capture_graph  # noqa: E402
+
+from radixlm.layers import pdl  # noqa: E402
+from radixlm.layers.fused_ops import rms_norm  # noqa: E402
+from radixlm.layers.gemv import gemv  # noqa: E402
+
+pytestmark = pytest.mark.gpu
+DEV = torch.device("cuda")
+if not pdl.supported(DEV):
+    pytest.skip("PDL needs compute capability >= 9 and a Triton with gdc_wait",
+                allow_module_level=True)
+
+H, D = 4096, 7168  # hidden and MLP width: kernels long enough for a launch to overlap
+
+
+@pytest.fixture(autouse=True)
+def _pdl_off_after():
+    yield
+    pdl.set_pdl(False)
+
+
+def _weights(layers: int) -> list[tuple[torch.Tensor, ...]]:
+    g = torch.Generator(device=DEV).manual_seed(0)
+
+    def rand(*shape: int) -> torch.Tensor:
+        return (torch.randn(*shape, device=DEV, generator=g) * shape[-1] ** -0.5).bfloat16()
+
+    return [(torch.rand(H, device=DEV, generator=g).bfloat16() + 0.5, rand(H, H),
+             rand(2 * D, H), rand(H, D)) for _ in range(layers)]
+
+
+def _chain(x: torch.Tensor, res: torch.Tensor, weights) -> tuple[torch.Tensor, torch.Tensor]:
+    """Norm (+ residual) -> GEMV -> gate/up GEMV with SiLU-and-mul -> GEMV, per layer:
+    every kernel reads what the one before it wrote."""
+    for norm_w, w1, w2, w3 in weights:
+        h, res = rms_norm(x, norm_w, 1e-5, res)
+        x = gemv(gemv(gemv(h, w1), w2, silu_mul=True), w3)
+    return x, res
+
+
+@pytest.mark.parametrize("rows", [1, 4])  # the fma and the mma GEMV kernels
+def test_pdl_chain_bit_identical(rows):
+    weights = _weights(4)
+    inputs = [(torch.randn(rows, H, device=DEV).bfloat16(),
+               torch.randn(rows, H, device=DEV).bfloat16()) for _ in range(4)]
+    assert not pdl.set_pdl(False)
+    want = [_chain(x, r, weights) for x, r in inputs]
+    assert pdl.set_pdl(True, DEV)
+    eager = [_chain(x, r, weights) for x, r in inputs]
+    x_in, r_in = (t.clone() for t in inputs[0])
+    graph, (x_out, r_out) = capture_graph(lambda: _chain(x_in, r_in, weights))
+    for (x, r), (wx, wr), (ex, er) in zip(inputs, want, eager):
+        assert torch.equal(ex, wx) and torch.equal(er, wr)
+        x_in.copy_(x)
+        r_in.copy_(r)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(x_out, wx) and torch.equal(r_out, wr)
+
+
+def test_pdl_switch():
+    assert pdl.set_pdl(True, DEV)
+    assert pdl.launch_args() == {"PDL": True, "launch_pdl": True}
+    assert not pdl.set_pdl(False)
+    assert pdl.launch_args() == {"PDL": False, "launch_pdl": False}
