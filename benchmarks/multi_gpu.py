@@ -1,13 +1,14 @@
 """Multi-GPU measurements (issue 7): tp=2 vs tp=1 and dp=2 vs dp=1 on
 Llama-3.1-8B's shape with dummy bf16 weights, in one process tree.
 
-    NCCL_NVLS_ENABLE=0 python benchmarks/multi_gpu.py [ar] [tp] [cublas] [nccl] [profile] [dp]
-        [prefix]
+    NCCL_NVLS_ENABLE=0 python benchmarks/multi_gpu.py [ar] [tp] [cublas] [nccl] [nopdl]
+        [profile] [dp] [prefix]
 
 Prints: prompt-logprob agreement of tp=2 with tp=1, single-stream decode tok/s
 beside the one- and two-GPU HBM rooflines, offline throughput (256 x 512 in /
-256 out) for tp=1, tp=2 and tp=2 with the all-reduce and the add + RMSNorm
-after it as separate kernels (`cublas`: also tp=1 and tp=2 with cuBLAS in
+256 out) for tp=1, tp=2, tp=2 with the all-reduce and the add + RMSNorm
+after it as separate kernels, and tp=2 without programmatic dependent launch
+(`nopdl`: also tp=1 without it; `cublas`: also tp=1 and tp=2 with cuBLAS in
 place of our decode GEMV; `nccl`: also tp=2 with NCCL in place of the custom
 all-reduce), dp=1 (= tp=1)
 and dp=2, and cache-aware vs round-robin routing on a generated
@@ -278,7 +279,10 @@ def main() -> None:
         # Peers in the same run: cuBLAS instead of our GEMV, and with `nccl`, NCCL
         # instead of the custom all-reduce.
         variants = [("tp=1", {}), ("tp=2", {"tp_size": 2}),
-                    ("tp=2 unfused", {"tp_size": 2, "disable_allreduce_fusion": True})]
+                    ("tp=2 unfused", {"tp_size": 2, "disable_allreduce_fusion": True}),
+                    ("tp=2 no-pdl", {"tp_size": 2, "disable_pdl": True})]
+        if "nopdl" in phases:
+            variants.append(("tp=1 no-pdl", {"disable_pdl": True}))
         if "cublas" in phases:
             variants += [("tp=1 cublas", {"disable_gemv": True}),
                          ("tp=2 cublas", {"tp_size": 2, "disable_gemv": True})]
