@@ -30,6 +30,7 @@ H, D = 4096, 7168  # hidden and MLP width: kernels long enough for a launch to o
 def _pdl_off_after():
     yield
     pdl.set_pdl(False)
+    torch.cuda.empty_cache()  # ~0.9 GB of weights per test: back to the driver
 
 
 def _weights(layers: int) -> list[tuple[torch.Tensor, ...]]:
