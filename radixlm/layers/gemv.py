@@ -25,6 +25,9 @@ Two kernels, picked by M:
 - M >= 2: the same loop on tensor cores: tl.dot(w_tile [BN, BK], x^T [BK, 16])
   with x's rows zero-padded to 16 (masked loads, no extra traffic); Triton
   pipelines the weight loads through shared memory (num_stages).
+Both take part in programmatic dependent launch (`radixlm.layers.pdl`); the
+M == 1 kernel loads its first weight tile before waiting for the previous
+kernel.
 """
 
 from __future__ import annotations

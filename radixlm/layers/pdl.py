@@ -12,11 +12,12 @@ Contract for a kernel that takes part (it takes a `PDL: tl.constexpr` argument
 and is launched with `**launch_args()`):
 - before `pdl_wait(PDL)` it reads nothing but constant data (the weights) and
   writes nothing; everything else comes after the wait;
-- it calls `pdl_trigger(PDL)` after its wait. When a kernel runs its pre-wait
-  code, the kernel before it has therefore passed its own wait, so everything
-  earlier in the stream has finished.
-Kernels that do not take part (torch's, cuBLAS, NCCL) are ordinary stream
-dependencies and need nothing.
+- it calls `pdl_trigger(PDL)` after its wait, so the next kernel cannot start
+  before everything earlier in the stream than this one has finished.
+Kernels that do not take part (torch's, cuBLAS, NCCL) are launched without the
+attribute: they start only after everything before them has finished, and the
+kernel after them may start early only if they signal; its wait still covers
+them.
 
 The switch is per process (`set_pdl`), off by default and where unsupported
 (pre-Hopper GPUs, CPU, the Triton interpreter, a Triton without `gdc_wait`).
@@ -25,12 +26,9 @@ The model runner turns it on for CUDA unless `--disable-pdl`.
 
 from __future__ import annotations
 
-import logging
 import os
 
 import torch
-
-logger = logging.getLogger(__name__)
 
 try:  # CPU-only installs may lack Triton
     import triton
