@@ -292,6 +292,7 @@ def test_bench_serving_over_two_client_processes(server: ServerProcess, tmp_path
     assert rc == 0 and got["completed"] == 6 and got["failed"] == 0
     assert got["total_input_tokens"] == 48 and got["total_output_tokens"] == 18
     assert 0 < got["duration_s"] < 120
+    assert got["client_busy"] > 0  # the busiest client process's CPU share of the run
     assert server.wait_idle()["kv_tokens_in_use"] == 0
 
 

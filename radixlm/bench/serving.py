@@ -118,8 +118,15 @@ async def send(client: httpx.AsyncClient, args: argparse.Namespace, model: str,
 
 
 # ---- one run -------------------------------------------------------------------------
+# A client process busier than this is near saturation: it reads the stream late
+# and sends late, which shows as server slowness. On 2 x H200, dp=2 streaming
+# ~17k tokens/s into 4 client processes (busiest at ~95%) measured 1.74-1.92x
+# dp=1; with 8 (busiest ~50%), 2.0x.
+CLIENT_BUSY_WARN = 0.8
+
 async def run_rate(args: argparse.Namespace, model: str, reqs: list[Request],
-                   rate: float, seed: int = 0) -> tuple[list[Result], float]:
+                   rate: float, seed: int = 0) -> tuple[list[Result], float, float]:
+    """(results, duration, the share of the run this process spent on the CPU)."""
     rng = np.random.default_rng(args.seed + seed)
     gate = asyncio.Semaphore(args.max_concurrency or len(reqs))
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
@@ -130,7 +137,7 @@ async def run_rate(args: argparse.Namespace, model: str, reqs: list[Request],
                           keepalive_expiry=2.0)
     async with httpx.AsyncClient(base_url=args.base_url, headers=headers, limits=limits,
                                  timeout=httpx.Timeout(args.timeout)) as client:
-        t0 = time.perf_counter()
+        t0, cpu0 = time.perf_counter(), time.process_time()
 
         async def gated(req: Request) -> Result:
             async with gate:
@@ -142,19 +149,20 @@ async def run_rate(args: argparse.Namespace, model: str, reqs: list[Request],
             if math.isfinite(rate):
                 await asyncio.sleep(rng.exponential(1.0 / rate))
         results = await asyncio.gather(*tasks)
-        return results, time.perf_counter() - t0
+        duration = time.perf_counter() - t0
+        return results, duration, (time.process_time() - cpu0) / max(duration, 1e-9)
 
 
 def _run_share(args: argparse.Namespace, model: str, reqs: list[Request], rate: float,
-               seed: int, start_at: float) -> tuple[list[Result], float]:
+               seed: int, start_at: float) -> tuple[list[Result], float, float]:
     """One client process's share: its requests, from a common wall-clock start."""
     time.sleep(max(0.0, start_at - time.time()))
-    results, _ = asyncio.run(run_rate(args, model, reqs, rate, seed))
-    return results, time.time()
+    results, _, busy = asyncio.run(run_rate(args, model, reqs, rate, seed))
+    return results, time.time(), busy
 
 
 def run_rate_processes(args: argparse.Namespace, model: str, reqs: list[Request],
-                       rate: float) -> tuple[list[Result], float]:
+                       rate: float) -> tuple[list[Result], float, float]:
     """The run split over --client-processes event loops: one Python process parses
     SSE events too slowly for a server that streams >10k tokens/s, and the client
     must not be what is measured. Requests are dealt round-robin; each process
@@ -172,9 +180,9 @@ def run_rate_processes(args: argparse.Namespace, model: str, reqs: list[Request]
         done = [f.result() for f in futures]
     # Back in submission order, so results line up with `reqs`.
     results: list[Result] = [Result()] * len(reqs)
-    for i, (share, _) in enumerate(done):
+    for i, (share, _, _) in enumerate(done):
         results[i::k] = share
-    return results, max(end for _, end in done) - start_at
+    return results, max(end for _, end, _ in done) - start_at, max(b for _, _, b in done)
 
 
 def summarize(results: list[Result], duration: float) -> dict[str, float]:
@@ -213,7 +221,8 @@ ROWS = [("completed", "Successful requests", "{:.0f}"), ("failed", "Failed reque
         ("input_throughput", "Input throughput (tok/s)", "{:.1f}"),
         ("output_throughput", "Output throughput (tok/s)", "{:.1f}"),
         ("last_sent_s", "Last request sent at (s)", "{:.2f}"),
-        ("first_token_s", "First token at (s)", "{:.2f}")] + [
+        ("first_token_s", "First token at (s)", "{:.2f}"),
+        ("client_busy", "Busiest client process CPU", "{:.0%}")] + [
         (f"{m}_{s}_ms", f"{label} {s} (ms)", "{:.1f}")
         for m, label in (("ttft", "TTFT"), ("tpot", "TPOT"), ("itl", "ITL"), ("e2e", "E2E"))
         for s in ("mean", "p50", "p99")]
@@ -260,7 +269,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-concurrency", type=int, default=None)
     p.add_argument("--client-processes", type=int, default=1,
                    help="spread the requests over this many client processes (each with "
-                        "its own event loop) for servers faster than one Python client")
+                        "its own event loop) for servers faster than one Python client: "
+                        "about one per 2k streamed tokens/s; the table's busiest client "
+                        "process CPU should stay well below 100%%")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout", type=float, default=600.0)
     p.add_argument("--disable-ignore-eos", action="store_true")
@@ -289,14 +300,18 @@ async def amain(args: argparse.Namespace) -> int:
     summaries = []
     for rate in args.request_rate:
         if args.client_processes > 1:
-            results, duration = await asyncio.to_thread(run_rate_processes, args, model,
-                                                        reqs, rate)
+            results, duration, busy = await asyncio.to_thread(run_rate_processes, args,
+                                                              model, reqs, rate)
         else:
-            results, duration = await run_rate(args, model, reqs, rate)
+            results, duration, busy = await run_rate(args, model, reqs, rate)
         errors = [r.error for r in results if not r.ok]
         if errors:
             print(f"rate {rate}: {len(errors)} failed, first: {errors[0]}", file=sys.stderr)
-        summaries.append(summarize(results, duration))
+        if busy > CLIENT_BUSY_WARN:
+            print(f"rate {rate}: a client process was on the CPU {busy:.0%} of the run; "
+                  "the client may be what these figures measure: raise --client-processes",
+                  file=sys.stderr)
+        summaries.append(summarize(results, duration) | {"client_busy": busy})
     print_table(args.request_rate, summaries)
     if args.output_json:
         with open(args.output_json, "w") as f:
