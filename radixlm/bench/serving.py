@@ -120,8 +120,8 @@ async def send(client: httpx.AsyncClient, args: argparse.Namespace, model: str,
 # ---- one run -------------------------------------------------------------------------
 # A client process busier than this is near saturation: it reads the stream late
 # and sends late, which shows as server slowness. On 2 x H200, dp=2 streaming
-# ~17k tokens/s into 4 client processes (busiest at ~95%) measured 1.74-1.92x
-# dp=1; with 8 (busiest ~50%), 2.0x.
+# ~17k tokens/s into 4 client processes (3 s CPU samples up to 83-98%)
+# measured 1.74-1.92x dp=1; into 8 (up to 48-68%), 1.98-2.01x.
 CLIENT_BUSY_WARN = 0.8
 
 async def run_rate(args: argparse.Namespace, model: str, reqs: list[Request],
