@@ -20,7 +20,8 @@ kernel after them may start early only if they signal; its wait still covers
 them.
 
 The switch is per process (`set_pdl`), off by default and where unsupported
-(pre-Hopper GPUs, CPU, the Triton interpreter, a Triton without `gdc_wait`).
+(pre-Hopper and non-NVIDIA GPUs, CPU, the Triton interpreter, a Triton without
+`gdc_wait`).
 The model runner turns it on for CUDA unless `--disable-pdl`.
 """
 
@@ -68,6 +69,8 @@ def set_pdl(enabled: bool, device: torch.device | None = None) -> bool:
 
 def supported(device: torch.device | None = None) -> bool:
     if not (HAS_TRITON and HAS_GDC and torch.cuda.is_available()):
+        return False
+    if torch.version.hip is not None:  # griddepcontrol is NVIDIA's (ROCm reports 9.x too)
         return False
     if os.environ.get("TRITON_INTERPRET") == "1":
         return False
