@@ -218,19 +218,11 @@ if HAS_TRITON:
         acc = tl.zeros([BN, BM], dtype=tl.float32)
         acc_up = tl.zeros([BN, BM], dtype=tl.float32)
         for k in range(0, K, BK):
+            w, wu = _load_w(w_ptrs, up_ptrs, k, offs_k, K, EVEN_K, SILU_MUL)
             if EVEN_K:
-                w = tl.load(w_ptrs + k, eviction_policy="evict_first")
-                if SILU_MUL:
-                    wu = tl.load(up_ptrs + k, eviction_policy="evict_first")
                 xt = tl.load(xt_ptrs + k, mask=m_ok, other=0.0)
             else:
-                k_ok = k + offs_k < K
-                w = tl.load(w_ptrs + k, mask=k_ok[None, :], other=0.0,
-                            eviction_policy="evict_first")
-                if SILU_MUL:
-                    wu = tl.load(up_ptrs + k, mask=k_ok[None, :], other=0.0,
-                                 eviction_policy="evict_first")
-                xt = tl.load(xt_ptrs + k, mask=m_ok & k_ok[:, None], other=0.0)
+                xt = tl.load(xt_ptrs + k, mask=m_ok & (k + offs_k < K)[:, None], other=0.0)
             acc = tl.dot(w, xt, acc)
             if SILU_MUL:
                 acc_up = tl.dot(wu, xt, acc_up)
