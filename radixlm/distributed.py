@@ -225,15 +225,23 @@ def _symm_allreduce_norm(group: dist.ProcessGroup, device: torch.device) -> AllR
     return AllReduceNorm(buf, ptrs, pads, handle.rank, handle.world_size)
 
 
+def _fused_for(shape: torch.Size | tuple[int, ...], dtype: torch.dtype,
+               device: torch.device) -> AllReduceNorm | None:
+    """The fused all-reduce + norm kernel, if it is set up and takes such a tensor:
+    one test for the producer (`partial_sum_buffer`) and the consumer."""
+    fused = _AR_NORM
+    if fused is None or device.type != "cuda" or not fused.can_reduce(shape, dtype):
+        return None
+    return fused
+
+
 def partial_sum_buffer(shape: torch.Size | tuple[int, ...], dtype: torch.dtype,
                        device: torch.device) -> torch.Tensor | None:
     """Where a row-parallel layer should write a partial sum that the next
     `all_reduce_add_rms_norm` takes: a slot of symmetric memory, or None (write
     it anywhere; the reduction then runs apart from the norm)."""
-    fused = _AR_NORM
-    if fused is None or device.type != "cuda" or not fused.can_reduce(shape, dtype):
-        return None
-    return fused.buffer(shape, dtype)
+    fused = _fused_for(shape, dtype, device)
+    return None if fused is None else fused.buffer(shape, dtype)
 
 
 def all_reduce_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
@@ -241,10 +249,8 @@ def all_reduce_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: tor
     """(rmsnorm(all_reduce(x) + residual) * weight, all_reduce(x) + residual) in one
     kernel (`layers.allreduce_norm`), or None where that kernel is not set up or
     does not take x: the caller then reduces and normalizes apart."""
-    fused = _AR_NORM
-    if fused is None or not x.is_cuda or not fused.can_reduce(x.shape, x.dtype):
-        return None
-    return fused(x, residual, weight, eps)
+    fused = _fused_for(x.shape, x.dtype, x.device)
+    return None if fused is None else fused(x, residual, weight, eps)
 
 
 def custom_all_reduce_enabled() -> bool:
