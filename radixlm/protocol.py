@@ -27,6 +27,8 @@ class GenerateReq(msgspec.Struct, tag=True):
     top_logprobs_num: int = 0
     logprob_start_len: int = -1  # -1: no prompt logprobs
     session_params: dict[str, Any] | None = None
+    # Higher runs first under --enable-priority-scheduling (SGLang's and vLLM's field).
+    priority: int = 0
 
 
 class AbortReq(msgspec.Struct, tag=True):

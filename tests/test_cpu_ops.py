@@ -9,13 +9,13 @@ import torch
 import torch.nn.functional as F
 
 from radixlm.cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
+from radixlm.forward_batch import ForwardBatch, ForwardMode
 from radixlm.layers import cpu_ops
 from radixlm.layers.activation import SiluAndMul
 from radixlm.layers.attention.cpu_backend import CpuAttentionBackend
 from radixlm.layers.attention.torch_native import TorchNativeBackend
 from radixlm.layers.norm import RMSNorm
 from radixlm.layers.rotary import RotaryEmbedding
-from radixlm.runtime.forward_batch import ForwardBatch, ForwardMode
 
 HALF = (torch.bfloat16, torch.float16)
 

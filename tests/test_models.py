@@ -13,6 +13,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2
 
 from radixlm import distributed
 from radixlm.cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
+from radixlm.forward_batch import ForwardBatch, ForwardMode
 from radixlm.layers.attention.torch_native import TorchNativeBackend
 from radixlm.layers.embedding import ParallelLMHead
 from radixlm.layers.linear import (
@@ -23,7 +24,6 @@ from radixlm.layers.linear import (
 )
 from radixlm.models import get_model_class, supported_architectures
 from radixlm.models.loader import iter_safetensors, load_config, load_model
-from radixlm.runtime.forward_batch import ForwardBatch, ForwardMode
 from radixlm.tokenizer import get_tokenizer
 
 # Relative to the largest reference logit; fp32 on the same weights differs

@@ -29,7 +29,7 @@ from radixlm.layers.norm import RMSNorm
 from radixlm.layers.rotary import RotaryEmbedding, get_rope
 
 if TYPE_CHECKING:
-    from radixlm.runtime.forward_batch import ForwardBatch
+    from radixlm.forward_batch import ForwardBatch
 
 logger = logging.getLogger(__name__)
 

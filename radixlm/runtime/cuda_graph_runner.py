@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from radixlm.runtime.forward_batch import ForwardBatch, ForwardMode, cascade_attention_wanted
+from radixlm.forward_batch import ForwardBatch, ForwardMode, cascade_attention_wanted
 
 if TYPE_CHECKING:
     from radixlm.runtime.model_runner import ModelRunner

@@ -11,10 +11,10 @@ import torch
 from radixlm import distributed as tp
 from radixlm.cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
 from radixlm.config import ServerArgs
+from radixlm.forward_batch import ForwardBatch
 from radixlm.layers.attention.base import AttentionBackend
 from radixlm.layers.linear import set_gemv, set_weight_prepack
 from radixlm.layers.pdl import set_pdl
-from radixlm.runtime.forward_batch import ForwardBatch
 
 logger = logging.getLogger(__name__)
 

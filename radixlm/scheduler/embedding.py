@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from radixlm.runtime.forward_batch import ForwardBatch
+from radixlm.forward_batch import ForwardBatch
 from radixlm.scheduler.req import Req
 
 

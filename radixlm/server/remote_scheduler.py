@@ -35,8 +35,8 @@ from radixlm.protocol import (
     decode_to_tokenizer,
     encode,
 )
+from radixlm.request_input import check_input
 from radixlm.sampling_params import SamplingParams
-from radixlm.scheduler.scheduler import check_input
 from radixlm.server.ipc import IpcPaths, pull_socket, push_socket
 from radixlm.server.workers import spawn_schedulers
 

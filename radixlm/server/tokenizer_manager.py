@@ -257,7 +257,7 @@ class TokenizerManager:
 
     def validate(self, job: PromptJob) -> None:
         """The scheduler's own input rules, applied before anything is sent."""
-        from radixlm.scheduler.scheduler import check_input
+        from radixlm.request_input import check_input
 
         limits = self.require_limits()
         try:

@@ -15,7 +15,7 @@ import random
 import pytest
 import torch
 
-from radixlm.runtime.forward_batch import (
+from radixlm.forward_batch import (
     ForwardBatch,
     ForwardMode,
     PrefixGroups,

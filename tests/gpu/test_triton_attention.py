@@ -13,6 +13,7 @@ pytest.importorskip("triton")
 
 from gpu_models import capture_graph  # noqa: E402
 
+from radixlm.forward_batch import ForwardBatch, ForwardMode  # noqa: E402
 from radixlm.layers.attention.torch_native import TorchNativeBackend  # noqa: E402
 from radixlm.layers.attention.triton_backend import TritonAttentionBackend  # noqa: E402
 from radixlm.layers.attention.triton_ops.decode_attention import (  # noqa: E402
@@ -25,7 +26,6 @@ from radixlm.layers.attention.triton_ops.extend_attention import (  # noqa: E402
     extend_config,
 )
 from radixlm.layers.attention.triton_ops.kv_store import store_kv  # noqa: E402
-from radixlm.runtime.forward_batch import ForwardBatch, ForwardMode  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 DEV = torch.device("cuda")

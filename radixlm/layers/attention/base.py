@@ -13,9 +13,9 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
+    from radixlm.forward_batch import ForwardBatch, PrefixGroups
     from radixlm.layers.attention.radix_attention import RadixAttention
     from radixlm.layers.rotary import RotaryEmbedding
-    from radixlm.runtime.forward_batch import ForwardBatch, PrefixGroups
 
     Rope = tuple[RotaryEmbedding, torch.Tensor]  # (the layer's rotary embedding, positions)
 

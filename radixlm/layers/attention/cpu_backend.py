@@ -20,8 +20,8 @@ from radixlm.layers import cpu_ops
 from radixlm.layers.attention.torch_native import TorchNativeBackend
 
 if TYPE_CHECKING:
+    from radixlm.forward_batch import ForwardBatch
     from radixlm.layers.attention.radix_attention import RadixAttention
-    from radixlm.runtime.forward_batch import ForwardBatch
 
 # A request is cut into several chunks for different threads only when it has
 # at least this many tokens per chunk: below that the merge costs more.

@@ -8,8 +8,8 @@ import torch
 from torch import nn
 
 if TYPE_CHECKING:
+    from radixlm.forward_batch import ForwardBatch
     from radixlm.layers.attention.base import Rope
-    from radixlm.runtime.forward_batch import ForwardBatch
 
 
 class RadixAttention(nn.Module):

@@ -10,8 +10,8 @@ import torch.nn.functional as F
 from radixlm.layers.attention.base import AttentionBackend
 
 if TYPE_CHECKING:
+    from radixlm.forward_batch import ForwardBatch
     from radixlm.layers.attention.radix_attention import RadixAttention
-    from radixlm.runtime.forward_batch import ForwardBatch
 
 
 def _extend_runs(prefix_lens: list[int],

@@ -34,9 +34,9 @@ from radixlm.layers.fused_ops import apply_rope_
 from radixlm.utils import to_device
 
 if TYPE_CHECKING:
+    from radixlm.forward_batch import ForwardBatch, PrefixGroups
     from radixlm.layers.attention.base import Rope
     from radixlm.layers.attention.radix_attention import RadixAttention
-    from radixlm.runtime.forward_batch import ForwardBatch, PrefixGroups
 
 
 @dataclass

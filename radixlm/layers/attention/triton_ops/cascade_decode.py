@@ -1,7 +1,7 @@
 """Prefix-sharing (cascade) decode attention.
 
 Requests of a decode batch that hold the same radix-tree prefix have the very
-same pool slots for it (`PrefixGroups` in runtime/forward_batch.py finds them).
+same pool slots for it (`PrefixGroups` in forward_batch.py finds them).
 Plain decode reads that prefix's K/V once per request; here it is read once per
 group:
 
