@@ -269,6 +269,8 @@ class TritonAttentionBackend(AttentionBackend):
                 stored = True
             else:
                 q, k = emb(positions, q, k)
+        if fb.mode.is_mixed():
+            return self.forward_mixed(q, k, v, layer, fb, kv_stored=stored)
         if fb.mode.is_decode():
             return self.forward_decode(q, k, v, layer, fb, kv_stored=stored)
         return self.forward_extend(q, k, v, layer, fb, kv_stored=stored)
