@@ -25,7 +25,7 @@ prefix cache is flushed (its KV came from the old weights).
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from radixlm.config import LOG_LEVELS, WEIGHT_UPDATE_GROUP
 from radixlm.runtime.memory_occupation import MemoryOccupation, normalize_tags
@@ -36,8 +36,22 @@ from radixlm.runtime.weight_updater import (
     deserialize_named_tensors,
 )
 
-if TYPE_CHECKING:
-    from radixlm.scheduler.scheduler import Scheduler
+
+class Controlled(Protocol):
+    """What the control component needs of its scheduler."""
+
+    args: Any  # ServerArgs
+    runner: Any  # the ModelRunner: model, config, device
+    reqs: dict[str, Any]
+    sessions: Any  # SessionController
+
+    def abort(self, rid: str | None = None, abort_all: bool = False) -> None: ...
+
+    def flush_cache(self) -> tuple[bool, str]: ...
+
+    def server_info(self) -> dict[str, Any]: ...
+
+    def check_invariants(self) -> None: ...
 
 # Method name -> name of the implementing method of SchedulerControl.
 CONTROL_METHODS: dict[str, str] = {
@@ -67,7 +81,7 @@ class SchedulerControl:
     """Constructed by the scheduler it controls, with the runtime-control parts of
     its model runner (weight updater, memory occupation, profiler)."""
 
-    def __init__(self, scheduler: Scheduler) -> None:
+    def __init__(self, scheduler: Controlled) -> None:
         self.scheduler = scheduler
         runner = scheduler.runner
         self.weights = WeightUpdater(runner.model, runner.config, runner.device,

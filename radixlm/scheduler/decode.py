@@ -16,7 +16,6 @@ from collections.abc import Callable
 
 from radixlm.config import ServerArgs
 from radixlm.scheduler.kv_manager import KVManager
-from radixlm.scheduler.prefill import RESERVE_CLIP
 from radixlm.scheduler.req import Req
 from radixlm.scheduler.schedule_batch import ScheduleBatch
 from radixlm.scheduler.stats import Stats
@@ -26,6 +25,7 @@ logger = logging.getLogger(__name__)
 INIT_NEW_TOKEN_RATIO = 0.7
 MIN_NEW_TOKEN_RATIO = 0.1
 NEW_TOKEN_RATIO_DECAY = 0.001
+RESERVE_CLIP = 4096  # a request's reservation counts at most this many future tokens
 RETRACT_HEADROOM_STEPS = 8
 
 

@@ -158,20 +158,14 @@ class ModelWorker:
 
     def _forward_batch(self, batch: ScheduleBatch) -> tuple[ForwardBatch, list[int]]:
         """The device batch, and each request's last row among the logit rows."""
-        input_ids: list[int] = []
-        rows: list[int] = []
-        last_rows: list[int] = []
-        offset = 0
-        for i, req in enumerate(batch.reqs):
-            start, ext = batch.prefix_lens[i], batch.extend_lens[i]
-            if i < batch.num_extend:
-                input_ids += req.fill_ids[start:start + ext]
-            rows += range(offset + batch.logit_starts[i] - start, offset + ext)
-            last_rows.append(len(rows) - 1)
-            offset += ext
-        r = self.runner
         num_device = batch.batch_size - batch.num_extend  # rows whose input is on the device
-        input_ids += [0] * num_device
+        if batch.mode.is_decode():  # the hot path: one row per request
+            rows = last_rows = list(range(batch.batch_size))
+            input_ids = [0] * num_device
+        else:
+            input_ids, rows, last_rows = _host_rows(batch)
+            input_ids += [0] * num_device
+        r = self.runner
         fb = ForwardBatch.build(
             batch.mode, input_ids, [q.req_pool_idx for q in batch.reqs], batch.prefix_lens,
             batch.extend_lens, batch.out_cache_loc, r.req_to_token_pool, r.kv_pool,
@@ -244,6 +238,23 @@ class ModelWorker:
         hidden = self.runner.model.forward_hidden(fb.input_ids, fb.positions, fb)
         rows = list(hidden.split(batch.extend_lens))
         return PendingResult.done(batch, BatchResult([[] for _ in batch.reqs], hidden=rows))
+
+
+def _host_rows(batch: ScheduleBatch) -> tuple[list[int], list[int], list[int]]:
+    """(input ids of the extend requests, logit rows of the flat token axis, each
+    request's last row among them)."""
+    input_ids: list[int] = []
+    rows: list[int] = []
+    last_rows: list[int] = []
+    offset = 0
+    for i, req in enumerate(batch.reqs):
+        start, ext = batch.prefix_lens[i], batch.extend_lens[i]
+        if i < batch.num_extend:
+            input_ids += req.fill_ids[start:start + ext]
+        rows += range(offset + batch.logit_starts[i] - start, offset + ext)
+        last_rows.append(len(rows) - 1)
+        offset += ext
+    return input_ids, rows, last_rows
 
 
 def _token_logprobs(req: Req, logits: torch.Tensor, first: int, lo: int,

@@ -13,21 +13,16 @@ request that does not fit may retract lower-priority running requests
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from radixlm.config import ServerArgs
+from radixlm.scheduler.decode import RESERVE_CLIP, DecodeManager
 from radixlm.scheduler.kv_manager import KVManager
 from radixlm.scheduler.policy import order_waiting
 from radixlm.scheduler.req import Req
 from radixlm.scheduler.stats import Stats
 
-if TYPE_CHECKING:
-    from radixlm.scheduler.decode import DecodeManager
-
 # Two waiting requests whose uncached parts begin with this many equal tokens are
 # not prefilled in the same batch: the second waits a round and reuses the first's KV.
 IN_BATCH_PREFIX_TOKENS = 32
-RESERVE_CLIP = 4096  # a request's reservation counts at most this many future tokens
 
 
 class PrefillManager:

@@ -14,10 +14,7 @@ import torch
 
 if TYPE_CHECKING:
     from radixlm.forward_batch import ForwardBatch, PrefixGroups
-    from radixlm.layers.attention.radix_attention import RadixAttention
-    from radixlm.layers.rotary import RotaryEmbedding
-
-    Rope = tuple[RotaryEmbedding, torch.Tensor]  # (the layer's rotary embedding, positions)
+    from radixlm.layers.attention.radix_attention import RadixAttention, Rope
 
 
 class AttentionBackend(ABC):

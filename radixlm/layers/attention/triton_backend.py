@@ -35,8 +35,7 @@ from radixlm.utils import to_device
 
 if TYPE_CHECKING:
     from radixlm.forward_batch import ForwardBatch, PrefixGroups
-    from radixlm.layers.attention.base import Rope
-    from radixlm.layers.attention.radix_attention import RadixAttention
+    from radixlm.layers.attention.radix_attention import RadixAttention, Rope
 
 
 @dataclass
