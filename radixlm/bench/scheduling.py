@@ -34,7 +34,7 @@ _ids = itertools.count()
 
 
 def _req(ids: list[int], new_tokens: int, priority: int = 0) -> GenerateReq:
-    return GenerateReq(rid=f"b{next(_ids)}", input_ids=ids, priority=priority,
+    return GenerateReq(rid=f"b{next(_ids)}", input_ids=ids, priority=priority, stream=True,
                        sampling_params={"max_new_tokens": new_tokens, "ignore_eos": True,
                                         "temperature": 0.0})
 
@@ -47,6 +47,8 @@ class Timeline:
     finished: set[str] = field(default_factory=set)
 
     def step(self, sched: Any) -> None:
+        if not sched.has_work:
+            raise RuntimeError("the scheduler went idle before the workload's condition held")
         outs = sched.step()
         now = time.perf_counter()
         for out in outs:
