@@ -24,6 +24,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from radixlm import __version__
 from radixlm.config import ServerArgs
 from radixlm.sampling_params import SamplingParams
+from radixlm.server.chat_output import chat_parsers
 from radixlm.server.control_api import add_control_routes
 from radixlm.server.embeddings_api import (
     EmbeddingServing,
@@ -203,7 +204,8 @@ def build_app(state: ServerState) -> FastAPI:
     app.add_exception_handler(StarletteHTTPException, _http_exception_handler)
     app.add_exception_handler(Exception, _internal_error_handler)
     tm = state.tm
-    openai = OpenAIServing(tm, state.tokenizer, state.served_name, state.args.model_path)
+    openai = OpenAIServing(tm, state.tokenizer, state.served_name, state.args.model_path,
+                           chat_parsers(state.args, state.tokenizer))
     native = NativeServing(tm, state.tokenizer, openai)
     add_embedding_routes(app, EmbeddingServing(tm, state.tokenizer, native, state.args,
                                                state.model_dir))
