@@ -151,3 +151,30 @@ def test_chat_template_kwargs_reach_the_template() -> None:
     off = ChatCompletionRequest(messages=ASK, chat_template_kwargs={"enable_thinking": False})
     assert api.render_chat(off, ToolPlan()).endswith("<think>\n\n</think>\n\n")
     assert "<think>" not in api.render_chat(ChatCompletionRequest(messages=ASK), ToolPlan())
+
+
+def test_responses_api_auto_and_reasoning(server: ServerProcess) -> None:
+    """The Responses API reads the same markup into function_call and reasoning items."""
+    client = server.openai()
+    tools = [{"type": "function", **t["function"]} for t in TOOLS]
+    r = client.responses.create(input="What is the weather in Paris?", tools=tools,
+                                max_output_tokens=160, temperature=0,
+                                extra_body={"regex": CALL_REGEX})
+    assert [o.type for o in r.output] == ["message", "function_call"]
+    assert r.output_text == "Checking." and r.output[1].name == "get_weather"
+    events = list(client.responses.create(
+        input="What is the weather in Paris?", tools=tools, max_output_tokens=160,
+        temperature=0, stream=True, extra_body={"regex": CALL_REGEX}))
+    args = "".join(e.delta for e in events if e.type == "response.function_call_arguments.delta")
+    assert args == r.output[1].arguments
+    assert events[-1].type == "response.completed"
+    thought = client.responses.create(input="Capital of France?", max_output_tokens=160,
+                                      temperature=0, extra_body={"regex": THINK_REGEX})
+    assert [o.type for o in thought.output] == ["reasoning", "message"]
+    assert thought.output[0].content[0].text and thought.output_text.startswith("The answer")
+    assert thought.usage.output_tokens_details.reasoning_tokens > 0
+    events = list(client.responses.create(input="Capital of France?", max_output_tokens=160,
+                                          temperature=0, stream=True,
+                                          extra_body={"regex": THINK_REGEX}))
+    reasoning = "".join(e.delta for e in events if e.type == "response.reasoning_text.delta")
+    assert reasoning == thought.output[0].content[0].text

@@ -51,6 +51,7 @@ from radixlm.server.openai_protocol import (
     OpenSessionRequest,
     TokenizeRequest,
 )
+from radixlm.server.responses_api import ResponsesServing, add_responses_routes
 from radixlm.server.tokenizer_manager import PromptJob, TokenizerManager
 
 MAX_BODY_BYTES = 8 << 20
@@ -212,6 +213,8 @@ def build_app(state: ServerState) -> FastAPI:
     _add_health_routes(app, state)
     _add_info_routes(app, state)
     add_control_routes(app, state)  # weights, memory, profiling, logging (control_api.py)
+    add_responses_routes(app, ResponsesServing(openai),
+                         lambda: refuse_generation(state.args))  # responses_api.py
 
     @app.post("/generate")
     @with_cancellation
