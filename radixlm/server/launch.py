@@ -259,6 +259,10 @@ class Launcher:
 
     def _on_child_death(self, name: str, proc: Any) -> None:
         message = f"the {name} process (pid {proc.pid}) died with exit code {proc.exitcode}"
+        if self.args.nnodes > 1 and name != "detokenizer":
+            # Every rank ends when a peer does: the cause may be on another node.
+            message += (f" (one of {self.args.nnodes} nodes: a scheduler rank also exits when "
+                        f"a rank on another node is lost, so check the other nodes too)")
         logger.error("%s; shutting the server down", message)
         self.exit_code = 1
         if self.state is not None:
