@@ -3,7 +3,8 @@ server (`--model local-completions` for log-likelihoods,
 `local-chat-completions` for chat generation) and against HF transformers
 (`--model hf`, the peer) on the same offline tasks (benchmarks/lm_eval/), in
 one run. Prints each command, then one table: radixlm's score, HF's, the
-difference.
+difference, and how far the two agree sample by sample (the largest
+log-likelihood difference; identical greedy answers).
 
     python benchmarks/lm_eval_accuracy.py                 # the embedded SmolLM2-135M
     python benchmarks/lm_eval_accuracy.py --limit 50      # a quicker subset
@@ -53,7 +54,8 @@ def start_server(args: argparse.Namespace, port: int) -> subprocess.Popen[bytes]
 def lm_eval(model: str, model_args: str, tasks: str, out: Path, args: argparse.Namespace,
             chat: bool) -> dict[str, Any]:
     cmd = ["lm_eval", "--model", model, "--model_args", model_args, "--tasks", tasks,
-           "--include_path", str(TASKS), "--output_path", str(out), "--seed", "1234"]
+           "--include_path", str(TASKS), "--output_path", str(out), "--seed", "1234",
+           "--log_samples"]
     if chat:
         cmd.append("--apply_chat_template")
     if model == "hf":
@@ -65,13 +67,32 @@ def lm_eval(model: str, model_args: str, tasks: str, out: Path, args: argparse.N
     subprocess.run(cmd, check=True, env={**os.environ, **OFFLINE}, stdout=subprocess.DEVNULL)
     print(f"  ({time.monotonic() - t0:.0f} s)", flush=True)
     (result,) = sorted(out.rglob("results_*.json"))[-1:]
-    return json.loads(result.read_text())["results"]
+    results = json.loads(result.read_text())["results"]
+    for task in results:
+        (path,) = sorted(out.rglob(f"samples_{task}_*.jsonl"))[-1:]
+        samples = [json.loads(line) for line in path.read_text().splitlines()]
+        results[task]["samples"] = {s["doc_id"]: s["resps"] for s in samples}
+    return results
+
+
+def agreement(ours: dict[str, Any], peer: dict[str, Any]) -> str:
+    """Log-likelihood tasks: the largest |difference| over every scored
+    continuation; generation: how many greedy answers are the same text."""
+    a, b = ours["samples"], peer["samples"]
+    if not isinstance(a[0][0], list) or not isinstance(a[0][0][0], list):  # generations
+        same = sum(a[d][0][0].strip() == b[d][0][0].strip() for d in a)
+        return f"{same}/{len(a)} answers identical"
+    # The sample files hold (loglikelihood, is_greedy) pairs as strings.
+    worst = max(abs(float(x[0][0]) - float(y[0][0])) for d in a for x, y in zip(a[d], b[d]))
+    return f"max |d loglik| {worst:.1e} over {sum(len(v) for v in a.values())}"
 
 
 def scores(results: dict[str, Any]) -> dict[tuple[str, str], float]:
     out = {}
     for task, metrics in results.items():
         for key, value in metrics.items():
+            if key == "samples":
+                continue
             if isinstance(value, float) and "stderr" not in key:
                 out[(task, key.split(",")[0])] = value
     return out
@@ -109,11 +130,12 @@ def main() -> None:
     peer = {**lm_eval("hf", hf_args, LOGLIKELIHOOD_TASKS, work / "hf-ll", args, False),
             **lm_eval("hf", hf_args, CHAT_TASKS, work / "hf-chat", args, True)}
     a, b = scores(ours), scores(peer)
-    print("\n| task | metric | radixlm | HF transformers | difference |\n|---|---|---:|---:|---:|")
+    print("\n| task | metric | radixlm | HF transformers | difference | per sample |\n"
+          "|---|---|---:|---:|---:|---|")
     for key in sorted(a):
         if key in b:
             print(f"| {key[0]} | {key[1]} | {a[key]:.4f} | {b[key]:.4f} | "
-                  f"{a[key] - b[key]:+.4f} |")
+                  f"{a[key] - b[key]:+.4f} | {agreement(ours[key[0]], peer[key[0]])} |")
 
 
 if __name__ == "__main__":
