@@ -105,7 +105,7 @@ class ItemBuilder:
 
     items: list[dict[str, Any]] = field(default_factory=list)
     events: list[dict[str, Any]] = field(default_factory=list)
-    open: dict[str, Any] | None = None  # the item being written
+    current: dict[str, Any] | None = None  # the item being written
     call_items: dict[int, dict[str, Any]] = field(default_factory=dict)  # tool call index ->
 
     def add(self, delta: dict[str, Any]) -> None:
@@ -127,10 +127,10 @@ class ItemBuilder:
                             delta=tc["function"]["arguments"])
 
     def close(self, status: str = "completed") -> None:
-        item = self.open
+        item = self.current
         if item is None:
             return
-        self.open = None
+        self.current = None
         index = self.items.index(item)
         if item["type"] == "function_call":
             self._event("response.function_call_arguments.done", item_id=item["id"],
@@ -148,7 +148,7 @@ class ItemBuilder:
         self._event("response.output_item.done", output_index=index, item=item)
 
     def _text_delta(self, kind: str, part_type: str, text: str) -> None:
-        item = self.open
+        item = self.current
         if item is None or item["type"] != kind:
             part: dict[str, Any] = {"type": part_type, "text": ""}
             if part_type == "output_text":
@@ -175,7 +175,7 @@ class ItemBuilder:
     def _start(self, item: dict[str, Any]) -> dict[str, Any]:
         self.close()
         self.items.append(item)
-        self.open = item
+        self.current = item
         self._event("response.output_item.added", output_index=len(self.items) - 1,
                     item={**item, "content": []} if "content" in item else dict(item))
         return item
