@@ -76,7 +76,7 @@ def lm_eval(model: str, model_args: str, tasks: str, out: Path, args: argparse.N
 
 
 def agreement(ours: dict[str, Any], peer: dict[str, Any]) -> str:
-    """Log-likelihood tasks: the largest |difference| over every scored
+    """Log-likelihood tasks: the largest absolute difference over every scored
     continuation; generation: how many greedy answers are the same text."""
     a, b = ours["samples"], peer["samples"]
     if not isinstance(a[0][0], list) or not isinstance(a[0][0][0], list):  # generations
@@ -84,7 +84,7 @@ def agreement(ours: dict[str, Any], peer: dict[str, Any]) -> str:
         return f"{same}/{len(a)} answers identical"
     # The sample files hold (loglikelihood, is_greedy) pairs as strings.
     worst = max(abs(float(x[0][0]) - float(y[0][0])) for d in a for x, y in zip(a[d], b[d]))
-    return f"max |d loglik| {worst:.1e} over {sum(len(v) for v in a.values())}"
+    return f"log-likelihoods within {worst:.1e} ({sum(len(v) for v in a.values())})"
 
 
 def scores(results: dict[str, Any]) -> dict[tuple[str, str], float]:
