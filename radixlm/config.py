@@ -18,6 +18,8 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 ATTENTION_BACKENDS = ("auto", "torch_native", "cpu", "triton")
 EMBEDDING_POOLINGS = ("last", "mean")
 LOAD_BALANCE_METHODS = ("round_robin", "shortest_queue", "cache_aware")
+TOOL_CALL_PARSERS = ("hermes", "qwen25", "llama3", "mistral", "deepseekv3", "pythonic")
+REASONING_PARSERS = ("deepseek-r1", "qwen3")
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 # SGLang's default name of the group over which a trainer broadcasts new weights.
 WEIGHT_UPDATE_GROUP = "weight_update_group"
@@ -146,12 +148,19 @@ class ServerArgs:
     skip_warmup: bool = _opt("server", "Skip the warm-up request", default=False)
     grammar_backend: str = _opt("server", "Constrained decoding backend", ("xgrammar", "none"),
                                 default="xgrammar")
+    tool_call_parser: str | None = _opt(
+        "server", "How to read tool calls out of free-form output, for tool_choice auto "
+        "(default: the one the chat template's markup names, if exactly one does)",
+        TOOL_CALL_PARSERS, default=None)
+    reasoning_parser: str | None = _opt(
+        "server", "Split <think>...</think> off the answer into reasoning_content",
+        REASONING_PARSERS, default=None)
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
             choices = f.metadata.get("choices")
             value = getattr(self, f.name)
-            if choices and value not in choices:
+            if choices and value is not None and value not in choices:
                 raise ValueError(f"{f.name}={value!r}: expected one of {', '.join(choices)}")
         if self.max_prefill_tokens < 1:
             raise ValueError("max_prefill_tokens must be >= 1")
