@@ -13,6 +13,7 @@ from radixlm.cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
 from radixlm.config import ServerArgs
 from radixlm.forward_batch import ForwardBatch
 from radixlm.layers.attention.base import AttentionBackend
+from radixlm.layers.attention.radix_attention import RadixAttention
 from radixlm.layers.linear import set_gemv, set_weight_prepack
 from radixlm.layers.pdl import set_pdl
 
@@ -90,6 +91,9 @@ class ModelRunner:
         self.kv_pool = MHATokenToKVPool(self.max_total_tokens, self.dtype, s.num_kv_heads,
                                         s.head_dim, s.num_layers, self.device)
         self.attn_backend = self._make_attn_backend()
+        for module in self.model.modules():
+            if isinstance(module, RadixAttention):
+                self.attn_backend.check_layer(module)  # refuse what it cannot compute
         self.graph_runner = None
         if self.device.type == "cuda" and self.attn_backend.supports_cuda_graph:
             from radixlm.runtime.cuda_graph_runner import CudaGraphRunner
