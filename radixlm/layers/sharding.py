@@ -282,12 +282,16 @@ def check_checkpoint_dtype(name: str, param: nn.Parameter, dtype: torch.dtype | 
     if dtype in accepted:
         return
     want = ", ".join(sorted(dtype_name(d) for d in accepted))
-    if isinstance(dtype, str) or not dtype.is_floating_point:
-        raise ValueError(f"checkpoint tensor {name} has dtype {dtype_name(dtype)}, not a "
-                         f"floating-point type (expected one of {want})")
-    raise ValueError(f"checkpoint tensor {name} has dtype {dtype_name(dtype)}, a quantized "
-                     f"type that no weight method of this model reads (expected one of {want}); "
-                     "quantized checkpoints need a --quantization method for their format")
+    floats_only = accepted <= FLOAT_DTYPES
+    is_float = isinstance(dtype, torch.dtype) and dtype.is_floating_point
+    why = "not a floating-point type" if floats_only and not is_float else \
+        "which its parameter does not take"
+    message = (f"checkpoint tensor {name} has dtype {dtype_name(dtype)}, {why} (expected one "
+               f"of {want})")
+    if floats_only and dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+        message += ("; an FP8 checkpoint needs a quantization method for FP8 weights, which "
+                    "radixlm does not have")
+    raise ValueError(message)
 
 
 # safetensors header dtype -> torch dtype, for checking headers without reading data.
