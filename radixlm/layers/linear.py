@@ -20,14 +20,12 @@ from torch import nn
 from radixlm import distributed as tp
 from radixlm.layers.activation import SiluAndMul
 from radixlm.layers.quantization import QuantizationConfig, UnquantizedConfig
-from radixlm.layers.sharding import (  # noqa: F401 (re-exported: the partition helpers' old home)
+from radixlm.layers.sharding import (
     AxisSpec,
     Piece,
     ShardId,
     WeightSpec,
-    copy_checked,
     divide,
-    even_split,
     head_partition,
     weight_spec,
 )

@@ -37,7 +37,7 @@ class ModelShape:
     def from_config(cls, config, context_length: int | None, tp_size: int = 1,
                     tp_rank: int = 0) -> ModelShape:
         """Sizes as one tensor-parallel rank sees them (its share of the heads)."""
-        from radixlm.layers.linear import head_partition
+        from radixlm.layers.sharding import head_partition
 
         heads = config.num_attention_heads
         kv_heads = getattr(config, "num_key_value_heads", None) or heads
