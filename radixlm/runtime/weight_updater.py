@@ -163,7 +163,7 @@ class WeightUpdater:
 
     def _check_config(self, new: Any) -> None:
         from radixlm.layers.rotary import rope_parameters
-        from radixlm.models.llama import head_dim_of
+        from radixlm.models.decoder import head_dim_of
 
         old_arch, new_arch = getattr(self.config, "architectures", None), \
             getattr(new, "architectures", None)
