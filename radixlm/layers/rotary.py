@@ -12,12 +12,14 @@ Scaling types, each as transformers computes it (`modeling_rope_utils`):
   each forward once it passes max_position_embeddings, so keys cached earlier
   keep older frequencies; within max_position_embeddings it is the default
   rope. We serve it exactly there, and refuse a longer context.
-- longrope (Phi-3's "su"): HF picks the short factors while a forward's
-  longest sequence fits original_max_position_embeddings and the long ones
-  after. Here the choice is per position: positions below it rotate with the
-  short factors, later ones with the long factors. That is HF's generate
-  exactly for every prompt up to that length, continued as far as it goes;
-  a longer prompt HF rotates whole with the long factors (the log says so).
+- longrope (Phi-3's "su"): HF rotates with the short factors while a
+  sequence fits original_max_position_embeddings; the step it passes that
+  length, Phi-3's generate drops the KV cache and recomputes the whole
+  sequence with the long factors. A shared KV cache cannot re-rotate what
+  it holds, so the factors are chosen by the served context: short when it
+  fits the original length (exactly HF's), else long for every position
+  (exactly HF's for every step of a sequence longer than the original; a
+  shorter one HF still rotates with the short factors, the log says so).
 """
 
 from __future__ import annotations
@@ -177,12 +179,14 @@ def rope_cos_sin(rotary_dim: int, params: dict[str, Any], max_position: int,
         original = params["original_max_position_embeddings"]
         short = _longrope_inv_freq(rotary_dim, params, "short")
         long = _longrope_inv_freq(rotary_dim, params, "long")
-        inv_freq = torch.where((positions < original)[:, None], short, long)
-        angles = positions[:, None] * inv_freq
+        inv_freq = long if max_position > original else short
+        angles = torch.outer(positions, inv_freq)
         if max_position > original:
-            logger.info("longrope: positions below %d rotate with the short factors, later "
-                        "ones with the long factors (HF rotates a prompt longer than %d "
-                        "with the long factors throughout)", original, original)
+            logger.warning(
+                "longrope: a context of %d tokens (> original_max_position_embeddings=%d) "
+                "rotates every position with the long factors; HF's generate uses the short "
+                "ones for sequences of at most %d tokens (set --context-length %d for that)",
+                max_position, original, original, original)
     else:
         if rope_type == "dynamic" and max_position > native:
             raise ValueError(

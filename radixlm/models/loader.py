@@ -374,7 +374,9 @@ def _write_tensors(reader: Any, config: PretrainedConfig, permuted: bool, out: P
 # ---- config and weights ------------------------------------------------------
 def load_config(model_dir: str, context_length: int | None = None) -> PretrainedConfig:
     """The model's HF config; `context_length` overrides max_position_embeddings
-    (the length the rope tables and the scheduler are sized for)."""
+    (the length the rope tables and the scheduler are sized for). The
+    checkpoint's own value stays as `native_max_position_embeddings`: rope
+    scalings (dynamic, YaRN, LongRoPE) are defined against it."""
     config = AutoConfig.from_pretrained(model_dir)
     if context_length is not None:
         if context_length < 1:
@@ -383,6 +385,7 @@ def load_config(model_dir: str, context_length: int | None = None) -> Pretrained
         if context_length > native:
             logger.warning("context_length=%d exceeds the model's %d; output quality past "
                            "%d tokens is not guaranteed", context_length, native, native)
+        config.native_max_position_embeddings = native
         config.max_position_embeddings = context_length
     return config
 
