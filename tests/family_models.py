@@ -93,6 +93,23 @@ ROPE_VARIANTS: dict[str, Callable[[], PretrainedConfig]] = {
 }
 
 
+# Other fields the families honour.
+OTHER_VARIANTS: dict[str, Callable[[], PretrainedConfig]] = {
+    "qwen3-attention-bias": lambda: tiny(Qwen3Config, head_dim=32, attention_bias=True),
+    "gemma2-attention-bias-gelu": lambda: tiny(
+        Gemma2Config, head_dim=32, query_pre_attn_scalar=32, attention_bias=True,
+        hidden_activation="gelu", sliding_window=WINDOW),
+    "gemma3-untied-yarn-global": lambda: tiny(
+        Gemma3TextConfig, head_dim=32, query_pre_attn_scalar=32, sliding_window=WINDOW,
+        tie_word_embeddings=False,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+        rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                         "full_attention": {"rope_type": "yarn", "factor": 4.0,
+                                            "original_max_position_embeddings": 32,
+                                            "rope_theta": 1000000.0}}),
+}
+
+
 def is_gemma(config: PretrainedConfig) -> bool:
     return config.model_type.startswith("gemma")
 

@@ -35,8 +35,9 @@ class KVRunner:
         return slot
 
     def run(self, mode: ForwardMode, reqs: list[tuple[int, list[int]]],
-            all_rows: bool = False) -> torch.Tensor:
-        """`reqs`: (request slot, its new tokens); returns the model's logits."""
+            all_rows: bool = False, input_embeds: torch.Tensor | None = None) -> torch.Tensor:
+        """`reqs`: (request slot, its new tokens); returns the model's logits.
+        `input_embeds`: the model's input instead of the tokens' embeddings."""
         ids, prefix_lens, extend_lens, locs = [], [], [], []
         for slot, new in reqs:
             loc = self.kv_pool.alloc(len(new))
@@ -53,10 +54,13 @@ class KVRunner:
                                 torch.device("cpu"), logit_rows=rows)
         self.backend.init_forward_metadata(fb)
         with torch.inference_mode():
-            return self.model(fb.input_ids, fb.positions, fb)
+            if input_embeds is None:
+                return self.model(fb.input_ids, fb.positions, fb)
+            return self.model(fb.input_ids, fb.positions, fb, input_embeds=input_embeds)
 
-    def extend(self, reqs: list[tuple[int, list[int]]], all_rows: bool = False) -> torch.Tensor:
-        return self.run(ForwardMode.EXTEND, reqs, all_rows)
+    def extend(self, reqs: list[tuple[int, list[int]]], all_rows: bool = False,
+               input_embeds: torch.Tensor | None = None) -> torch.Tensor:
+        return self.run(ForwardMode.EXTEND, reqs, all_rows, input_embeds)
 
     def decode(self, reqs: list[tuple[int, int]]) -> torch.Tensor:
         return self.run(ForwardMode.DECODE, [(slot, [tok]) for slot, tok in reqs])

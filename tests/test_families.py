@@ -23,6 +23,7 @@ import pytest
 import torch
 from family_models import (
     FAMILIES,
+    OTHER_VARIANTS,
     PHI3_ORIGINAL_CONTEXT,
     ROPE_VARIANTS,
     WINDOW,
@@ -33,6 +34,7 @@ from kv_runner import KVRunner, check_close, hf_logits
 
 import radixlm
 from radixlm import distributed
+from radixlm.forward_batch import ForwardMode
 from radixlm.layers.attention.cpu_backend import CpuAttentionBackend
 from radixlm.layers.attention.torch_native import TorchNativeBackend
 from radixlm.models.loader import load_config, load_model
@@ -107,6 +109,25 @@ def test_logits_match_hf(family: Family, backend: str) -> None:
         check_close(logits, torch.stack([r[k] for r in refs[1:]]))
 
 
+def test_input_embeds_match_hf(family: Family) -> None:
+    """`forward(..., input_embeds=...)` is HF's `inputs_embeds`: our `embed` of
+    token ids is HF's embedding (Gemma's scale included), and arbitrary
+    vectors (an image's, say) go through the layers as HF's do."""
+    model = _load(family.path)
+    ids = family.prompts[1]
+    with torch.inference_mode():
+        hf_embeds = family.hf.get_input_embeddings()(torch.tensor([ids]))[0]
+        torch.testing.assert_close(model.model.embed(torch.tensor(ids)), hf_embeds)
+        vectors = hf_embeds.flip(0) * 0.5 + torch.randn(hf_embeds.shape,
+                                                        generator=torch.Generator().manual_seed(5))
+        ref = family.hf(inputs_embeds=vectors[None]).logits[0]
+    runner = KVRunner(model)
+    # The ids only decide how many tokens there are: the embeddings replace them.
+    logits = runner.extend([(runner.new_request(), [0] * len(ids))], all_rows=True,
+                           input_embeds=vectors)
+    check_close(logits, ref)
+
+
 # What each family's test would miss if the engine ignored it: removing it
 # must move the logits far outside the tolerance.
 VARIANT_FIELDS = {
@@ -133,6 +154,9 @@ ENGINE_CASES = {
     "default": ({}, ("torch_native", "cpu")),
     "chunks-below-window": ({"chunked_prefill_size": WINDOW // 2}, ("torch_native", "cpu")),
     "no-radix-cache": ({"disable_radix_cache": True, "chunked_prefill_size": 16}, ("cpu",)),
+    # Prefill chunks in the same forwards as the running decodes.
+    "mixed-chunk": ({"enable_mixed_chunk": True, "chunked_prefill_size": WINDOW},
+                    ("torch_native", "cpu")),
     # Admission reserves little for decoding, so decodes outgrow the pool.
     "retraction": ({"max_total_tokens": 100, "chunked_prefill_size": 16,
                     "schedule_conservativeness": 0.3}, ("cpu",)),
@@ -146,9 +170,13 @@ def test_greedy_matches_hf(family: Family, case: str, backend: str) -> None:
     sp = {"max_new_tokens": NEW_TOKENS, "temperature": 0.0, "ignore_eos": True}
     with radixlm.Engine(model_path=family.path, skip_tokenizer_init=True, dtype="float32",
                         attention_backend=backend, **{"max_total_tokens": 4096, **kwargs}) as e:
+        modes: list[ForwardMode] = []
+        forward = e.scheduler.worker.forward
+        e.scheduler.worker.forward = lambda b: modes.append(b.mode) or forward(b)
         batched = [o["output_ids"] for o in e.generate(input_ids=family.prompts,
                                                        sampling_params=sp)]
         assert batched == family.greedy
+        assert (ForwardMode.MIXED in modes) == (case == "mixed-chunk")
         if case == "retraction":
             assert e.scheduler.stats.num_retractions > 0
         if case == "default":  # one at a time, now with the prefixes cached
@@ -179,10 +207,10 @@ def test_phi3_within_its_original_context_uses_the_short_factors(tmp_path: Path)
     assert ours_greedy == hf_reference.hf_greedy(hf, prompts, NEW_TOKENS)
 
 
-# ---- rope scalings ----------------------------------------------------------------
-@pytest.mark.parametrize("name", sorted(ROPE_VARIANTS))
-def test_rope_scaling_matches_hf(name: str, tmp_path: Path) -> None:
-    config = ROPE_VARIANTS[name]()
+# ---- rope scalings and other honoured fields ------------------------------------
+@pytest.mark.parametrize("name", sorted(ROPE_VARIANTS | OTHER_VARIANTS))
+def test_variant_matches_hf(name: str, tmp_path: Path) -> None:
+    config = (ROPE_VARIANTS | OTHER_VARIANTS)[name]()
     hf = save_random_model(config, tmp_path)
     seqs = random_prompts(config, [100, 70, 12])
     refs = [hf_logits(hf, ids) for ids in seqs]
