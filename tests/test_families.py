@@ -254,3 +254,19 @@ def test_two_tensor_parallel_ranks_match_hf(tmp_path: Path) -> None:
         check_close(extended, ref[0][-3:-1])
         for k, logits in zip((-3, -2, -1), decodes, strict=True):
             check_close(logits, torch.stack([r[k] for r in ref[1:]]))
+
+
+def test_dummy_weights_of_every_family_are_sane(tmp_path: Path) -> None:
+    """`--load-format dummy` (the benchmarks' weights): norms at their identity
+    (Gemma's (1 + w) ones at zero), finite logits of a sane size."""
+    for name, make in FAMILIES.items():
+        make().save_pretrained(tmp_path / name)
+        model = load_model(str(tmp_path / name), load_config(str(tmp_path / name)), "dummy",
+                           torch.float32, "cpu", seed=1)
+        norms = [m for m in model.modules() if hasattr(m, "identity_weight")]
+        assert norms and all(torch.equal(m.weight, torch.full_like(m.weight,
+                                                                   m.identity_weight))
+                             for m in norms)
+        runner = KVRunner(model)
+        logits = runner.extend([(runner.new_request(), list(range(40)))])
+        assert torch.isfinite(logits).all() and logits.abs().max() < 20, name

@@ -12,6 +12,8 @@ from radixlm.layers.linear import default_weight_loader
 
 
 class RMSNorm(nn.Module):
+    identity_weight = 1.0  # the weight that leaves normalized rows as they are
+
     def __init__(self, hidden_size: int, eps: float = 1e-6,
                  params_dtype: torch.dtype | None = None) -> None:
         super().__init__()
@@ -64,6 +66,8 @@ class GemmaRMSNorm(RMSNorm):
     precision weight), re-derived whenever the weight is loaded and in
     `process_weights_after_loading` (after any other write: a rollback), so
     the fused kernels take it as the scale with no extra op per call."""
+
+    identity_weight = 0.0
 
     def __init__(self, hidden_size: int, eps: float = 1e-6,
                  params_dtype: torch.dtype | None = None) -> None:

@@ -447,19 +447,23 @@ def _building_on(dtype: torch.dtype, device: torch.device) -> Iterator[None]:
         torch.set_default_dtype(previous)
 
 
-def dummy_weights(config: PretrainedConfig, seed: int,
-                  device: torch.device) -> Iterator[tuple[str, torch.Tensor]]:
+def dummy_weights(config: PretrainedConfig, seed: int, device: torch.device,
+                  model: nn.Module | None = None) -> Iterator[tuple[str, torch.Tensor]]:
     """Seeded noise the size of the real checkpoint, tensor by tensor under the HF
-    names: N(0, 0.02) as HF initializes, norms at one. Generated whole and then
+    names: N(0, 0.02) as HF initializes, norms at their identity (one; zero for
+    `model`'s norms that scale by 1 + weight). Generated whole and then
     sharded by the weight loaders, so every tensor-parallel size (and HF itself,
     given these tensors) sees the same model."""
     from transformers import AutoModelForCausalLM
 
     with torch.device("meta"):
         reference = AutoModelForCausalLM.from_config(config)
+    weight_map = WeightMap(model) if model is not None else None
     for i, (name, meta) in enumerate(reference.named_parameters()):
         if name.endswith("norm.weight"):
-            yield name, torch.ones(meta.shape, device=device)
+            slot = weight_map.resolve(name) if weight_map is not None else None
+            identity = getattr(slot.module, "identity_weight", 1.0) if slot else 1.0
+            yield name, torch.full(meta.shape, identity, device=device)
             continue
         generator = torch.Generator(device=device).manual_seed(seed + i)
         yield name, torch.empty(meta.shape, device=device).normal_(0.0, 0.02,
@@ -494,7 +498,7 @@ def load_model(model_dir: str, config: PretrainedConfig, load_format: str = "aut
     with _building_on(dtype, device):
         model = model_cls(config, quant_config=quant_config)
     if load_format == "dummy":
-        _load_weights(model, dummy_weights(config, seed, device), "dummy weights")
+        _load_weights(model, dummy_weights(config, seed, device, model), "dummy weights")
     else:
         _load_weights(model, iter_safetensors(model_dir), f"checkpoint {model_dir}")
     process_weights_after_loading(model)
