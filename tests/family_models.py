@@ -12,6 +12,7 @@ peaked and greedy paths decisive.
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -43,17 +44,18 @@ def tiny(cls: type[PretrainedConfig], **kw: Any) -> PretrainedConfig:
     return cls(**{**base, **kw})
 
 
-FAMILIES: dict[str, Callable[[], PretrainedConfig]] = {
+# name -> config factory; keywords override the fields (`FAMILIES["qwen3"](hidden_size=...)`).
+FAMILIES: dict[str, Callable[..., PretrainedConfig]] = {
     # Decoupled head_dim (4 x 32 != 64), QK norms, tied, windows on layers 1-2.
-    "qwen3": lambda: tiny(Qwen3Config, head_dim=32, tie_word_embeddings=True,
-                          use_sliding_window=True, sliding_window=WINDOW, max_window_layers=1),
+    "qwen3": partial(tiny, Qwen3Config, head_dim=32, tie_word_embeddings=True,
+                     use_sliding_window=True, sliding_window=WINDOW, max_window_layers=1),
     # Alternating sliding / global layers, both softcaps, query_pre_attn_scalar.
-    "gemma2": lambda: tiny(Gemma2Config, head_dim=32, query_pre_attn_scalar=24,
-                           sliding_window=WINDOW, attn_logit_softcapping=5.0,
-                           final_logit_softcapping=10.0),
+    "gemma2": partial(tiny, Gemma2Config, head_dim=32, query_pre_attn_scalar=24,
+                      sliding_window=WINDOW, attn_logit_softcapping=5.0,
+                      final_logit_softcapping=10.0),
     # A rope per layer type (the global one linearly scaled), QK (1 + w) norms.
-    "gemma3": lambda: tiny(
-        Gemma3TextConfig, head_dim=32, query_pre_attn_scalar=24, sliding_window=WINDOW,
+    "gemma3": partial(
+        tiny, Gemma3TextConfig, head_dim=32, query_pre_attn_scalar=24, sliding_window=WINDOW,
         layer_types=["sliding_attention", "sliding_attention", "full_attention"],
         rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
                          "full_attention": {"rope_type": "linear", "factor": 8.0,
@@ -61,15 +63,15 @@ FAMILIES: dict[str, Callable[[], PretrainedConfig]] = {
         final_logit_softcapping=15.0),
     # LongRoPE with short/long factors over half of each head (Phi-4-mini rotates
     # 0.75), a window on every layer (Phi-3-mini-4k).
-    "phi3": lambda: tiny(
-        Phi3Config, sliding_window=WINDOW, tie_word_embeddings=False,
+    "phi3": partial(
+        tiny, Phi3Config, sliding_window=WINDOW, tie_word_embeddings=False,
         original_max_position_embeddings=PHI3_ORIGINAL_CONTEXT,
         rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0,
                          "partial_rotary_factor": 0.5, "short_factor": [1.0, 1.1, 1.2, 1.5],
                          "long_factor": [1.0, 2.0, 4.0, 8.0]}),
-    "mistral": lambda: tiny(MistralConfig, sliding_window=WINDOW),
-    "qwen2": lambda: tiny(Qwen2Config, use_sliding_window=True, sliding_window=WINDOW,
-                          max_window_layers=1),
+    "mistral": partial(tiny, MistralConfig, sliding_window=WINDOW),
+    "qwen2": partial(tiny, Qwen2Config, use_sliding_window=True, sliding_window=WINDOW,
+                     max_window_layers=1),
 }
 
 # Llama's rope scalings (each as transformers computes it), at positions past

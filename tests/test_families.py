@@ -270,3 +270,15 @@ def test_dummy_weights_of_every_family_are_sane(tmp_path: Path) -> None:
         runner = KVRunner(model)
         logits = runner.extend([(runner.new_request(), list(range(40)))])
         assert torch.isfinite(logits).all() and logits.abs().max() < 20, name
+
+
+@pytest.mark.parametrize("name", sorted(FAMILIES | ROPE_VARIANTS | OTHER_VARIANTS))
+def test_builds_under_a_default_device_context(name: str) -> None:
+    # The loader builds models inside `with torch.device(...)` (cuda on a GPU);
+    # tables computed at construction (ropes, scales) must not mix in CPU tensors.
+    from radixlm.models import get_model_class
+
+    config = (FAMILIES | ROPE_VARIANTS | OTHER_VARIANTS)[name]()
+    with torch.device("meta"):
+        model = get_model_class(config)(config)
+    assert {t.device.type for t in [*model.parameters(), *model.buffers()]} == {"meta"}

@@ -117,7 +117,8 @@ def _yarn(rotary_dim: int, p: dict[str, Any], native: int) -> tuple[torch.Tensor
     low, high = max(low, 0), min(high, dim - 1)
     if low == high:
         high += 0.001  # as HF: no division by zero
-    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    ramp = torch.arange(dim // 2, dtype=torch.float32, device="cpu")
+    ramp = ((ramp - low) / (high - low)).clamp(0, 1)
     pos_freqs = base ** (torch.arange(0, dim, 2, device="cpu").float() / dim)
     extrapolation = 1 - ramp
     interpolated, extrapolated = 1.0 / (factor * pos_freqs), 1.0 / pos_freqs
@@ -139,7 +140,7 @@ def _longrope_inv_freq(rotary_dim: int, p: dict[str, Any], which: str) -> torch.
         got = len(factors) if isinstance(factors, list | tuple) else repr(factors)
         raise ValueError(f"rope_parameters.{which}_factor must list {rotary_dim // 2} numbers "
                          f"(rotary dim / 2) for rope_type 'longrope', got {got}")
-    ext = torch.tensor(factors, dtype=torch.float32)
+    ext = torch.tensor(factors, dtype=torch.float32, device="cpu")
     return 1.0 / (ext * p["rope_theta"] ** _base_exponents(rotary_dim))
 
 

@@ -237,7 +237,7 @@ class DecoderModel(nn.Module):
         if spec.embed_scale is not None:
             # HF rounds the scale to the weights' dtype before multiplying.
             dtype = torch.get_default_dtype()
-            self.embed_scale = torch.tensor(spec.embed_scale, dtype=dtype).item()
+            self.embed_scale = torch.tensor(spec.embed_scale, dtype=dtype, device="cpu").item()
         # One cos/sin table per distinct rope (they are large for 128k contexts).
         ropes: dict[str | None, RotaryEmbedding] = {}
         for i in range(spec.num_layers):
