@@ -19,7 +19,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from radixlm.constrained.base import GrammarBackend, grammar_spec, precheck
+from radixlm.constrained.base import GrammarBackend
+from radixlm.constrained.spec import grammar_spec, precheck
 from radixlm.sampling_params import SamplingParams
 from radixlm.scheduler.req import Req
 

@@ -23,6 +23,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from radixlm.protocol import StrOut
+from radixlm.request_input import MAX_TOP_LOGPROBS
 from radixlm.sampling_params import SamplingParams
 from radixlm.server.errors import APIError, from_value_error
 from radixlm.server.io import SSE_DONE, SeqOutput, finite, sse
@@ -33,7 +34,6 @@ from radixlm.server.openai_protocol import (
     _CommonRequest,
 )
 from radixlm.server.tokenizer_manager import (
-    MAX_TOP_LOGPROBS,
     SAMPLING_NAMES,
     PromptJob,
     RequestGroup,
@@ -111,6 +111,11 @@ class Call:
                 "total_tokens": prompt + completion,
                 "prompt_tokens_details": {"cached_tokens": sum(s.cached_tokens
                                                                for s in first.values())}}
+
+
+def _priority(req: _CommonRequest) -> int:
+    """The body's `priority` as sent (None: 0); the TokenizerManager checks it."""
+    return 0 if req.priority is None else req.priority
 
 
 def _has_text(prompt: Any) -> bool:
@@ -253,7 +258,8 @@ class OpenAIServing:
             max_new = req.max_tokens if req.max_tokens is not None else \
                 self.default_max_tokens(len(ids))
             rid = call.id if len(prompts) == 1 else f"{call.id}-{i}"
-            jobs.append(PromptJob(rid, ids, self.sampling_params(req, max_new)))
+            jobs.append(PromptJob(rid, ids, self.sampling_params(req, max_new),
+                                  priority=_priority(req)))
         want_lp = req.logprobs is not None
         group = await self.tm.submit(
             jobs, gid=call.id, stream=req.stream, return_logprob=want_lp,
@@ -392,7 +398,8 @@ class OpenAIServing:
         call = Call(id=f"chatcmpl-{uuid.uuid4().hex}", created=int(time.time()),
                     model=self.served_name, prompt_of=[0] * req.n, include_usage=bool(
                         req.stream_options and req.stream_options.include_usage))
-        job = PromptJob(call.id, ids, self.sampling_params(req, max_new, plan.schema()))
+        job = PromptJob(call.id, ids, self.sampling_params(req, max_new, plan.schema()),
+                        priority=_priority(req))
         try:
             return await self._chat_response(req, plan, call, job)
         except APIError as e:
