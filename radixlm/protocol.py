@@ -29,6 +29,8 @@ class GenerateReq(msgspec.Struct, tag=True):
     session_params: dict[str, Any] | None = None
     # Higher runs first under --enable-priority-scheduling (SGLang's and vLLM's field).
     priority: int = 0
+    # Stamp this request's way to its first output (TokenOut.timing).
+    return_timing: bool = False
 
 
 class AbortReq(msgspec.Struct, tag=True):
@@ -74,6 +76,12 @@ class TokenOut(msgspec.Struct):
     no_stop_trim: bool = False
     stop: list[str] = []  # stop strings: the detokenizer holds back text that may start one
     embedding: list[float] | None = None  # --is-embedding: the pooled, normalized vector
+    # GenerateReq.return_timing: on the request's first output only, time.monotonic()
+    # (one clock for every process of the host) at each hop: "sched_recv" (its frame
+    # read), "step_start" (the first step after that began), "first_token" (the step
+    # that produced this output ended), "sched_send" (this batch encoded and sent),
+    # "detok_recv", "detok_send"; the API process adds its own (radixlm/bench/ttft.py).
+    timing: dict[str, float] | None = None
 
 
 class BatchTokenOut(msgspec.Struct, tag=True):

@@ -263,6 +263,7 @@ class GenerateInput:
     return_logprob: bool = False
     top_logprobs_num: int = 0
     logprob_start_len: int = -1  # -1: no prompt logprobs
+    return_timing: bool = False  # stamp each sequence's way to its first output
 
     def validate(self, limits: Any, check_grammar: Callable[[SamplingParams], None],
                  max_top_logprobs: int | None = MAX_TOP_LOGPROBS) -> None:
@@ -292,7 +293,8 @@ class GenerateInput:
                             top_logprobs_num=self.top_logprobs_num,
                             logprob_start_len=self.logprob_start_len
                             if self.return_logprob else -1,
-                            session_params=job.session_params, priority=job.priority)
+                            session_params=job.session_params, priority=job.priority,
+                            return_timing=self.return_timing)
                 for job, samples in zip(self.jobs, self.samples(), strict=True)
                 for rid, sp in samples]
 

@@ -28,13 +28,16 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 class ServerProcess:
-    def __init__(self, args: list[str] | None = None, api_key: str | None = None) -> None:
+    def __init__(self, args: list[str] | None = None, api_key: str | None = None,
+                 launcher: list[str] | None = None) -> None:
+        """`launcher`: the command that runs launch_server's main (default
+        `python -m radixlm.launch_server`); the server options follow it."""
         self.port = free_port()
         self.api_key = api_key
         self.url = f"http://127.0.0.1:{self.port}"
         self.base_url = self.url + "/v1"
-        cmd = [sys.executable, "-m", "radixlm.launch_server", "--port", str(self.port),
-               *(args or [])]
+        cmd = [*(launcher or [sys.executable, "-m", "radixlm.launch_server"]),
+               "--port", str(self.port), *(args or [])]
         if api_key:
             cmd += ["--api-key", api_key]
         fd, self.log_path = tempfile.mkstemp(prefix="radixlm-server-", suffix=".log")

@@ -1,4 +1,4 @@
-"""python -m radixlm.bench {offline,one-batch,shared-prefix,serving} [options]"""
+"""python -m radixlm.bench {offline,one-batch,shared-prefix,serving,ttft} [options]"""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import sys
 
 
 def main() -> None:
-    modes = ("offline", "one-batch", "shared-prefix", "serving")
+    modes = ("offline", "one-batch", "shared-prefix", "serving", "ttft")
     if len(sys.argv) < 2 or sys.argv[1] not in modes:
         print(f"usage: python -m radixlm.bench {{{','.join(modes)}}} [options]")
         sys.exit(2)
@@ -16,6 +16,9 @@ def main() -> None:
         run(argv, mode)
     elif mode == "shared-prefix":
         from radixlm.bench.shared_prefix import main as run
+        run(argv)
+    elif mode == "ttft":
+        from radixlm.bench.ttft import main as run
         run(argv)
     else:
         from radixlm.bench.serving import main as run

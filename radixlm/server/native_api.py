@@ -11,11 +11,14 @@ last chunk of every index carries `meta_info.finish_reason`.
 request: see radixlm/scheduler/session.py. `priority` (an integer, or one per
 input; higher runs first under --enable-priority-scheduling) likewise. The
 call's shapes are normalized by `request_input.native_jobs`, as
-Engine.generate's are.
+Engine.generate's are. `return_timing` (radixlm's extension) adds
+`meta_info.timing`: time.monotonic() stamps of each sequence's way through the
+processes to its first output (`python -m radixlm.bench ttft` reads them).
 """
 
 from __future__ import annotations
 
+import time
 from typing import TYPE_CHECKING, Any
 
 from fastapi import Request
@@ -70,7 +73,10 @@ class NativeServing:
             raise from_value_error(e) from None
 
     async def generate(self, req: GenerateRequest, raw_request: Request) -> Response:
+        received = time.monotonic()
         inputs, single = await self.prompts(req)
+        timing = {"received": received, "tokenized": time.monotonic()} \
+            if req.return_timing else None
         try:
             gid, jobs = native_jobs(inputs, sampling_params=req.sampling_params, rid=req.rid,
                                     session_params=req.session_params, priority=req.priority)
@@ -78,7 +84,8 @@ class NativeServing:
             raise from_value_error(e, SAMPLING_NAMES) from None
         group = await self.tm.submit(
             jobs, gid=gid, stream=req.stream, return_logprob=req.return_logprob,
-            top_logprobs_num=req.top_logprobs_num, logprob_start_len=req.logprob_start_len)
+            top_logprobs_num=req.top_logprobs_num, logprob_start_len=req.logprob_start_len,
+            timing=timing)
         if req.stream:
             def render(idx: int, _: StrOut) -> list[dict[str, Any]]:
                 return [group.seqs[idx].native()]

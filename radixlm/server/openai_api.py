@@ -210,8 +210,14 @@ class OpenAIServing:
         if seq.error_status is not None:
             await events.aclose()
             raise APIError(seq.error_status, seq.error_message)
-        return StreamingResponse(_sse_body(events, first, render, tail, group.queue.empty),
-                                 media_type="text/event-stream")
+        timing = group.seqs[first[0]].timing
+
+        def wrote_first() -> None:
+            if timing is not None:
+                timing["first_write"] = time.monotonic()
+
+        return StreamingResponse(_sse_body(events, first, render, tail, group.queue.empty,
+                                           wrote_first), media_type="text/event-stream")
 
     # ---- /v1/completions --------------------------------------------------------------------
     def completion_prompts(self, prompt: Any) -> list[tuple[str, list[int]]]:
@@ -574,9 +580,11 @@ class ChatStream(_Stream):
 async def _sse_body(events: EventIter, first: tuple[int, StrOut],
                     render: Callable[[int, StrOut], list[dict[str, Any]]],
                     tail: Callable[[], list[dict[str, Any]]],
-                    caught_up: Callable[[], bool]) -> AsyncIterator[bytes]:
+                    caught_up: Callable[[], bool],
+                    wrote_first: Callable[[], None] = lambda: None) -> AsyncIterator[bytes]:
     """SSE frames: `data: {chunk}` per rendered chunk, then `data: [DONE]`.
     Closing `events` (also on a client disconnect) aborts unfinished choices.
+    `wrote_first` runs as the first frames go to the server (timing stamps).
 
     Frames are written once `caught_up()` says nothing more is queued for this
     call: a stream that fell behind (a busy server, many streams per step)
@@ -585,12 +593,18 @@ async def _sse_body(events: EventIter, first: tuple[int, StrOut],
     the API process; the client still sees one event per chunk."""
     try:
         frames = [sse(chunk) for chunk in render(*first)]
+        first_write = True
         if caught_up() and frames:
+            wrote_first()
+            first_write = False
             yield b"".join(frames)
             frames.clear()
         async for idx, out in events:
             frames += [sse(chunk) for chunk in render(idx, out)]
             if caught_up() and frames:
+                if first_write:
+                    wrote_first()
+                    first_write = False
                 yield b"".join(frames)
                 frames.clear()
         frames += [sse(chunk) for chunk in tail()]

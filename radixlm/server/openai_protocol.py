@@ -147,6 +147,7 @@ class GenerateRequest(_Lenient):
     # An integer, or one per input (SGLang's shape); request_input.check_priority
     # refuses bools and floats, which a typed field would coerce.
     priority: Any = None
+    return_timing: bool = False  # meta_info.timing: stamps per hop (bench ttft)
 
 
 class TokenizeRequest(_Lenient):

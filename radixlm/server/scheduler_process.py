@@ -88,6 +88,9 @@ class SchedulerLoop:
         self.stats = StatsLogger(scheduler, args.stats_interval if self.leader else 0)
         self.num_received = 0
         self.last_load: tuple[int, int] | None = None
+        # GenerateReq.return_timing: stamps per rid until its first output leaves.
+        self.timed: dict[str, dict[str, float]] = {}
+        self.received_at = 0.0
         self.ctx = zmq.Context()
         if self.leader:
             data_parallel = args.dp_size > 1
@@ -109,6 +112,8 @@ class SchedulerLoop:
             return
         if isinstance(msg, GenerateReq):
             self.num_received += 1
+            if msg.return_timing and self.leader:
+                self.timed[msg.rid] = {"sched_recv": self.received_at}
             self._add(msg)
         elif isinstance(msg, AbortReq):
             self.scheduler.abort(msg.rid, msg.abort_all)
@@ -155,6 +160,8 @@ class SchedulerLoop:
             busy = self.scheduler.has_work or bool(self.errors)
             timeout = 0 if busy else IDLE_POLL_MS
             while self.poller.poll(timeout):
+                if not frames:
+                    self.received_at = time.monotonic()
                 frames.append(self.recv_sock.recv())
                 timeout = 0
         if self.sync is not None:
@@ -168,16 +175,40 @@ class SchedulerLoop:
         outs = self.errors
         self.errors = []
         if self.scheduler.has_work:
+            if self.timed:
+                self._stamp("step_start")
             outs += self.scheduler.step()  # an exception here ends the process
+            if self.timed:
+                self._stamp("first_token")
             self.stats.maybe_log()
             if not self.scheduler.has_work:
                 # Just went idle: every KV slot must be free or held by the tree.
                 self.scheduler.check_invariants()
         if self.leader:
             if outs:
+                if self.timed:
+                    self._attach_timing(outs)
                 self.to_detok.send(encode(BatchTokenOut(outs)))
             if self.args.dp_size > 1:
                 self._report_load()
+
+    def _stamp(self, stage: str) -> None:
+        """`stage` now, for every timed request that has not passed it yet (the
+        first step after a request arrives starts its way to its first output;
+        "first_token" is overwritten at each step until that output leaves)."""
+        now = time.monotonic()
+        for stamps in self.timed.values():
+            if stage == "first_token" or stage not in stamps:
+                stamps[stage] = now
+
+    def _attach_timing(self, outs: list[TokenOut]) -> None:
+        now = time.monotonic()
+        for out in outs:
+            stamps = self.timed.pop(out.rid, None)
+            if stamps is not None:
+                stamps.setdefault("first_token", now)  # refused before any step
+                stamps["sched_send"] = now
+                out.timing = stamps
 
     def _report_load(self) -> None:
         reqs = self.scheduler.reqs.values()

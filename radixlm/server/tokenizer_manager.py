@@ -167,13 +167,15 @@ class TokenizerManager:
         while True:
             data = await self.recv_sock.recv()
             try:
-                self._handle(decode_to_tokenizer(data))
+                self._handle(decode_to_tokenizer(data), time.monotonic())
             except Exception:  # one bad message must not stop every other request
                 logger.exception("failed to handle a message from a child process")
 
-    def _handle(self, msg: Any) -> None:
+    def _handle(self, msg: Any, received: float = 0.0) -> None:
         if isinstance(msg, BatchStrOut):
             for out in msg.outputs:
+                if out.token.timing is not None:
+                    out.token.timing["api_recv"] = received
                 self._dispatch(out)
         elif isinstance(msg, ControlReply):
             fut = self.control_futures.pop(msg.req_id, None)
@@ -252,12 +254,16 @@ class TokenizerManager:
 
     async def submit(self, jobs: list[PromptJob], *, gid: str, stream: bool = False,
                      return_logprob: bool = False, top_logprobs_num: int = 0,
-                     logprob_start_len: int = -1, internal: bool = False) -> RequestGroup:
+                     logprob_start_len: int = -1, internal: bool = False,
+                     timing: dict[str, float] | None = None) -> RequestGroup:
         """Validate, warm shared prompts (n > 1), send; the caller then reads
-        `group.events()` or `group.collect()`. Bad input raises a 400 APIError."""
+        `group.events()` or `group.collect()`. Bad input raises a 400 APIError.
+        `timing`: the caller's stamps so far; each sequence then collects the
+        stamps of its way to its first output (`SeqOutput.timing`)."""
         call = GenerateInput(gid, jobs, stream=stream, return_logprob=return_logprob,
                              top_logprobs_num=top_logprobs_num,
-                             logprob_start_len=logprob_start_len)
+                             logprob_start_len=logprob_start_len,
+                             return_timing=timing is not None)
         limits = self.require_limits()
         try:
             call.validate(limits, self.check_grammar)
@@ -276,7 +282,7 @@ class TokenizerManager:
             # refuses some samples of a call whose stream has already started.
             self._admit(list(members), len(reqs))
         group = self._start(gid, reqs, frames, members, stream=stream,
-                            return_logprob=return_logprob, internal=internal)
+                            return_logprob=return_logprob, internal=internal, timing=timing)
         if not internal:
             self.dumper.on_submit(reqs)
         return group
@@ -289,10 +295,14 @@ class TokenizerManager:
 
     def _start(self, gid: str, reqs: list[GenerateReq], frames: list[bytes],
                members: dict[str, list[int]], *, stream: bool, return_logprob: bool,
-               internal: bool) -> RequestGroup:
+               internal: bool, timing: dict[str, float] | None = None) -> RequestGroup:
         """Register the group and send its frames (reqs[i] is sequence i)."""
+        if timing is not None:
+            timing = {**timing, "sent": time.monotonic()}
         seqs = [SeqOutput(rid=r.rid, index=i, return_logprob=return_logprob,
-                          prompt_tokens=len(r.input_ids)) for i, r in enumerate(reqs)]
+                          prompt_tokens=len(r.input_ids),
+                          timing=dict(timing) if timing is not None else None)
+                for i, r in enumerate(reqs)]
         group = RequestGroup(gid, seqs, members, internal=internal, stream=stream,
                              manager=self, unfinished=len(reqs))
         self._register(group)
