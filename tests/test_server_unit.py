@@ -186,7 +186,22 @@ def test_loop_refuses_beyond_the_queue_limit(loop_and_peers: Any) -> None:
     send.send(encode(AbortReq(abort_all=True)))
     outs = decode_to_detokenizer(_pump(loop, detok)).outputs
     assert {o.rid for o in outs} == {"r0", "r1"}
-    assert fake.invariant_checks >= 1  # checked on going idle
+    assert fake.invariant_checks == 0  # not in the way of the outputs
+    _pump_until(loop, lambda: fake.invariant_checks >= 1)  # checked once idle a while
+
+
+def test_the_idle_check_waits_for_a_quiet_moment(loop_and_peers: Any) -> None:
+    loop, fake, send, detok, _ = loop_and_peers
+    send.send(encode(GenerateReq("a", [5], {})))
+    _pump_until(loop, lambda: fake.waiting == ["a"])
+    send.send(encode(AbortReq(abort_all=True)))
+    _pump(loop, detok)  # idle now: the check is due
+    send.send(encode(GenerateReq("b", [5], {})))  # ... but a request comes first
+    _pump_until(loop, lambda: fake.waiting == ["b"])
+    assert fake.invariant_checks == 0
+    send.send(encode(AbortReq(abort_all=True)))
+    _pump(loop, detok)
+    _pump_until(loop, lambda: fake.invariant_checks == 1)
 
 
 def test_loop_control_allow_list(loop_and_peers: Any) -> None:

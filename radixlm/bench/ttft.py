@@ -18,7 +18,9 @@ each part has the device to itself):
    measured inside the server in the same run.
 
 Each request has its own random prompt (fixed seed), so no request hits the
-radix cache. `--base-url` measures a running server instead (parts 1 and 3;
+radix cache. `--cached-tokens N` first fills the radix cache with N tokens of
+other prompts, as a server that has run a while holds them (costs that grow
+with the tree then show). `--base-url` measures a running server instead (parts 1 and 3;
 no engine). A server without `return_timing` (an older radixlm) still gets
 its HTTP TTFT measured; the breakdown is then left out.
 """
@@ -45,6 +47,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 READY_TIMEOUT_S = 900.0
+FILL_BATCH = 32  # prompts per call when filling the cache
 
 # (from stamp, to stamp, what the time between them is); "client_*" are the client's.
 HOPS = [
@@ -150,6 +153,22 @@ def _text(event: dict[str, Any]) -> str:
     return "".join(c.get("text") or "" for c in event.get("choices") or [])
 
 
+def fill_batches(args: argparse.Namespace, vocab: int) -> list[list[list[int]]]:
+    """The --cached-tokens prompts, in batches of FILL_BATCH."""
+    fill = prompts(args.cached_tokens // args.fill_len, args.fill_len, vocab, args.seed + 1)
+    return [fill[i:i + FILL_BATCH] for i in range(0, len(fill), FILL_BATCH)]
+
+
+def fill_http(base_url: str, api_key: str | None, batches: list[list[list[int]]]) -> None:
+    client = Client(base_url, api_key)
+    try:
+        for batch in batches:
+            client.stream("/generate", {"input_ids": batch, "stream": True,
+                                        "sampling_params": sampling(1)})
+    finally:
+        client.close()
+
+
 def run_http(base_url: str, api_key: str | None, ids: list[list[int]], output_len: int,
              warmup: int) -> tuple[list[Sample], list[Sample]]:
     """(/generate samples with stamps, /v1/completions samples), one request at a time."""
@@ -229,16 +248,16 @@ def vocab_size(base_url: str, api_key: str | None) -> int:
 
 
 # ---- the engine alone --------------------------------------------------------------------
-def engine_ttft(server_argv: list[str], ids: list[list[int]], output_len: int,
-                warmup: int) -> list[float]:
+def engine_ttft(server_argv: list[str], ids: list[list[int]], output_len: int, warmup: int,
+                fill: list[list[list[int]]]) -> list[float]:
     """In a child process, so the device is the engine's alone and freed after."""
     ctx = multiprocessing.get_context("spawn")
     with ctx.Pool(1) as pool:
-        return pool.apply(_engine_ttft, (server_argv, ids, output_len, warmup))
+        return pool.apply(_engine_ttft, (server_argv, ids, output_len, warmup, fill))
 
 
 def _engine_ttft(server_argv: list[str], ids: list[list[int]], output_len: int,
-                 warmup: int) -> list[float]:
+                 warmup: int, fill: list[list[list[int]]]) -> list[float]:
     import dataclasses
 
     import radixlm
@@ -249,6 +268,8 @@ def _engine_ttft(server_argv: list[str], ids: list[list[int]], output_len: int,
     args = ServerArgs.from_cli_args(parser.parse_args(server_argv))
     times = []
     with radixlm.Engine(**dataclasses.asdict(args)) as engine:
+        for batch in fill:
+            engine.generate(input_ids=batch, sampling_params=sampling(1))
         for i, prompt in enumerate(ids):
             t0 = time.monotonic()
             stream = engine.generate(input_ids=prompt, sampling_params=sampling(output_len),
@@ -283,8 +304,8 @@ def breakdown(samples: list[Sample]) -> list[tuple[str, list[float]]]:
 def report(native: list[Sample], openai: list[Sample], engine: list[float],
            args: argparse.Namespace) -> None:
     print(f"\nTTFT of one streamed request at a time: {len(native)} requests per row, "
-          f"{args.input_len} input tokens, {args.output_len} output tokens "
-          f"(median [p10, p90])")
+          f"{args.input_len} input tokens, {args.output_len} output tokens, "
+          f"{args.cached_tokens} tokens cached before (median [p10, p90])")
     http = [s.ttft for s in native]
     print(f"  HTTP /generate, send -> first SSE event   {_ms(http)}")
     print(f"  HTTP /v1/completions, send -> first event {_ms([s.ttft for s in openai])}")
@@ -324,6 +345,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--input-len", type=int, default=16)
     p.add_argument("--output-len", type=int, default=4)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--cached-tokens", type=int, default=0,
+                   help="first fill the radix cache with this many tokens of other prompts")
+    p.add_argument("--fill-len", type=int, default=768, help="length of those prompts")
     p.add_argument("--base-url", default=None,
                    help="measure this running server (no launch, no engine)")
     p.add_argument("--api-key", default=None)
@@ -339,8 +363,11 @@ def main(argv: list[str]) -> None:
     else:
         url_cm = launched_server(server_argv)
     with url_cm as url:
-        ids = prompts(n, args.input_len, vocab_size(url, args.api_key), args.seed)
+        vocab = vocab_size(url, args.api_key)
+        ids = prompts(n, args.input_len, vocab, args.seed)
+        fill = fill_batches(args, vocab)
+        fill_http(url, args.api_key, fill)
         native, openai = run_http(url, args.api_key, ids, args.output_len, args.warmup)
     engine = [] if args.base_url or args.no_engine else \
-        engine_ttft(server_argv, ids, args.output_len, args.warmup)
+        engine_ttft(server_argv, ids, args.output_len, args.warmup, fill)
     report(native, openai, engine, args)
