@@ -134,3 +134,21 @@ def default_server() -> ServerProcess:
         _default = ServerProcess(DEFAULT_ARGS)
         atexit.register(_default.__exit__, None, None, None)
     return _default
+
+
+def tiny_dummy_model(model_dir: str, out: Path, **config_changes: Any) -> str:
+    """SmolLM2's tokenizer (from `model_dir`) on a two-layer config (updated by
+    `config_changes`), for servers started with `--load-format dummy`: they start
+    in seconds."""
+    import json
+    import shutil
+
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        if (Path(model_dir) / name).exists():
+            shutil.copy(Path(model_dir) / name, out / name)
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    config.update(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=2, num_key_value_heads=1, head_dim=32)
+    config.update(config_changes)
+    (out / "config.json").write_text(json.dumps(config))
+    return str(out)

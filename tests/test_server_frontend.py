@@ -4,7 +4,6 @@ stamps, and an API process that never imports the scheduler."""
 from __future__ import annotations
 
 import json
-import shutil
 import signal
 import subprocess
 import sys
@@ -13,7 +12,7 @@ from typing import Any
 
 import httpx
 import pytest
-from server_utils import REPO, ServerProcess, default_server
+from server_utils import REPO, ServerProcess, default_server, tiny_dummy_model
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -104,16 +103,7 @@ runpy.run_module("radixlm.launch_server", run_name="__main__", alter_sys=True)
 
 @pytest.fixture(scope="module")
 def tiny_model(model_dir: str, tmp_path_factory: pytest.TempPathFactory) -> str:
-    """SmolLM2's tokenizer on a two-layer config (dummy weights): starts in seconds."""
-    out = tmp_path_factory.mktemp("tiny")
-    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
-        if (Path(model_dir) / name).exists():
-            shutil.copy(Path(model_dir) / name, out / name)
-    config = json.loads((Path(model_dir) / "config.json").read_text())
-    config.update(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                  num_attention_heads=2, num_key_value_heads=1, head_dim=32)
-    (out / "config.json").write_text(json.dumps(config))
-    return str(out)
+    return tiny_dummy_model(model_dir, tmp_path_factory.mktemp("tiny"))
 
 
 def test_the_api_process_does_not_import_the_scheduler(tiny_model: str,

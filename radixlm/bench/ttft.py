@@ -49,21 +49,24 @@ from typing import Any
 READY_TIMEOUT_S = 900.0
 FILL_BATCH = 32  # prompts per call when filling the cache
 
-# (from stamp, to stamp, what the time between them is); "client_*" are the client's.
-HOPS = [
-    ("client_send", "received", "HTTP in: uvicorn, guard, FastAPI body parsing"),
-    ("received", "tokenized", "input normalization (tokenizer thread for text)"),
-    ("tokenized", "sent", "validation, n-expansion, encode, ZMQ send"),
-    ("sent", "sched_recv", "ZMQ to the scheduler, its wake-up"),
-    ("sched_recv", "step_start", "scheduler: until its next step starts"),
-    ("step_start", "first_token", "scheduler: steps to the first token (prefill)"),
-    ("first_token", "sched_send", "scheduler: after the step, encode and send"),
-    ("sched_send", "detok_recv", "ZMQ to the detokenizer, its wake-up"),
-    ("detok_recv", "detok_send", "detokenizer: text, encode, send"),
-    ("detok_send", "api_recv", "ZMQ to the API process, its event loop"),
-    ("api_recv", "first_write", "API: route wakes, response starts, first frame"),
-    ("first_write", "client_first_event", "SSE frame to the client's read"),
+# Every stamp in the order a request passes them, with what the time from the
+# previous stamp to it is; "client_*" are the client's own.
+STAMPS = [
+    ("client_send", ""),
+    ("received", "HTTP in: uvicorn, guard, FastAPI body parsing"),
+    ("tokenized", "input normalization (tokenizer thread for text)"),
+    ("sent", "validation, n-expansion, encode, ZMQ send"),
+    ("sched_recv", "ZMQ to the scheduler, its wake-up"),
+    ("step_start", "scheduler: until its next step starts"),
+    ("first_token", "scheduler: steps to the first token (prefill)"),
+    ("sched_send", "scheduler: after the step, encode and send"),
+    ("detok_recv", "ZMQ to the detokenizer, its wake-up"),
+    ("detok_send", "detokenizer: text, encode, send"),
+    ("api_recv", "ZMQ to the API process, its event loop"),
+    ("first_write", "API: route wakes, response starts, first frame"),
+    ("client_first_event", "SSE frame to the client's read"),
 ]
+PREFILL_HOP = "scheduler: steps to the first token (prefill)"
 
 
 @dataclass
@@ -286,19 +289,29 @@ def _engine_ttft(server_argv: list[str], ids: list[list[int]], output_len: int,
 def _ms(values: list[float]) -> str:
     if not values:
         return "n/a"
-    qs = statistics.quantiles(values, n=10) if len(values) > 1 else values * 9
+    qs = statistics.quantiles(values, n=10, method="inclusive") if len(values) > 1 \
+        else values * 9
     return f"{statistics.median(values) * 1e3:8.2f} ms  [p10 {qs[0] * 1e3:.2f}, " \
            f"p90 {qs[-1] * 1e3:.2f}]"
 
 
 def breakdown(samples: list[Sample]) -> list[tuple[str, list[float]]]:
-    rows = []
-    for start, end, label in HOPS:
-        values = [s.stamps[end] - s.stamps[start] for s in samples
-                  if start in s.stamps and end in s.stamps]
-        if values:
-            rows.append((label, values))
-    return rows
+    """Time per hop, in passing order. A stamp a sample lacks merges its hop into
+    the next (a one-token stream's only event is rendered before its first write,
+    so it cannot carry that stamp)."""
+    hops: dict[str, list[float]] = {}
+    for s in samples:
+        prev, skipped = None, []
+        for name, label in STAMPS:
+            if name not in s.stamps:
+                skipped.append(label)
+                continue
+            if prev is not None:
+                hops.setdefault(" + ".join([*skipped, label]), []).append(
+                    s.stamps[name] - s.stamps[prev])
+            prev, skipped = name, []
+    order = {label: i for i, (_, label) in enumerate(STAMPS)}
+    return sorted(hops.items(), key=lambda kv: order.get(kv[0].split(" + ")[-1], 0))
 
 
 def report(native: list[Sample], openai: list[Sample], engine: list[float],
@@ -325,13 +338,13 @@ def report(native: list[Sample], openai: list[Sample], engine: list[float],
     print("\nWhere the HTTP time goes (/generate; median per hop, one clock for all "
           "processes):")
     for label, values in rows:
-        print(f"  {label:<52} {_ms(values)}")
+        print(f"  {label:<60} {_ms(values)}")
     total = sum(statistics.median(v) for _, v in rows)
-    print(f"  {'sum of the medians':<52} {total * 1e3:8.2f} ms")
-    inside = dict(rows).get("scheduler: steps to the first token (prefill)")
+    print(f"  {'sum of the medians':<60} {total * 1e3:8.2f} ms")
+    inside = dict(rows).get(PREFILL_HOP)
     if inside:
         diff = statistics.median(http) - statistics.median(inside)
-        print(f"  {'HTTP TTFT - the scheduler prefill (medians)':<52} {diff * 1e3:8.2f} ms")
+        print(f"  {'HTTP TTFT - the scheduler prefill (medians)':<60} {diff * 1e3:8.2f} ms")
 
 
 # ---- main ---------------------------------------------------------------------------------
