@@ -172,9 +172,11 @@ def fill_http(base_url: str, api_key: str | None, batches: list[list[list[int]]]
         client.close()
 
 
-def run_http(base_url: str, api_key: str | None, ids: list[list[int]], output_len: int,
+def run_http(base_url: str, api_key: str | None, ids: list[list[int]],
+             openai_ids: list[list[int]], output_len: int,
              warmup: int) -> tuple[list[Sample], list[Sample]]:
-    """(/generate samples with stamps, /v1/completions samples), one request at a time."""
+    """(/generate samples with stamps, /v1/completions samples), one request at a
+    time; each route gets its own prompts (a repeated one would hit the cache)."""
     client = Client(base_url, api_key)
     native, openai = [], []
     try:
@@ -186,7 +188,7 @@ def run_http(base_url: str, api_key: str | None, ids: list[list[int]], output_le
             if i >= warmup:
                 native.append(sample)
             time.sleep(0.02)  # let every process go idle again, as between users
-        for i, prompt in enumerate(ids):
+        for i, prompt in enumerate(openai_ids):
             body = {"prompt": prompt, "max_tokens": output_len, "temperature": 0.0,
                     "ignore_eos": True, "stream": True}
             sample, _ = client.stream("/v1/completions", body)
@@ -377,10 +379,12 @@ def main(argv: list[str]) -> None:
         url_cm = launched_server(server_argv)
     with url_cm as url:
         vocab = vocab_size(url, args.api_key)
-        ids = prompts(n, args.input_len, vocab, args.seed)
+        ids = prompts(2 * n, args.input_len, vocab, args.seed)
+        ids, openai_ids = ids[:n], ids[n:]
         fill = fill_batches(args, vocab)
         fill_http(url, args.api_key, fill)
-        native, openai = run_http(url, args.api_key, ids, args.output_len, args.warmup)
+        native, openai = run_http(url, args.api_key, ids, openai_ids, args.output_len,
+                                  args.warmup)
     engine = [] if args.base_url or args.no_engine else \
         engine_ttft(server_argv, ids, args.output_len, args.warmup, fill)
     report(native, openai, engine, args)
