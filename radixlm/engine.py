@@ -107,7 +107,8 @@ class Engine:
         """The one validation of a call (request_input.GenerateInput.validate) against
         this engine's scheduler. In-process, grammars are compiled here (cached, so
         the scheduler finds them ready); through a RemoteScheduler only prechecked."""
-        call.validate(self.limits, self.scheduler.grammars.validate, max_top_logprobs=None)
+        call.validate(self.limits, self.scheduler.grammars.validate, max_top_logprobs=None,
+                      priority_scheduling=self.server_args.enable_priority_scheduling)
 
     def open_session(self, capacity_of_str_len: int, session_id: str | None = None) -> str:
         """Open a session (SGLang's API) and return its id; ValueError if refused (an id

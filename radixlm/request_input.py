@@ -109,15 +109,19 @@ def _is_int(x: Any) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
-def check_priority(value: Any) -> int:
+def check_priority(value: Any, scheduling: bool = True) -> int:
     """`priority` (higher runs first): an integer; a bool or a float is refused,
-    not rounded."""
+    not rounded, and so is any non-zero value unless the server schedules by
+    priority (`scheduling`: --enable-priority-scheduling), as vLLM refuses it."""
     if value is None:
         return 0
     if not _is_int(value):
         raise InputError(f"priority must be an integer, got {value!r}", "priority")
     if not INT64[0] <= value < INT64[1]:
         raise InputError(f"priority must be a 64-bit integer, got {value}", "priority")
+    if value and not scheduling:
+        raise InputError(f"priority={value}: this server does not schedule by priority "
+                         "(start it with --enable-priority-scheduling)", "priority")
     return value
 
 
@@ -266,17 +270,18 @@ class GenerateInput:
     return_timing: bool = False  # stamp each sequence's way to its first output
 
     def validate(self, limits: Any, check_grammar: Callable[[SamplingParams], None],
-                 max_top_logprobs: int | None = MAX_TOP_LOGPROBS) -> None:
+                 max_top_logprobs: int | None = MAX_TOP_LOGPROBS,
+                 priority_scheduling: bool = True) -> None:
         """Every check a front end can make (the module docstring lists them);
         raises ValueError naming the parameter (InputError where the message does
         not start with it). `check_grammar` raises ValueError for a grammar that
-        cannot be served."""
+        cannot be served; `priority_scheduling` False refuses non-zero priorities."""
         check_logprob_args(self.top_logprobs_num, self.logprob_start_len, max_top_logprobs)
         for job in self.jobs:
             check_input(limits, job.input_ids, job.params.max_new_tokens)
             job.params.check_token_ids(limits.vocab_size)
             check_grammar(job.params)
-            job.priority = check_priority(job.priority)
+            job.priority = check_priority(job.priority, priority_scheduling)
         self.members()
 
     @property

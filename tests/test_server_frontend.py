@@ -55,6 +55,14 @@ def test_an_integer_priority_is_accepted(server: ServerProcess, path: str) -> No
     assert r.status_code == 200, r.text
 
 
+@pytest.mark.parametrize("path", list(ROUTES))
+def test_a_priority_without_priority_scheduling_is_a_400(server: ServerProcess,
+                                                          path: str) -> None:
+    with server.client() as c:
+        err = _error(c.post(path, json={**ROUTES[path], "priority": 3}))
+    assert err["param"] == "priority" and "--enable-priority-scheduling" in err["message"]
+
+
 def test_native_priority_per_input(server: ServerProcess) -> None:
     body = {"text": ["a", "b"], "sampling_params": {"max_new_tokens": 1}}
     with server.client() as c:

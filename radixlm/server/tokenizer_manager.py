@@ -266,7 +266,8 @@ class TokenizerManager:
                              return_timing=timing is not None)
         limits = self.require_limits()
         try:
-            call.validate(limits, self.check_grammar)
+            call.validate(limits, self.check_grammar,
+                          priority_scheduling=self.args.enable_priority_scheduling)
         except ValueError as e:
             raise from_value_error(e, SAMPLING_NAMES) from None
         members = call.members()
