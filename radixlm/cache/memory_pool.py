@@ -76,6 +76,11 @@ class KVPool(ABC):
     def set_kv_buffer(self, layer_id: int, loc: torch.Tensor, k: torch.Tensor,
                       v: torch.Tensor) -> None: ...
 
+    def full_available_size(self) -> int:
+        """Free slots as `size` counts them (a window pool's `available_size` is the
+        smaller of its two spaces')."""
+        return self.available_size()
+
     def layer_slot_map(self, layer_id: int) -> torch.Tensor | None:
         """None where `get_kv_buffer(layer_id)`'s rows are the slots `alloc` hands
         out; for a window pool's window layer, the device int64 map from those
