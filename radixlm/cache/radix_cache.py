@@ -22,9 +22,9 @@ its window-layer KV while keeping the full layers'. Then:
   them where window KV remains);
 - an insert over tokens whose window KV is gone takes the window KV of the
   duplicate slots the caller brings (the same tokens' KV, computed again).
-Window locks are recorded per lock as the first position they cover, a node
-boundary when taken; since splits only add boundaries, the nodes a lock
-covers stay exactly those inside [that position, the node's end).
+Window locks are recorded per lock as the first position they cover, made a
+node boundary when taken (by a split); since splits only add boundaries, the
+nodes a lock covers stay exactly those inside [that position, the node's end).
 """
 
 from __future__ import annotations
@@ -241,15 +241,18 @@ class RadixCache(PrefixCache):
     # -- window locks (window pools) -------------------------------------------
 
     def _window_lock(self, node: TreeNode, path: list[TreeNode]) -> None:
-        """Window-lock the nodes holding the last W - 1 tokens of node's prefix (the
-        keys the next query of a request that continues it reads)."""
+        """Window-lock the last W - 1 tokens of node's prefix (the keys the next query
+        of a request that continues it reads), splitting the node where they start
+        so that the tokens before stay evictable."""
         assert self.window is not None
         end = sum(len(n) for n in path)
-        first_needed = end - (self.window - 1)
+        first_needed = max(0, end - (self.window - 1))
         start = end
         for n in path:  # node first, then up
             if start <= first_needed:
                 break
+            if start - len(n) < first_needed:
+                self._split(n, first_needed - (start - len(n)))
             start -= len(n)
             self._window_lock_add(n, 1)
         self._window_locks.setdefault(node, []).append(start)

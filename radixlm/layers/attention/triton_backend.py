@@ -157,8 +157,9 @@ class TritonAttentionBackend(AttentionBackend):
         self._cg_tables_buf: torch.Tensor | None = None
         self._plan_groups: PrefixGroups | None = None
         self._plan_value: CascadePlan | None = None
-        # (full slots, their window-pool slots) of the forward's new tokens.
-        self._window_loc: tuple[torch.Tensor, torch.Tensor] | None = None
+        # (full slots, their window-pool slots, made in a graph capture) of the
+        # forward's new tokens.
+        self._window_loc: tuple[torch.Tensor, torch.Tensor, bool] | None = None
 
     def num_kv_splits(self, bs: int) -> int:
         target = self.programs_per_sm * self.num_sms
@@ -294,8 +295,9 @@ class TritonAttentionBackend(AttentionBackend):
                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
         """(k buffer, v buffer, rows) a kernel may copy the new K/V rows into, or None
         (then the pool's `set_kv_buffer`). A window pool's layer is written at the
-        window slots of the new tokens: one gather per forward, made inside a
-        CUDA-graph capture (the cache is cleared before each)."""
+        window slots of the new tokens: one gather per forward, shared by its
+        window layers. A CUDA-graph capture must record that gather, so a gather
+        made outside the capture (the warm-up runs before it) is not reused in it."""
         pool = fb.token_to_kv_pool
         slot_map = pool.layer_slot_map(layer.layer_id)
         if slot_map is None:
@@ -305,9 +307,11 @@ class TritonAttentionBackend(AttentionBackend):
         if k_buf.dtype != dtype:
             return None
         loc = fb.out_cache_loc
-        if self._window_loc is None or self._window_loc[0] is not loc:
-            self._window_loc = (loc, slot_map[loc])
-        return k_buf, v_buf, self._window_loc[1]
+        capturing = loc.is_cuda and torch.cuda.is_current_stream_capturing()
+        cached = self._window_loc
+        if cached is None or cached[0] is not loc or cached[2] != capturing:
+            cached = self._window_loc = (loc, slot_map[loc], capturing)
+        return k_buf, v_buf, cached[1]
 
     def _store(self, k: torch.Tensor, v: torch.Tensor, layer: RadixAttention,
                fb: ForwardBatch) -> None:
