@@ -136,9 +136,18 @@ class ModelRunner:
             return MHATokenToKVPool(self.max_total_tokens, self.dtype, s.num_kv_heads,
                                     s.head_dim, s.num_layers, self.device)
         window_size = max(1, int(self.max_total_tokens * self.args.swa_full_tokens_ratio))
+        window = max(self.layer_windows.values())
+        if window_size < 2 * window:
+            # A running request holds up to two windows of window slots (the last
+            # W - 1 of its cached prefix, and its own last W tokens).
+            raise ValueError(
+                f"swa_full_tokens_ratio={self.args.swa_full_tokens_ratio} gives {window_size} "
+                f"window-layer KV slots for {self.max_total_tokens} tokens, fewer than the "
+                f"{2 * window} one request needs with window {window}: raise it (or the "
+                f"KV memory), or pass --disable-hybrid-swa-memory")
         logger.info("window pool: %d full-layer slots, %d window-layer slots (%d of %d layers "
                     "windowed, largest window %d)", self.max_total_tokens, window_size,
-                    len(self.layer_windows), s.num_layers, max(self.layer_windows.values()))
+                    len(self.layer_windows), s.num_layers, window)
         return SWAKVPool(self.max_total_tokens, window_size, self.dtype, s.num_kv_heads,
                          s.head_dim, s.num_layers, self.layer_windows, self.device)
 

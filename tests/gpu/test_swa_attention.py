@@ -60,6 +60,22 @@ def ref_attention(q, k, v, q_pos, scale, window=None, softcap=None):
     return torch.einsum("hmn,nhd->mhd", s.softmax(-1), vd)
 
 
+def test_reference_window_is_transformers_mask():
+    """The reference's window is transformers' sliding-window causal mask."""
+    from transformers.masking_utils import sliding_window_causal_mask_function
+
+    n, window = 12, 4
+    hf = sliding_window_causal_mask_function(window)
+    z = torch.tensor(0)
+    want = torch.tensor([[bool(hf(z, z, torch.tensor(q), torch.tensor(k))) for k in range(n)]
+                         for q in range(n)])
+    # Scores of 0 give uniform weights over the visible keys: nonzero = visible.
+    q = torch.zeros((n, 1, 16), device=DEV)
+    v = torch.eye(n, 16, device=DEV)[:, None, :]
+    out = ref_attention(q, torch.zeros_like(v), v, torch.arange(n, device=DEV), 1.0, window)
+    assert torch.equal(out[:, 0, :n].cpu() > 0, want)
+
+
 def rel_err(out, ref):
     return ((out.double() - ref).norm() / ref.norm().clamp_min(1e-30)).item()
 
