@@ -7,9 +7,10 @@ family's head_dim: Qwen3 128 decoupled from hidden / heads, Gemma 256), with
 bf16 tolerance of test_engine_gpu.py (and tight in float32), and greedy
 tokens agreeing with HF's argmax on the same prefix.
 
-The Triton backend computes windows and softcaps only once the swa branch is
-merged; until then it refuses those layers at start-up and these cases skip,
-saying so. The torch-native backend computes them on CUDA too.
+The Triton backend reads the window layers through the window KV pool
+(`cache/swa_memory_pool.py`, on by default); the torch-native backend computes
+windows and softcaps on CUDA too, over a plain pool. A backend that refuses a
+layer at start-up (check_layer) skips its case, saying why.
 """
 
 from __future__ import annotations
