@@ -7,6 +7,9 @@ family's head_dim: Qwen3 128 decoupled from hidden / heads, Gemma 256), with
 bf16 tolerance of test_engine_gpu.py (and tight in float32), and greedy
 tokens agreeing with HF's argmax on the same prefix.
 
+HF runs its eager attention, the reference implementation: some transformers
+releases dispatch Gemma 2 to SDPA, which drops the attention softcap.
+
 The Triton backend reads the window layers through the window KV pool
 (`cache/swa_memory_pool.py`, on by default); the torch-native backend computes
 windows and softcaps on CUDA too, over a plain pool. A backend that refuses a
@@ -80,29 +83,63 @@ def _engine(path: str, dtype: str, backend: str):
         raise
 
 
+def _hf(path: str, dtype: torch.dtype):
+    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype,
+                                                attn_implementation="eager").cuda().eval()
+
+
+def _prompt_logprobs(model, ids: list[int], out_ids: list[int]) -> torch.Tensor:
+    """log_softmax of `model`'s float32 logits over prompt + output, [len, vocab]."""
+    full = torch.tensor([ids + out_ids], device="cuda")
+    with torch.no_grad():
+        return torch.log_softmax(model(full).logits[0].float(), -1)
+
+
+def _errors(logprobs: list[float], ref: torch.Tensor, ids: list[int]) -> list[float]:
+    want = ref[torch.arange(len(ids) - 1), torch.tensor(ids[1:])].tolist()
+    return [abs(a - b) for a, b in zip(logprobs, want, strict=True)]
+
+
 @pytest.mark.parametrize("backend", ["triton", "torch_native"])
-@pytest.mark.parametrize("dtype,tol,mean_tol,min_agree", [("float32", 2e-3, 5e-4, 1.0),
-                                                          ("bfloat16", 0.5, 0.05, 0.6)])
-def test_logprobs_and_greedy_vs_hf(family, backend, dtype, tol, mean_tol, min_agree):
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_logprobs_and_greedy_vs_hf(family, backend, dtype):
+    """Prompt logprobs against HF in float32. In bfloat16 the yardstick is HF's own
+    bfloat16 error against that float32 reference on the same sequences: ours may
+    be at most a little worse (rounding of a different summation order), and the
+    greedy tokens agree with the float32 argmax at least as often, less a margin."""
     name, path, prompts = family
-    hf = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype)).cuda().eval()
+    ref_model = _hf(path, torch.float32)
     with _engine(path, dtype, backend) as e:
         outs = e.generate(input_ids=prompts, sampling_params={"max_new_tokens": NEW,
                                                               "temperature": 0},
                           return_logprob=True, logprob_start_len=0)
         e.scheduler.check_invariants()
-    agree = total = 0
-    errors: list[float] = []
-    for ids, out in zip(prompts, outs, strict=True):
-        full = torch.tensor([ids + out["output_ids"]], device="cuda")
-        with torch.no_grad():
-            ref = torch.log_softmax(hf(full).logits[0].float(), -1)
-        ours = [lp for lp, _ in out["meta_info"]["input_token_logprobs"][1:]]
-        want = [ref[p - 1, ids[p]].item() for p in range(1, len(ids))]
-        errors += [abs(a - b) for a, b in zip(ours, want, strict=True)]
-        hf_next = ref[len(ids) - 1:-1].argmax(-1).tolist()
-        agree += sum(a == b for a, b in zip(hf_next, out["output_ids"], strict=True))
-        total += len(out["output_ids"])
-    assert max(errors) < tol and sum(errors) / len(errors) < mean_tol, (
-        f"{name}: prompt logprob error max {max(errors)}, mean {sum(errors) / len(errors)}")
-    assert agree / total >= min_agree, f"{name}: greedy agreement {agree}/{total}"
+    refs = [_prompt_logprobs(ref_model, ids, out["output_ids"])
+            for ids, out in zip(prompts, outs, strict=True)]
+    ours = [e for ids, out, ref in zip(prompts, outs, refs, strict=True)
+            for e in _errors([lp for lp, _ in out["meta_info"]["input_token_logprobs"][1:]],
+                             ref, ids)]
+    agree = sum(a == b for ids, out, ref in zip(prompts, outs, refs, strict=True)
+                for a, b in zip(ref[len(ids) - 1:-1].argmax(-1).tolist(), out["output_ids"],
+                                strict=True))
+    total = NEW * len(prompts)
+    mean = sum(ours) / len(ours)
+    if dtype == "float32":
+        assert max(ours) < 2e-3 and mean < 5e-4, f"{name}: max {max(ours)}, mean {mean}"
+        assert agree == total, f"{name}: greedy agreement {agree}/{total}"
+        return
+    del ref_model
+    peer_model = _hf(path, torch.bfloat16)
+    peer, peer_agree = [], 0
+    for ids, out, ref in zip(prompts, outs, refs, strict=True):
+        lp = _prompt_logprobs(peer_model, ids, out["output_ids"])
+        peer += _errors(lp[torch.arange(len(ids) - 1), torch.tensor(ids[1:])].tolist(), ref, ids)
+        peer_agree += sum(a == b for a, b in zip(ref[len(ids) - 1:-1].argmax(-1).tolist(),
+                                                 lp[len(ids) - 1:-1].argmax(-1).tolist(),
+                                                 strict=True))
+    peer_mean = sum(peer) / len(peer)
+    assert mean < 1.25 * peer_mean + 5e-3 and max(ours) < 1.5 * max(peer) + 0.05, (
+        f"{name}: ours max {max(ours):.4f} mean {mean:.4f}; "
+        f"HF bf16 max {max(peer):.4f} mean {peer_mean:.4f}")
+    assert agree >= peer_agree - 0.1 * total, (
+        f"{name}: greedy agreement with float32 {agree}/{total}, HF bf16's {peer_agree}")
