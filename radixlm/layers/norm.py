@@ -30,20 +30,29 @@ class RMSNorm(nn.Module):
         return self.weight * xf.to(x.dtype)
 
     def forward(self, x: torch.Tensor,
-                residual: torch.Tensor | None = None, *, reduce: bool = False
+                residual: torch.Tensor | None = None, *, reduce: bool = False,
+                pre_norm: RMSNorm | None = None
                 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Without `residual`: norm(x). With it: (norm(x + residual), x + residual),
         the second being the next layer's residual stream. `reduce`: x is this
         tensor-parallel rank's partial sum (a row-parallel layer built with
         reduce_results=False); it is all-reduced first, in the same kernel as the
-        add and the norm where `distributed.all_reduce_add_rms_norm` can."""
+        add and the norm where `distributed.all_reduce_add_rms_norm` can.
+        `pre_norm` (with `residual`): x is first normalized by that norm (a
+        sandwich layer's post-norm), on CUDA in the same kernel."""
         if reduce and tp.get_tp_size() > 1:
             fused = None
-            if residual is not None:
+            if residual is not None and pre_norm is None:
                 fused = tp.all_reduce_add_rms_norm(x, residual, self.scale, self.eps)
             if fused is not None:
                 return fused
             x = tp.tensor_model_parallel_all_reduce(x)
+        if pre_norm is not None:
+            assert residual is not None and pre_norm.eps == self.eps
+            if x.is_cuda:  # norm -> add -> norm in one pass
+                return fused_ops.rms_norm(x, self.scale, self.eps, residual,
+                                          pre_weight=pre_norm.scale)
+            x = pre_norm(x)
         if x.is_cuda:  # one fused Triton pass instead of ~6 elementwise kernels
             return fused_ops.rms_norm(x, self.scale, self.eps, residual)
         if cpu_ops.use_fused(x) and self.scale.dtype == x.dtype:  # the same on the CPU

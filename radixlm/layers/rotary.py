@@ -204,6 +204,9 @@ def rope_cos_sin(rotary_dim: int, params: dict[str, Any], max_position: int,
 
 
 class RotaryEmbedding(nn.Module):
+    # (wq, wk, eps) of a per-head QK norm applied with the rotation (`QKNormRotary`).
+    qk_norm: tuple[torch.Tensor, torch.Tensor, float] | None = None
+
     def __init__(self, head_dim: int, rotary_dim: int, max_position: int,
                  params: dict[str, Any], dtype: torch.dtype | None = None,
                  native_max_position: int | None = None) -> None:
@@ -243,6 +246,41 @@ class RotaryEmbedding(nn.Module):
         cos_sin = self.cos_sin_cache.index_select(0, positions).to(q.dtype)
         cos, sin = cos_sin.unsqueeze(1).chunk(2, dim=-1)  # [num_tokens, 1, rotary_dim / 2]
         return self._rotate(q, cos, sin), self._rotate(k, cos, sin)
+
+
+class QKNormRotary:
+    """A layer's per-head RMSNorm of q and k (Qwen3, Gemma 3) followed by the shared
+    rotary embedding, called as the rotary is (`rope` of RadixAttention). On
+    CUDA with rotary over the whole head both run in the rotation's kernel (two
+    launches less per layer); elsewhere the norms run first, as HF orders them.
+    A plain object, not a module: the norms and the rotary stay where the model
+    registers them."""
+
+    def __init__(self, rotary: RotaryEmbedding, q_norm: nn.Module, k_norm: nn.Module) -> None:
+        self.rotary, self.q_norm, self.k_norm = rotary, q_norm, k_norm
+        self.head_dim, self.rotary_dim = rotary.head_dim, rotary.rotary_dim
+
+    @property
+    def cos_sin_cache(self) -> torch.Tensor:
+        return self.rotary.cos_sin_cache
+
+    @property
+    def qk_norm(self) -> tuple[torch.Tensor, torch.Tensor, float] | None:
+        """What the fused kernel takes, or None where it cannot run."""
+        if self.rotary_dim != self.head_dim:
+            return None
+        return self.q_norm.scale, self.k_norm.scale, self.q_norm.eps
+
+    def __call__(self, positions: torch.Tensor, q: torch.Tensor,
+                 k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        fused = self.qk_norm
+        if q.is_cuda and fused is not None:
+            return fused_ops.apply_rope_(positions, q, k, self.head_dim, self.cos_sin_cache,
+                                         qk_norm=fused)
+        return self.rotary(positions, self._norm(self.q_norm, q), self._norm(self.k_norm, k))
+
+    def _norm(self, norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        return norm(x.reshape(-1, self.head_dim)).view(x.shape[0], -1)
 
 
 def get_rope(config: Any, head_dim: int, dtype: torch.dtype | None = None,

@@ -38,7 +38,7 @@ from radixlm.layers.linear import (
 )
 from radixlm.layers.norm import RMSNorm
 from radixlm.layers.quantization import QuantizationConfig
-from radixlm.layers.rotary import RotaryEmbedding, get_rope
+from radixlm.layers.rotary import QKNormRotary, RotaryEmbedding, get_rope
 from radixlm.layers.sharding import ShardId
 from radixlm.models.weight_map import WeightMapping, load_weights
 
@@ -163,6 +163,9 @@ class DecoderAttention(nn.Module):
         self.q_norm = spec.norm(d, spec.rms_norm_eps) if spec.qk_norm else None
         self.k_norm = spec.norm(d, spec.rms_norm_eps) if spec.qk_norm else None
         self.rotary_emb = rotary_emb
+        # The QK norm runs with the rotation (one kernel on CUDA).
+        self.rope = (rotary_emb if self.q_norm is None
+                     else QKNormRotary(rotary_emb, self.q_norm, self.k_norm))
         self.split_sizes = [qkv.q_size, qkv.kv_size, qkv.kv_size]
         scale = spec.attn_scale if spec.attn_scale is not None else d ** -0.5
         self.attn = RadixAttention(layer_id, qkv.num_heads, qkv.num_kv_heads, d, scaling=scale,
@@ -174,14 +177,8 @@ class DecoderAttention(nn.Module):
         """`rows`: project only these rows of the attention output (every token's
         K/V is still computed and stored)."""
         q, k, v = self.qkv_proj(hidden).split(self.split_sizes, dim=-1)
-        if self.q_norm is not None:
-            q, k = self._norm_heads(self.q_norm, q), self._norm_heads(self.k_norm, k)
-        out = self.attn(q, k, v, fb, rope=(self.rotary_emb, positions))
+        out = self.attn(q, k, v, fb, rope=(self.rope, positions))
         return self.o_proj(out if rows is None else out[rows])
-
-    def _norm_heads(self, norm: RMSNorm, x: torch.Tensor) -> torch.Tensor:
-        d = self.attn.head_dim
-        return norm(x.reshape(-1, d)).view(x.shape[0], -1)
 
 
 class DecoderLayer(nn.Module):
@@ -201,30 +198,35 @@ class DecoderLayer(nn.Module):
             self.post_feedforward_layernorm = spec.norm(hidden, eps)
 
     @property
-    def output_is_partial(self) -> bool:
-        """Whether the hidden state returned is a per-rank partial sum under tensor
-        parallelism (the MLP's, left for the next norm to reduce)."""
-        return not self.sandwich
+    def output_norm(self) -> RMSNorm | None:
+        """The norm still to apply to this layer's output before it joins the
+        residual stream (a sandwich layer's post-feed-forward norm): the next
+        norm applies it in the same kernel (`RMSNorm.forward`'s pre_norm)."""
+        return self.post_feedforward_layernorm if self.sandwich else None
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor,
                 residual: torch.Tensor | None, fb: ForwardBatch,
-                rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Returns (this layer's output, residual stream): their sum is the layer's
-        HF output. `rows`: return only these token rows (the last layer in
-        prefill, where only the rows that get logits go on)."""
+                rows: torch.Tensor | None = None, pending_norm: RMSNorm | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Returns (this layer's output, residual stream): their sum, after
+        `output_norm` on the output, is the layer's HF output. The output is a
+        per-rank partial sum under tensor parallelism (the MLP's, left for the
+        next norm to reduce). `pending_norm`: the previous layer's output_norm.
+        `rows`: return only these token rows (the last layer in prefill, where
+        only the rows that get logits go on)."""
         if residual is None:
             residual, hidden = hidden, self.input_layernorm(hidden)
         else:
-            hidden, residual = self.input_layernorm(hidden, residual,
-                                                    reduce=self.output_is_partial)
+            hidden, residual = self.input_layernorm(hidden, residual, reduce=True,
+                                                    pre_norm=pending_norm)
         hidden = self.self_attn(positions, hidden, fb, rows)
         if rows is not None:
             residual = residual[rows]
         if self.sandwich:
-            hidden = self.post_attention_layernorm(hidden, reduce=True)
-            hidden, residual = self.pre_feedforward_layernorm(hidden, residual)
-            return self.post_feedforward_layernorm(self.mlp(hidden), reduce=True), residual
-        hidden, residual = self.post_attention_layernorm(hidden, residual, reduce=True)
+            hidden, residual = self.pre_feedforward_layernorm(
+                hidden, residual, reduce=True, pre_norm=self.post_attention_layernorm)
+        else:
+            hidden, residual = self.post_attention_layernorm(hidden, residual, reduce=True)
         return self.mlp(hidden), residual
 
 
@@ -266,12 +268,14 @@ class DecoderModel(nn.Module):
         hidden = self.embed(input_ids) if input_embeds is None else input_embeds
         residual = None
         last = len(self.layers) - 1
+        pending = None
         for i, layer in enumerate(self.layers):
             hidden, residual = layer(positions, hidden, residual, fb,
-                                     last_rows if i == last else None)
+                                     last_rows if i == last else None, pending)
+            pending = layer.output_norm
         # Under tensor parallelism this norm all-reduces the last MLP's partial
         # sums in place (in the buffer the MLP wrote), so rows are picked after it.
-        return self.norm(hidden, residual, reduce=self.layers[last].output_is_partial)[0]
+        return self.norm(hidden, residual, reduce=True, pre_norm=pending)[0]
 
 
 class DecoderForCausalLM(nn.Module):
