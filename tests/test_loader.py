@@ -21,6 +21,7 @@ from radixlm.models.loader import (
     iter_safetensors,
     load_config,
     load_model,
+    native_bf16_isa,
     prepare_model_dir,
     resolve_dtype,
     unpermute_qk,
@@ -296,7 +297,11 @@ def test_resolve_dtype():
     bf16 = LlamaConfig(dtype="bfloat16")
     fp16 = LlamaConfig(dtype="float16")
     fp32 = LlamaConfig(dtype="float32")
-    assert resolve_dtype("auto", bf16, "cpu") == torch.float32
+    native = torch.bfloat16 if native_bf16_isa() else torch.float32
+    assert resolve_dtype("auto", bf16, "cpu") == native
+    assert resolve_dtype("auto", fp16, "cpu") == native
+    assert resolve_dtype("auto", fp32, "cpu") == torch.float32
+    assert resolve_dtype("auto", LlamaConfig(), "cpu") == torch.float32
     assert resolve_dtype("auto", fp16, "cuda") == torch.float16
     assert resolve_dtype("auto", bf16, "cuda:0") == torch.bfloat16
     assert resolve_dtype("auto", fp32, "cuda") == torch.bfloat16

@@ -408,19 +408,49 @@ def iter_safetensors(model_dir: str) -> Iterator[tuple[str, torch.Tensor]]:
 
 
 def resolve_dtype(name: str, config: PretrainedConfig, device: str | torch.device) -> torch.dtype:
-    """`auto`: float32 on the CPU; on a GPU the checkpoint's half type, else bfloat16."""
+    """`auto`: on a GPU the checkpoint's half type, else bfloat16; on the CPU
+    bfloat16 where the checkpoint is in a half type and the CPU computes bf16
+    natively (AVX512-BF16 or AMX), else float32 (emulated bf16 is slower
+    than fp32). The choice and its reason go to the log."""
     if name != "auto":
         if name not in _DTYPES:
             raise ValueError(f"dtype={name!r}: expected one of auto, {', '.join(_DTYPES)}")
         return _DTYPES[name]
-    if torch.device(device).type == "cpu":
-        return torch.float32
+    saved = _checkpoint_dtype(config)
+    if torch.device(device).type != "cpu":
+        return saved if saved in (torch.bfloat16, torch.float16) else torch.bfloat16
+    native = native_bf16_isa()
+    if saved in (torch.bfloat16, torch.float16) and native:
+        logger.info("dtype auto -> bfloat16: the checkpoint is %s and this CPU computes bf16 "
+                    "natively (%s)", _dtype_name(saved), native)
+        return torch.bfloat16
+    why = (f"the checkpoint is {_dtype_name(saved)}" if saved not in (torch.bfloat16, torch.float16)
+           else "this CPU has neither AVX512-BF16 nor AMX") if saved else "no dtype in the config"
+    logger.info("dtype auto -> float32 on the CPU: %s", why)
+    return torch.float32
+
+
+def _checkpoint_dtype(config: PretrainedConfig) -> torch.dtype | None:
     saved = getattr(config, "dtype", None)
     if saved is None:
         saved = getattr(config, "torch_dtype", None)
     if isinstance(saved, str):
         saved = _DTYPES.get(saved)
-    return saved if saved in (torch.bfloat16, torch.float16) else torch.bfloat16
+    return saved if isinstance(saved, torch.dtype) else None
+
+
+def _dtype_name(dtype: torch.dtype | None) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def native_bf16_isa() -> str | None:
+    """The CPU's native bf16 instructions ('AMX-BF16', 'AVX512-BF16'), or None."""
+    from radixlm.layers.cpu_ops import _cpu_flags
+
+    flags = set(_cpu_flags().split())
+    if "amx_bf16" in flags:
+        return "AMX-BF16"
+    return "AVX512-BF16" if "avx512_bf16" in flags else None
 
 
 @contextlib.contextmanager
