@@ -21,7 +21,7 @@ import os
 import shutil
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -92,21 +92,27 @@ def _single_gguf_in(directory: Path, model_path: str | None) -> Path:
 # ---- GGUF -> HF directory ----------------------------------------------------
 def convert_gguf(gguf_path: str | Path) -> Path:
     """The cache directory holding `gguf_path` converted to HF form; converts
-    on first use. The directory appears by an atomic rename, so it is either
-    complete or absent, even if a conversion is killed halfway."""
+    on first use (`cached_dir`)."""
     gguf_path = Path(gguf_path)
+    return cached_dir(gguf_path, "", lambda out: _write_hf_dir(gguf_path, out), "Converting")
+
+
+def cached_dir(source: Path, suffix: str, write: Callable[[Path], None], what: str) -> Path:
+    """`cache_root()/<source stem>-<content digest><suffix>`, made by `write(dir)`
+    on first use. The directory appears by an atomic rename, so it is either
+    complete or absent, even if `write` is killed halfway."""
     root = cache_root()
     root.mkdir(parents=True, exist_ok=True)
-    final = root / f"{gguf_path.stem}-{_content_digest(gguf_path, root)}"
+    final = root / f"{source.stem}-{_content_digest(source, root)}{suffix}"
     if final.is_dir():
         return final
     _remove_stale_temp_dirs(root)
     tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=root))
     (tmp / "owner.pid").write_text(str(os.getpid()))
-    logger.info("Converting %s into %s (first use only)", gguf_path, final)
+    logger.info("%s %s into %s (first use only)", what, source, final)
     start = time.perf_counter()
     try:
-        _write_hf_dir(gguf_path, tmp)
+        write(tmp)
         (tmp / "owner.pid").unlink()
         try:
             tmp.rename(final)
@@ -115,7 +121,7 @@ def convert_gguf(gguf_path: str | Path) -> Path:
                 raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    logger.info("Converted %s in %.1f s", gguf_path.name, time.perf_counter() - start)
+    logger.info("%s %s took %.1f s", what, source.name, time.perf_counter() - start)
     return final
 
 
@@ -159,7 +165,7 @@ def _remove_stale_temp_dirs(root: Path) -> None:
 
 # GGUF architecture -> (transformers config class, HF architecture, whether
 # llama.cpp permuted the q/k rows when it converted the checkpoint).
-_GGUF_ARCHS = {
+GGUF_ARCHS = {
     "llama": ("LlamaConfig", "LlamaForCausalLM", True),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", False),
 }
@@ -177,21 +183,21 @@ def _write_hf_dir(gguf_path: Path, out: Path) -> None:
     import gguf
 
     reader = gguf.GGUFReader(gguf_path)
-    arch = _field(reader, "general.architecture")
-    if arch not in _GGUF_ARCHS:
+    arch = gguf_field(reader, "general.architecture")
+    if arch not in GGUF_ARCHS:
         raise ValueError(f"GGUF architecture {arch!r} is not supported "
-                         f"(supported: {', '.join(_GGUF_ARCHS)})")
+                         f"(supported: {', '.join(GGUF_ARCHS)})")
     config = _gguf_config(reader, arch)
     config.save_pretrained(out)
     _write_generation_config(config, out)
     _write_tokenizer(reader, gguf_path, out)
-    _write_tensors(reader, config, _GGUF_ARCHS[arch][2], out)
+    _write_tensors(reader, config, GGUF_ARCHS[arch][2], out)
 
 
 _MISSING = object()
 
 
-def _field(reader: Any, key: str, default: Any = _MISSING) -> Any:
+def gguf_field(reader: Any, key: str, default: Any = _MISSING) -> Any:
     field = reader.fields.get(key)
     if field is None:
         if default is _MISSING:
@@ -208,10 +214,10 @@ def _gguf_config(reader: Any, arch: str) -> PretrainedConfig:
     import transformers
 
     def meta(key: str, default: Any = _MISSING) -> Any:
-        return _field(reader, f"{arch}.{key}", default)
+        return gguf_field(reader, f"{arch}.{key}", default)
 
     tensors = {t.name: t for t in reader.tensors}
-    config_cls, architecture, _ = _GGUF_ARCHS[arch]
+    config_cls, architecture, _ = GGUF_ARCHS[arch]
     hidden, heads = meta("embedding_length"), meta("attention.head_count")
     head_dim = meta("attention.key_length", hidden // heads)
     theta = _tidy_float(meta("rope.freq_base", 10000.0))
@@ -230,9 +236,9 @@ def _gguf_config(reader: Any, arch: str) -> PretrainedConfig:
         rope_scaling=_gguf_rope_scaling(reader, arch, tensors, theta, head_dim),
         # llama.cpp drops output.weight when the head is the embedding.
         tie_word_embeddings="output.weight" not in tensors,
-        bos_token_id=_field(reader, "tokenizer.ggml.bos_token_id", None),
-        eos_token_id=_field(reader, "tokenizer.ggml.eos_token_id", None),
-        pad_token_id=_field(reader, "tokenizer.ggml.padding_token_id", None),
+        bos_token_id=gguf_field(reader, "tokenizer.ggml.bos_token_id", None),
+        eos_token_id=gguf_field(reader, "tokenizer.ggml.eos_token_id", None),
+        pad_token_id=gguf_field(reader, "tokenizer.ggml.padding_token_id", None),
     )
     return config
 
@@ -245,9 +251,9 @@ def _tidy_float(value: float) -> float:
 
 def _gguf_rope_scaling(reader: Any, arch: str, tensors: dict[str, Any], theta: float,
                        head_dim: int) -> dict[str, Any] | None:
-    kind = _field(reader, f"{arch}.rope.scaling.type", "none")
+    kind = gguf_field(reader, f"{arch}.rope.scaling.type", "none")
     if kind == "linear":
-        factor = float(_field(reader, f"{arch}.rope.scaling.factor"))
+        factor = float(gguf_field(reader, f"{arch}.rope.scaling.factor"))
         return {"rope_type": "linear", "factor": factor}
     if kind not in ("none", ""):
         raise ValueError(f"GGUF rope scaling {kind!r} is not supported (supported: linear, and "
@@ -292,7 +298,7 @@ def _write_tokenizer(reader: Any, gguf_path: Path, out: Path) -> None:
     tokenizer.save_pretrained(out)
 
 
-def _hf_tensor_name(gguf_name: str) -> str | None:
+def gguf_hf_name(gguf_name: str) -> str | None:
     stem, _, kind = gguf_name.rpartition(".")
     if stem.startswith("blk."):
         _, layer, part = stem.split(".", 2)
@@ -348,7 +354,7 @@ def _write_tensors(reader: Any, config: PretrainedConfig, permuted: bool, out: P
 
     tensors = []
     for tensor in reader.tensors:
-        if _hf_tensor_name(tensor.name) is not None:
+        if gguf_hf_name(tensor.name) is not None:
             tensors.append(tensor)
         elif tensor.name != "rope_freqs.weight":  # that one went into the config
             logger.warning("GGUF tensor %s has no HF name; skipped", tensor.name)
@@ -357,7 +363,7 @@ def _write_tensors(reader: Any, config: PretrainedConfig, permuted: bool, out: P
     for i, shard in enumerate(shards):
         filename = ("model.safetensors" if len(shards) == 1
                     else f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors")
-        data = {_hf_tensor_name(t.name): _to_torch(t, config, permuted) for t in shard}
+        data = {gguf_hf_name(t.name): _to_torch(t, config, permuted) for t in shard}
         save_file(data, out / filename, metadata={"format": "pt"})
         weight_map.update(dict.fromkeys(data, filename))
     if len(shards) > 1:
