@@ -22,9 +22,12 @@ from __future__ import annotations
 
 import argparse
 import functools
+import json
 import statistics
+import subprocess
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -162,6 +165,21 @@ def _ours(x: torch.Tensor, w: qgemm.QuantizedWeight, isa: str) -> torch.Tensor:
     return qgemm.linear(x, w, isa=isa)
 
 
+def bench_llamacpp(python: str, prompt_len: int) -> None:
+    """llama.cpp's whole-model speed on the embedded GGUF, same thread count."""
+    from radixlm.models.loader import default_model_path
+
+    script = Path(__file__).with_name("llamacpp_peer.py")
+    cmd = [python, str(script), default_model_path(), "--threads", str(torch.get_num_threads()),
+           "--prompt-len", str(prompt_len)]
+    result = json.loads(subprocess.run(cmd, check=True, capture_output=True,
+                                       text=True).stdout.strip().splitlines()[-1])
+    print(f"\n## llama.cpp (llama-cpp-python, in-process), whole model, same GGUF, "
+          f"{result['threads']} threads\n")
+    print(f"prefill {result['prefill_tok_s']:.0f} tok/s ({prompt_len}-token prompt), "
+          f"decode {result['decode_tok_s']:.1f} tok/s")
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--rows", default="1,2,4,8,16,32,64,256,1024",
@@ -172,6 +190,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--format-rows", default="1,8")
     p.add_argument("--skip-model", action="store_true")
     p.add_argument("--skip-formats", action="store_true")
+    p.add_argument("--llamacpp-python", default=None,
+                   help="an interpreter with llama-cpp-python: also time llama.cpp on the "
+                   "embedded GGUF (whole model) in the same run")
+    p.add_argument("--llamacpp-prompt-len", type=int, default=256)
     args = p.parse_args(argv)
     if not qgemm.load():
         raise SystemExit("the quantized kernels did not build")
@@ -180,6 +202,8 @@ def main(argv: list[str] | None = None) -> None:
           f"ISA paths available: {', '.join(qgemm.available_isas())}")
     if not args.skip_model:
         bench_model([int(m) for m in args.rows.split(",")], isas)
+    if args.llamacpp_python:
+        bench_llamacpp(args.llamacpp_python, args.llamacpp_prompt_len)
     if not args.skip_formats:
         bench_formats(args.formats.split(","), [int(m) for m in args.format_rows.split(",")],
                       isas[0])
