@@ -10,7 +10,9 @@
    tile to bf16 and call oneDNN", whose dequantization it does not count).
    Reported: ms per pass, tokens/s if matmuls were all a step did (M / pass),
    and weight GB/s (bytes each pass must read / time).
-2. Per format: a 4096 x 4096 product at M = 1 and 8 against the same two
+2. One thread, weights in cache: arithmetic rate at M = 1..256 against
+   oneDNN bf16 (the prefill question: int8 dots, or dequantize to bf16?).
+3. Per format: a 4096 x 4096 product at M = 1 and 8 against the same two
    torch peers, with enough copies of each weight to exceed the L3 cache, so
    each call streams its weight from memory as a model's layers do.
 
@@ -58,14 +60,16 @@ def random_blocks(fmt: str, n: int, k: int, rng: np.random.Generator) -> np.ndar
 class Weight:
     """One weight in the three forms compared."""
 
-    def __init__(self, fmt: str, n: int, k: int, rng: np.random.Generator) -> None:
+    def __init__(self, fmt: str, n: int, k: int, rng: np.random.Generator,
+                 dense: bool = True) -> None:
         if fmt == "int8":
             self.packed = qpack.pack_int8(torch.randn(n, k, generator=torch.Generator().manual_seed(
                 int(rng.integers(1 << 30)))) * 0.02)
         else:
             self.packed = qpack.pack_gguf(random_blocks(fmt, n, k, rng), GGUF_NAMES[fmt], n, k)
-        self.fp32 = qgemm.dequantize(self.packed)
-        self.bf16 = self.fp32.to(torch.bfloat16)
+        if dense:
+            self.fp32 = qgemm.dequantize(self.packed)
+            self.bf16 = self.fp32.to(torch.bfloat16)
 
 
 def median_ms(fn: Callable[[], object], min_seconds: float = 1.0, min_reps: int = 5) -> float:
@@ -145,7 +149,7 @@ def bench_formats(formats: list[str], rows: list[int], isa: str) -> None:
     rng = np.random.default_rng(1)
     for fmt in formats:
         proto = Weight(fmt, n, k, rng)
-        packed = [proto.packed] + [Weight(fmt, n, k, rng).packed
+        packed = [proto.packed] + [Weight(fmt, n, k, rng, dense=False).packed
                                    for _ in range(copies_past_l3(proto.packed.nbytes) - 1)]
         bf16 = [proto.bf16.clone() for _ in range(copies_past_l3(n * k * 2))]
         fp32 = [proto.fp32.clone() for _ in range(copies_past_l3(n * k * 4))]
@@ -163,6 +167,41 @@ def bench_formats(formats: list[str], rows: list[int], isa: str) -> None:
 
 def _ours(x: torch.Tensor, w: qgemm.QuantizedWeight, isa: str) -> torch.Tensor:
     return qgemm.linear(x, w, isa=isa)
+
+
+def bench_compute(rows: list[int], isa: str) -> None:
+    """One thread, L2-resident weights: arithmetic rate, ours (int8 dots) against
+    oneDNN bf16 on weights already dequantized (what "dequantize a tile to bf16
+    and call oneDNN" could reach at best, its dequantization not counted)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    print(f"\n## One thread, weights in cache: GMAC/s (Q4_1), isa {isa}\n")
+    print("| shape (out x in) | M | ours GMAC/s | oneDNN bf16 GMAC/s | ours / bf16 |")
+    print("|---|---|---|---|---|")
+    rng = np.random.default_rng(2)
+    try:
+        for n, k in [(3072, 576), (576, 1536)]:
+            w = Weight("q4_1", n, k, rng)
+            for m in rows:
+                x16 = torch.randn(m, k).to(torch.bfloat16)
+                ours = best_ms(functools.partial(_ours, x16, w.packed, isa=isa))
+                bf16 = best_ms(functools.partial(radixlm_linear, x16, w.bf16))
+                gmac = m * n * k / 1e6
+                print(f"| {n} x {k} | {m} | {gmac / ours:.0f} | {gmac / bf16:.0f} | "
+                      f"{bf16 / ours:.2f}x |")
+    finally:
+        torch.set_num_threads(threads)
+
+
+def best_ms(fn: Callable[[], object], reps: int = 9) -> float:
+    """Fastest of `reps` calls: on a shared machine the minimum is the least disturbed."""
+    fn()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return min(times) * 1e3
 
 
 def bench_llamacpp(python: str, prompt_len: int) -> None:
@@ -190,6 +229,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--format-rows", default="1,8")
     p.add_argument("--skip-model", action="store_true")
     p.add_argument("--skip-formats", action="store_true")
+    p.add_argument("--skip-compute", action="store_true")
     p.add_argument("--llamacpp-python", default=None,
                    help="an interpreter with llama-cpp-python: also time llama.cpp on the "
                    "embedded GGUF (whole model) in the same run")
@@ -202,6 +242,8 @@ def main(argv: list[str] | None = None) -> None:
           f"ISA paths available: {', '.join(qgemm.available_isas())}")
     if not args.skip_model:
         bench_model([int(m) for m in args.rows.split(",")], isas)
+    if not args.skip_compute:
+        bench_compute([1, 8, 64, 256], isas[0])
     if args.llamacpp_python:
         bench_llamacpp(args.llamacpp_python, args.llamacpp_prompt_len)
     if not args.skip_formats:
