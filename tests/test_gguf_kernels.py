@@ -237,3 +237,26 @@ def test_isa_env_pins_the_default(monkeypatch):
     finally:
         monkeypatch.undo()
         qgemm._default_isa.cache_clear()
+
+
+@pytest.mark.parametrize("fmt", [*GGUF_TYPES, "int8"])
+def test_tensor_parallel_slices(fmt):
+    """A rank's rows (whole tiles) or input features (whole blocks) of a packed
+    weight are the same weight's rows or columns, and multiply as such."""
+    n, k = 72, 512
+    if fmt == "int8":
+        packed = qpack.pack_int8(torch.randn(n, k, generator=torch.Generator().manual_seed(0)))
+    else:
+        packed = qpack.pack_gguf(random_blocks(fmt, n, k, seed=9), GGUF_TYPES[fmt], n, k)
+    full = qgemm.dequantize(packed)
+    rows = qpack.slice_rows(packed, 48, 24)  # ends at the last row: a partial tile is fine
+    assert torch.equal(qgemm.dequantize(rows), full[48:])
+    assert torch.equal(qgemm.dequantize(qpack.slice_rows(packed, 16, 32)), full[16:48])
+    cols = qpack.slice_k(packed, 256, 256)
+    assert torch.equal(qgemm.dequantize(cols), full[:, 256:])
+    x = torch.randn(3, k, generator=torch.Generator().manual_seed(1))
+    assert torch.equal(qgemm.linear(x, rows), qgemm.linear(x, packed)[:, 48:])
+    with pytest.raises(ValueError, match="whole tiles"):
+        qpack.slice_rows(packed, 8, 16)
+    with pytest.raises(ValueError, match="whole blocks"):
+        qpack.slice_k(packed, 16, 32)

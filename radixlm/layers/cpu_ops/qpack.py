@@ -189,3 +189,43 @@ def pack_gguf(raw: np.ndarray, gguf_type: str, n: int, k: int) -> QuantizedWeigh
 def pack_int8(w: torch.Tensor) -> QuantizedWeight:
     """A float weight [n, k] as per-channel int8 for the kernels."""
     return pack(quantize_int8(w), in_features=w.shape[1])
+
+
+def slice_rows(w: QuantizedWeight, start: int, size: int) -> QuantizedWeight:
+    """Rows [start, start + size) of W (a column-parallel rank's piece): whole
+    tiles, so `start` is a multiple of 16 and so is `size` unless the slice
+    ends at the last row."""
+    end = start + size
+    if start % TILE or (size % TILE and end != w.n) or not 0 <= start < end <= w.n:
+        raise ValueError(f"rows [{start}, {end}) of a {w.n}-row quantized weight: slices "
+                         f"must be whole tiles of {TILE} rows")
+    tiles = -(-w.n // TILE)
+    t0, t1 = start // TILE, -(-end // TILE)
+
+    def cut(t: torch.Tensor) -> torch.Tensor:
+        if t.numel() == 0:
+            return t
+        return t.view(tiles, -1)[t0:t1].reshape(-1).clone()
+
+    return QuantizedWeight(w.format, size, w.k, w.in_features, cut(w.qweight),
+                           cut(w.scales), cut(w.mins))
+
+
+def slice_k(w: QuantizedWeight, start: int, size: int) -> QuantizedWeight:
+    """Input features [start, start + size) of W (a row-parallel rank's piece):
+    whole blocks of 32, within the unpadded features."""
+    _, block, _ = LAYOUT[w.format]
+    end = start + size
+    if start % ACT_BLOCK or size % ACT_BLOCK or not 0 <= start < end <= w.in_features:
+        raise ValueError(f"features [{start}, {end}) of a quantized weight with "
+                         f"{w.in_features}: slices must be whole blocks of {ACT_BLOCK}")
+    tiles, blocks = -(-w.n // TILE), w.k // block
+    b0, b1 = start // block, end // block
+
+    def cut(t: torch.Tensor) -> torch.Tensor:
+        if t.numel() == 0:
+            return t
+        return t.view(tiles, blocks, -1)[:, b0:b1].reshape(-1).clone()
+
+    scales = w.scales.clone() if w.format == "int8" else cut(w.scales)
+    return QuantizedWeight(w.format, w.n, size, size, cut(w.qweight), scales, cut(w.mins))
