@@ -70,6 +70,15 @@ class ServerArgs:
         "scheduling", "Scale of the reserved decode budget (higher: fewer retractions)",
         default=1.0)
     disable_radix_cache: bool = _opt("scheduling", "Disable prefix sharing", default=False)
+    enable_mixed_chunk: bool = _opt(
+        "scheduling", "Run a prefill chunk and the running decodes in one forward, so long "
+        "prompts do not stall decoding (mixed chunked prefill)", default=False)
+    enable_priority_scheduling: bool = _opt(
+        "scheduling", "Admit waiting requests by their `priority` field (higher first), "
+        "then by the policy; without it a non-zero priority is refused", default=False)
+    priority_preemption: bool = _opt(
+        "scheduling", "With priority scheduling: a waiting request may retract running "
+        "requests of lower priority when it does not fit (they resume later)", default=False)
 
     # Execution
     attention_backend: str = _opt(
@@ -154,6 +163,8 @@ class ServerArgs:
             raise ValueError("dump_requests_threshold must be >= 1")
         if self.stream_interval < 1:
             raise ValueError("stream_interval must be >= 1")
+        if self.priority_preemption and not self.enable_priority_scheduling:
+            raise ValueError("priority_preemption needs enable_priority_scheduling")
         self._check_parallelism()
 
     def _check_parallelism(self) -> None:

@@ -121,7 +121,7 @@ class Engine:
     def abort_request(self, rid: str | None = None, abort_all: bool = False) -> None:
         self._control("abort", rid=rid, abort_all=abort_all)
 
-    # ---- runtime control: weights, memory, profiling (scheduler/runtime_control.py) ----
+    # ---- runtime control: weights, memory, profiling (scheduler/control.py) ----
     def update_weights_from_disk(self, model_path: str, load_format: str | None = None,
                                  abort_all_requests: bool = False) -> tuple[bool, str]:
         """Load a checkpoint (HF directory or .gguf) into the live model. All or nothing:

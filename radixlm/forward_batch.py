@@ -21,9 +21,15 @@ if TYPE_CHECKING:
 class ForwardMode(Enum):
     EXTEND = auto()  # prefill: new tokens of each request after a cached prefix
     DECODE = auto()  # exactly one new token per request
+    # Mixed chunked prefill: extend requests first, then decode requests (one
+    # token each) in the same forward; see `ForwardBatch.mixed_parts`.
+    MIXED = auto()
 
     def is_decode(self) -> bool:
         return self is ForwardMode.DECODE
+
+    def is_mixed(self) -> bool:
+        return self is ForwardMode.MIXED
 
 
 @dataclass
@@ -34,7 +40,9 @@ class ForwardBatch:
     tokens already in the KV pool; `seq_lens[i]` = prefix + new. The KV slots of
     all its tokens are `req_to_token[req_pool_indices[i], :seq_lens[i]]`, and the
     new ones are also given flat in `out_cache_loc` (the backend writes K/V there).
-    In decode mode every extend length is 1.
+    In decode mode every extend length is 1. In mixed mode the first
+    `num_extend` requests extend and the rest decode (one token each, last in
+    the flat token axis).
     """
 
     mode: ForwardMode
@@ -60,17 +68,48 @@ class ForwardBatch:
     # Decode only: requests sharing their first KV slots (cascade attention); None:
     # no sharing, or not looked for. Backends without cascade attention ignore it.
     prefix_groups: PrefixGroups | None = None
+    num_extend: int = 0  # mixed mode: how many requests (from the first) extend
+    _parts: tuple[ForwardBatch, ForwardBatch] | None = None
 
     @property
     def num_tokens(self) -> int:
         return self.input_ids.shape[0]
+
+    def mixed_parts(self) -> tuple[ForwardBatch, ForwardBatch]:
+        """A mixed batch as (its extend requests, its decode requests): two batches
+        over slices of this one's tensors (views, no copies), made once. Backends
+        attend each part with their extend and decode paths."""
+        assert self.mode.is_mixed(), "mixed_parts of a batch that is not mixed"
+        if self._parts is None:
+            self._parts = (self._part(ForwardMode.EXTEND, 0, self.num_extend),
+                           self._part(ForwardMode.DECODE, self.num_extend, self.batch_size))
+        return self._parts
+
+    def _part(self, mode: ForwardMode, lo: int, hi: int) -> ForwardBatch:
+        first = sum(self.extend_seq_lens_cpu[:lo])
+        last = first + sum(self.extend_seq_lens_cpu[lo:hi])
+        return ForwardBatch(
+            mode=mode, batch_size=hi - lo, input_ids=self.input_ids[first:last],
+            positions=self.positions[first:last],
+            req_pool_indices=self.req_pool_indices[lo:hi], seq_lens=self.seq_lens[lo:hi],
+            out_cache_loc=self.out_cache_loc[first:last],
+            extend_seq_lens=self.extend_seq_lens[lo:hi],
+            extend_prefix_lens=self.extend_prefix_lens[lo:hi],
+            extend_start_loc=self.extend_start_loc[lo:hi] - first,
+            seq_lens_cpu=self.seq_lens_cpu[lo:hi],
+            extend_seq_lens_cpu=self.extend_seq_lens_cpu[lo:hi],
+            extend_prefix_lens_cpu=self.extend_prefix_lens_cpu[lo:hi],
+            req_to_token_pool=self.req_to_token_pool, token_to_kv_pool=self.token_to_kv_pool,
+            attn_backend=self.attn_backend)
 
     @classmethod
     def build(cls, mode: ForwardMode, input_ids: list[int], req_pool_indices: list[int],
               prefix_lens: list[int], extend_lens: list[int], out_cache_loc: torch.Tensor,
               req_to_token_pool: ReqToTokenPool, token_to_kv_pool: KVPool,
               attn_backend: AttentionBackend, device: torch.device,
-              logit_rows: list[int] | None = None) -> ForwardBatch:
+              logit_rows: list[int] | None = None, num_extend: int | None = None
+              ) -> ForwardBatch:
+        """`num_extend`: for a MIXED batch, how many requests (the first) extend."""
         seq_lens = [p + e for p, e in zip(prefix_lens, extend_lens)]
         positions = [p + j for p, e in zip(prefix_lens, extend_lens) for j in range(e)]
         starts, acc = [], 0
@@ -91,7 +130,8 @@ class ForwardBatch:
             extend_start_loc=t(starts), seq_lens_cpu=seq_lens, extend_seq_lens_cpu=extend_lens,
             extend_prefix_lens_cpu=prefix_lens, req_to_token_pool=req_to_token_pool,
             token_to_kv_pool=token_to_kv_pool, attn_backend=attn_backend,
-            logit_rows=t(logit_rows))
+            logit_rows=t(logit_rows),
+            num_extend=len(extend_lens) if num_extend is None else num_extend)
 
 
 # ---- shared prefixes in a decode batch (cascade attention) ------------------------

@@ -29,6 +29,9 @@ class GenerateReq(msgspec.Struct, tag=True):
     session_params: dict[str, Any] | None = None
     # Higher runs first under --enable-priority-scheduling (SGLang's and vLLM's field).
     priority: int = 0
+    # Prefix-cache namespace (cache/base.py), set by the front end: requests share
+    # cached KV only within one (an adapter, a set of images); 0 is plain text.
+    namespace: int = 0
 
 
 class AbortReq(msgspec.Struct, tag=True):

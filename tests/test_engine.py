@@ -157,11 +157,11 @@ def test_stream_interval_batches_streamed_tokens():
 def test_full_batch_skips_ordering_the_queue(monkeypatch):
     """With max_running_requests running, decode steps must not order (for lpm:
     radix-match) the waiting queue: that work scaled with the queue every step."""
-    import radixlm.scheduler.scheduler as sched
+    import radixlm.scheduler.prefill as prefill
 
     calls = []
-    real = sched.order_waiting
-    monkeypatch.setattr(sched, "order_waiting", lambda *a: calls.append(1) or real(*a))
+    real = prefill.order_waiting
+    monkeypatch.setattr(prefill, "order_waiting", lambda *a: calls.append(1) or real(*a))
     sp = {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True}
     with radixlm.Engine(max_total_tokens=4096, max_running_requests=2,
                         schedule_policy="lpm") as e:

@@ -80,6 +80,21 @@ def test_cache_aware_follows_prefixes_and_falls_back_to_load():
     assert lb.route(a + [9]) == first_b
 
 
+def test_cache_aware_keys_on_the_prefix_namespace():
+    """The same tokens under another namespace (adapter, images) are another prefix."""
+    lb = LoadBalancer("cache_aware", 2)
+    a = [1] * 8 * PREFIX_BLOCK
+    home = lb.route(a + [7])
+    other = 1 - home
+    lb.route([5] * 8 * PREFIX_BLOCK, namespace=3)  # goes to `other`, the shorter queue
+    assert lb.trees[home].match(a) == len(a)
+    assert lb.trees[home].match(a, namespace=3) == 0
+    assert lb.route(a + [8], namespace=3) == other  # no match in namespace 3: by load
+    assert lb.trees[other].match(a, namespace=3) == len(a)
+    assert lb.route(a + [9], namespace=3) == other
+    assert lb.route(a + [9]) == home
+
+
 # ---- tensor parallelism -----------------------------------------------------------------
 @pytest.fixture(scope="module")
 def embedded_ids(model_dir) -> list[list[int]]:

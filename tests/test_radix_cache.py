@@ -41,10 +41,11 @@ def insert_fresh(pool: MHATokenToKVPool, cache: RadixCache, key: list[int]) -> t
     return value
 
 
-def contents(cache: RadixCache) -> dict[tuple[int, ...], int]:
-    """Every cached prefix -> the KV slot of its last token."""
+def contents(cache: RadixCache, namespace: int = 0) -> dict[tuple[int, ...], int]:
+    """Every cached prefix of a namespace -> the KV slot of its last token."""
     out: dict[tuple[int, ...], int] = {}
-    stack = [((), cache.root)]
+    root = cache.roots.get(namespace)
+    stack = [((), root)] if root is not None else []
     while stack:
         prefix, node = stack.pop()
         for i, (tok, slot) in enumerate(zip(node.key, node.value.tolist(), strict=True)):
@@ -307,14 +308,78 @@ def test_no_prefix_cache_holds_nothing() -> None:
         cache.insert([1], torch.tensor([1, 2]))
 
 
+# -- namespaces ------------------------------------------------------------------
+
+def test_namespaces_never_share_a_node() -> None:
+    pool, cache = make_cache()
+    a = insert_fresh(pool, cache, [1, 2, 3])
+    assert cache.match_prefix([1, 2, 3], namespace=7).indices.tolist() == []
+    b = pool.alloc(3)
+    assert cache.insert([1, 2, 3], b, namespace=7) == 0  # no duplicate across namespaces
+    assert cache.match_prefix([1, 2, 3]).indices.tolist() == a.tolist()
+    assert cache.match_prefix([1, 2, 3], namespace=7).indices.tolist() == b.tolist()
+    assert cache.total_size() == 6
+    nodes0 = {id(n) for n in cache._nodes() if cache.root in _ancestors(n)}
+    nodes7 = {id(n) for n in cache._nodes() if cache.roots[7] in _ancestors(n)}
+    assert nodes0 and nodes7 and not nodes0 & nodes7
+    cache.check_invariants()
+    assert_pool_accounting(pool, cache)
+
+
+def _ancestors(node: object) -> list[object]:
+    out = []
+    while node is not None:
+        out.append(node)
+        node = node.parent
+    return out
+
+
+def test_lock_in_one_namespace_protects_only_its_path() -> None:
+    pool, cache = make_cache()
+    insert_fresh(pool, cache, [1, 2])
+    b = pool.alloc(2)
+    cache.insert([1, 2], b, namespace=3)
+    res = cache.match_prefix([1, 2], namespace=3)
+    cache.lock(res.node)
+    assert cache.protected_size() == 2 and cache.evictable_size() == 2
+    assert cache.evict(10) == 2  # only namespace 0's copy can go
+    assert cache.match_prefix([1, 2]).indices.tolist() == []
+    assert cache.match_prefix([1, 2], namespace=3).indices.tolist() == b.tolist()
+    cache.unlock(res.node)
+    assert cache.evict(10) == 2
+    cache.check_invariants()
+    assert_pool_accounting(pool, cache)
+
+
+def test_eviction_is_lru_across_namespaces() -> None:
+    pool, cache = make_cache()
+    insert_fresh(pool, cache, [1])  # oldest
+    v = pool.alloc(1)
+    cache.insert([1], v, namespace=1)
+    cache.match_prefix([1])  # namespace 0 used again: namespace 1's leaf is now oldest
+    assert cache.evict(1) == 1
+    assert cache.match_prefix([1], namespace=1).indices.tolist() == []
+    assert len(cache.match_prefix([1]).indices) == 1
+    cache.reset()
+    assert set(cache.roots) == {0} and cache.total_size() == 0
+
+
 # -- property-based: the scheduler's usage against a plain model -------------------
 
 KEYS = st.lists(st.integers(0, 2), max_size=8)  # small alphabet: prefixes collide
+NAMESPACES = st.integers(0, 2)
 POOL_SIZE = 40
+
+
+def all_contents(cache: RadixCache) -> dict[tuple[int, tuple[int, ...]], int]:
+    """(namespace, prefix) -> slot of the prefix's last token, over every namespace."""
+    return {(ns, prefix): slot for ns in cache.roots
+            for prefix, slot in contents(cache, ns).items()}
 
 
 @dataclass
 class FakeReq:
+    namespace: int
     key: list[int]
     node: object
     prefix: torch.Tensor  # cache-owned slots, locked through `node`
@@ -324,21 +389,23 @@ class FakeReq:
 class RadixCacheMachine(RuleBasedStateMachine):
     """A reference model `ref`: every cached prefix -> slot of its last token.
     Matches must be exactly the longest prefix in `ref`; eviction may drop any
-    unlocked prefixes (LRU order is unit-tested) but never a locked one."""
+    unlocked prefixes (LRU order is unit-tested) but never a locked one. Keys
+    live in namespaces: `ref` is keyed by (namespace, prefix), so a match in one
+    namespace must never see another's prefixes."""
 
     def __init__(self) -> None:
         super().__init__()
         self.pool = make_pool(POOL_SIZE)
         self.cache = RadixCache(self.pool)
-        self.ref: dict[tuple[int, ...], int] = {}
+        self.ref: dict[tuple[int, tuple[int, ...]], int] = {}
         self.reqs: list[FakeReq] = []
 
-    def _expected_match(self, key: list[int]) -> list[int]:
+    def _expected_match(self, key: list[int], ns: int) -> list[int]:
         out = []
         for i in range(1, len(key) + 1):
-            if tuple(key[:i]) not in self.ref:
+            if (ns, tuple(key[:i])) not in self.ref:
                 break
-            out.append(self.ref[tuple(key[:i])])
+            out.append(self.ref[ns, tuple(key[:i])])
         return out
 
     def _alloc(self, n: int) -> torch.Tensor | None:
@@ -353,47 +420,49 @@ class RadixCacheMachine(RuleBasedStateMachine):
         available = self.pool.available_size()
         before = self.ref
         freed = self.cache.evict(n)
-        self.ref = contents(self.cache)
+        self.ref = all_contents(self.cache)
         assert freed >= min(n, evictable)
         assert freed == len(before) - len(self.ref) == self.pool.available_size() - available
         assert all(before[p] == s for p, s in self.ref.items()), "eviction moved a slot"
 
-    def _insert(self, key: list[int], value: torch.Tensor, own_from: int) -> None:
+    def _insert(self, key: list[int], value: torch.Tensor, own_from: int, ns: int) -> None:
         """Insert like a finishing request whose slots before `own_from` came from the cache."""
-        expected_dup = len(self._expected_match(key))
-        dup = self.cache.insert(key, value)
+        expected_dup = len(self._expected_match(key, ns))
+        dup = self.cache.insert(key, value, ns)
         assert dup == expected_dup and dup >= own_from
         self.pool.free(value[own_from:dup])
         for i in range(dup, len(key)):
-            self.ref[tuple(key[:i + 1])] = int(value[i])
+            self.ref[ns, tuple(key[:i + 1])] = int(value[i])
 
-    @rule(key=KEYS)
-    def match(self, key: list[int]) -> None:
-        assert self.cache.match_prefix(key).indices.tolist() == self._expected_match(key)
+    @rule(key=KEYS, ns=NAMESPACES)
+    def match(self, key: list[int], ns: int) -> None:
+        assert self.cache.match_prefix(key, ns).indices.tolist() == \
+            self._expected_match(key, ns)
 
-    @rule(key=KEYS)
-    def insert(self, key: list[int]) -> None:
+    @rule(key=KEYS, ns=NAMESPACES)
+    def insert(self, key: list[int], ns: int) -> None:
         value = self._alloc(len(key))
         if value is not None:
-            self._insert(key, value, 0)
+            self._insert(key, value, 0, ns)
 
-    @rule(key=KEYS)
-    def start_request(self, key: list[int]) -> None:
-        res = self.cache.match_prefix(key)
-        assert res.indices.tolist() == self._expected_match(key)
+    @rule(key=KEYS, ns=NAMESPACES)
+    def start_request(self, key: list[int], ns: int) -> None:
+        res = self.cache.match_prefix(key, ns)
+        assert res.indices.tolist() == self._expected_match(key, ns)
         self.cache.lock(res.node)
         own = self._alloc(len(key) - len(res.indices))
         if own is None:  # not admitted: undo as the scheduler would
             self.cache.unlock(res.node)
             return
-        self.reqs.append(FakeReq(key, res.node, res.indices, own))
+        self.reqs.append(FakeReq(ns, key, res.node, res.indices, own))
 
     @precondition(lambda self: self.reqs)
     @rule(data=st.data(), cache_it=st.booleans())
     def finish_request(self, data: st.DataObject, cache_it: bool) -> None:
         req = self.reqs.pop(data.draw(st.integers(0, len(self.reqs) - 1)))
         if cache_it:
-            self._insert(req.key, torch.cat([req.prefix, req.own]), len(req.prefix))
+            self._insert(req.key, torch.cat([req.prefix, req.own]), len(req.prefix),
+                         req.namespace)
         else:  # aborted or retracted: its own slots go straight back
             self.pool.free(req.own)
         self.cache.unlock(req.node)
@@ -405,12 +474,13 @@ class RadixCacheMachine(RuleBasedStateMachine):
     @invariant()
     def tree_matches_model(self) -> None:
         self.cache.check_invariants()
-        assert contents(self.cache) == self.ref
+        assert all_contents(self.cache) == self.ref
 
     @invariant()
     def locked_prefixes_survive(self) -> None:
         for req in self.reqs:
-            assert self._expected_match(req.key)[:len(req.prefix)] == req.prefix.tolist()
+            assert self._expected_match(req.key, req.namespace)[:len(req.prefix)] == \
+                req.prefix.tolist()
 
     @invariant()
     def pool_accounting(self) -> None:

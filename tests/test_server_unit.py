@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import asyncio
 import time
+from types import SimpleNamespace
 from typing import Any
 
 import httpx
 import pytest
+import torch
 import zmq
 from fastapi import FastAPI
 
@@ -25,7 +27,7 @@ from radixlm.protocol import (
     encode,
 )
 from radixlm.sampling_params import SamplingParams
-from radixlm.scheduler.control import ControlMixin
+from radixlm.scheduler.control import SchedulerControl
 from radixlm.server.errors import APIError, from_value_error
 from radixlm.server.http_server import GuardMiddleware
 from radixlm.server.io import SeqOutput, sse
@@ -122,8 +124,9 @@ def test_guard_limits_the_body_size() -> None:
 
 
 # ---- the scheduler process loop ------------------------------------------------------
-class FakeScheduler(ControlMixin):
-    """Stands in for Scheduler: refuses prompts containing token 0."""
+class FakeScheduler:
+    """Stands in for Scheduler: refuses prompts containing token 0. Its control
+    calls go through the real control component (the allow-list)."""
 
     max_running_requests = 0  # everything queues
 
@@ -132,6 +135,13 @@ class FakeScheduler(ControlMixin):
         self.running: list[str] = []
         self.pending: list[TokenOut] = []
         self.invariant_checks = 0
+        self.args = ServerArgs()
+        self.runner = SimpleNamespace(model=torch.nn.Linear(1, 1), config=None,
+                                      device=torch.device("cpu"))
+        self.controls = SchedulerControl(self)
+
+    def control(self, method: str, **args: Any) -> Any:
+        return self.controls.call(method, **args)
 
     @property
     def has_work(self) -> bool:

@@ -338,7 +338,7 @@ def test_profile_num_steps_stops_by_itself(engine, prompt_ids, tmp_path, monkeyp
     monkeypatch.setenv("RADIXLM_TORCH_PROFILER_DIR", str(tmp_path / "env"))
     assert engine.start_profile(num_steps=2)[0]
     engine.generate(input_ids=prompt_ids[0], sampling_params={**SP, "max_new_tokens": 5})
-    assert not engine.scheduler.profiler.active
+    assert not engine.scheduler.controls.profiler.active
     ok, message = engine.stop_profile()  # reports the trace the profile wrote itself
     assert ok and str(tmp_path / "env") in message
     assert len(list(Path(tmp_path / "env").glob("*.trace.json"))) == 1

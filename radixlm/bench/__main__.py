@@ -1,4 +1,7 @@
-"""python -m radixlm.bench {offline,one-batch,shared-prefix,serving} [options]"""
+"""python -m radixlm.bench MODE [options]
+
+MODE: offline, one-batch, shared-prefix, serving, mixed-chunk, priority.
+"""
 
 from __future__ import annotations
 
@@ -6,13 +9,16 @@ import sys
 
 
 def main() -> None:
-    modes = ("offline", "one-batch", "shared-prefix", "serving")
+    modes = ("offline", "one-batch", "shared-prefix", "serving", "mixed-chunk", "priority")
     if len(sys.argv) < 2 or sys.argv[1] not in modes:
         print(f"usage: python -m radixlm.bench {{{','.join(modes)}}} [options]")
         sys.exit(2)
     mode, argv = sys.argv[1], sys.argv[2:]
     if mode in ("offline", "one-batch"):
         from radixlm.bench.offline import main as run
+        run(argv, mode)
+    elif mode in ("mixed-chunk", "priority"):
+        from radixlm.bench.scheduling import main as run
         run(argv, mode)
     elif mode == "shared-prefix":
         from radixlm.bench.shared_prefix import main as run

@@ -16,7 +16,13 @@ class MatchResult:
 
 
 class PrefixCache(ABC):
-    """Maps token-id prefixes to KV slots that already hold their keys/values.
+    """Maps (namespace, token-id prefix) to KV slots that already hold their keys/values.
+
+    Namespaces: equal tokens give equal K/V only under the same adapter and the
+    same images behind placeholder tokens, so every key lives in a namespace (an
+    int; 0 = plain text with the base model) and two namespaces never share a
+    slot or a node. Everything below holds within one namespace; eviction and
+    the sizes span all of them.
 
     Ownership contract:
     - Slots handed to `insert` belong to the cache from then on, except the
@@ -32,10 +38,10 @@ class PrefixCache(ABC):
     """
 
     @abstractmethod
-    def match_prefix(self, key: list[int]) -> MatchResult: ...
+    def match_prefix(self, key: list[int], namespace: int = 0) -> MatchResult: ...
 
     @abstractmethod
-    def insert(self, key: list[int], value: torch.Tensor) -> int: ...
+    def insert(self, key: list[int], value: torch.Tensor, namespace: int = 0) -> int: ...
 
     @abstractmethod
     def lock(self, node: Any) -> None: ...

@@ -30,10 +30,10 @@ class NoPrefixCache(PrefixCache):
         # Takes the pool only so both caches are built the same way; never touches it.
         self.kv_pool = kv_pool
 
-    def match_prefix(self, key: Sequence[int]) -> MatchResult:
+    def match_prefix(self, key: Sequence[int], namespace: int = 0) -> MatchResult:
         return MatchResult(indices=torch.empty(0, dtype=torch.int64), node=self.NODE)
 
-    def insert(self, key: Sequence[int], value: torch.Tensor) -> int:
+    def insert(self, key: Sequence[int], value: torch.Tensor, namespace: int = 0) -> int:
         if len(value) != len(key):
             raise ValueError(f"value has {len(value)} slots for a key of {len(key)} tokens")
         return len(key)

@@ -1,9 +1,13 @@
 """The radix-tree prefix cache (seed: "radix tree cache").
 
 Each node holds one segment of token ids and the KV slots of those tokens; a
-path from the root spells a cached prefix. Nodes are split where a match or an
+path from a root spells a cached prefix. Nodes are split where a match or an
 insert diverges (or stops) inside a segment, so every prefix a caller gets back
 ends exactly at a node, and locking that node protects exactly that prefix.
+
+One root per namespace (`PrefixCache`): a namespace's tree is a tree of its
+own, so two namespaces cannot share a node; eviction picks least recently used
+leaves across all of them.
 """
 
 from __future__ import annotations
@@ -42,7 +46,7 @@ class TreeNode:
         self.key = key
         self.value = value  # int64 CPU KV slots, one per token of `key`
         self.children: dict[int, TreeNode] = {}  # keyed by the child's first token
-        self.parent = parent  # None for the root and for evicted (detached) nodes
+        self.parent = parent  # None for roots and for evicted (detached) nodes
         self.lock_ref = 0
         self.last_access_time = last_access_time
 
@@ -68,33 +72,46 @@ class RadixCache(PrefixCache):
     def reset(self) -> None:
         # A counter, not wall time: deterministic LRU order and no clock ties.
         self._clock = itertools.count()
-        self.root = TreeNode((), _empty_slots(), None, next(self._clock))
+        self.roots: dict[int, TreeNode] = {}
+        self.root = self._root(0)  # plain text, the namespace most requests use
         self._evictable = 0
         self._protected = 0
         self._leaves: set[TreeNode] = set()  # every non-root node without children
 
+    def _root(self, namespace: int) -> TreeNode:
+        root = self.roots.get(namespace)
+        if root is None:
+            # Roots stay once made (an empty node each): namespaces are few.
+            root = self.roots[namespace] = TreeNode((), _empty_slots(), None, next(self._clock))
+        return root
+
+    @staticmethod
+    def _is_root(node: TreeNode) -> bool:
+        return len(node.key) == 0  # every other node holds at least one token
+
     # -- lookup and insertion ------------------------------------------------
 
-    def match_prefix(self, key: Sequence[int]) -> MatchResult:
-        node, _, pieces = self._walk(tuple(key))
+    def match_prefix(self, key: Sequence[int], namespace: int = 0) -> MatchResult:
+        node, _, pieces = self._walk(tuple(key), namespace)
         indices = torch.cat(pieces) if pieces else _empty_slots()
         return MatchResult(indices=indices, node=node)
 
-    def insert(self, key: Sequence[int], value: torch.Tensor) -> int:
+    def insert(self, key: Sequence[int], value: torch.Tensor, namespace: int = 0) -> int:
         key = tuple(key)
         if len(value) != len(key):
             raise ValueError(f"value has {len(value)} slots for a key of {len(key)} tokens")
-        node, matched, _ = self._walk(key)
+        node, matched, _ = self._walk(key, namespace)
         if matched < len(key):
             self._add_leaf(node, key[matched:], value[matched:])
         return matched
 
-    def _walk(self, key: tuple[int, ...]) -> tuple[TreeNode, int, list[torch.Tensor]]:
-        """Follow `key` down the tree, splitting the last node if the key stops or
-        diverges inside it. Returns the deepest matched node, the matched length
-        and the matched nodes' slots, in order."""
+    def _walk(self, key: tuple[int, ...],
+              namespace: int) -> tuple[TreeNode, int, list[torch.Tensor]]:
+        """Follow `key` down the namespace's tree, splitting the last node if the key
+        stops or diverges inside it. Returns the deepest matched node, the matched
+        length and the matched nodes' slots, in order."""
         now = next(self._clock)
-        node, pos, pieces = self.root, 0, []
+        node, pos, pieces = self._root(namespace), 0, []
         node.last_access_time = now
         while pos < len(key) and (child := node.children.get(key[pos])) is not None:
             n = _common_prefix_len(child.key, key, pos)
@@ -153,14 +170,16 @@ class RadixCache(PrefixCache):
     dec_lock_ref = unlock
 
     def _path_to_root(self, node: TreeNode) -> list[TreeNode]:
-        """`node` and its ancestors, root excluded (the root is never evictable).
+        """`node` and its ancestors, its root excluded (roots are never evictable).
         Built in full before any lock count changes, so a stale handle fails
         without touching the counters."""
         path = []
-        while node is not self.root:
+        while not self._is_root(node):
             assert node.parent is not None, f"{node!r} is not in this tree (evicted or reset)"
             path.append(node)
             node = node.parent
+        assert any(node is root for root in self.roots.values()), \
+            "a handle from before a reset is not in this tree"
         return path
 
     # -- eviction ------------------------------------------------------------
@@ -177,7 +196,7 @@ class RadixCache(PrefixCache):
             parent = self._detach_leaf(leaf)
             freed.append(leaf.value)
             num_freed += len(leaf)
-            if parent is not self.root and not parent.children and parent.lock_ref == 0:
+            if not self._is_root(parent) and not parent.children and parent.lock_ref == 0:
                 heapq.heappush(heap, (parent.last_access_time, next(order), parent))
         if freed:
             # One free call: the pool concatenates its free list on every call.
@@ -190,7 +209,7 @@ class RadixCache(PrefixCache):
         del parent.children[leaf.key[0]]
         leaf.parent = None  # later lock() of this stale handle fails loudly
         self._leaves.discard(leaf)
-        if not parent.children and parent is not self.root:
+        if not parent.children and not self._is_root(parent):
             self._leaves.add(parent)
         self._evictable -= len(leaf)
         return parent
@@ -205,7 +224,7 @@ class RadixCache(PrefixCache):
 
     def _nodes(self) -> Iterator[TreeNode]:
         """Every non-root node, parents before children; iterative for deep trees."""
-        stack = list(self.root.children.values())
+        stack = [child for root in self.roots.values() for child in root.children.values()]
         while stack:
             node = stack.pop()
             yield node
@@ -216,10 +235,10 @@ class RadixCache(PrefixCache):
         return torch.cat(values) if values else _empty_slots()
 
     def check_invariants(self) -> None:
-        root = self.root
-        assert root.parent is None and len(root) == 0 and len(root.value) == 0
-        assert root.lock_ref == 0, "the root is never locked"
-        self._check_children(root)
+        for root in self.roots.values():
+            assert root.parent is None and len(root) == 0 and len(root.value) == 0
+            assert root.lock_ref == 0, "a root is never locked"
+            self._check_children(root)
         evictable = protected = 0
         leaves = set()
         for node in self._nodes():
@@ -263,11 +282,19 @@ class RadixCache(PrefixCache):
 
     def pretty_print(self) -> str:
         """The tree as indented lines of `tokens  slots  lock_ref  last_access`."""
-        lines = [f"root  evictable={self._evictable} protected={self._protected}"]
-        stack = [(child, 1) for child in reversed(self.root.children.values())]
+        lines = [f"evictable={self._evictable} protected={self._protected}"]
+        for namespace, root in self.roots.items():
+            lines.append(f"root of namespace {namespace}")
+            lines += self._pretty_subtree(root)
+        return "\n".join(lines)
+
+    @staticmethod
+    def _pretty_subtree(root: TreeNode) -> list[str]:
+        lines = []
+        stack = [(child, 1) for child in reversed(root.children.values())]
         while stack:
             node, depth = stack.pop()
             lines.append(f"{'  ' * depth}{list(node.key)}  slots={node.value.tolist()}"
                          f"  lock={node.lock_ref}  t={node.last_access_time}")
             stack.extend((child, depth + 1) for child in reversed(node.children.values()))
-        return "\n".join(lines)
+        return lines

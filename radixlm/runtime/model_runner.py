@@ -160,6 +160,6 @@ class ModelRunner:
         in the graph's output buffer: consume them before the next forward."""
         if self.graph_runner is not None and self.graph_runner.can_run(fb):
             return self.graph_runner.replay(fb)
-        fb.attn_backend.init_forward_metadata(fb)
+        fb.attn_backend.begin_forward(fb)
         return self.model(fb.input_ids, fb.positions, fb).float()
 

@@ -13,36 +13,23 @@ and pooling needs their hidden states, which are not cached (only K/V are).
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 
-from radixlm.forward_batch import ForwardBatch
 from radixlm.scheduler.req import Req
 
 
 @torch.inference_mode()
-def forward_hidden(runner: Any, fb: ForwardBatch) -> torch.Tensor:
-    """Final-normed hidden states [num_tokens, hidden] of one extend batch."""
-    fb.attn_backend.init_forward_metadata(fb)
-    return runner.model.forward_hidden(fb.input_ids, fb.positions, fb)
-
-
-@torch.inference_mode()
-def pool_chunk(hidden: torch.Tensor, reqs: list[Req], extend_lens: list[int],
+def pool_chunk(hidden: list[torch.Tensor], reqs: list[Req], last_chunk: list[bool],
                pooling: str) -> None:
-    """Fold one prefill round's hidden rows (flat, `extend_lens[i]` rows per request,
-    in batch order) into each request; a request whose prompt is complete
-    (`not req.is_chunked`) gets its normalized `embedding`."""
+    """Fold one prefill round's hidden rows (`hidden[i]`: request i's new rows) into
+    each request; a request whose prompt is complete (`last_chunk[i]`) gets its
+    normalized `embedding`."""
     done: list[tuple[Req, torch.Tensor]] = []
-    start = 0
-    for req, n in zip(reqs, extend_lens, strict=True):
-        rows = hidden[start:start + n]
-        start += n
+    for req, rows, last in zip(reqs, hidden, last_chunk, strict=True):
         if pooling == "mean":
             part = rows.float().sum(dim=0)
             req.hidden_sum = part if req.hidden_sum is None else req.hidden_sum + part
-        if req.is_chunked:
+        if not last:
             continue
         if pooling == "mean":
             assert req.hidden_sum is not None

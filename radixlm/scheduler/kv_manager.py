@@ -3,6 +3,9 @@ the prefix cache and live requests.
 
 Accounting invariant (checked when idle and in tests):
     free slots + slots held by the prefix cache + slots owned by live requests == pool size
+
+Keys in the prefix cache carry the request's namespace (`Req.namespace`), so
+KV computed under one adapter or one set of images never serves another.
 """
 
 from __future__ import annotations
@@ -41,7 +44,7 @@ class KVManager:
         limit = len(fill) - 1
         if req.wants_input_logprobs:
             limit = min(limit, req.first_logprob_row)
-        match = self.cache.match_prefix(fill[:limit])
+        match = self.cache.match_prefix(fill[:limit], req.namespace)
         req.prefix_indices, req.last_node = match.indices, match.node
 
     def admit(self, req: Req, extend_len: int) -> torch.Tensor | None:
@@ -80,6 +83,19 @@ class KVManager:
             r.slots.append(slot)
             r.kv_len += 1
 
+    def truncate(self, req: Req, n: int) -> None:
+        """Free the request's last `n` KV slots (draft tokens a verify step rejected).
+        Only slots the request allocated itself can go: ValueError if `n` reaches
+        into the prefix it shares with the cache."""
+        if not 0 <= n <= req.own_kv_len:
+            raise ValueError(f"cannot truncate {n} KV slots of request {req.rid!r}: it owns "
+                             f"{req.own_kv_len}")
+        if n == 0:
+            return
+        self.kv_pool.free(torch.tensor(req.slots[req.kv_len - n:], dtype=torch.int64))
+        del req.slots[req.kv_len - n:]
+        req.kv_len -= n
+
     def _write_table(self, req: Req, start: int, slots: torch.Tensor) -> None:
         """Writes go to the device table and to the request's host mirror, so reading
         them back never waits for the device. They start at 0 or append."""
@@ -99,9 +115,9 @@ class KVManager:
         so others can share it while this request keeps running."""
         tokens = req.fill_ids[:req.kv_len]
         slots = self.table_slots(req, 0, req.kv_len)
-        dup = self.cache.insert(tokens, slots)
+        dup = self.cache.insert(tokens, slots, req.namespace)
         self.kv_pool.free(slots[len(req.prefix_indices):dup])
-        match = self.cache.match_prefix(tokens)
+        match = self.cache.match_prefix(tokens, req.namespace)
         assert len(match.indices) == req.kv_len, "inserted prefix must match in full"
         self._write_table(req, 0, match.indices)
         self.cache.lock(match.node)
@@ -115,7 +131,7 @@ class KVManager:
             return
         tokens = req.fill_ids[:req.kv_len]
         slots = self.table_slots(req, 0, req.kv_len)
-        dup = self.cache.insert(tokens, slots)
+        dup = self.cache.insert(tokens, slots, req.namespace)
         self.kv_pool.free(slots[len(req.prefix_indices):dup])
         self.cache.unlock(req.last_node)
         self.req_to_token_pool.free(req.req_pool_idx)

@@ -6,6 +6,9 @@
   request each round costs more than it saves).
 - dfs-weight: walk the radix tree depth first, heavier subtrees (more waiting
   requests below) first, so requests sharing a branch run together.
+
+With priority scheduling, requests are ordered by priority first (higher
+first); the policy orders requests of equal priority.
 """
 
 from __future__ import annotations
@@ -19,7 +22,15 @@ LPM_MAX_QUEUE = 128
 
 
 def order_waiting(policy: str, waiting: list[Req], match: Callable[[Req], None],
-                  radix_enabled: bool) -> list[Req]:
+                  radix_enabled: bool, by_priority: bool = False) -> list[Req]:
+    ordered = _by_policy(policy, waiting, match, radix_enabled)
+    if by_priority:
+        ordered.sort(key=lambda r: -r.priority)  # stable: the policy's order within a level
+    return ordered
+
+
+def _by_policy(policy: str, waiting: list[Req], match: Callable[[Req], None],
+               radix_enabled: bool) -> list[Req]:
     if policy == "fcfs" or not radix_enabled or len(waiting) > LPM_MAX_QUEUE:
         return list(waiting)
     for req in waiting:
@@ -35,7 +46,7 @@ def _dfs_weight(waiting: list[Req]) -> list[Req]:
     nodes: dict[int, object] = {}
     weight: dict[int, int] = defaultdict(int)
     children: dict[int, list[object]] = defaultdict(list)
-    root = None
+    roots: dict[int, object] = {}  # one per prefix-cache namespace
     for req in waiting:
         node = req.last_node
         by_node[id(node)].append(req)
@@ -48,10 +59,10 @@ def _dfs_weight(waiting: list[Req]) -> list[Req]:
                 if parent is not None:
                     children[id(parent)].append(node)
             if parent is None:
-                root = node
+                roots[id(node)] = node
             node = parent
     out: list[Req] = []
-    stack = [root] if root is not None else []
+    stack = sorted(roots.values(), key=lambda n: weight[id(n)])
     while stack:
         node = stack.pop()
         out.extend(by_node.get(id(node), []))

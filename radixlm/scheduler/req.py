@@ -22,6 +22,9 @@ class Req:
     logprob_start_len: int = -1  # >= 0: also return logprobs of prompt tokens from here on
     eos_token_ids: frozenset[int] = frozenset()
     stop_str_max_len: int = 0
+    # Prefix-cache namespace (cache/base.py): equal tokens share KV only within one.
+    namespace: int = 0
+    priority: int = 0  # higher first, under --enable-priority-scheduling
 
     output_ids: list[int] = field(default_factory=list)
     sampled_len: int = 0  # tokens sampled on the device (output_ids lags it in overlap mode)
@@ -70,6 +73,12 @@ class Req:
     @property
     def seq_len(self) -> int:
         return len(self.origin_input_ids) + len(self.output_ids)
+
+    @property
+    def kv_behind(self) -> int:
+        """Tokens before the newest whose KV is not computed yet: 0 in steady
+        decoding; more when a step accepted several tokens without their KV."""
+        return self.seq_len - 1 - self.kv_len
 
     @property
     def own_kv_len(self) -> int:

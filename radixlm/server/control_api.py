@@ -2,7 +2,7 @@
 memory release/resume, profiling, /configure_logging.
 
 Each is a thin front end over a scheduler control method (see
-radixlm/scheduler/runtime_control.py). A success answers the method's
+radixlm/scheduler/control.py). A success answers the method's
 `{"success": true, "message": ...}` (plus its extra fields) with 200; a refusal
 answers 400 with the same two fields *and* OpenAI's error object, so SGLang
 clients (which read `success`/`message`) and OpenAI-style clients (which read

@@ -92,11 +92,11 @@ class DataParallelController:
         holds its history (every replica knows the open session ids)."""
         sid = (msg.session_params or {}).get("id")
         if sid is None:
-            return self.balancer.route(msg.input_ids)
+            return self.balancer.route(msg.input_ids, msg.namespace)
         if sid not in self.sessions:
-            self.sessions[sid] = self.balancer.route(msg.input_ids)
+            self.sessions[sid] = self.balancer.route(msg.input_ids, msg.namespace)
         else:
-            self.balancer.assign(self.sessions[sid], msg.input_ids)
+            self.balancer.assign(self.sessions[sid], msg.input_ids, msg.namespace)
         return self.sessions[sid]
 
     # ---- from the replicas ---------------------------------------------------------

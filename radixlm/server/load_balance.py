@@ -6,7 +6,9 @@ replicas last reported plus what was routed to them since. `cache_aware`:
 the replica whose radix tree most likely holds the longest prefix of the
 prompt (an approximate copy of each tree is kept here), unless the replicas'
 loads are too far apart, when it falls back to shortest-queue (the scheme of
-SGLang's router).
+SGLang's router). Prefixes are told apart by their prefix-cache namespace, as
+the replicas' trees tell them apart: the same tokens under another adapter or
+other images are another prefix.
 """
 
 from __future__ import annotations
@@ -65,24 +67,24 @@ class ApproxPrefixIndex:
         self.blocks: OrderedDict[int, None] = OrderedDict()
 
     @staticmethod
-    def _chain(tokens: list[int]) -> list[int]:
-        hashes, h = [], 0
+    def _chain(tokens: list[int], namespace: int) -> list[int]:
+        hashes, h = [], hash(namespace)  # hash(0) == 0: plain text chains are unchanged
         for start in range(0, len(tokens) - PREFIX_BLOCK + 1, PREFIX_BLOCK):
             h = hash((h, tuple(tokens[start:start + PREFIX_BLOCK])))
             hashes.append(h)
         return hashes
 
-    def match(self, tokens: list[int]) -> int:
-        """Tokens of the longest known prefix of `tokens`."""
+    def match(self, tokens: list[int], namespace: int = 0) -> int:
+        """Tokens of the longest known prefix of `tokens` in `namespace`."""
         n = 0
-        for h in self._chain(tokens):
+        for h in self._chain(tokens, namespace):
             if h not in self.blocks:
                 break
             n += PREFIX_BLOCK
         return n
 
-    def insert(self, tokens: list[int]) -> None:
-        for h in self._chain(tokens):
+    def insert(self, tokens: list[int], namespace: int = 0) -> None:
+        for h in self._chain(tokens, namespace):
             self.blocks[h] = None
             self.blocks.move_to_end(h)
         while len(self.blocks) > self.max_blocks:
@@ -99,7 +101,7 @@ class LoadBalancer:
         self.next_rr = 0
         self.num_cache_routed = 0
 
-    def route(self, input_ids: list[int]) -> int:
+    def route(self, input_ids: list[int], namespace: int = 0) -> int:
         """The replica for a request, with the load it adds recorded."""
         if self.method == "round_robin":
             dp = self.next_rr
@@ -107,14 +109,14 @@ class LoadBalancer:
         elif self.method == "shortest_queue":
             dp = self.shortest()
         else:
-            dp = self.cache_aware(input_ids)
-        self.assign(dp, input_ids)
+            dp = self.cache_aware(input_ids, namespace)
+        self.assign(dp, input_ids, namespace)
         return dp
 
-    def assign(self, dp: int, input_ids: list[int]) -> None:
+    def assign(self, dp: int, input_ids: list[int], namespace: int = 0) -> None:
         """Record a request sent to replica `dp` (by `route` or by session affinity)."""
         self.loads[dp].routed(len(input_ids))
-        self.trees[dp].insert(input_ids)
+        self.trees[dp].insert(input_ids, namespace)
 
     def shortest(self) -> int:
         return min(range(len(self.loads)),
@@ -125,10 +127,10 @@ class LoadBalancer:
         lo, hi = min(reqs), max(reqs)
         return hi - lo <= BALANCE_ABS_REQS or hi <= BALANCE_REL * lo
 
-    def cache_aware(self, input_ids: list[int]) -> int:
+    def cache_aware(self, input_ids: list[int], namespace: int = 0) -> int:
         if not self.balanced():
             return self.shortest()
-        matches = [tree.match(input_ids) for tree in self.trees]
+        matches = [tree.match(input_ids, namespace) for tree in self.trees]
         best = max(range(len(matches)),
                    key=lambda i: (matches[i], -self.loads[i].num_tokens))
         if matches[best] < CACHE_MATCH_MIN * len(input_ids):

@@ -415,7 +415,7 @@ def _generate(model_dir: str, dtype: str, prompts, new_tokens, gen_kw=None, **kw
     kw = {"cuda_graph_max_bs": 16, **kw}
     with radixlm.Engine(model_dir, dtype=dtype, skip_tokenizer_init=True,
                         max_total_tokens=20000, **kw) as e:
-        tracker = e.scheduler.prefix_groups
+        tracker = e.scheduler.worker.prefix_groups
         seen: list[PrefixGroups | None] = []
         if tracker is not None:
             find = tracker.find

@@ -133,3 +133,30 @@ def test_overlap_on_off_identical(model_dir, prompts):
     for out in small:
         assert out["meta_info"]["finish_reason"]["type"] == "length"
         assert len(out["output_ids"]) == 64
+
+
+def _recording(forward, modes):
+    return lambda batch: modes.append(batch.mode) or forward(batch)
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_mixed_chunk_identical(model_dir, prompts, overlap):
+    """--enable-mixed-chunk on the Triton backend: prefill chunks and decodes share
+    forwards (decode rows read their input token from the device under overlap),
+    eager, beside graph-replayed pure decode steps; float32 greedy tokens equal to
+    running them apart."""
+    from radixlm.forward_batch import ForwardMode
+
+    sp = {"max_new_tokens": NEW, "temperature": 0, "ignore_eos": True}
+    results, mixed_steps = [], 0
+    for mixed in (False, True):
+        with _engine(model_dir, "float32", enable_mixed_chunk=mixed, chunked_prefill_size=64,
+                     max_prefill_tokens=64, disable_overlap_schedule=not overlap) as e:
+            modes = []
+            e.scheduler.worker.forward = _recording(e.scheduler.worker.forward, modes)
+            outs = e.generate(input_ids=prompts, sampling_params=sp)
+            e.scheduler.check_invariants()
+            results.append([o["output_ids"] for o in outs])
+            mixed_steps = modes.count(ForwardMode.MIXED)
+    assert mixed_steps >= 3
+    assert results[0] == results[1]

@@ -14,16 +14,19 @@ import torch
 
 if TYPE_CHECKING:
     from radixlm.forward_batch import ForwardBatch, PrefixGroups
-    from radixlm.layers.attention.radix_attention import RadixAttention
-    from radixlm.layers.rotary import RotaryEmbedding
-
-    Rope = tuple[RotaryEmbedding, torch.Tensor]  # (the layer's rotary embedding, positions)
+    from radixlm.layers.attention.radix_attention import RadixAttention, Rope
 
 
 class AttentionBackend(ABC):
     """Contract:
     - `init_forward_metadata(fb)` is called once per forward before any layer
-      runs; per-layer calls may reuse what it computed.
+      runs (through `begin_forward`); per-layer calls may reuse what it computed.
+      It only ever sees EXTEND or DECODE batches.
+    - Mixed batches (`fb.mode.is_mixed()`: extend requests, then decode requests)
+      are handled here for every backend: `begin_forward` prepares metadata for
+      both of `fb.mixed_parts()`, and `forward` runs the extend part through
+      `forward_extend` and the decode part through `forward_decode`. Metadata of
+      the two modes must therefore live side by side (set by separate calls).
     - `forward(q, k, v, layer, fb, rope=None)`: q is [num_tokens, num_heads *
       head_dim], k and v are [num_tokens, num_kv_heads * head_dim] for the new
       tokens. With `rope` = (rotary embedding, positions), q and k are not
@@ -47,14 +50,34 @@ class AttentionBackend(ABC):
     @abstractmethod
     def init_forward_metadata(self, fb: ForwardBatch) -> None: ...
 
+    def begin_forward(self, fb: ForwardBatch) -> None:
+        """What the model runner calls once per eager forward."""
+        if fb.mode.is_mixed():
+            for part in fb.mixed_parts():
+                self.init_forward_metadata(part)
+        else:
+            self.init_forward_metadata(fb)
+
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 layer: RadixAttention, fb: ForwardBatch, rope: Rope | None = None
                 ) -> torch.Tensor:
         if rope is not None:
             q, k = rope[0](rope[1], q, k)
+        if fb.mode.is_mixed():
+            return self.forward_mixed(q, k, v, layer, fb)
         if fb.mode.is_decode():
             return self.forward_decode(q, k, v, layer, fb)
         return self.forward_extend(q, k, v, layer, fb)
+
+    def forward_mixed(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                      layer: RadixAttention, fb: ForwardBatch, **kw: bool) -> torch.Tensor:
+        """The extend part's rows, then the decode part's, each by its own path;
+        `kw` goes to both (e.g. a backend's `kv_stored`)."""
+        extend, decode = fb.mixed_parts()
+        n = extend.num_tokens
+        out_e = self.forward_extend(q[:n], k[:n], v[:n], layer, extend, **kw)
+        out_d = self.forward_decode(q[n:], k[n:], v[n:], layer, decode, **kw)
+        return torch.cat([out_e, out_d])
 
     @abstractmethod
     def forward_extend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

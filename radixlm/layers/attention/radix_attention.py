@@ -9,7 +9,9 @@ from torch import nn
 
 if TYPE_CHECKING:
     from radixlm.forward_batch import ForwardBatch
-    from radixlm.layers.attention.base import Rope
+    from radixlm.layers.rotary import RotaryEmbedding
+
+    Rope = tuple[RotaryEmbedding, torch.Tensor]  # (the layer's rotary embedding, positions)
 
 
 class RadixAttention(nn.Module):

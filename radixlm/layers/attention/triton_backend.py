@@ -35,8 +35,7 @@ from radixlm.utils import to_device
 
 if TYPE_CHECKING:
     from radixlm.forward_batch import ForwardBatch, PrefixGroups
-    from radixlm.layers.attention.base import Rope
-    from radixlm.layers.attention.radix_attention import RadixAttention
+    from radixlm.layers.attention.radix_attention import RadixAttention, Rope
 
 
 @dataclass
@@ -269,6 +268,8 @@ class TritonAttentionBackend(AttentionBackend):
                 stored = True
             else:
                 q, k = emb(positions, q, k)
+        if fb.mode.is_mixed():
+            return self.forward_mixed(q, k, v, layer, fb, kv_stored=stored)
         if fb.mode.is_decode():
             return self.forward_decode(q, k, v, layer, fb, kv_stored=stored)
         return self.forward_extend(q, k, v, layer, fb, kv_stored=stored)
