@@ -227,6 +227,7 @@ def main(argv: list[str] | None = None) -> None:
                    help="ISA paths of the model pass (default: the fastest available)")
     p.add_argument("--formats", default=",".join(qgemm.FORMATS))
     p.add_argument("--format-rows", default="1,8")
+    p.add_argument("--threads", type=int, default=None, help="torch's thread count")
     p.add_argument("--skip-model", action="store_true")
     p.add_argument("--skip-formats", action="store_true")
     p.add_argument("--skip-compute", action="store_true")
@@ -235,6 +236,8 @@ def main(argv: list[str] | None = None) -> None:
                    "embedded GGUF (whole model) in the same run")
     p.add_argument("--llamacpp-prompt-len", type=int, default=256)
     args = p.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     if not qgemm.load():
         raise SystemExit("the quantized kernels did not build")
     isas = args.isas.split(",") if args.isas else [qgemm.default_isa()]
