@@ -111,11 +111,20 @@ void check_rows(const at::Tensor& x, const char* what) {
 }
 
 // Work items: groups of tiles x blocks of rows, each worth at least ~2^17
-// multiply-adds per thread, so a decode product of one row stays on one thread
-// until its weight is large enough to pay for waking another.
+// multiply-adds per thread.
 constexpr int64_t kTilesPerItem = 4, kRowsPerItem = 128;
+// Below this many rows a product is bound by reading its weight, which one
+// core already does at the memory bandwidth it gets: a second thread only adds
+// its wake-up. Measured on SmolLM2's decode linears (2 cores, OMP passive
+// wait): 9.5-9.8 ms per token's matmuls on one thread vs 14-15 ms on two at 1
+// row, 11.7-12.0 vs 14.8-16.5 at 4 rows, equal at 8.
+constexpr int64_t kSerialRows = 8;
 
 void run_gemm(const Kernels* kernels, const PackedWeight& w, const QuantAct& a, const Out& out) {
+  if (a.m < kSerialRows) {
+    kernels->gemm(w, a, 0, a.m, 0, w.tiles, out);
+    return;
+  }
   const int64_t tile_items = (w.tiles + kTilesPerItem - 1) / kTilesPerItem;
   const int64_t row_items = (a.m + kRowsPerItem - 1) / kRowsPerItem;
   const int64_t work_per_item = std::min(a.m, kRowsPerItem) * kTilesPerItem * kTile * w.k;
