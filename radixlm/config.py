@@ -18,6 +18,11 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 ATTENTION_BACKENDS = ("auto", "torch_native", "cpu", "triton")
 EMBEDDING_POOLINGS = ("last", "mean")
 LOAD_BALANCE_METHODS = ("round_robin", "shortest_queue", "cache_aware")
+TOOL_CALL_PARSERS = ("hermes", "qwen25", "llama3", "mistral", "deepseekv3", "pythonic")
+REASONING_PARSERS = ("deepseek-r1", "qwen3")
+# --quantization choices: "auto" (what the checkpoint declares; the default, None, means
+# the same). A weight method adds its name here and in layers/quantization/__init__.py.
+QUANTIZATIONS = ("auto",)
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 # SGLang's default name of the group over which a trainer broadcasts new weights.
 WEIGHT_UPDATE_GROUP = "weight_update_group"
@@ -39,6 +44,10 @@ class ServerArgs:
     served_model_name: str | None = _opt("model", "Model name reported by the API", default=None)
     load_format: str = _opt("model", "Weight format", LOAD_FORMATS, default="auto")
     dtype: str = _opt("model", "Weight and activation dtype", DTYPES, default="auto")
+    quantization: str | None = _opt(
+        "model", "Weight quantization method (default: what the checkpoint's config.json "
+        "declares; a quantization_config no method reads is refused)", QUANTIZATIONS,
+        default=None)
     context_length: int | None = _opt("model", "Override the model's context length", default=None)
     skip_tokenizer_init: bool = _opt(
         "model", "No tokenizer: token ids in and out only (e.g. dummy benchmark models)",
@@ -146,12 +155,19 @@ class ServerArgs:
     skip_warmup: bool = _opt("server", "Skip the warm-up request", default=False)
     grammar_backend: str = _opt("server", "Constrained decoding backend", ("xgrammar", "none"),
                                 default="xgrammar")
+    tool_call_parser: str | None = _opt(
+        "server", "How to read tool calls out of free-form output, for tool_choice auto "
+        "(default: the one the chat template's markup names, if exactly one does)",
+        TOOL_CALL_PARSERS, default=None)
+    reasoning_parser: str | None = _opt(
+        "server", "Split <think>...</think> off the answer into reasoning_content",
+        REASONING_PARSERS, default=None)
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
             choices = f.metadata.get("choices")
             value = getattr(self, f.name)
-            if choices and value not in choices:
+            if choices and value not in choices and not (value is None and f.default is None):
                 raise ValueError(f"{f.name}={value!r}: expected one of {', '.join(choices)}")
         if self.max_prefill_tokens < 1:
             raise ValueError("max_prefill_tokens must be >= 1")

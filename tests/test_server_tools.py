@@ -1,6 +1,7 @@
 """OpenAI tool calling through the real server and the real `openai` client:
 forced calls (a named function, "required", parallel), streamed deltas, n > 1,
-tool messages in the history, "auto" refused, and 400s naming the field. The
+tool messages in the history, "auto" refused without a tool-call parser (see
+test_server_parsers.py for "auto" with one), and 400s naming the field. The
 reader that turns output text into tool calls is also tested on its own."""
 
 from __future__ import annotations
@@ -173,7 +174,8 @@ def test_auto_is_refused(server: ServerProcess, tool_choice: str | None, param: 
     with pytest.raises(openai.BadRequestError) as err:
         server.openai().chat.completions.create(messages=ASK, tools=TOOLS, **extra, **FAST)
     body = err.value.body
-    assert "no parser for tool calls" in body["message"] and "required" in body["message"]
+    assert "needs a parser for tool calls" in body["message"] and "required" in body["message"]
+    assert "--tool-call-parser" in body["message"]
     assert body["param"] == param and err.value.status_code == 400
 
 

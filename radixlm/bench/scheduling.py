@@ -11,7 +11,8 @@ whole run.
 
 priority: the queue is full of long low-priority requests (`--num-queued`,
 `--max-running-requests` of them run at a time) when one short request
-arrives; its TTFT at equal priority and at a higher one, same engine.
+arrives; its TTFT at equal priority and at a higher one (same engine), and at
+a higher one with `--priority-preemption` (a second engine).
 
 Prompts are random token ids from a fixed seed; requests ignore EOS. The engine
 is driven step by step in-process, so the times are the scheduler's own (no
@@ -34,7 +35,7 @@ _ids = itertools.count()
 
 
 def _req(ids: list[int], new_tokens: int, priority: int = 0) -> GenerateReq:
-    return GenerateReq(rid=f"b{next(_ids)}", input_ids=ids, priority=priority,
+    return GenerateReq(rid=f"b{next(_ids)}", input_ids=ids, priority=priority, stream=True,
                        sampling_params={"max_new_tokens": new_tokens, "ignore_eos": True,
                                         "temperature": 0.0})
 
@@ -47,6 +48,8 @@ class Timeline:
     finished: set[str] = field(default_factory=set)
 
     def step(self, sched: Any) -> None:
+        if not sched.has_work:
+            raise RuntimeError("the scheduler went idle before the workload's condition held")
         outs = sched.step()
         now = time.perf_counter()
         for out in outs:
@@ -157,18 +160,25 @@ def priority_trial(engine: Any, args: argparse.Namespace, priority: int, seed: i
 
 
 def run_priority(args: argparse.Namespace) -> None:
-    with _engine(args, enable_priority_scheduling=True,
-                 max_running_requests=args.max_running_requests) as engine:
-        _warm(engine, engine.scheduler.vocab_size)
-        equal = [priority_trial(engine, args, 0, seed=10 + i) for i in range(args.repeats)]
-        high = [priority_trial(engine, args, 10, seed=10 + i) for i in range(args.repeats)]
+    rows = []
+    for preempt in (False, True):
+        with _engine(args, enable_priority_scheduling=True, priority_preemption=preempt,
+                     max_running_requests=args.max_running_requests) as engine:
+            _warm(engine, engine.scheduler.vocab_size)
+            for name, priority in (("equal (0)", 0), ("higher (10)", 10)):
+                if preempt and not priority:
+                    continue  # equal priority never preempts: the same as without
+                xs = [priority_trial(engine, args, priority, seed=10 + i)
+                      for i in range(args.repeats)]
+                rows.append((name + (", preemption" if preempt else ""), xs))
     print(f"\nprobe request (32 in / 8 out) behind {args.num_queued} queued requests "
           f"({args.prompt_len} in / {args.decode_len} out, {args.max_running_requests} run at "
           f"a time); TTFT over {args.repeats} trials")
-    print(f"{'probe priority':<16}{'TTFT median ms':>16}{'TTFT max ms':>14}")
-    for name, xs in (("equal (0)", equal), ("higher (10)", high)):
-        print(f"{name:<16}{statistics.median(xs):>16.1f}{max(xs):>14.1f}")
-    print(f"ratio higher/equal: {statistics.median(high) / statistics.median(equal):.3f}x")
+    print(f"{'probe priority':<26}{'TTFT median ms':>16}{'TTFT max ms':>14}{'vs equal':>10}")
+    base = statistics.median(rows[0][1])
+    for name, xs in rows:
+        print(f"{name:<26}{statistics.median(xs):>16.1f}{max(xs):>14.1f}"
+              f"{statistics.median(xs) / base:>9.3f}x")
 
 
 def main(argv: list[str], mode: str) -> None:

@@ -2,47 +2,50 @@
 
 Pre-norm decoder: RMSNorm -> attention (GQA, RoPE) -> RMSNorm -> SwiGLU MLP,
 with the residual add fused into the next norm. q/k/v and gate/up run as one
-fused matmul each; `load_weights` maps HF checkpoint names onto them.
+fused matmul each; `weight_mapping` tells the loader (`models/weight_map.py`)
+how HF checkpoint names map onto them.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Iterable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, ClassVar
 
 import torch
 from torch import nn
 from transformers import PretrainedConfig
 
-from radixlm.layers.activation import SiluAndMul
 from radixlm.layers.attention.radix_attention import RadixAttention
 from radixlm.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from radixlm.layers.linear import (
     MergedColumnParallelLinear,
     QKVParallelLinear,
     RowParallelLinear,
-    default_weight_loader,
-    linear_silu_mul,
 )
 from radixlm.layers.norm import RMSNorm
+from radixlm.layers.quantization import QuantizationConfig
 from radixlm.layers.rotary import RotaryEmbedding, get_rope
+from radixlm.layers.sharding import ShardId
+from radixlm.models.weight_map import WeightMapping, load_weights
 
 if TYPE_CHECKING:
     from radixlm.forward_batch import ForwardBatch
 
 logger = logging.getLogger(__name__)
 
-# HF projection name -> (our fused parameter's name, shard id inside it).
-_FUSED = {
-    "q_proj": ("qkv_proj", "q"),
-    "k_proj": ("qkv_proj", "k"),
-    "v_proj": ("qkv_proj", "v"),
-    "gate_proj": ("gate_up_proj", 0),
-    "up_proj": ("gate_up_proj", 1),
-}
-# Buffers some checkpoints carry that we recompute.
-_SKIPPED_SUFFIXES = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached")
+WEIGHT_MAPPING = WeightMapping(
+    # HF projection name -> (our fused module's name, shard id inside it).
+    fused={
+        "q_proj": ("qkv_proj", "q"),
+        "k_proj": ("qkv_proj", "k"),
+        "v_proj": ("qkv_proj", "v"),
+        "gate_proj": ("gate_up_proj", 0),
+        "up_proj": ("gate_up_proj", 1),
+    },
+    # Buffers some checkpoints carry that we recompute.
+    skipped=("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached"),
+)
 
 
 def head_dim_of(config: PretrainedConfig) -> int:
@@ -50,36 +53,37 @@ def head_dim_of(config: PretrainedConfig) -> int:
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool) -> None:
+    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool,
+                 quant_config: QuantizationConfig | None = None, prefix: str = "") -> None:
         super().__init__()
-        self.gate_up_proj = MergedColumnParallelLinear(hidden_size, [intermediate_size] * 2,
-                                                       bias=bias)
+        # Returns silu(gate) * up, fused with the product where the weight method can.
+        self.gate_up_proj = MergedColumnParallelLinear(
+            hidden_size, [intermediate_size] * 2, bias=bias, fused_silu_mul=True,
+            quant_config=quant_config, prefix=f"{prefix}.gate_up_proj")
         # Partial sums under tensor parallelism: the next norm all-reduces them.
         self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias=bias,
-                                           reduce_results=False)
-        self.act_fn = SiluAndMul()
+                                           reduce_results=False, quant_config=quant_config,
+                                           prefix=f"{prefix}.down_proj")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = None
-        if self.gate_up_proj.bias is None:
-            h = linear_silu_mul(x, self.gate_up_proj.weight)
-        if h is None:
-            h = self.act_fn(self.gate_up_proj(x))
-        return self.down_proj(h)
+        return self.down_proj(self.gate_up_proj(x))
 
 
 class LlamaAttention(nn.Module):
     def __init__(self, config: PretrainedConfig, layer_id: int, rotary_emb: RotaryEmbedding,
-                 qkv_bias: bool, o_bias: bool) -> None:
+                 qkv_bias: bool, o_bias: bool, quant_config: QuantizationConfig | None = None,
+                 prefix: str = "") -> None:
         super().__init__()
         hidden, num_heads = config.hidden_size, config.num_attention_heads
         num_kv_heads = getattr(config, "num_key_value_heads", None) or num_heads
         head_dim = head_dim_of(config)
-        self.qkv_proj = QKVParallelLinear(hidden, head_dim, num_heads, num_kv_heads, bias=qkv_bias)
+        self.qkv_proj = QKVParallelLinear(hidden, head_dim, num_heads, num_kv_heads, bias=qkv_bias,
+                                          quant_config=quant_config, prefix=f"{prefix}.qkv_proj")
         qkv = self.qkv_proj
         self.o_proj = RowParallelLinear(num_heads * head_dim, hidden, bias=o_bias,
                                         input_partition=(qkv.q_start * head_dim, qkv.q_size),
-                                        reduce_results=False)
+                                        reduce_results=False, quant_config=quant_config,
+                                        prefix=f"{prefix}.o_proj")
         self.rotary_emb = rotary_emb
         self.split_sizes = [self.qkv_proj.q_size, self.qkv_proj.kv_size, self.qkv_proj.kv_size]
         self.attn = RadixAttention(layer_id, self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads,
@@ -96,12 +100,15 @@ class LlamaAttention(nn.Module):
 
 class LlamaDecoderLayer(nn.Module):
     def __init__(self, config: PretrainedConfig, layer_id: int, rotary_emb: RotaryEmbedding,
-                 qkv_bias: bool, o_bias: bool) -> None:
+                 qkv_bias: bool, o_bias: bool, quant_config: QuantizationConfig | None = None,
+                 prefix: str = "") -> None:
         super().__init__()
         eps = config.rms_norm_eps
-        self.self_attn = LlamaAttention(config, layer_id, rotary_emb, qkv_bias, o_bias)
+        self.self_attn = LlamaAttention(config, layer_id, rotary_emb, qkv_bias, o_bias,
+                                        quant_config, prefix=f"{prefix}.self_attn")
         self.mlp = LlamaMLP(config.hidden_size, config.intermediate_size,
-                            bias=getattr(config, "mlp_bias", False))
+                            bias=getattr(config, "mlp_bias", False), quant_config=quant_config,
+                            prefix=f"{prefix}.mlp")
         self.input_layernorm = RMSNorm(config.hidden_size, eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps)
 
@@ -124,13 +131,15 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config: PretrainedConfig, qkv_bias: bool, o_bias: bool) -> None:
+    def __init__(self, config: PretrainedConfig, qkv_bias: bool, o_bias: bool,
+                 quant_config: QuantizationConfig | None = None, prefix: str = "model") -> None:
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         # One cos/sin table shared by every layer (it is large for 128k contexts).
         rotary_emb = get_rope(config, head_dim_of(config))
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, i, rotary_emb, qkv_bias, o_bias)
+            LlamaDecoderLayer(config, i, rotary_emb, qkv_bias, o_bias, quant_config,
+                              prefix=f"{prefix}.layers.{i}")
             for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -152,17 +161,22 @@ class LlamaModel(nn.Module):
 class LlamaForCausalLM(nn.Module):
     # Qwen2 has q/k/v biases whatever the config says.
     always_qkv_bias = False
+    weight_mapping: ClassVar[WeightMapping] = WEIGHT_MAPPING
 
-    def __init__(self, config: PretrainedConfig) -> None:
+    def __init__(self, config: PretrainedConfig,
+                 quant_config: QuantizationConfig | None = None) -> None:
+        """`quant_config`: picks each linear layer's weight method (default:
+        unquantized, with the fast paths of the device and dtype)."""
         super().__init__()
         _check_config(config)
         self.config = config
         attention_bias = bool(getattr(config, "attention_bias", False))
         self.model = LlamaModel(config, qkv_bias=attention_bias or self.always_qkv_bias,
-                                o_bias=attention_bias)
+                                o_bias=attention_bias, quant_config=quant_config)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         tied_to = self.model.embed_tokens if self.tie_word_embeddings else None
-        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, tied_to=tied_to)
+        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, tied_to=tied_to,
+                                      quant_config=quant_config, prefix="lm_head")
         attn = self.model.layers[0].self_attn.attn
         # What a KV pool for this rank needs.
         self.num_layers = config.num_hidden_layers
@@ -194,40 +208,13 @@ class LlamaForCausalLM(nn.Module):
         return self.model.norm(hidden, residual, reduce=True)[0]
 
     # ---- weights ---------------------------------------------------------
-    def hf_param(self, name: str) -> tuple[nn.Parameter, str | int | None] | None:
-        """Our parameter holding the HF checkpoint tensor `name`, and the shard id
-        its weight_loader takes; None for names this model has no place for."""
-        shard_id = None
-        parts = name.split(".")
-        if len(parts) >= 2 and parts[-2] in _FUSED:
-            parts[-2], shard_id = _FUSED[parts[-2]]
-        try:
-            return self.get_parameter(".".join(parts)), shard_id
-        except AttributeError:
-            return None
-
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        """Copy HF-named tensors into place; returns the names (ours) of the
-        parameters written, so a caller loading a full checkpoint can check
-        nothing is missing (a partial update may legitimately write fewer)."""
-        params = {id(p): n for n, p in self.named_parameters()}
-        loaded: set[str] = set()
-        for name, tensor in weights:
-            if name.endswith(_SKIPPED_SUFFIXES):
-                continue
-            if self.tie_word_embeddings and name == "lm_head.weight":
-                continue  # tied: the embedding is the head
-            found = self.hf_param(name)
-            if found is None:
-                logger.warning("checkpoint tensor %s has no place in %s; skipped", name,
-                               type(self).__name__)
-                continue
-            param, shard_id = found
-            loader = getattr(param, "weight_loader", default_weight_loader)
-            with torch.no_grad():
-                loader(param, tensor, shard_id)
-            loaded.add(params[id(param)])
-        return loaded
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]
+                     ) -> dict[str, set[ShardId]]:
+        """Copy HF-named tensors into place (`models/weight_map.py`); returns, per
+        parameter written (our name), the shard ids written, so a caller loading
+        a full checkpoint can check nothing is missing (a partial update may
+        legitimately write fewer). ValueError for a tensor with no place here."""
+        return load_weights(self, weights)
 
 
 class MistralForCausalLM(LlamaForCausalLM):

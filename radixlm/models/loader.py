@@ -31,8 +31,14 @@ from torch import nn
 from tqdm import tqdm
 from transformers import AutoConfig, PretrainedConfig
 
+from radixlm.layers.quantization import (
+    QuantizationConfig,
+    get_quantization_config,
+    process_weights_after_loading,
+)
 from radixlm.layers.rotary import compute_inv_freq
 from radixlm.models.registry import get_model_class
+from radixlm.models.weight_map import WeightMap, missing_message
 from radixlm.utils import cache_root
 
 logger = logging.getLogger(__name__)
@@ -387,7 +393,9 @@ def load_config(model_dir: str, context_length: int | None = None) -> Pretrained
     return config
 
 
-def _safetensors_files(model_dir: Path) -> list[Path]:
+def safetensors_files(model_dir: str | Path) -> list[Path]:
+    """The checkpoint's *.safetensors shards, as its index names them if it has one."""
+    model_dir = Path(model_dir)
     index = model_dir / "model.safetensors.index.json"
     if index.is_file():
         # The index names the shards: some repos also hold other *.safetensors
@@ -401,7 +409,7 @@ def iter_safetensors(model_dir: str) -> Iterator[tuple[str, torch.Tensor]]:
     """(name, tensor) for every tensor of the checkpoint's *.safetensors shards."""
     from safetensors import safe_open
 
-    files = _safetensors_files(Path(model_dir))
+    files = safetensors_files(model_dir)
     if not files:
         raise FileNotFoundError(f"no *.safetensors files in {model_dir}")
     handles = [safe_open(str(f), framework="pt", device="cpu") for f in files]
@@ -491,29 +499,38 @@ def dummy_weights(config: PretrainedConfig, seed: int,
                                                                    generator=generator)
 
 
-def _load_checkpoint(model: nn.Module, model_dir: str) -> None:
-    loaded = model.load_weights(iter_safetensors(model_dir))
-    missing = [name for name, _ in model.named_parameters() if name not in loaded]
+def _load_weights(model: nn.Module, weights: Iterator[tuple[str, torch.Tensor]],
+                  source: str) -> None:
+    weight_map = WeightMap(model)
+    try:
+        written = weight_map.load(weights)
+    except ValueError as e:
+        raise ValueError(f"{source}: {e}") from None
+    missing = weight_map.missing(written)
     if missing:
-        shown = ", ".join(missing[:5]) + (", ..." if len(missing) > 5 else "")
-        raise ValueError(f"checkpoint {model_dir} lacks {len(missing)} parameter(s): {shown}")
+        raise ValueError(f"{source} {missing_message(missing)}")
 
 
 def load_model(model_dir: str, config: PretrainedConfig, load_format: str = "auto",
                dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
-               seed: int = 0) -> nn.Module:
-    """Build the model for `config` on `device` in `dtype` and fill its weights."""
+               seed: int = 0, quant_config: QuantizationConfig | None = None) -> nn.Module:
+    """Build the model for `config` on `device` in `dtype` and fill its weights.
+    `quant_config` picks each linear layer's weight method (default: from
+    the config, with every fast path on; a quantization_config in it is
+    refused, as no method reads one yet)."""
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"load_format={load_format!r}: expected one of {', '.join(LOAD_FORMATS)}")
     start = time.perf_counter()
     model_cls = get_model_class(config)
+    quant_config = quant_config or get_quantization_config(config)
     device = torch.device(device)
     with _building_on(dtype, device):
-        model = model_cls(config)
+        model = model_cls(config, quant_config=quant_config)
     if load_format == "dummy":
-        model.load_weights(dummy_weights(config, seed, device))
+        _load_weights(model, dummy_weights(config, seed, device), "dummy weights")
     else:
-        _load_checkpoint(model, model_dir)
+        _load_weights(model, iter_safetensors(model_dir), f"checkpoint {model_dir}")
+    process_weights_after_loading(model)
     model.eval()
     num_params = sum(p.numel() for p in model.parameters())
     logger.info("Loaded %s (%s weights): %.1fM parameters, %s on %s in %.2f s",

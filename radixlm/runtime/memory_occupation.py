@@ -11,7 +11,9 @@ released buffer comes back at another address. Rather than pin addresses
 the graphs are dropped on release (their memory pool goes too) and captured
 again once everything is resumed. On the CPU there are no graphs; releasing
 the KV pool frees its memory, releasing the weights keeps the same host
-memory (the copy *is* the tensor), so it only guards against use.
+memory (the copy *is* the tensor), so it only guards against use. What the
+layers' weight methods derived from the weights (oneDNN-prepacked copies) is
+dropped on release and derived again on resume.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from typing import Any
 
 import torch
 
-from radixlm.layers.linear import drop_packed_weights
+from radixlm.layers.quantization import drop_derived_weights, process_weights_after_loading
 
 logger = logging.getLogger(__name__)
 
@@ -87,7 +89,7 @@ class MemoryOccupation:
     def _release_weights(self) -> None:
         device = self.runner.device
         seen: set[int] = set()
-        drop_packed_weights(self.runner.model)  # CPU copies in oneDNN's layout go too
+        drop_derived_weights(self.runner.model)
         with torch.no_grad():
             for param in self.runner.model.parameters():  # tied weights: once
                 if id(param) in seen:
@@ -105,6 +107,7 @@ class MemoryOccupation:
             for param, host in self._weights:
                 param.data = host.to(device, copy=device.type != "cpu")
         self._weights = []
+        process_weights_after_loading(self.runner.model)
 
     # ---- CUDA graphs and the allocator ------------------------------------------------
     def _drop_graphs(self) -> None:

@@ -13,8 +13,9 @@ from radixlm.cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
 from radixlm.config import ServerArgs
 from radixlm.forward_batch import ForwardBatch
 from radixlm.layers.attention.base import AttentionBackend
-from radixlm.layers.linear import set_gemv, set_weight_prepack
+from radixlm.layers.attention.radix_attention import RadixAttention
 from radixlm.layers.pdl import set_pdl
+from radixlm.layers.quantization import QuantizationConfig, get_quantization_config
 
 logger = logging.getLogger(__name__)
 
@@ -37,7 +38,7 @@ class ModelShape:
     def from_config(cls, config, context_length: int | None, tp_size: int = 1,
                     tp_rank: int = 0) -> ModelShape:
         """Sizes as one tensor-parallel rank sees them (its share of the heads)."""
-        from radixlm.layers.linear import head_partition
+        from radixlm.layers.sharding import head_partition
 
         heads = config.num_attention_heads
         kv_heads = getattr(config, "num_key_value_heads", None) or heads
@@ -68,10 +69,8 @@ class ModelRunner:
         self.device = resolve_device(args.device, gpu_id)
         if self.device.type == "cpu":
             self._set_cpu_threads()
-            set_weight_prepack(not args.disable_weight_prepack)  # one model per process
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device.index or 0)
-            set_gemv(not args.disable_gemv)
             if set_pdl(not args.disable_pdl, self.device):
                 logger.info("programmatic dependent launch on for the decode kernels")
         self.dtype = resolve_dtype(args.dtype, config, self.device)
@@ -79,7 +78,7 @@ class ModelRunner:
         self.shape = ModelShape.from_config(config, args.context_length, args.tp_size,
                                             tp.get_tp_rank())
         self.model = load_model(model_dir, config, args.load_format, self.dtype, self.device,
-                                seed=args.random_seed)
+                                seed=args.random_seed, quant_config=self._quant_config())
         self.max_total_tokens = self._kv_capacity()
         self.max_running_requests = min(
             args.max_running_requests or (256 if self.device.type == "cuda" else 128),
@@ -90,6 +89,9 @@ class ModelRunner:
         self.kv_pool = MHATokenToKVPool(self.max_total_tokens, self.dtype, s.num_kv_heads,
                                         s.head_dim, s.num_layers, self.device)
         self.attn_backend = self._make_attn_backend()
+        for module in self.model.modules():
+            if isinstance(module, RadixAttention):
+                self.attn_backend.check_layer(module)  # refuse what it cannot compute
         self.graph_runner = None
         if self.device.type == "cuda" and self.attn_backend.supports_cuda_graph:
             from radixlm.runtime.cuda_graph_runner import CudaGraphRunner
@@ -104,6 +106,14 @@ class ModelRunner:
         ranks = self.args.tp_size * self.args.dp_size // self.args.nnodes
         if ranks > 1:  # ranks share the cores: oversubscription costs several times over
             torch.set_num_threads(max(1, (psutil.cpu_count(logical=False) or 1) // ranks))
+
+    def _quant_config(self) -> QuantizationConfig:
+        """Each linear layer's weight method: the checkpoint's format (or
+        --quantization), and for float weights the fast paths the flags allow."""
+        args = self.args
+        return get_quantization_config(self.config, args.quantization,
+                                       prepack=not args.disable_weight_prepack,
+                                       gemv=not args.disable_gemv)
 
     # ---- sizing ------------------------------------------------------------
     def _kv_capacity(self) -> int:

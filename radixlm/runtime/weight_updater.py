@@ -37,14 +37,8 @@ from torch import nn
 
 from radixlm import distributed as tp
 from radixlm.config import WEIGHT_UPDATE_GROUP
-from radixlm.layers.embedding import VocabParallelEmbedding
-from radixlm.layers.linear import (
-    ColumnParallelLinear,
-    MergedColumnParallelLinear,
-    QKVParallelLinear,
-    RowParallelLinear,
-    drop_packed_weights,
-)
+from radixlm.layers.quantization import process_weights_after_loading
+from radixlm.models.weight_map import WeightMap, WeightSlot, missing_message
 
 logger = logging.getLogger(__name__)
 
@@ -54,110 +48,11 @@ GROUP_TIMEOUT_S = 120.0
 # them cannot be loaded into this model in place.
 SHAPE_FIELDS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
                 "num_key_value_heads", "vocab_size", "tie_word_embeddings", "attention_bias",
-                "mlp_bias", "hidden_act", "rms_norm_eps")
-# safetensors header dtypes that are weights (integers/bools never are).
-_FLOAT_HEADER_DTYPES = {"F64", "F32", "F16", "BF16", "F8_E4M3", "F8_E5M2"}
+                "mlp_bias", "hidden_act", "rms_norm_eps", "quantization_config")
 
 
 class WeightUpdateError(ValueError):
     """A refused or failed update; the message says why (the weights are unchanged)."""
-
-
-# ---- where an HF tensor lives --------------------------------------------------------
-@dataclass(frozen=True)
-class HFSlot:
-    """The place of the HF checkpoint tensor `name` in our model: the parameter,
-    the shard id its weight_loader takes, and the module that owns it."""
-
-    name: str
-    param: nn.Parameter
-    shard_id: str | int | None
-    module: nn.Module
-
-    def full_shape(self) -> tuple[int, ...]:
-        """The shape of the whole HF tensor (all tensor-parallel ranks together)."""
-        m, p, sid = self.module, self.param, self.shard_id
-        rest = tuple(p.shape[1:])
-        if isinstance(m, QKVParallelLinear):
-            heads = {"q": m.total_num_heads, "k": m.total_num_kv_heads,
-                     "v": m.total_num_kv_heads}
-            n = heads[sid] if sid is not None else sum(heads.values())
-            return (n * m.head_size, *rest)
-        if isinstance(m, MergedColumnParallelLinear):
-            n = m.output_sizes[sid] if sid is not None else sum(m.output_sizes)
-            return (n, *rest)
-        if isinstance(m, ColumnParallelLinear):
-            return (m.output_size, *rest)
-        if isinstance(m, RowParallelLinear):
-            return (m.output_size,) if p.dim() == 1 else (m.output_size, m.input_size)
-        if isinstance(m, VocabParallelEmbedding):
-            return (m.num_embeddings, m.embedding_dim)
-        return tuple(p.shape)
-
-    def required_shards(self) -> set[str | int | None]:
-        """Shard ids a complete checkpoint must write into this parameter."""
-        if isinstance(self.module, QKVParallelLinear):
-            return {"q", "k", "v"}
-        if isinstance(self.module, MergedColumnParallelLinear):
-            return set(range(len(self.module.output_sizes)))
-        return {None}
-
-    def gather(self) -> torch.Tensor:
-        """The whole HF tensor. With tensor parallelism this is a collective:
-        every rank must call it, in the same order."""
-        m, p, sid = self.module, self.param.data, self.shard_id
-        if isinstance(m, QKVParallelLinear):
-            parts = [sid] if sid is not None else ["q", "k", "v"]
-            return torch.cat([_gather_qkv(m, p, s) for s in parts])
-        if isinstance(m, MergedColumnParallelLinear):
-            parts = [sid] if sid is not None else list(range(len(m.output_sizes)))
-            return torch.cat([_gather_merged(m, p, s) for s in parts])
-        if isinstance(m, ColumnParallelLinear):
-            return _gather_pieces(p, m.tp_rank * p.shape[0], 0, m.output_size)
-        if isinstance(m, RowParallelLinear):
-            if p.dim() == 1:
-                return p  # the bias is replicated
-            return _gather_pieces(p, m.input_start, 1, m.input_size)
-        if isinstance(m, VocabParallelEmbedding):
-            rows = m.vocab_end - m.vocab_start
-            return _gather_pieces(p[:rows], m.vocab_start, 0, m.num_embeddings)
-        return p
-
-
-def _gather_pieces(local: torch.Tensor, start: int, dim: int, total: int) -> torch.Tensor:
-    """Reassemble a tensor split along `dim` across the tensor-parallel ranks,
-    where this rank holds `local`, starting at `start`. Pieces may differ in
-    size (heads split unevenly) and overlap (replicated KV heads)."""
-    world = tp.get_tp_size()
-    if world == 1:
-        return local
-    rows = local.movedim(dim, 0)
-    meta = torch.tensor([start, rows.shape[0]], dtype=torch.int64, device=local.device)
-    metas = tp.tensor_model_parallel_all_gather(meta, 0).view(world, 2).tolist()
-    width = max(size for _, size in metas)
-    padded = rows.new_zeros((width, *rows.shape[1:]))
-    padded[:rows.shape[0]] = rows
-    chunks = tp.tensor_model_parallel_all_gather(padded, 0).chunk(world, 0)
-    out = rows.new_empty((total, *rows.shape[1:]))
-    for chunk, (first, size) in zip(chunks, metas):
-        out[first:first + size] = chunk[:size]
-    return out.movedim(0, dim)
-
-
-def _gather_qkv(m: QKVParallelLinear, p: torch.Tensor, sid: str) -> torch.Tensor:
-    hd = m.head_size
-    if sid == "q":
-        return _gather_pieces(p.narrow(0, 0, m.q_size), m.q_start * hd, 0,
-                              m.total_num_heads * hd)
-    offset = m.q_size if sid == "k" else m.q_size + m.kv_size
-    return _gather_pieces(p.narrow(0, offset, m.kv_size), m.kv_start * hd, 0,
-                          m.total_num_kv_heads * hd)
-
-
-def _gather_merged(m: MergedColumnParallelLinear, p: torch.Tensor, sid: int) -> torch.Tensor:
-    size = m.output_sizes[sid] // m.tp_size
-    offset = sum(m.output_sizes[:sid]) // m.tp_size
-    return _gather_pieces(p.narrow(0, offset, size), m.tp_rank * size, 0, m.output_sizes[sid])
 
 
 # ---- tensors as bytes ------------------------------------------------------------------
@@ -210,17 +105,24 @@ class WeightUpdater:
         self.device = device
         self.model_path = model_path
         self.groups: dict[str, WeightSyncGroup] = {}
-        self._owners = _owner_modules(model)
+        self.weight_map = WeightMap(model)
 
     # ---- lookup ---------------------------------------------------------------------
-    def slot(self, name: str) -> HFSlot:
+    def slot(self, name: str) -> WeightSlot:
         """The place of HF tensor `name`; WeightUpdateError if the model has none."""
-        found = self.model.hf_param(name) if isinstance(name, str) else None
+        found = self.weight_map.resolve(name) if isinstance(name, str) else None
         if found is None:
             raise WeightUpdateError(f"the model has no parameter named {name!r} (use HF "
                                     "checkpoint names, e.g. 'model.layers.0.mlp.up_proj.weight')")
-        param, shard_id = found
-        return HFSlot(name, param, shard_id, self._owners[id(param)])
+        return found
+
+    def _target(self, name: str) -> WeightSlot:
+        """The slot an update of `name` writes; an alias of a shared parameter is refused."""
+        slot = self.slot(name)
+        if slot.alias:
+            raise WeightUpdateError(f"{name} is the parameter {slot.param_name} (tied): update "
+                                    "it under that name")
+        return slot
 
     def get_weights_by_name(self, name: str, truncate_size: int = 100) -> list[float]:
         """The first `truncate_size` values of the flattened HF tensor `name`."""
@@ -281,30 +183,31 @@ class WeightUpdater:
 
     def _check_checkpoint(self, header: dict[str, tuple[str, tuple[int, ...]]]) -> None:
         """Names, dtypes and shapes from the safetensors headers, and completeness."""
-        covered: dict[int, set[str | int | None]] = {}
+        covered: dict[str, set[str | int | None]] = {}
         for name, (dtype, shape) in header.items():
-            found = self.model.hf_param(name)
-            if found is None:
-                continue  # load_weights skips (and logs) tensors it has no place for
-            slot = self.slot(name)
-            if dtype not in _FLOAT_HEADER_DTYPES:
-                raise WeightUpdateError(f"checkpoint tensor {name} has dtype {dtype}, "
-                                        "not a floating-point type")
+            if self.weight_map.is_skipped(name):
+                continue
+            slot = self.weight_map.resolve(name)
+            if slot is None:
+                raise WeightUpdateError(self.weight_map.no_place(name))
+            self._check_dtype(slot, dtype)
             self._check_shape(slot, shape)
-            covered.setdefault(id(slot.param), set()).add(slot.shard_id)
-        missing = []
-        for pname, param in self.model.named_parameters():
-            slot = HFSlot(pname, param, None, self._owners[id(param)])
-            got = covered.get(id(param), set())
-            if None not in got and not slot.required_shards() <= got:
-                missing.append(pname)
+            if not slot.alias:
+                covered.setdefault(slot.param_name, set()).add(slot.shard_id)
+        missing = self.weight_map.missing(covered)
         if missing:
-            shown = ", ".join(missing[:5]) + (", ..." if len(missing) > 5 else "")
-            raise WeightUpdateError(f"the checkpoint lacks {len(missing)} parameter(s): {shown}")
+            raise WeightUpdateError(f"the checkpoint {missing_message(missing)}")
 
     @staticmethod
-    def _check_shape(slot: HFSlot, shape: tuple[int, ...]) -> None:
-        expected = slot.full_shape()
+    def _check_dtype(slot: WeightSlot, dtype: torch.dtype | str) -> None:
+        try:
+            slot.check_dtype(dtype)
+        except ValueError as e:
+            raise WeightUpdateError(str(e)) from None
+
+    @staticmethod
+    def _check_shape(slot: WeightSlot, shape: tuple[int, ...]) -> None:
+        expected = slot.hf_shape()
         if tuple(shape) != expected:
             raise WeightUpdateError(f"tensor {slot.name} has shape {list(shape)}, the model "
                                     f"expects {list(expected)}")
@@ -316,11 +219,8 @@ class WeightUpdater:
         if not named_tensors:
             raise WeightUpdateError("no tensors to load")
         for name, tensor in named_tensors:
-            slot = self.slot(name)
-            if not tensor.dtype.is_floating_point:
-                raise WeightUpdateError(f"tensor {name} has dtype "
-                                        f"{str(tensor.dtype).removeprefix('torch.')}, not a "
-                                        "floating-point type")
+            slot = self._target(name)
+            self._check_dtype(slot, tensor.dtype)
             self._check_shape(slot, tuple(tensor.shape))
         self._load(named_tensors)
 
@@ -382,32 +282,36 @@ class WeightUpdater:
                                     f"(got {len(names)} names)")
         specs = []
         for name, dtype, shape in zip(names, dtypes, shapes):
-            slot = self.slot(name)
+            slot = self._target(name)
             if not (isinstance(shape, (list, tuple))
                     and all(isinstance(d, int) and d >= 0 for d in shape)):
                 raise WeightUpdateError(f"shape of {name} must be a list of non-negative "
                                         f"integers, got {shape!r}")
             self._check_shape(slot, tuple(shape))
-            specs.append((name, parse_dtype(dtype), tuple(shape)))
+            torch_dtype = parse_dtype(dtype)
+            self._check_dtype(slot, torch_dtype)
+            specs.append((name, torch_dtype, tuple(shape)))
         return specs
 
     # ---- loading with rollback ----------------------------------------------------------
     def _load(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load in place; on a failure here or on any other tensor-parallel rank,
-        restore every parameter touched, so the ranks never hold different models."""
+        restore every parameter touched, so the ranks never hold different models.
+        Either way the layers' methods then derive from the weights as they are."""
         backup = _Backup()
         error = None
         try:
-            self.model.load_weights(self._saving(weights, backup))
+            self.weight_map.load(self._saving(weights, backup))
         except Exception as e:
             error = f"{type(e).__name__}: {e}"
-        finally:
-            drop_packed_weights(self.model)  # repacked from the new (or restored) weights
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)  # copies done before anyone reads them
-        if _all_ranks_agree(error is None):
+        ok = _all_ranks_agree(error is None)
+        if not ok:
+            backup.restore()
+        process_weights_after_loading(self.model)
+        if ok:
             return
-        backup.restore()
         logger.error("weight update failed while loading (%s); restored %d parameter(s)",
                      error or "on another rank", len(backup))
         raise WeightUpdateError(f"loading failed ({error or 'on another tensor-parallel rank'}); "
@@ -416,9 +320,9 @@ class WeightUpdater:
     def _saving(self, weights: Iterable[tuple[str, torch.Tensor]],
                 backup: _Backup) -> Iterator[tuple[str, torch.Tensor]]:
         for name, tensor in weights:
-            found = self.model.hf_param(name)
-            if found is not None:
-                backup.save(found[0])
+            slot = self.weight_map.resolve(name)
+            if slot is not None:
+                backup.save(slot.param)
             yield name, tensor
 
 
@@ -447,25 +351,13 @@ class _Backup:
                 param.data.copy_(copy)
 
 
-def _owner_modules(model: nn.Module) -> dict[int, nn.Module]:
-    """id(parameter) -> the first module that holds it directly (tied weights:
-    the embedding, whose layout the LM head shares)."""
-    owners: dict[int, nn.Module] = {}
-    for module in model.modules():
-        for param in module.parameters(recurse=False):
-            owners.setdefault(id(param), module)
-    return owners
-
-
 def _checkpoint_header(model_dir: str) -> dict[str, tuple[str, tuple[int, ...]]]:
     """name -> (safetensors dtype, shape) from the shards' headers, reading no data."""
-    from pathlib import Path
-
     from safetensors import safe_open
 
-    from radixlm.models.loader import _safetensors_files
+    from radixlm.models.loader import safetensors_files
 
-    files = _safetensors_files(Path(model_dir))
+    files = safetensors_files(model_dir)
     if not files:
         raise WeightUpdateError(f"no *.safetensors files in {model_dir}")
     header = {}

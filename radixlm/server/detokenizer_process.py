@@ -23,6 +23,7 @@ from radixlm.server.ipc import (
     pull_socket,
     push_socket,
 )
+from radixlm.server.proctitle import set_process_title
 from radixlm.server.scheduler_process import configure_child_logging
 
 logger = logging.getLogger("radixlm.detokenizer")
@@ -50,6 +51,7 @@ def detokenize_batch(detok: Detokenizer, outs: list[Any]) -> list[StrOut]:
 def run_detokenizer_process(tokenizer_path: str, paths: IpcPaths, parent_pid: int,
                             log_level: str) -> None:
     install_child_signals()
+    set_process_title("detokenizer")
     configure_child_logging(log_level, "detokenizer")
     from radixlm.tokenizer import get_tokenizer
 

@@ -37,6 +37,7 @@ from radixlm.server.ipc import (
     push_socket,
 )
 from radixlm.server.load_balance import LoadBalancer
+from radixlm.server.proctitle import set_process_title
 
 logger = logging.getLogger("radixlm.dp_controller")
 
@@ -180,6 +181,7 @@ def run_dp_controller(args_dict: dict[str, Any], paths: IpcPaths, parent_pid: in
     from radixlm.server.scheduler_process import configure_child_logging
 
     install_child_signals()
+    set_process_title("dp_controller")
     args = ServerArgs(**args_dict)
     configure_child_logging(args.log_level, "dp-controller")
     controller = DataParallelController(args, paths)

@@ -24,7 +24,9 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from radixlm import __version__
 from radixlm.config import ServerArgs
 from radixlm.sampling_params import SamplingParams
+from radixlm.server.chat_output import chat_parsers
 from radixlm.server.control_api import add_control_routes
+from radixlm.server.dashboard import add_dashboard_routes
 from radixlm.server.embeddings_api import (
     EmbeddingServing,
     add_embedding_routes,
@@ -50,6 +52,7 @@ from radixlm.server.openai_protocol import (
     OpenSessionRequest,
     TokenizeRequest,
 )
+from radixlm.server.responses_api import ResponsesServing, add_responses_routes
 from radixlm.server.tokenizer_manager import PromptJob, TokenizerManager
 
 MAX_BODY_BYTES = 8 << 20
@@ -57,7 +60,8 @@ MAX_BODY_BYTES = 8 << 20
 # larger ones (about 1 MB, measured) and httptools has no limit of its own;
 # 64 KiB is twice what nginx accepts by default, so no real client is refused.
 MAX_HEADER_BYTES = 64 << 10
-OPEN_PATHS = frozenset({"/health", "/metrics"})  # reachable without the API key
+# Reachable without the API key: probes, and load figures (the dashboard's are /metrics').
+OPEN_PATHS = frozenset({"/health", "/metrics", "/dashboard", "/dashboard/data"})
 HEALTH_GENERATE_TIMEOUT = 30.0
 
 
@@ -203,13 +207,17 @@ def build_app(state: ServerState) -> FastAPI:
     app.add_exception_handler(StarletteHTTPException, _http_exception_handler)
     app.add_exception_handler(Exception, _internal_error_handler)
     tm = state.tm
-    openai = OpenAIServing(tm, state.tokenizer, state.served_name, state.args.model_path)
+    openai = OpenAIServing(tm, state.tokenizer, state.served_name, state.args.model_path,
+                           chat_parsers(state.args, state.tokenizer))
     native = NativeServing(tm, state.tokenizer, openai)
     add_embedding_routes(app, EmbeddingServing(tm, state.tokenizer, native, state.args,
                                                state.model_dir))
     _add_health_routes(app, state)
     _add_info_routes(app, state)
     add_control_routes(app, state)  # weights, memory, profiling, logging (control_api.py)
+    add_dashboard_routes(app, state)  # dashboard.py
+    add_responses_routes(app, ResponsesServing(openai),
+                         lambda: refuse_generation(state.args))  # responses_api.py
 
     @app.post("/generate")
     @with_cancellation

@@ -35,6 +35,7 @@ from radixlm.server.detokenizer_process import run_detokenizer_process
 from radixlm.server.http_server import MAX_HEADER_BYTES, ServerState, build_app
 from radixlm.server.ipc import IpcPaths
 from radixlm.server.metrics import Metrics
+from radixlm.server.proctitle import set_process_title
 from radixlm.server.tokenizer_manager import PromptJob, TokenizerManager
 from radixlm.server.workers import spawn_schedulers
 
@@ -258,6 +259,10 @@ class Launcher:
 
     def _on_child_death(self, name: str, proc: Any) -> None:
         message = f"the {name} process (pid {proc.pid}) died with exit code {proc.exitcode}"
+        if self.args.nnodes > 1 and name != "detokenizer":
+            # Every rank ends when a peer does: the cause may be on another node.
+            message += (f" (one of {self.args.nnodes} nodes: a scheduler rank also exits when "
+                        f"a rank on another node is lost, so check the other nodes too)")
         logger.error("%s; shutting the server down", message)
         self.exit_code = 1
         if self.state is not None:
@@ -326,4 +331,6 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(str(e))
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s [server] %(levelname)s %(message)s")
+    # Nodes other than 0 serve no API: their main process only watches its ranks.
+    set_process_title("api" if args.node_rank == 0 else f"node{args.node_rank}")
     return asyncio.run(Launcher(args).run())

@@ -7,8 +7,10 @@ is "stop" (EOS, stop string, stop token) or "length"; a sequence ended by
 spelling), so a stream never ends a choice in silence. `stop_reason` (a vLLM
 extension) names the matched stop string. Usage counts each prompt once and
 every generated token, including any cut by a stop string. A chat request that
-forces a tool call (tool_calls.py) answers with `tool_calls` and finish_reason
-"tool_calls".
+forces a tool call (tool_calls.py), or whose free-form output holds calls that
+the tool-call parser reads (`tool_choice: "auto"`, chat_output.py), answers
+with `tool_calls` and finish_reason "tool_calls"; a reasoning parser adds
+`reasoning_content`.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from radixlm.protocol import StrOut
 from radixlm.sampling_params import SamplingParams
+from radixlm.server.chat_output import ChatParsers, OutputStream
 from radixlm.server.errors import APIError, from_value_error
 from radixlm.server.io import SSE_DONE, SeqOutput, finite, sse
 from radixlm.server.openai_protocol import (
@@ -121,8 +124,9 @@ def _has_text(prompt: Any) -> bool:
 
 class OpenAIServing:
     def __init__(self, tm: TokenizerManager, tokenizer: Any, served_name: str,
-                 model_path: str | None) -> None:
+                 model_path: str | None, parsers: ChatParsers | None = None) -> None:
         self.tm = tm
+        self.parsers = parsers or ChatParsers()
         self.tokenizer = tokenizer
         self.served_name = served_name
         self.model_names = {served_name} | ({model_path} if model_path else set())
@@ -311,7 +315,8 @@ class OpenAIServing:
         self.check_model(req.model)
         self.check_stream_options(req)
         has_format = response_format_schema(req.response_format) is not None  # 400 if unknown
-        plan = plan_tools(req.tools, req.tool_choice, req.parallel_tool_calls)
+        plan = plan_tools(req.tools, req.tool_choice, req.parallel_tool_calls,
+                          can_parse=self.parsers.tool_parser is not None)
         if plan.forcing:
             # A forced call is itself a grammar; a second one cannot apply too.
             for name, given in (("response_format", has_format), ("json_schema", req.json_schema),
@@ -417,10 +422,16 @@ class OpenAIServing:
                              "system_fingerprint": None, "choices": choices,
                              "usage": call.usage(seqs)})
 
-    @staticmethod
-    def _chat_message(plan: ToolPlan, seq: SeqOutput) -> dict[str, Any]:
+    def _chat_message(self, plan: ToolPlan, seq: SeqOutput) -> dict[str, Any]:
         """A choice's message and finish_reason; a forced call's output is read
-        back into `tool_calls` (content null)."""
+        back into `tool_calls` (content null), free-form output through the
+        server's parsers, if any apply."""
+        output = self.parsers.for_plan(plan)
+        if output is not None:
+            message = output.message(seq.text)
+            return {"message": {"role": "assistant", "refusal": None, **message},
+                    "finish_reason": tool_finish_reason(seq.finish_reason,
+                                                        bool(message["tool_calls"]))}
         if not plan.forcing:
             return {"message": {"role": "assistant", "content": seq.text, "refusal": None,
                                 "tool_calls": []},
@@ -513,6 +524,8 @@ class ChatStream(_Stream):
         self.plan = plan or ToolPlan()
         self.started: set[int] = set()
         self.readers: dict[int, ToolCallReader] = {}  # per choice, forced calls only
+        self.output = api.parsers.for_plan(self.plan)
+        self.outputs: dict[int, OutputStream] = {}  # per choice, with self.output
 
     def chunks(self, idx: int, out: StrOut) -> list[dict[str, Any]]:
         t = out.token
@@ -532,6 +545,8 @@ class ChatStream(_Stream):
                                               self.req.top_logprobs or 0)
         if self.plan.forcing:
             deltas, fr = self._tool_deltas(idx, out, bool(logprobs and t.new_token_ids))
+        elif self.output is not None:
+            deltas, fr = self._parsed_deltas(idx, out, bool(logprobs and t.new_token_ids))
         else:
             deltas = [{"content": out.new_text} if out.new_text or t.finish_reason is None
                       else {}]
@@ -544,6 +559,21 @@ class ChatStream(_Stream):
                                         "stop_reason": stop_reason(t.finish_reason)
                                         if last else None}]))
         return chunks
+
+    def _parsed_deltas(self, idx: int, out: StrOut, has_logprobs: bool
+                       ) -> tuple[list[dict[str, Any]], str | None]:
+        """Deltas from the server's parsers: reasoning, content and tool-call
+        pieces as they become certain (text that may still turn into markup
+        is held back until it does or does not)."""
+        assert self.output is not None
+        stream = self.outputs.setdefault(idx, OutputStream(self.output))
+        fr = out.token.finish_reason
+        deltas = stream.feed(out.new_text)
+        if fr is not None:
+            deltas += stream.finish()
+        if not deltas and (fr is not None or has_logprobs):
+            deltas = [{}]
+        return deltas, tool_finish_reason(fr, stream.made_calls) if fr is not None else None
 
     def _tool_deltas(self, idx: int, out: StrOut, has_logprobs: bool
                      ) -> tuple[list[dict[str, Any]], str | None]:

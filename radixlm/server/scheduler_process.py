@@ -40,6 +40,7 @@ from radixlm.server.ipc import (
     pull_socket,
     push_socket,
 )
+from radixlm.server.proctitle import scheduler_title, set_process_title
 
 logger = logging.getLogger("radixlm.scheduler")
 
@@ -262,6 +263,7 @@ def run_scheduler_process(args_dict: dict[str, Any], model_dir: str, paths: IpcP
     install_child_signals()
     args = ServerArgs(**args_dict)
     placement = Placement(**(placement_dict or {}))
+    set_process_title(scheduler_title(placement.dp_rank, placement.tp_rank))
     single = args.tp_size == 1 and args.dp_size == 1
     configure_child_logging(args.log_level, "scheduler" if single else placement.name)
     init_tp_rank(args, placement)

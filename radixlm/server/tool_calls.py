@@ -1,10 +1,9 @@
 """OpenAI tool calling for /v1/chat/completions: checking `tools` and
-`tool_choice`, the JSON schema that forces a call, and reading the calls back
-out of the generated text (whole, or piece by piece for a stream).
+`tool_choice`, the JSON schema that forces a call, and reading forced calls
+back out of the generated text (whole, or piece by piece for a stream).
 
-There is no parser for tool calls in free text yet, so a call is only made when
-the request forces one, and the output is then constrained (xgrammar) so that
-it can be read without guessing:
+A call that the request forces is constrained (xgrammar), so that it can be
+read without guessing:
 
 - a named `tool_choice`: the output is exactly the function's arguments, a JSON
   value for its `parameters` schema;
@@ -15,9 +14,11 @@ it can be read without guessing:
   call: a single call is always a valid answer, and small models given an
   open-ended array tend to repeat calls until the token limit.
 
-`tool_choice: "auto"` (OpenAI's default when tools are given) is refused with a
-400 that says so; `"none"` is an ordinary chat in which the chat template still
-sees the tools.
+`tool_choice: "auto"` (OpenAI's default when tools are given) leaves the
+output free and reads the model family's own call markup out of it with a
+tool-call parser (function_call/, chat_output.py); a server without one
+refuses it with a 400 that says how to get one. `"none"` is an ordinary chat
+in which neither the template nor a parser sees the tools.
 """
 
 from __future__ import annotations
@@ -35,10 +36,11 @@ CHOICES = ("none", "auto", "required")
 # The parameters of a function declared without any: it takes an empty object.
 NO_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {}}
 AUTO_UNSUPPORTED = (
-    'tool_choice "auto" is not supported yet: this server has no parser for tool calls '
-    'in free-form model output. Force a call with tool_choice "required" (the model picks '
-    'one of the tools) or {"type": "function", "function": {"name": "<tool name>"}}, '
-    'or send tool_choice "none"')
+    'tool_choice "auto" needs a parser for tool calls in free-form model output, and this '
+    "server has none (this model's chat template names no known format): start it with "
+    "--tool-call-parser (hermes, qwen25, llama3, mistral, deepseekv3 or pythonic), force a "
+    'call with tool_choice "required" (the model picks one of the tools) or {"type": '
+    '"function", "function": {"name": "<tool name>"}}, or send tool_choice "none"')
 
 
 def new_call_id() -> str:
@@ -48,9 +50,10 @@ def new_call_id() -> str:
 # ---- the request side ----------------------------------------------------------------
 @dataclass(frozen=True)
 class ToolPlan:
-    """What a chat request asks of its tools. `mode` is "none" (no call is
-    forced: an ordinary chat), "named" (call `name`) or "required" (call one of
-    the tools; several when `array`)."""
+    """What a chat request asks of its tools. `mode` is "none" (an ordinary
+    chat), "auto" (the model may call tools in its own markup, read by a
+    tool-call parser), "named" (call `name`) or "required" (call one of the
+    tools; several when `array`); the last two force a call."""
 
     mode: str = "none"
     tools: list[dict[str, Any]] = field(default_factory=list)  # OpenAI's shape, for templates
@@ -59,7 +62,7 @@ class ToolPlan:
 
     @property
     def forcing(self) -> bool:
-        return self.mode != "none"
+        return self.mode in ("named", "required")
 
     def parameters(self, name: str) -> dict[str, Any]:
         fn = next(t["function"] for t in self.tools if t["function"]["name"] == name)
@@ -94,8 +97,9 @@ def required_schema(tools: list[dict[str, Any]], array: bool) -> dict[str, Any]:
 
 
 def plan_tools(tools: list[ChatTool] | None, tool_choice: Any,
-               parallel_tool_calls: bool | None) -> ToolPlan:
-    """Check `tools` and `tool_choice` (400s name the field) and say what to do."""
+               parallel_tool_calls: bool | None, can_parse: bool = False) -> ToolPlan:
+    """Check `tools` and `tool_choice` (400s name the field) and say what to do.
+    `can_parse`: the server has a tool-call parser, so "auto" is possible."""
     tools = tools or []
     dicts = [t.model_dump(exclude_none=True) for t in tools]
     _check_names(tools)
@@ -104,16 +108,17 @@ def plan_tools(tools: list[ChatTool] | None, tool_choice: Any,
             raise APIError(400, "tool_choice is only allowed when tools are given",
                            "tool_choice")
         return ToolPlan()
-    if tool_choice is None:  # OpenAI's default with tools is "auto"
-        raise APIError(400, AUTO_UNSUPPORTED, "tools")
+    if tool_choice is None or tool_choice == "auto":  # OpenAI's default with tools is "auto"
+        if not can_parse:
+            raise APIError(400, AUTO_UNSUPPORTED, "tools" if tool_choice is None
+                           else "tool_choice")
+        return ToolPlan("auto", dicts)
     if isinstance(tool_choice, str):
         if tool_choice not in CHOICES:
             raise APIError(400, f"tool_choice must be one of {', '.join(CHOICES)} or "
                                 f"a named function, got {tool_choice!r}", "tool_choice")
-        if tool_choice == "auto":
-            raise APIError(400, AUTO_UNSUPPORTED, "tool_choice")
         if tool_choice == "none":
-            return ToolPlan(tools=dicts)
+            return ToolPlan()
         return ToolPlan("required", dicts, array=parallel_tool_calls is True)
     return ToolPlan("named", dicts, name=_named_choice(tool_choice, dicts))
 

@@ -35,6 +35,13 @@ class AttentionBackend(ABC):
       in layer `layer.layer_id` of the pool, then returns [num_tokens,
       num_heads * head_dim]: each new token attends causally to its request's
       tokens 0..position.
+    - Layer variants (`RadixAttention.sliding_window`, `.logit_softcap`): a
+      sliding window W means the query at position p attends to the keys at
+      positions max(0, p - W + 1) .. p (the last W, its own included: the mask
+      of transformers' sliding-window layers); a softcap c replaces each scaled
+      score s by c * tanh(s / c) before the softmax. `check_layer(layer)` is
+      called for every layer at start-up and raises ValueError, naming the
+      feature, for a variant the backend cannot compute: never ignore one.
     - CUDA-graph hooks: state sized once for `max_bs`, then metadata for a
       padded batch is written into that state in place, so a captured graph
       replays with new inputs. Backends without graph support keep the
@@ -49,6 +56,20 @@ class AttentionBackend(ABC):
 
     @abstractmethod
     def init_forward_metadata(self, fb: ForwardBatch) -> None: ...
+
+    # Layer variants this backend computes (see `check_layer`).
+    supports_sliding_window = False
+    supports_logit_softcap = False
+
+    def check_layer(self, layer: RadixAttention) -> None:
+        """ValueError if `layer` needs something this backend does not compute."""
+        name = type(self).__name__
+        if layer.sliding_window is not None and not self.supports_sliding_window:
+            raise ValueError(f"layer {layer.layer_id} uses sliding-window attention (window "
+                             f"{layer.sliding_window}), which the {name} does not implement")
+        if layer.logit_softcap is not None and not self.supports_logit_softcap:
+            raise ValueError(f"layer {layer.layer_id} uses attention logit softcapping "
+                             f"({layer.logit_softcap}), which the {name} does not implement")
 
     def begin_forward(self, fb: ForwardBatch) -> None:
         """What the model runner calls once per eager forward."""

@@ -15,14 +15,26 @@ if TYPE_CHECKING:
 
 
 class RadixAttention(nn.Module):
+    """One layer's attention shape and variant. `sliding_window` W (None: full
+    context): a query attends only to the last W positions up to its own (HF's
+    convention; backends/base.py pins it). `logit_softcap` c (None: off): scores
+    become c * tanh(scores / c) before the softmax (Gemma 2)."""
+
     def __init__(self, layer_id: int, num_heads: int, num_kv_heads: int, head_dim: int,
-                 scaling: float) -> None:
+                 scaling: float, sliding_window: int | None = None,
+                 logit_softcap: float | None = None) -> None:
         super().__init__()
+        if sliding_window is not None and sliding_window < 1:
+            raise ValueError(f"sliding_window must be >= 1 (or None), got {sliding_window}")
+        if logit_softcap is not None and logit_softcap <= 0:
+            raise ValueError(f"logit_softcap must be > 0 (or None), got {logit_softcap}")
         self.layer_id = layer_id
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.scaling = scaling
+        self.sliding_window = sliding_window
+        self.logit_softcap = logit_softcap
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 fb: ForwardBatch, rope: Rope | None = None) -> torch.Tensor:

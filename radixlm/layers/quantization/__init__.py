@@ -1,0 +1,68 @@
+"""Weight methods of linear layers, and the config that picks one per layer.
+
+`base.py` is the contract; `unquantized.py` the float methods. A quantized
+format adds a module with its QuantizationConfig and LinearMethod, an entry
+in `QUANTIZATION_METHODS` below, and its name in `config.QUANTIZATIONS`
+(the --quantization choices; a test checks that the two agree).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+
+from radixlm.layers.quantization.base import LinearMethod, QuantizationConfig
+from radixlm.layers.quantization.unquantized import UnquantizedConfig
+
+# --quantization name (= the checkpoint's quantization_config "quant_method") -> config.
+QUANTIZATION_METHODS: dict[str, type[QuantizationConfig]] = {}
+
+__all__ = ["QUANTIZATION_METHODS", "LinearMethod", "QuantizationConfig", "UnquantizedConfig",
+           "drop_derived_weights", "get_quantization_config", "process_weights_after_loading"]
+
+
+def get_quantization_config(hf_config: Any, quantization: str | None = None, *,
+                            prepack: bool = True, gemv: bool = True) -> QuantizationConfig:
+    """The config for a model: `quantization` (None or 'auto': what the
+    checkpoint's config.json declares, unquantized when it declares nothing).
+    ValueError for a method we lack, or one that contradicts the checkpoint.
+    `prepack` / `gemv`: the unquantized fast paths (--disable-weight-prepack,
+    --disable-gemv)."""
+    declared = getattr(hf_config, "quantization_config", None)
+    if quantization not in (None, "auto") and quantization not in QUANTIZATION_METHODS:
+        known = ", ".join(["auto", *QUANTIZATION_METHODS])
+        raise ValueError(f"quantization={quantization!r}: expected one of {known}")
+    if declared is None:
+        if quantization in (None, "auto"):
+            return UnquantizedConfig(prepack=prepack, gemv=gemv)
+        return QUANTIZATION_METHODS[quantization]()
+    declared = declared if isinstance(declared, dict) else declared.to_dict()
+    method = declared.get("quant_method")
+    if method not in QUANTIZATION_METHODS:
+        have = ", ".join(QUANTIZATION_METHODS) or "none yet"
+        raise ValueError(f"the checkpoint's config.json has a quantization_config "
+                         f"(quant_method={method!r}), a quantized format radixlm cannot load "
+                         f"(quantization methods: {have}); use an unquantized checkpoint")
+    if quantization not in (None, "auto", method):
+        raise ValueError(f"quantization={quantization!r} contradicts the checkpoint's "
+                         f"quantization_config (quant_method={method!r})")
+    return QUANTIZATION_METHODS[method].from_hf_config(declared)
+
+
+def process_weights_after_loading(model: nn.Module) -> None:
+    """Every layer's method derives from the weights as they are now. Call it
+    after any write to the weights: the initial load, an update, a rollback, a
+    resume."""
+    for module in model.modules():
+        method = getattr(module, "quant_method", None)
+        if method is not None:
+            method.process_weights_after_loading(module)
+
+
+def drop_derived_weights(model: nn.Module) -> None:
+    """Every layer's method forgets what it derived (the weights are about to go)."""
+    for module in model.modules():
+        method = getattr(module, "quant_method", None)
+        if method is not None:
+            method.drop_derived(module)

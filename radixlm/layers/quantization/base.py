@@ -1,0 +1,130 @@
+"""The seam between a linear layer and the way its weight is stored and multiplied.
+
+A parallel linear layer (`layers/linear.py`, and the LM head) knows its shape
+and its tensor-parallel partition; a `LinearMethod` knows everything about
+its weight: which parameters hold it, how a checkpoint tensor lands in them,
+what is derived from them after loading, how y = x W^T + b is computed, and
+how the checkpoint tensor is read back. A `QuantizationConfig`, built once per
+model, picks the method of every layer. Unquantized weights run through
+`unquantized.py` (plain F.linear, oneDNN-prepacked on the CPU, Triton GEMV on
+CUDA); a quantized format (FP8, int4, GGUF, int8) is one more config and
+method here, with no edit to the layers, the loader or the weight updater.
+
+Contract for a method (one instance per layer, so it may keep per-layer
+decisions; per-layer tensors live on the layer). A method may read from the
+layer: `input_size` / `output_size` (whole, all ranks), `params_dtype`,
+`tp_rank` / `tp_size`, `prefix`, `shard_ids` and `output_piece(shard_id)` /
+`input_piece()` (its partition, `layers/sharding.py`), `bias`, and on a
+merged gate/up layer `fused_silu_mul`. The LM head (`ParallelLMHead`) gets
+a method too, for its product only: its weight is the embedding table
+(the input embedding itself when tied), so its method's `create_weights` is
+never called and `apply` reads `layer.weight` as it is.
+
+1. `create_weights(layer, ...)` runs in the layer's constructor, under the
+   model's dtype and device as torch's defaults (`torch.empty` lands there).
+   It registers every parameter the method needs (`weight`, and for a
+   quantized format its scales, zero points, ...) with
+   `layer.add_weight(name, tensor, spec)`. The method owns those parameters;
+   the layer owns its partition and its bias ([out_local] in params_dtype,
+   which the layer passes to `apply`).
+2. Loading. The loader resolves each checkpoint name to (layer, parameter,
+   shard id) and calls `param.weight_loader(param, tensor, shard_id)`, which
+   hands the parameter's spec (`layers/sharding.py`) the **whole checkpoint
+   tensor**: all ranks' parts, in the checkpoint's layout and dtype, on any
+   device; for a fused layer one part of it (`shard_id` "q"/"k"/"v" of
+   qkv_proj, 0/1 of gate_up_proj) or the fused tensor whole (None). The spec
+   cuts this rank's piece from the layer's `output_piece`/`input_piece` and
+   writes it in place. Always whole tensors, never pre-cut shards: the same
+   path serves start-up, every weight update and every tensor-parallel size.
+   A parameter stored as the checkpoint stores it but not as floats (packed
+   int4, GGUF blocks, fp8) says so in its `AxisSpec` (`input_packing`,
+   `checkpoint_dtypes`: anything else is refused at load), or brings its own
+   `WeightSpec` subclass (a per-tensor scale per fused part); the spec also answers the
+   whole tensor's shape (checked before any write), the shard ids a complete
+   checkpoint provides, and gathers the whole tensor back from every rank
+   (`get_weights_by_name`). Read-back gives the checkpoint's layout and
+   dtype: what the parameters hold, so keep them in checkpoint form.
+3. `process_weights_after_loading(layer)` runs once every parameter of the
+   model is written: after the initial load, after **every** in-place update
+   (and after an update's rollback), and after the weights come back from a
+   memory release. It derives what `apply` reads (a prepacked copy, a
+   transposed view, a dequantized fp32 copy, a kernel's reordered layout) and
+   stores it as plain layer attributes. It must replace what an earlier call
+   derived, not add to it (it runs many times), and must not replace,
+   reshape or re-type a parameter: updates write checkpoint tensors into the
+   parameters again, and read-back reads them. `drop_derived(layer)` forgets
+   the derived state (the weights are about to be released).
+4. `apply(layer, x, bias, out)` computes x W^T + bias: x is [..., in_local]
+   in the layer's params_dtype on its device (maybe non-contiguous), bias is
+   [out_local] or None; returns [..., out_local] in x's dtype. `out`, when
+   given, is a contiguous CUDA tensor of that shape and dtype that the
+   result must be written into (a row-parallel layer writing its partial sum
+   straight into the fused all-reduce's buffer): write it and return it.
+   `apply_silu_mul(layer, x)` optionally fuses a merged [gate; up] product
+   with silu(gate) * up; None means the caller runs `apply` and the
+   activation itself. Neither may synchronize with the host (CUDA graphs
+   capture them).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import torch
+
+if TYPE_CHECKING:
+    from radixlm.layers.linear import LinearBase
+
+
+class LinearMethod(ABC):
+    """How one linear layer holds and applies its weight (see the module docstring)."""
+
+    @abstractmethod
+    def create_weights(self, layer: LinearBase, input_size_per_partition: int,
+                       output_partition_sizes: list[int], params_dtype: torch.dtype) -> None:
+        """Register the method's parameters on `layer` (`layer.add_weight`).
+        `output_partition_sizes`: this rank's rows of each fused part, in
+        order (one entry for an unfused layer); `params_dtype`: the model's
+        dtype, that of the activations."""
+
+    @abstractmethod
+    def apply(self, layer: LinearBase, x: torch.Tensor, bias: torch.Tensor | None = None,
+              out: torch.Tensor | None = None) -> torch.Tensor:
+        """x W^T + bias (into `out` when given)."""
+
+    def apply_silu_mul(self, layer: LinearBase, x: torch.Tensor) -> torch.Tensor | None:
+        """silu(x G^T) * (x U^T) for the merged weight [G; U] of a bias-free
+        layer, or None when this method has no fused path for `x`."""
+        return None
+
+    def process_weights_after_loading(self, layer: LinearBase) -> None:  # noqa: B027 (optional)
+        """Derive from the freshly written parameters what `apply` reads (by
+        default nothing: `apply` reads the parameters)."""
+
+    def drop_derived(self, layer: LinearBase) -> None:  # noqa: B027 (optional)
+        """Forget what `process_weights_after_loading` derived."""
+
+
+class QuantizationConfig(ABC):
+    """Picks the linear method of every layer of one model. Built once, from
+    the server arguments and the checkpoint's config.json, before the model;
+    the model passes it to each layer with the layer's dotted name."""
+
+    # The --quantization name, and the quantization_config "quant_method" of
+    # checkpoints in this format (None: the unquantized default).
+    name: ClassVar[str | None] = None
+
+    @classmethod
+    def from_hf_config(cls, hf_quant_config: dict[str, Any], **options: Any
+                       ) -> QuantizationConfig:
+        """Built from a checkpoint's `quantization_config`; refuse (ValueError,
+        naming the field) any setting the method cannot honour."""
+        raise NotImplementedError(f"{cls.__name__} is not read from a quantization_config")
+
+    @abstractmethod
+    def get_linear_method(self, layer: LinearBase, prefix: str) -> LinearMethod:
+        """The method for `layer`, our module named `prefix` (e.g.
+        'model.layers.0.self_attn.qkv_proj', 'lm_head'): a fresh instance per
+        layer. Layers a format leaves unquantized (often the LM head) get an
+        unquantized method."""

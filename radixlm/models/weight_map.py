@@ -1,0 +1,154 @@
+"""Checkpoint names -> our parameters, in one place: the initial load, weight
+updates and `get_weights_by_name` all resolve names here.
+
+A model class declares how its checkpoint's names differ from its own in a
+`weight_mapping` class attribute (`WeightMapping`): the projections it fuses
+(HF's q_proj/k_proj/v_proj -> our qkv_proj, shards "q"/"k"/"v") and the
+buffers a checkpoint may carry that it recomputes (rotary tables). Every
+other checkpoint name must be one of our parameter names. A checkpoint
+tensor with no place in the model is an error naming it, never skipped.
+
+What a name resolves to (`WeightSlot`) answers everything about the tensor
+through the owning layer's partition and the parameter's spec
+(`layers/sharding.py`): the whole tensor's shape, its accepted dtypes, the
+shards a complete checkpoint provides, loading it, and gathering it back.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from radixlm.layers.linear import default_weight_loader
+from radixlm.layers.sharding import ShardId, check_checkpoint_dtype, weight_spec
+
+
+@dataclass(frozen=True)
+class WeightMapping:
+    """How a model's checkpoint names map onto its parameters.
+
+    `fused`: checkpoint module name -> (our module name, shard id), matched on
+    the last module component ('q_proj' in 'model.layers.0.self_attn.q_proj.weight').
+    `skipped`: name suffixes of buffers we recompute. A parameter that another
+    module shares (a tied LM head) is resolved for reading, and not loaded
+    under the sharing module's name: the owner's name loads it."""
+
+    fused: Mapping[str, tuple[str, ShardId]] = field(default_factory=dict)
+    skipped: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class WeightSlot:
+    """Where checkpoint tensor `name` lives: our parameter `param_name`
+    (the name `named_parameters` gives it), this shard of it, and the
+    module whose partition it follows."""
+
+    name: str
+    param_name: str
+    param: nn.Parameter
+    shard_id: ShardId
+    module: nn.Module
+    alias: bool = False  # reached through a module that shares another's parameter
+
+    def hf_shape(self) -> tuple[int, ...]:
+        """The shape of the whole checkpoint tensor (all tensor-parallel ranks together)."""
+        return weight_spec(self.param).hf_shape(self.module, self.param, self.shard_id)
+
+    def check_dtype(self, dtype: torch.dtype | str) -> None:
+        """ValueError unless the checkpoint may hold this tensor in `dtype`."""
+        check_checkpoint_dtype(self.name, self.param, dtype)
+
+    def load(self, tensor: torch.Tensor) -> None:
+        """Write this rank's piece of the whole checkpoint tensor into place."""
+        self.check_dtype(tensor.dtype)
+        loader = getattr(self.param, "weight_loader", default_weight_loader)
+        with torch.no_grad():
+            loader(self.param, tensor, self.shard_id)
+
+    def gather(self) -> torch.Tensor:
+        """The whole checkpoint tensor. With tensor parallelism a collective:
+        every rank must call it, in the same order."""
+        with torch.no_grad():
+            return weight_spec(self.param).gather(self.module, self.param, self.shard_id)
+
+
+class WeightMap:
+    """Resolves checkpoint names for one model (see the module docstring)."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+        self.mapping: WeightMapping = getattr(model, "weight_mapping", WeightMapping())
+        self.param_names = {id(p): n for n, p in model.named_parameters()}
+
+    def is_skipped(self, name: str) -> bool:
+        return bool(self.mapping.skipped) and name.endswith(self.mapping.skipped)
+
+    def resolve(self, name: str) -> WeightSlot | None:
+        """The slot of checkpoint tensor `name`; None when the model has no
+        parameter for it (skipped buffers included)."""
+        parts = name.split(".")
+        shard_id = None
+        if len(parts) >= 2 and parts[-2] in self.mapping.fused:
+            parts[-2], shard_id = self.mapping.fused[parts[-2]]
+        try:
+            module = self.model.get_submodule(".".join(parts[:-1]))
+        except AttributeError:
+            return None
+        param = getattr(module, parts[-1], None)
+        if not isinstance(param, nn.Parameter):
+            return None
+        ours = ".".join(parts)
+        canonical = self.param_names[id(param)]
+        return WeightSlot(name, canonical, param, shard_id, module, alias=canonical != ours)
+
+    def slots(self) -> Iterator[WeightSlot]:
+        """One slot per parameter, under its own name (shard None: all of it)."""
+        for name, param in self.model.named_parameters():
+            module = self.model.get_submodule(name.rpartition(".")[0])
+            yield WeightSlot(name, name, param, None, module)
+
+    def load(self, weights: Iterable[tuple[str, torch.Tensor]]) -> dict[str, set[ShardId]]:
+        """Load checkpoint-named tensors in place; returns, per parameter written
+        (our name), the shard ids written, for `missing`. ValueError for a name
+        with no place in the model or a dtype its parameter does not take."""
+        written: dict[str, set[ShardId]] = {}
+        for name, tensor in weights:
+            if self.is_skipped(name):
+                continue
+            slot = self.resolve(name)
+            if slot is None:
+                raise ValueError(self.no_place(name))
+            if slot.alias:
+                continue
+            slot.load(tensor)
+            written.setdefault(slot.param_name, set()).add(slot.shard_id)
+        return written
+
+    def missing(self, written: Mapping[str, set[ShardId]]) -> list[str]:
+        """Our parameters that `written` (param name -> shard ids) leaves incomplete."""
+        out = []
+        for slot in self.slots():
+            got = written.get(slot.param_name, set())
+            required = weight_spec(slot.param).required_shards(slot.module, slot.param)
+            if None not in got and not required <= got:
+                out.append(slot.param_name)
+        return out
+
+    def no_place(self, name: str) -> str:
+        return (f"checkpoint tensor {name} has no place in {type(self.model).__name__}: it is "
+                "neither one of its parameters nor a buffer it recomputes (a checkpoint of "
+                "another architecture, or a format it does not read)")
+
+
+def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]
+                 ) -> dict[str, set[ShardId]]:
+    """`WeightMap(model).load(weights)`."""
+    return WeightMap(model).load(weights)
+
+
+def missing_message(missing: list[str]) -> str:
+    shown = ", ".join(missing[:5]) + (", ..." if len(missing) > 5 else "")
+    return f"lacks {len(missing)} parameter(s): {shown}"
