@@ -21,12 +21,11 @@ import gguf
 import numpy as np
 import pytest
 import torch
+from gguf_blocks import GGUF_TYPES, exact_activations, random_blocks
 
 from radixlm.layers.cpu_ops import qgemm, qpack
 
 FP32_SLACK = 4 * 2.0**-24
-GGUF_TYPES = {"q4_0": "Q4_0", "q4_1": "Q4_1", "q8_0": "Q8_0", "q4_k": "Q4_K", "q5_k": "Q5_K",
-              "q6_k": "Q6_K"}
 # (n, k): odd row counts (partial tiles, a single row), several blocks; K-quants
 # need k in multiples of 256.
 SHAPES = [(1, 256), (17, 512), (37, 768), (64, 256)]
@@ -45,30 +44,6 @@ def isas() -> list[str]:
     return qgemm.available_isas() if qgemm.load() else ["portable"]
 
 
-def random_blocks(fmt: str, n: int, k: int, seed: int) -> np.ndarray:
-    """Random GGUF blocks: every code pattern possible, scales of realistic size."""
-    rng = np.random.default_rng(seed)
-    block_bytes, block_values = qpack._GGUF_BLOCKS[fmt]
-    count = n * k // block_values
-    b = rng.integers(0, 256, size=(count, block_bytes), dtype=np.uint8)
-
-    def put_f16(col: int, lo: float, hi: float) -> None:
-        b[:, col:col + 2] = rng.uniform(lo, hi, count).astype(np.float16).view(np.uint8).reshape(
-            count, 2)
-
-    if fmt in ("q4_0", "q8_0"):
-        put_f16(0, 1e-3, 2e-2)
-    elif fmt == "q4_1":
-        put_f16(0, 1e-3, 2e-2)
-        put_f16(2, -0.15, 0.0)
-    elif fmt in ("q4_k", "q5_k"):
-        put_f16(0, 1e-4, 2e-3)
-        put_f16(2, 1e-4, 2e-3)
-    else:  # q6_k: d last
-        put_f16(208, 1e-4, 2e-3)
-    return b.reshape(n, -1)
-
-
 def gguf_dequantized(raw: np.ndarray, fmt: str, n: int, k: int) -> np.ndarray:
     qtype = gguf.GGMLQuantizationType[GGUF_TYPES[fmt]]
     return gguf.quants.dequantize(raw, qtype).reshape(n, k)
@@ -83,14 +58,6 @@ def error_bound(x: torch.Tensor, w: np.ndarray) -> torch.Tensor:
     quantization = (d / 2) @ w_abs.T
     blocks = w.shape[1] // 32
     return quantization * (1 + 1e-6) + FP32_SLACK * (blocks + 2) * (x64.abs() @ w64.abs().T)
-
-
-def exact_activations(m: int, k: int, seed: int) -> torch.Tensor:
-    """Integers in [-127, 127] with 127 in every block: int8 quantization is exact."""
-    gen = torch.Generator().manual_seed(seed)
-    x = torch.randint(-127, 128, (m, k), generator=gen).float()
-    x.view(m, -1, 32)[:, :, 0] = 127.0
-    return x
 
 
 @pytest.mark.parametrize("fmt", list(GGUF_TYPES))

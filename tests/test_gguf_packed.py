@@ -20,7 +20,7 @@ def kernels() -> None:
 
 def test_embedded_model_packs_to_the_dequantized_values(model_dir):
     path = default_model_path()
-    packed = dict(gguf_packed.iter_packed(path))
+    packed = {name: layout.weight(data) for name, layout, data in gguf_packed.iter_packed(path)}
     types = gguf_packed.tensor_types(path)
     kept = {name for name, kind in types.items() if kind in ("Q4_1", "Q8_0")}
     assert set(packed) == kept and len(kept) == 211  # 30 layers x 7 + the embedding
@@ -29,6 +29,9 @@ def test_embedded_model_packs_to_the_dequantized_values(model_dir):
     for name, tensor in iter_safetensors(model_dir):
         if name in packed:
             assert torch.equal(qgemm.dequantize(packed[name]), tensor), name
+    some = frozenset({"model.norm.weight", "model.layers.3.mlp.up_proj.weight"})
+    with pytest.raises(ValueError, match="no packed blocks for"):
+        list(gguf_packed.iter_packed(path, some))  # the norm is F32: never packed
     directory = gguf_packed.packed_dir(path)
     stamp = (directory / "index.json").stat().st_mtime_ns
     assert gguf_packed.packed_dir(path) == directory

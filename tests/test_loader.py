@@ -330,4 +330,4 @@ def test_load_logs_one_info_line(model_dir, caplog):
     with caplog.at_level("INFO", logger="radixlm.models.loader"):
         load_model(model_dir, config, "dummy", torch.float32, "cpu", seed=1)
     lines = [r.getMessage() for r in caplog.records if r.name == "radixlm.models.loader"]
-    assert len(lines) == 1 and "134.5M parameters" in lines[0] and "float32 on cpu" in lines[0]
+    assert len(lines) == 1 and "538.1 MB of weights" in lines[0] and "float32 on cpu" in lines[0]

@@ -134,7 +134,9 @@ class LlamaModel(nn.Module):
     def __init__(self, config: PretrainedConfig, qkv_bias: bool, o_bias: bool,
                  quant_config: QuantizationConfig | None = None, prefix: str = "model") -> None:
         super().__init__()
-        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size,
+                                                   quant_config=quant_config,
+                                                   prefix=f"{prefix}.embed_tokens")
         # One cos/sin table shared by every layer (it is large for 128k contexts).
         rotary_emb = get_rope(config, head_dim_of(config))
         self.layers = nn.ModuleList(

@@ -21,7 +21,7 @@ import os
 import shutil
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Container, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -70,6 +70,15 @@ def default_model_path() -> str:
 def prepare_model_dir(model_path: str | None = None, load_format: str = "auto") -> str:
     """An HF-style directory for `model_path` (default: the embedded model),
     converting a GGUF file into the cache on first use."""
+    gguf = gguf_source(model_path, load_format)
+    if gguf is not None:
+        return str(convert_gguf(gguf))
+    return str(Path(model_path).expanduser())
+
+
+def gguf_source(model_path: str | None, load_format: str = "auto") -> Path | None:
+    """The .gguf file a model comes from (default: the embedded model), or None
+    for an HF checkpoint directory."""
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"load_format={load_format!r}: expected one of {', '.join(LOAD_FORMATS)}")
     path = Path(model_path).expanduser() if model_path is not None else Path(default_model_path())
@@ -78,10 +87,10 @@ def prepare_model_dir(model_path: str | None = None, load_format: str = "auto") 
                                 "checkpoint directory or a .gguf file (no hub downloads here)")
     if path.is_dir():
         if load_format != "gguf" and (path / "config.json").is_file():
-            return str(path)
+            return None
         path = _single_gguf_in(path, model_path)
     if load_format == "gguf" or path.suffix == ".gguf":
-        return str(convert_gguf(path))
+        return path
     raise ValueError(f"model_path={model_path!r} is a file but not a .gguf file; expected an "
                      "HF checkpoint directory or a .gguf file")
 
@@ -405,8 +414,10 @@ def safetensors_files(model_dir: str | Path) -> list[Path]:
     return sorted(model_dir.glob("*.safetensors"))
 
 
-def iter_safetensors(model_dir: str) -> Iterator[tuple[str, torch.Tensor]]:
-    """(name, tensor) for every tensor of the checkpoint's *.safetensors shards."""
+def iter_safetensors(model_dir: str, skip: Container[str] = ()
+                     ) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) for every tensor of the checkpoint's *.safetensors shards
+    but those named in `skip` (not read at all)."""
     from safetensors import safe_open
 
     files = safetensors_files(model_dir)
@@ -417,7 +428,8 @@ def iter_safetensors(model_dir: str) -> Iterator[tuple[str, torch.Tensor]]:
     with tqdm(total=total, desc="Loading weights", unit="tensor", disable=None) as bar:
         for handle in handles:
             for name in handle.keys():  # noqa: SIM118 (safe_open objects are not mappings)
-                yield name, handle.get_tensor(name)
+                if name not in skip:
+                    yield name, handle.get_tensor(name)
                 bar.update()
 
 
@@ -529,11 +541,14 @@ def load_model(model_dir: str, config: PretrainedConfig, load_format: str = "aut
     if load_format == "dummy":
         _load_weights(model, dummy_weights(config, seed, device), "dummy weights")
     else:
-        _load_weights(model, iter_safetensors(model_dir), f"checkpoint {model_dir}")
+        weights = quant_config.checkpoint_weights(model_dir) or iter_safetensors(model_dir)
+        _load_weights(model, weights, f"checkpoint {model_dir}")
     process_weights_after_loading(model)
+    if (chosen := quant_config.describe()) is not None:
+        logger.info("%s", chosen)
     model.eval()
-    num_params = sum(p.numel() for p in model.parameters())
-    logger.info("Loaded %s (%s weights): %.1fM parameters, %s on %s in %.2f s",
-                model_cls.__name__, load_format, num_params / 1e6,
+    nbytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    logger.info("Loaded %s (%s weights): %.1f MB of weights, %s on %s in %.2f s",
+                model_cls.__name__, load_format, nbytes / 1e6,
                 str(dtype).removeprefix("torch."), device, time.perf_counter() - start)
     return model

@@ -109,11 +109,18 @@ class ModelRunner:
 
     def _quant_config(self) -> QuantizationConfig:
         """Each linear layer's weight method: the checkpoint's format (or
-        --quantization), and for float weights the fast paths the flags allow."""
+        --quantization; a .gguf file's blocks, `models/gguf_packed.py`), and for
+        float weights the fast paths the flags allow."""
+        from radixlm.models.gguf_packed import quant_config
+        from radixlm.models.loader import gguf_source
+
         args = self.args
-        return get_quantization_config(self.config, args.quantization,
-                                       prepack=not args.disable_weight_prepack,
-                                       gemv=not args.disable_gemv)
+        fast = {"prepack": not args.disable_weight_prepack, "gemv": not args.disable_gemv}
+        gguf = None if args.load_format == "dummy" else gguf_source(args.model_path,
+                                                                     args.load_format)
+        if gguf is not None:
+            return quant_config(self.config, gguf, args.quantization, self.device, **fast)
+        return get_quantization_config(self.config, args.quantization, **fast)
 
     # ---- sizing ------------------------------------------------------------
     def _kv_capacity(self) -> int:
