@@ -101,7 +101,7 @@ class Int8Config(QuantizationConfig):
 
     def __init__(self, fallback: QuantizationConfig | None = None) -> None:
         self.fallback = fallback or UnquantizedConfig()
-        self.packed = 0
+        self.packed: set[str] = set()  # our modules whose weights are int8
         self.floats: dict[str, str] = {}
 
     def get_linear_method(self, layer: Any, prefix: str) -> LinearMethod:
@@ -121,11 +121,11 @@ class Int8Config(QuantizationConfig):
         if why:
             self.floats[prefix] = why
             return False
-        self.packed += 1
+        self.packed.add(prefix)
         return True
 
     def describe(self) -> str:
-        line = (f"quantization int8: {self.packed} layers quantized per channel at load, "
+        line = (f"quantization int8: {len(self.packed)} weights quantized per channel at load, "
                 f"products on our {qgemm.default_isa()} kernels")
         if self.floats:
             shown = "; ".join(f"{p}: {why}" for p, why in list(self.floats.items())[:4])
