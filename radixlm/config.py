@@ -70,6 +70,13 @@ class ServerArgs:
         "memory", "Fraction of device memory for weights + KV cache", default=0.85)
     max_total_tokens: int | None = _opt("memory", "KV pool size in tokens (overrides the fraction)",
                                         default=None)
+    swa_full_tokens_ratio: float = _opt(
+        "memory", "Models with sliding-window layers: window-layer KV slots per full slot "
+        "(window layers drop the KV that left every window, so long contexts need few)",
+        default=0.8)
+    disable_hybrid_swa_memory: bool = _opt(
+        "memory", "Keep every layer's KV for every token (no separate window-layer pool)",
+        default=False)
     max_running_requests: int | None = _opt("scheduling", "Max requests decoded at once",
                                             default=None)
     max_queued_requests: int | None = _opt("scheduling", "Max waiting requests (503 beyond)",
@@ -179,6 +186,8 @@ class ServerArgs:
             raise ValueError("chunked_prefill_size must be > 0, or -1 to disable chunking")
         if not 0.0 < self.mem_fraction_static < 1.0:
             raise ValueError("mem_fraction_static must be in (0, 1)")
+        if not 0.0 < self.swa_full_tokens_ratio <= 1.0:
+            raise ValueError("swa_full_tokens_ratio must be in (0, 1]")
         if self.dump_requests_threshold < 1:
             raise ValueError("dump_requests_threshold must be >= 1")
         if self.stream_interval < 1:

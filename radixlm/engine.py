@@ -3,6 +3,10 @@
     with radixlm.Engine() as llm:                      # embedded SmolLM2 by default
         out = llm.generate("The capital of France is", {"max_new_tokens": 16})
         print(out["text"])
+
+The call's input is normalized and validated by radixlm/request_input.py, as
+the HTTP server's is; this module only drives the scheduler (in-process, or
+through `RemoteScheduler` with tp/dp > 1).
 """
 
 from __future__ import annotations
@@ -16,12 +20,10 @@ from typing import Any
 from radixlm.config import WEIGHT_UPDATE_GROUP, ServerArgs
 from radixlm.outputs import SeqOutput
 from radixlm.protocol import GenerateReq
+from radixlm.request_input import GenerateInput, Limits, native_jobs, prompt_ids
 from radixlm.runtime.detokenize import Detokenizer
-from radixlm.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
-
-NO_GRAMMAR = {"json_schema": None, "regex": None, "ebnf": None}  # prefill-only warm-ups
 
 
 class Engine:
@@ -43,7 +45,9 @@ class Engine:
         else:
             config = load_config(model_dir, args.context_length)
             self.scheduler = Scheduler(args, model_dir, config, self.tokenizer)
+        self._in_process = isinstance(self.scheduler, Scheduler)
         self.detokenizer = Detokenizer(self.tokenizer)
+        self.limits = Limits.of(self.scheduler)
         logger.info("KV cache: %d tokens; max running requests %d",
                     self.scheduler.max_total_tokens, self.scheduler.max_running_requests)
 
@@ -54,24 +58,31 @@ class Engine:
                  return_logprob: bool = False, top_logprobs_num: int = 0,
                  logprob_start_len: int | None = None, rid: str | list[str] | None = None,
                  session_params: dict[str, Any] | list[dict[str, Any]] | None = None,
+                 priority: int | list[int] | None = None,
                  ) -> dict[str, Any] | list[dict[str, Any]] | Iterator[dict[str, Any]]:
         """One input gives one dict (or, with n > 1, a list of n); a list of inputs
-        gives a flat list (input-major, each result carrying its `index`).
-        `stream=True` returns an iterator of incremental chunks instead.
+        gives a flat list (input-major, each result carrying its `index`,
+        prompt i sample j -> i * n + j). `stream=True` returns an iterator of
+        incremental chunks instead.
         `session_params` (one dict, or one per input): continue a session's earlier
         request, `{"id": sid, "rid": prev_rid, "offset": ..., "replace": ...}`; see
-        radixlm/scheduler/session.py. A refused session request raises ValueError."""
+        radixlm/scheduler/session.py. A refused session request raises ValueError.
+        `priority` (an integer, or one per input): higher runs first when the engine
+        runs with enable_priority_scheduling.
+        Bad input raises ValueError naming the parameter (radixlm/request_input.py)."""
         if self.server_args.is_embedding:
             raise ValueError("this engine serves embeddings (is_embedding=True): use encode()")
-        inputs, single = self._normalize_inputs(prompt, input_ids)
-        params = self._normalize_params(sampling_params, len(inputs))
-        rids = self._normalize_rids(rid, len(inputs))
-        sessions = _per_input(session_params, len(inputs), "session_params")
-        reqs = self._build_requests(inputs, params, rids, stream, return_logprob,
-                                    top_logprobs_num, logprob_start_len, sessions)
+        inputs, single = self._prompt_ids(prompt, input_ids)
+        gid, jobs = native_jobs(inputs, sampling_params=sampling_params, rid=rid,
+                                session_params=session_params, priority=priority)
+        call = GenerateInput(gid, jobs, stream=stream, return_logprob=return_logprob,
+                             top_logprobs_num=top_logprobs_num,
+                             logprob_start_len=-1 if logprob_start_len is None
+                             else logprob_start_len)
+        self.validate(call)
         if stream:
-            return self._stream(reqs)
-        results = self._run_to_completion(reqs)
+            return self._stream(call)
+        results = self._run_to_completion(call)
         if single and len(results) == 1:
             return results[0]
         return results
@@ -84,16 +95,20 @@ class Engine:
         The vector is the pooled (--embedding-pooling) final hidden state, L2-normalized."""
         if not self.server_args.is_embedding:
             raise ValueError("encode() needs an embedding engine: Engine(is_embedding=True)")
-        inputs, single = self._normalize_inputs(prompt, input_ids)
-        rids = self._normalize_rids(rid, len(inputs))
-        reqs = []
-        for i, (ids, r) in enumerate(zip(inputs, rids, strict=True)):
-            self.scheduler.validate_input(ids, 0)
-            reqs.append((i, 0, GenerateReq(rid=r, input_ids=ids,
-                                           sampling_params={"max_new_tokens": 0})))
+        inputs, single = self._prompt_ids(prompt, input_ids)
+        gid, jobs = native_jobs(inputs, sampling_params={"max_new_tokens": 0}, rid=rid)
+        call = GenerateInput(gid, jobs)
+        self.validate(call)
         results = [{"embedding": r["embedding"], "meta_info": r["meta_info"]}
-                   for r in self._run_to_completion(reqs)]
+                   for r in self._run_to_completion(call)]
         return results[0] if single else results
+
+    def validate(self, call: GenerateInput) -> None:
+        """The one validation of a call (request_input.GenerateInput.validate) against
+        this engine's scheduler. In-process, grammars are compiled here (cached, so
+        the scheduler finds them ready); through a RemoteScheduler only prechecked."""
+        call.validate(self.limits, self.scheduler.grammars.validate, max_top_logprobs=None,
+                      priority_scheduling=self.server_args.enable_priority_scheduling)
 
     def open_session(self, capacity_of_str_len: int, session_id: str | None = None) -> str:
         """Open a session (SGLang's API) and return its id; ValueError if refused (an id
@@ -231,93 +246,37 @@ class Engine:
         """Call a scheduler control method (see radixlm/scheduler/control.py)."""
         return self.scheduler.control(method, **args)
 
-    # ---- input normalization ------------------------------------------------------
-    def _normalize_inputs(self, prompt, input_ids) -> tuple[list[list[int]], bool]:
-        if (prompt is None) == (input_ids is None):
-            raise ValueError("pass exactly one of prompt or input_ids")
-        if prompt is not None:
-            if self.tokenizer is None:
-                raise ValueError("skip_tokenizer_init is set: pass input_ids, not prompt")
-            single = isinstance(prompt, str)
-            texts = [prompt] if single else list(prompt)
-            if not all(isinstance(t, str) for t in texts):
-                raise ValueError("prompt must be a string or a list of strings")
-            return [self.tokenizer.encode(t) for t in texts], single
-        single = not input_ids or not isinstance(input_ids[0], list)
-        ids = [input_ids] if single else input_ids
-        if not all(isinstance(t, int) and not isinstance(t, bool) for x in ids for t in x):
-            raise ValueError("input_ids must be a list of token ids or a list of such lists")
-        return [list(x) for x in ids], single
-
-    @staticmethod
-    def _normalize_params(sp, n: int) -> list[SamplingParams]:
-        if not isinstance(sp, list):
-            return [SamplingParams.from_dict(sp)] * n
-        return [SamplingParams.from_dict(p) for p in _per_input(sp, n, "sampling_params")]
-
-    @staticmethod
-    def _normalize_rids(rid, n: int) -> list[str]:
-        if rid is None:
-            return [uuid.uuid4().hex for _ in range(n)]
-        rids = [rid] if isinstance(rid, str) else list(rid)
-        if len(rids) != n:
-            raise ValueError(f"got {len(rids)} rids for {n} inputs")
-        return rids
-
-    def _build_requests(self, inputs, params, rids, stream, return_logprob, top_logprobs_num,
-                        logprob_start_len, sessions) -> list[tuple[int, int, GenerateReq]]:
-        if top_logprobs_num < 0:
-            raise ValueError(f"top_logprobs_num must be >= 0, got {top_logprobs_num}")
-        reqs = []
-        for i, (ids, p, rid, session) in enumerate(zip(inputs, params, rids, sessions)):
-            self.scheduler.validate_input(ids, p.max_new_tokens)
-            p.validate(self.scheduler.vocab_size)
-            self.scheduler.grammars.validate(p)  # compiles (cached): errors name the grammar
-            for j in range(p.n):
-                sub_rid = rid if p.n == 1 else f"{rid}-{j}"
-                sp = p.to_dict()
-                if p.seed is not None and j:
-                    sp["seed"] = p.seed + j  # n samples of one seeded request must differ
-                reqs.append((i, j, GenerateReq(
-                    rid=sub_rid, input_ids=ids, sampling_params=sp, stream=stream,
-                    return_logprob=return_logprob, top_logprobs_num=top_logprobs_num,
-                    logprob_start_len=-1 if logprob_start_len is None else logprob_start_len,
-                    session_params=session)))
-        return reqs
+    def _prompt_ids(self, prompt: Any, input_ids: Any) -> tuple[list[list[int]], bool]:
+        encode = self.tokenizer.encode if self.tokenizer is not None else None
+        return prompt_ids(prompt, input_ids, encode, text_name="prompt")
 
     # ---- running ----------------------------------------------------------------
-    def _submit(self, reqs: list[tuple[int, int, GenerateReq]]) -> None:
-        self._warm_shared_prompts(reqs)
+    def _submit(self, call: GenerateInput) -> list[GenerateReq]:
+        """Warm shared prompts (n > 1), then queue the call's requests; the call
+        fails whole (e.g. a refused session request) and leaves nothing queued."""
+        self._warm_up(call.warmups(radix_cache=not self.server_args.disable_radix_cache))
+        reqs = call.requests()
         added = []
         try:
-            for _, _, msg in reqs:
+            for msg in reqs:
                 self.scheduler.add_request(msg)
                 added.append(msg.rid)
-        except Exception:  # e.g. a refused session request: the call fails whole
+        except Exception:
             for rid in added:
                 self.scheduler.abort(rid)
             raise
+        return reqs
 
-    def _warm_shared_prompts(self, reqs: list[tuple[int, int, GenerateReq]]) -> None:
-        """n > 1: prefill the prompt once so the n samples share its KV (seed 000)."""
-        if self.server_args.disable_radix_cache:
-            return
-        warm = {}
-        for i, j, msg in reqs:
-            if j == 1 and msg.session_params is None:  # a session's prompt is built later
-                warm[i] = GenerateReq(rid=f"warm-{uuid.uuid4().hex}", input_ids=msg.input_ids,
-                                      sampling_params={**msg.sampling_params,
-                                                       "max_new_tokens": 0, "n": 1,
-                                                       **NO_GRAMMAR})
-        for msg in warm.values():
+    def _warm_up(self, warmups: list[GenerateReq]) -> None:
+        for msg in warmups:
             self.scheduler.add_request(msg)
-        while any(m.rid in self.scheduler.reqs for m in warm.values()):
+        while any(m.rid in self.scheduler.reqs for m in warmups):
             self.scheduler.step()
 
-    def _run_to_completion(self, reqs) -> list[dict[str, Any]]:
-        self._submit(reqs)
-        seqs = {msg.rid: SeqOutput(msg.rid, j, return_logprob=msg.return_logprob)
-                for _, j, msg in reqs}
+    def _run_to_completion(self, call: GenerateInput) -> list[dict[str, Any]]:
+        reqs = self._submit(call)
+        seqs = {msg.rid: SeqOutput(msg.rid, i, return_logprob=msg.return_logprob)
+                for i, msg in enumerate(reqs)}
         t0 = time.monotonic()
         while not all(seq.finished for seq in seqs.values()):
             if not self.scheduler.has_work:
@@ -327,12 +286,13 @@ class Engine:
                 if seq is not None:
                     seq.update(out)
         logger.debug("generated %d sequences in %.2fs", len(reqs), time.monotonic() - t0)
+        self._check_when_idle()
         # The Python API keeps -inf logprobs (only JSON needs them finite).
-        return [seqs[msg.rid].native(json_safe=False) for _, _, msg in reqs]
+        return [seqs[msg.rid].native(json_safe=False) for msg in reqs]
 
-    def _stream(self, reqs) -> Iterator[dict[str, Any]]:
-        self._submit(reqs)
-        index = {msg.rid: (j, msg.return_logprob) for _, j, msg in reqs}
+    def _stream(self, call: GenerateInput) -> Iterator[dict[str, Any]]:
+        reqs = self._submit(call)
+        index = {msg.rid: (i, msg.return_logprob) for i, msg in enumerate(reqs)}
         pending = set(index)
         try:
             while pending:
@@ -351,11 +311,10 @@ class Engine:
                 self.scheduler.abort(rid)
             if pending:
                 self.scheduler.step()
+            self._check_when_idle()
 
-def _per_input(value: Any, n: int, name: str) -> list[Any]:
-    """One value per input: a list must have n entries, anything else is shared."""
-    if isinstance(value, list):
-        if len(value) != n:
-            raise ValueError(f"got {len(value)} {name} for {n} inputs")
-        return value
-    return [value] * n
+    def _check_when_idle(self) -> None:
+        """The KV accounting invariant, once an in-process scheduler is idle (scheduler
+        processes check their own, in a quiet moment of their loop)."""
+        if self._in_process and not self.scheduler.has_work:
+            self.scheduler.check_invariants()

@@ -42,6 +42,7 @@ class SeqOutput:
     finish_reason: dict[str, Any] | None = None
     return_logprob: bool = False
     embedding: list[float] | None = None  # --is-embedding
+    timing: dict[str, float] | None = None  # stamps of its way through the server, if asked
 
     def update(self, out: StrOut) -> None:
         t = out.token
@@ -60,6 +61,8 @@ class SeqOutput:
         self.finish_reason = t.finish_reason
         if t.embedding is not None:
             self.embedding = t.embedding
+        if t.timing is not None:
+            self.timing = {**(self.timing or {}), **t.timing}
 
     @property
     def finished(self) -> bool:
@@ -88,6 +91,8 @@ class SeqOutput:
             if self.input_logprobs is not None:
                 meta["input_token_logprobs"] = pairs(self.input_logprobs)
                 meta["input_top_logprobs"] = [pairs(x) for x in self.input_top_logprobs or []]
+        if self.timing is not None:
+            meta["timing"] = dict(self.timing)
         return meta
 
     def native(self, json_safe: bool = True) -> dict[str, Any]:

@@ -32,6 +32,8 @@ class GenerateReq(msgspec.Struct, tag=True):
     # Prefix-cache namespace (cache/base.py), set by the front end: requests share
     # cached KV only within one (an adapter, a set of images); 0 is plain text.
     namespace: int = 0
+    # Stamp this request's way to its first output (TokenOut.timing).
+    return_timing: bool = False
 
 
 class AbortReq(msgspec.Struct, tag=True):
@@ -77,6 +79,12 @@ class TokenOut(msgspec.Struct):
     no_stop_trim: bool = False
     stop: list[str] = []  # stop strings: the detokenizer holds back text that may start one
     embedding: list[float] | None = None  # --is-embedding: the pooled, normalized vector
+    # GenerateReq.return_timing: on the request's first output only, time.monotonic()
+    # (one clock for every process of the host) at each hop: "sched_recv" (its frame
+    # read), "step_start" (the first step after that began), "first_token" (the step
+    # that produced this output ended), "sched_send" (this batch encoded and sent),
+    # "detok_recv", "detok_send"; the API process adds its own (radixlm/bench/ttft.py).
+    timing: dict[str, float] | None = None
 
 
 class BatchTokenOut(msgspec.Struct, tag=True):

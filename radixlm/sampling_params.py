@@ -111,11 +111,16 @@ class SamplingParams:
         if len(grammars) > 1:
             raise ValueError(f"only one of json_schema, regex, ebnf may be set, got {grammars}")
         if vocab_size is not None:
-            bad = [t for t in list(self.logit_bias) + self.stop_token_ids
-                   if not 0 <= t < vocab_size]
-            if bad:
-                raise ValueError(f"token id {bad[0]} in logit_bias/stop_token_ids is outside "
-                                 f"the vocabulary [0, {vocab_size})")
+            self.check_token_ids(vocab_size)
+
+    def check_token_ids(self, vocab_size: int) -> None:
+        """The one check that needs the model: logit_bias and stop_token_ids name
+        tokens of its vocabulary."""
+        bad = [t for t in list(self.logit_bias) + self.stop_token_ids
+               if not 0 <= t < vocab_size]
+        if bad:
+            raise ValueError(f"token id {bad[0]} in logit_bias/stop_token_ids is outside "
+                             f"the vocabulary [0, {vocab_size})")
 
 
 def _is_num(x: Any) -> bool:

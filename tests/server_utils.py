@@ -28,13 +28,16 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 class ServerProcess:
-    def __init__(self, args: list[str] | None = None, api_key: str | None = None) -> None:
+    def __init__(self, args: list[str] | None = None, api_key: str | None = None,
+                 launcher: list[str] | None = None) -> None:
+        """`launcher`: the command that runs launch_server's main (default
+        `python -m radixlm.launch_server`); the server options follow it."""
         self.port = free_port()
         self.api_key = api_key
         self.url = f"http://127.0.0.1:{self.port}"
         self.base_url = self.url + "/v1"
-        cmd = [sys.executable, "-m", "radixlm.launch_server", "--port", str(self.port),
-               *(args or [])]
+        cmd = [*(launcher or [sys.executable, "-m", "radixlm.launch_server"]),
+               "--port", str(self.port), *(args or [])]
         if api_key:
             cmd += ["--api-key", api_key]
         fd, self.log_path = tempfile.mkstemp(prefix="radixlm-server-", suffix=".log")
@@ -131,3 +134,21 @@ def default_server() -> ServerProcess:
         _default = ServerProcess(DEFAULT_ARGS)
         atexit.register(_default.__exit__, None, None, None)
     return _default
+
+
+def tiny_dummy_model(model_dir: str, out: Path, **config_changes: Any) -> str:
+    """SmolLM2's tokenizer (from `model_dir`) on a two-layer config (updated by
+    `config_changes`), for servers started with `--load-format dummy`: they start
+    in seconds."""
+    import json
+    import shutil
+
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        if (Path(model_dir) / name).exists():
+            shutil.copy(Path(model_dir) / name, out / name)
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    config.update(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=2, num_key_value_heads=1, head_dim=32)
+    config.update(config_changes)
+    (out / "config.json").write_text(json.dumps(config))
+    return str(out)

@@ -261,6 +261,33 @@ def test_bad_sampling_params(engine_default, bad, match):
     assert engine_default.generate("hi", {"max_new_tokens": 2})["output_ids"]
 
 
+@pytest.mark.parametrize("bad", [True, 1.5, "2", [0, 0]])
+def test_priority_must_be_an_integer(engine_default, bad):
+    with pytest.raises(ValueError, match="priority"):
+        engine_default.generate("hi", {"max_new_tokens": 1}, priority=bad)
+
+
+def test_priority_travels_to_the_scheduler(monkeypatch):
+    with radixlm.Engine(enable_priority_scheduling=True) as engine:
+        sent = []
+        add = engine.scheduler.add_request
+        monkeypatch.setattr(engine.scheduler, "add_request",
+                            lambda msg: (sent.append((msg.rid, msg.priority)), add(msg))[1])
+        outs = engine.generate(["a", "b"], {"max_new_tokens": 1}, rid=["pa", "pb"],
+                               priority=[3, -2])
+        assert [o["index"] for o in outs] == [0, 1]
+        assert sent == [("pa", 3), ("pb", -2)]
+        sent.clear()
+        engine.generate("a", {"max_new_tokens": 1, "n": 2}, rid="pn", priority=7)
+        assert [p for _, p in sent] == [7, 7, 7]  # the n > 1 warm-up keeps it too
+
+
+def test_priority_needs_priority_scheduling(engine_default):
+    with pytest.raises(ValueError, match="enable-priority-scheduling"):
+        engine_default.generate("a", {"max_new_tokens": 1}, priority=3)
+    assert not engine_default.scheduler.reqs
+
+
 def test_bad_inputs(engine_default):
     with pytest.raises(ValueError, match="empty"):
         engine_default.generate(input_ids=[])

@@ -184,8 +184,10 @@ def test_dp2_shortest_queue_completes_and_controls_reach_every_replica():
 
 # ---- the server, and a dying rank ------------------------------------------------------
 def _follower_pids(server: ServerProcess, leader: int) -> list[int]:
+    """Scheduler ranks other than the leader (their process title names them)."""
     kids = psutil.Process(server.proc.pid).children()
-    return [p.pid for p in kids if p.pid != leader and "spawn_main" in " ".join(p.cmdline())]
+    return [p.pid for p in kids
+            if p.pid != leader and "radixlm::scheduler" in " ".join(p.cmdline())]
 
 
 def test_tp2_server_serves_and_dies_with_a_rank():

@@ -220,7 +220,9 @@ def test_oversized_headers_are_refused(server: ServerProcess) -> None:
 
 # ---- API key and --host -------------------------------------------------------------
 KEY = "k-" + "x" * 30
-OPEN = {"/health", "/metrics"}
+# Probes and read-only load figures: /metrics and the status page that shows the
+# same figures (radixlm/server/http_server.py OPEN_PATHS).
+OPEN = {"/health", "/metrics", "/dashboard", "/dashboard/data"}
 
 
 @pytest.fixture(scope="module")

@@ -1,6 +1,6 @@
-"""Server pieces that need no model: error mapping, request expansion, the
-HTTP guard, the scheduler process loop (with a stand-in scheduler), output
-accumulation and OpenAI logprob formatting."""
+"""Server pieces that need no model: error mapping, the HTTP guard, the
+scheduler process loop (with a stand-in scheduler), output accumulation and
+OpenAI logprob formatting."""
 
 from __future__ import annotations
 
@@ -26,7 +26,6 @@ from radixlm.protocol import (
     decode_to_tokenizer,
     encode,
 )
-from radixlm.sampling_params import SamplingParams
 from radixlm.scheduler.control import SchedulerControl
 from radixlm.server.errors import APIError, from_value_error
 from radixlm.server.http_server import GuardMiddleware
@@ -35,7 +34,7 @@ from radixlm.server.ipc import IpcPaths, pull_socket, push_socket
 from radixlm.server.launch import served_model_name
 from radixlm.server.openai_api import OpenAIServing, finish_reason, stop_reason
 from radixlm.server.scheduler_process import SchedulerLoop
-from radixlm.server.tokenizer_manager import SAMPLING_NAMES, PromptJob, group_members
+from radixlm.server.tokenizer_manager import SAMPLING_NAMES
 
 
 # ---- errors --------------------------------------------------------------------------
@@ -50,32 +49,6 @@ def test_value_error_names_the_openai_parameter() -> None:
 def test_unrelated_first_word_is_no_param() -> None:
     err = from_value_error(ValueError("the prompt is empty"), SAMPLING_NAMES)
     assert err.param is None and err.message == "the prompt is empty"
-
-
-# ---- request expansion ---------------------------------------------------------------
-def _job(rid: str, n: int, seed: int | None = None) -> PromptJob:
-    return PromptJob(rid, [1, 2, 3], SamplingParams.from_dict({"n": n, "seed": seed}))
-
-
-def test_group_members_cover_call_prompt_and_sample_ids() -> None:
-    members = group_members("g", [_job("g-0", 2), _job("g-1", 1)])
-    assert members["g"] == [0, 1, 2]
-    assert members["g-0"] == [0, 1] and members["g-0-0"] == [0] and members["g-0-1"] == [1]
-    assert members["g-1"] == [2]
-
-
-def test_repeated_ids_are_refused() -> None:
-    with pytest.raises(APIError) as e:
-        group_members("g", [_job("a", 1), _job("a", 1)])
-    assert e.value.status == 400
-
-
-def test_seeded_samples_differ() -> None:
-    from radixlm.server.tokenizer_manager import expand_samples
-
-    samples = expand_samples(_job("r", 3, seed=5))
-    assert [rid for rid, _ in samples] == ["r-0", "r-1", "r-2"]
-    assert [sp["seed"] for _, sp in samples] == [5, 6, 7]
 
 
 # ---- the guard -----------------------------------------------------------------------
@@ -223,7 +196,22 @@ def test_loop_refuses_beyond_the_queue_limit(loop_and_peers: Any) -> None:
     send.send(encode(AbortReq(abort_all=True)))
     outs = decode_to_detokenizer(_pump(loop, detok)).outputs
     assert {o.rid for o in outs} == {"r0", "r1"}
-    assert fake.invariant_checks >= 1  # checked on going idle
+    assert fake.invariant_checks == 0  # not in the way of the outputs
+    _pump_until(loop, lambda: fake.invariant_checks >= 1)  # checked once idle a while
+
+
+def test_the_idle_check_waits_for_a_quiet_moment(loop_and_peers: Any) -> None:
+    loop, fake, send, detok, _ = loop_and_peers
+    send.send(encode(GenerateReq("a", [5], {})))
+    _pump_until(loop, lambda: fake.waiting == ["a"])
+    send.send(encode(AbortReq(abort_all=True)))
+    _pump(loop, detok)  # idle now: the check is due
+    send.send(encode(GenerateReq("b", [5], {})))  # ... but a request comes first
+    _pump_until(loop, lambda: fake.waiting == ["b"])
+    assert fake.invariant_checks == 0
+    send.send(encode(AbortReq(abort_all=True)))
+    _pump(loop, detok)
+    _pump_until(loop, lambda: fake.invariant_checks == 1)
 
 
 def test_loop_control_allow_list(loop_and_peers: Any) -> None:

@@ -1,6 +1,6 @@
 """python -m radixlm.bench MODE [options]
 
-MODE: offline, one-batch, shared-prefix, serving, mixed-chunk, priority.
+MODE: offline, one-batch, shared-prefix, serving, ttft, mixed-chunk, priority.
 """
 
 from __future__ import annotations
@@ -9,7 +9,8 @@ import sys
 
 
 def main() -> None:
-    modes = ("offline", "one-batch", "shared-prefix", "serving", "mixed-chunk", "priority")
+    modes = ("offline", "one-batch", "shared-prefix", "serving", "ttft", "mixed-chunk",
+             "priority")
     if len(sys.argv) < 2 or sys.argv[1] not in modes:
         print(f"usage: python -m radixlm.bench {{{','.join(modes)}}} [options]")
         sys.exit(2)
@@ -22,6 +23,9 @@ def main() -> None:
         run(argv, mode)
     elif mode == "shared-prefix":
         from radixlm.bench.shared_prefix import main as run
+        run(argv)
+    elif mode == "ttft":
+        from radixlm.bench.ttft import main as run
         run(argv)
     else:
         from radixlm.bench.serving import main as run

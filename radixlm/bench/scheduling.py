@@ -4,10 +4,11 @@
     python -m radixlm.bench priority --num-queued 64
 
 mixed-chunk: `--num-decodes` requests are decoding when one `--long-len` prompt
-arrives. Reported for `--enable-mixed-chunk` off and on: the decodes'
-inter-token latency (p50, p99, max) over the tokens that arrived while the long
-prompt was prefilled, the long request's TTFT, and decode throughput over the
-whole run.
+arrives (`--rounds` times per engine, the last reported: the first rounds
+compile kernels for the shapes the workload brings). Reported for
+`--enable-mixed-chunk` off and on: the decodes' inter-token latency (p50,
+p99, max) over the tokens that arrived while the long prompt was prefilled,
+the long request's TTFT, and decode throughput over the whole round.
 
 priority: the queue is full of long low-priority requests (`--num-queued`,
 `--max-running-requests` of them run at a time) when one short request
@@ -22,11 +23,14 @@ HTTP, no detokenizer).
 from __future__ import annotations
 
 import argparse
+import gc
 import itertools
 import statistics
 import time
 from dataclasses import dataclass, field
 from typing import Any
+
+import torch
 
 from radixlm.bench.offline import random_prompts
 from radixlm.protocol import GenerateReq
@@ -77,6 +81,13 @@ def _engine(args: argparse.Namespace, **kw: Any) -> Any:
                           max_total_tokens=args.max_total_tokens, **kw)
 
 
+def _release_device_memory() -> None:
+    """Between two engines in one process: the first one's pools and graphs go."""
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
 def _warm(engine: Any, vocab: int) -> None:
     ids = random_prompts(2, 64, vocab, seed=99)
     engine.generate(input_ids=ids, sampling_params={"max_new_tokens": 4, "ignore_eos": True})
@@ -85,30 +96,41 @@ def _warm(engine: Any, vocab: int) -> None:
 
 # ---- mixed chunked prefill ----------------------------------------------------------------
 def mixed_chunk_trial(args: argparse.Namespace, mixed: bool) -> dict[str, float]:
+    """The workload `--rounds` times on one engine; the last round's figures (the
+    first ones also compile kernels for the shapes the workload brings)."""
     with _engine(args, enable_mixed_chunk=mixed,
                  max_running_requests=args.num_decodes + 1) as engine:
-        vocab = engine.scheduler.vocab_size
-        _warm(engine, vocab)
-        sched = engine.scheduler
-        decodes = [_req(ids, args.decode_len)
-                   for ids in random_prompts(args.num_decodes, args.prompt_len, vocab, seed=1)]
-        long = _req(random_prompts(1, args.long_len, vocab, seed=2)[0], args.long_out)
-        tl = Timeline()
-        t0 = time.perf_counter()
-        for r in decodes:
-            sched.add_request(r)
-        while len(sched.running) < len(decodes) or any(
-                len(tl.arrivals.get(r.rid, [])) < args.warm_tokens for r in decodes):
-            tl.step(sched)
-        arrived = time.perf_counter()
-        sched.add_request(long)
-        while long.rid not in tl.arrivals:
-            tl.step(sched)
-        ttft_done = tl.first(long.rid)
-        while sched.has_work:
-            tl.step(sched)
-        total = time.perf_counter() - t0
-        sched.check_invariants()
+        _warm(engine, engine.scheduler.vocab_size)
+        for seed in range(args.rounds):
+            result = _mixed_chunk_round(engine, args, seed)
+            engine.flush_cache()
+    del engine
+    _release_device_memory()
+    return result
+
+
+def _mixed_chunk_round(engine: Any, args: argparse.Namespace, seed: int) -> dict[str, float]:
+    sched = engine.scheduler
+    vocab = sched.vocab_size
+    decodes = [_req(ids, args.decode_len) for ids in
+               random_prompts(args.num_decodes, args.prompt_len, vocab, seed=3 * seed + 1)]
+    long = _req(random_prompts(1, args.long_len, vocab, seed=3 * seed + 2)[0], args.long_out)
+    tl = Timeline()
+    t0 = time.perf_counter()
+    for r in decodes:
+        sched.add_request(r)
+    while len(sched.running) < len(decodes) or any(
+            len(tl.arrivals.get(r.rid, [])) < args.warm_tokens for r in decodes):
+        tl.step(sched)
+    arrived = time.perf_counter()
+    sched.add_request(long)
+    while long.rid not in tl.arrivals:
+        tl.step(sched)
+    ttft_done = tl.first(long.rid)
+    while sched.has_work:
+        tl.step(sched)
+    total = time.perf_counter() - t0
+    sched.check_invariants()
     gaps = []
     for r in decodes:
         times = tl.arrivals[r.rid]
@@ -171,6 +193,8 @@ def run_priority(args: argparse.Namespace) -> None:
                 xs = [priority_trial(engine, args, priority, seed=10 + i)
                       for i in range(args.repeats)]
                 rows.append((name + (", preemption" if preempt else ""), xs))
+        del engine
+        _release_device_memory()
     print(f"\nprobe request (32 in / 8 out) behind {args.num_queued} queued requests "
           f"({args.prompt_len} in / {args.decode_len} out, {args.max_running_requests} run at "
           f"a time); TTFT over {args.repeats} trials")
@@ -196,6 +220,8 @@ def main(argv: list[str], mode: str) -> None:
         p.add_argument("--long-out", type=int, default=8)
         p.add_argument("--warm-tokens", type=int, default=4,
                        help="every decode has this many tokens before the long prompt")
+        p.add_argument("--rounds", type=int, default=2,
+                       help="workload repeats per engine; the last one is reported")
         run_mixed_chunk(p.parse_args(argv))
     else:
         p.add_argument("--num-queued", type=int, default=64)

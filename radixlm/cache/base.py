@@ -61,6 +61,11 @@ class PrefixCache(ABC):
     def total_size(self) -> int:
         return self.evictable_size() + self.protected_size()
 
+    def obtainable_size(self, kv_pool: Any) -> int:
+        """Slots an allocation from `kv_pool` can have now: free ones plus what
+        `evict` would free (over a window pool, the smaller of its two spaces')."""
+        return kv_pool.available_size() + self.evictable_size()
+
     @abstractmethod
     def all_slots(self) -> torch.Tensor:
         """Every slot the cache holds (int64, CPU), for the pool accounting check."""

@@ -44,9 +44,18 @@ class KVPool(ABC):
     """Contract: `alloc(n)` returns n distinct int64 slot indices in [1, size] or
     None when fewer than n are free (nothing is taken then); `free(idx)` returns
     them. The caller that allocated a slot is the one that frees it, or hands
-    it to the prefix cache, which then owns it. `size` counts usable slots."""
+    it to the prefix cache, which then owns it. `size` counts usable slots.
+
+    Window pools (`window` set, `SWAKVPool`): sliding-window layers keep their
+    K/V in a second, smaller slot space; `free_window(idx)` gives up only that
+    part of slots whose tokens left every window that reads them (the slots stay
+    allocated for the full-attention layers), and `layer_slot_map(layer)` is how
+    a backend finds a window layer's rows."""
 
     size: int
+    # The largest sliding window of the layers whose out-of-window KV this pool
+    # frees; None: a plain pool (every slot holds every layer's KV).
+    window: int | None = None
 
     @abstractmethod
     def alloc(self, n: int) -> torch.Tensor | None: ...
@@ -67,6 +76,17 @@ class KVPool(ABC):
     def set_kv_buffer(self, layer_id: int, loc: torch.Tensor, k: torch.Tensor,
                       v: torch.Tensor) -> None: ...
 
+    def full_available_size(self) -> int:
+        """Free slots as `size` counts them (a window pool's `available_size` is the
+        smaller of its two spaces')."""
+        return self.available_size()
+
+    def layer_slot_map(self, layer_id: int) -> torch.Tensor | None:
+        """None where `get_kv_buffer(layer_id)`'s rows are the slots `alloc` hands
+        out; for a window pool's window layer, the device int64 map from those
+        slots to the layer's rows (0, the padding row, once freed)."""
+        return None
+
 
 def row_kv_buffers(pool: KVPool, layer_id: int,
                    dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -74,6 +94,8 @@ def row_kv_buffers(pool: KVPool, layer_id: int,
     `dtype` straight into them: the plain MHA layout in that dtype. None for pools
     that override `set_kv_buffer` (other layouts, quantized caches): use it."""
     if type(pool).set_kv_buffer is not MHATokenToKVPool.set_kv_buffer:
+        return None
+    if pool.layer_slot_map(layer_id) is not None:
         return None
     k_buf, v_buf = pool.get_kv_buffer(layer_id)
     return (k_buf, v_buf) if k_buf.dtype == dtype else None
@@ -134,5 +156,8 @@ class MHATokenToKVPool(KVPool):
 
     def set_kv_buffer(self, layer_id: int, loc: torch.Tensor, k: torch.Tensor,
                       v: torch.Tensor) -> None:
+        slot_map = self.layer_slot_map(layer_id)
+        if slot_map is not None:  # a window pool's window layer: rows at its window slots
+            loc = slot_map[loc]
         self.k_buffer[layer_id][loc] = k.view(-1, self.num_kv_heads, self.head_dim)
         self.v_buffer[layer_id][loc] = v.view(-1, self.num_kv_heads, self.head_dim)

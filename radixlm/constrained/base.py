@@ -20,26 +20,11 @@ request its own matcher over it. Contract, i.e. what the scheduler may assume:
 
 from __future__ import annotations
 
-import json
 from abc import ABC, abstractmethod
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 from torch import Tensor
-
-from radixlm.sampling_params import SamplingParams
-
-GRAMMAR_KINDS = ("json_schema", "regex", "ebnf")
-
-
-def grammar_spec(params: SamplingParams) -> tuple[str, str] | None:
-    """(kind, spec) of the request's grammar, or None; SamplingParams.validate
-    already refused more than one."""
-    for kind in GRAMMAR_KINDS:
-        spec = getattr(params, kind)
-        if spec is not None:
-            return kind, spec
-    return None
 
 
 class GrammarMatcher(ABC):
@@ -108,30 +93,3 @@ class GrammarBackend(ABC):
         if self._pool is not None:
             self._pool.shutdown(wait=False, cancel_futures=True)
             self._pool = None
-
-
-def check_json_schema(spec: str) -> None:
-    """The cheap part of validating a schema: JSON syntax and top-level type."""
-    try:
-        schema = json.loads(spec)
-    except (TypeError, ValueError) as e:
-        raise ValueError(f"json_schema is not valid JSON: {e}") from None
-    if not isinstance(schema, (dict, bool)):
-        raise ValueError(f"json_schema must be a JSON object (or true/false), got "
-                         f"{type(schema).__name__}")
-
-
-def precheck(params: SamplingParams, backend_name: str) -> None:
-    """Checks that need no compiler (for a front end without one): a grammar
-    needs a backend, and a schema must at least be JSON."""
-    spec = grammar_spec(params)
-    if spec is None:
-        return
-    kind, text = spec
-    if backend_name == "none":
-        raise ValueError(f"{kind} needs constrained decoding, but the server runs with "
-                         f"--grammar-backend none")
-    if not isinstance(text, str) or not text:
-        raise ValueError(f"{kind} must be a non-empty string")
-    if kind == "json_schema":
-        check_json_schema(text)

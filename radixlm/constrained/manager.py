@@ -19,7 +19,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from radixlm.constrained.base import GrammarBackend, grammar_spec, precheck
+from radixlm.constrained.base import GrammarBackend
+from radixlm.constrained.spec import grammar_spec, precheck
 from radixlm.sampling_params import SamplingParams
 from radixlm.scheduler.req import Req
 
@@ -48,8 +49,13 @@ class GrammarManager:
 
     # ---- admission --------------------------------------------------------------
     def check(self, params: SamplingParams) -> None:
-        """Cheap checks, at add_request: ValueError if the grammar cannot be served."""
+        """Cheap checks: ValueError if the grammar is malformed or cannot be served."""
         precheck(params, self.backend_name)
+        self.check_servable(params)
+
+    def check_servable(self, params: SamplingParams) -> None:
+        """At add_request (the front end ran `precheck`): ValueError if this scheduler
+        cannot serve a grammar at all."""
         spec = grammar_spec(params)
         if spec is not None and self.backend is None:
             raise ValueError(f"{spec[0]} needs constrained decoding, which is unavailable: "

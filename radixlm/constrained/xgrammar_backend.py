@@ -11,7 +11,8 @@ import torch
 import xgrammar as xgr
 from torch import Tensor
 
-from radixlm.constrained.base import GrammarBackend, GrammarMatcher, check_json_schema
+from radixlm.constrained.base import GrammarBackend, GrammarMatcher
+from radixlm.constrained.spec import check_json_schema
 
 # The compiled-grammar cache is bounded so a stream of distinct schemas cannot
 # grow the scheduler's memory without limit.

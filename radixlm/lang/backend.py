@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import queue
 import threading
-import uuid
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
 from pathlib import Path
@@ -18,6 +17,7 @@ from typing import Any
 
 from radixlm.lang.chat_template import PLAIN, ChatTemplate, from_tokenizer
 from radixlm.protocol import GenerateReq, StrOut
+from radixlm.request_input import GenerateInput, PromptJob, new_id
 from radixlm.sampling_params import SamplingParams
 
 # A chunk of generated text, plus the request's meta_info with the last chunk.
@@ -130,15 +130,14 @@ class EngineBackend(Backend):
     # ---- requests --------------------------------------------------------------------
     def _request(self, ids: list[int], params: dict[str, Any], stream: bool = False,
                  return_logprob: bool = False, logprob_start_len: int = -1) -> GenerateReq:
-        """Validated here, on the caller's thread, so mistakes raise ValueError there."""
-        sched = self.engine.scheduler
-        p = SamplingParams.from_dict(params)
-        p.validate(sched.vocab_size)
-        sched.validate_input(ids, p.max_new_tokens)
-        sched.grammars.validate(p)
-        return GenerateReq(rid=f"lang-{uuid.uuid4().hex}", input_ids=ids,
-                           sampling_params=p.to_dict(), stream=stream,
-                           return_logprob=return_logprob, logprob_start_len=logprob_start_len)
+        """Validated here (as Engine.generate validates), on the caller's thread, so
+        mistakes raise ValueError there. Programs sample one sequence per call."""
+        job = PromptJob(new_id("lang-"), ids, SamplingParams.from_dict(params))
+        call = GenerateInput(job.rid, [job], stream=stream, return_logprob=return_logprob,
+                             logprob_start_len=logprob_start_len)
+        self.engine.validate(call)
+        (msg,) = call.requests()
+        return msg
 
     def _submit(self, msgs: list[GenerateReq]) -> list[queue.Queue[Any]]:
         queues: list[queue.Queue[Any]] = [queue.Queue() for _ in msgs]

@@ -9,7 +9,8 @@ import psutil
 import torch
 
 from radixlm import distributed as tp
-from radixlm.cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
+from radixlm.cache.memory_pool import KVPool, MHATokenToKVPool, ReqToTokenPool
+from radixlm.cache.swa_memory_pool import SWAKVPool
 from radixlm.config import ServerArgs
 from radixlm.forward_batch import ForwardBatch
 from radixlm.layers.attention.base import AttentionBackend
@@ -79,15 +80,14 @@ class ModelRunner:
                                             tp.get_tp_rank())
         self.model = load_model(model_dir, config, args.load_format, self.dtype, self.device,
                                 seed=args.random_seed, quant_config=self._quant_config())
+        self.layer_windows = self._pooled_windows()
         self.max_total_tokens = self._kv_capacity()
         self.max_running_requests = min(
             args.max_running_requests or (256 if self.device.type == "cuda" else 128),
             self.max_total_tokens)
         self.req_to_token_pool = ReqToTokenPool(self.max_running_requests,
                                                 self.shape.context_len + 8, self.device)
-        s = self.shape
-        self.kv_pool = MHATokenToKVPool(self.max_total_tokens, self.dtype, s.num_kv_heads,
-                                        s.head_dim, s.num_layers, self.device)
+        self.kv_pool = self._make_kv_pool()
         self.attn_backend = self._make_attn_backend()
         for module in self.model.modules():
             if isinstance(module, RadixAttention):
@@ -129,12 +129,56 @@ class ModelRunner:
         # Every rank must admit the same requests: all take the smallest capacity.
         return sync.min_int(tokens) if sync is not None else tokens
 
+    def _pooled_windows(self) -> dict[int, int]:
+        """{layer: window} of the sliding-window layers whose KV gets a window pool
+        (SWAKVPool): empty without such layers, with --disable-hybrid-swa-memory, or
+        for a backend that cannot read one."""
+        windows = {m.layer_id: m.sliding_window for m in self.model.modules()
+                   if isinstance(m, RadixAttention) and m.sliding_window is not None}
+        if not windows or self.args.disable_hybrid_swa_memory:
+            return {}
+        if not self._backend_class().supports_window_pool:
+            logger.info("attention backend %s keeps window layers' KV for every token",
+                        self._backend_name())
+            return {}
+        return windows
+
+    def _make_kv_pool(self) -> KVPool:
+        s = self.shape
+        if not self.layer_windows:
+            return MHATokenToKVPool(self.max_total_tokens, self.dtype, s.num_kv_heads,
+                                    s.head_dim, s.num_layers, self.device)
+        window_size = max(1, int(self.max_total_tokens * self.args.swa_full_tokens_ratio))
+        window = max(self.layer_windows.values())
+        if window_size < 2 * window:
+            # A running request holds up to two windows of window slots (the last
+            # W - 1 of its cached prefix, and its own last W tokens).
+            raise ValueError(
+                f"swa_full_tokens_ratio={self.args.swa_full_tokens_ratio} gives {window_size} "
+                f"window-layer KV slots for {self.max_total_tokens} tokens, fewer than the "
+                f"{2 * window} one request needs with window {window}: raise it (or the "
+                f"KV memory), or pass --disable-hybrid-swa-memory")
+        logger.info("window pool: %d full-layer slots, %d window-layer slots (%d of %d layers "
+                    "windowed, largest window %d)", self.max_total_tokens, window_size,
+                    len(self.layer_windows), s.num_layers, window)
+        return SWAKVPool(self.max_total_tokens, window_size, self.dtype, s.num_kv_heads,
+                         s.head_dim, s.num_layers, self.layer_windows, self.device)
+
+    def kv_bytes_per_token(self) -> float:
+        """KV bytes per pool slot (a window pool's: with its share of window slots)."""
+        s = self.shape
+        if self.layer_windows:
+            n_win = len(self.layer_windows)
+            return SWAKVPool.bytes_per_full_token(s.num_kv_heads, s.head_dim,
+                                                  s.num_layers - n_win, n_win,
+                                                  self.args.swa_full_tokens_ratio, self.dtype)
+        return MHATokenToKVPool.bytes_per_token(s.num_kv_heads, s.head_dim, s.num_layers,
+                                                self.dtype)
+
     def _local_kv_capacity(self) -> int:
         if self.args.max_total_tokens:
             return self.args.max_total_tokens
-        s = self.shape
-        per_token = MHATokenToKVPool.bytes_per_token(s.num_kv_heads, s.head_dim, s.num_layers,
-                                                     self.dtype)
+        per_token = self.kv_bytes_per_token()
         if self.device.type == "cuda":
             free, total = torch.cuda.mem_get_info(self.device)
             budget = free - total * (1 - self.args.mem_fraction_static)
@@ -148,15 +192,32 @@ class ModelRunner:
                                f"left); lower --mem-fraction-static or set --max-total-tokens")
         return tokens
 
-    def _make_attn_backend(self) -> AttentionBackend:
+    def _backend_name(self) -> str:
         from radixlm.layers.attention.cpu_backend import CpuAttentionBackend
 
         name = self.args.attention_backend
+        if name != "auto":
+            return name
+        if self.device.type == "cpu":
+            return "cpu" if CpuAttentionBackend.supports(self.shape.head_dim) else "torch_native"
+        return "triton"
+
+    def _backend_class(self) -> type[AttentionBackend]:
+        name = self._backend_name()
+        if name == "triton":
+            from radixlm.layers.attention.triton_backend import TritonAttentionBackend
+            return TritonAttentionBackend
+        if name == "cpu":
+            from radixlm.layers.attention.cpu_backend import CpuAttentionBackend
+            return CpuAttentionBackend
+        from radixlm.layers.attention.torch_native import TorchNativeBackend
+        return TorchNativeBackend
+
+    def _make_attn_backend(self) -> AttentionBackend:
+        from radixlm.layers.attention.cpu_backend import CpuAttentionBackend
+
+        name = self._backend_name()
         on_cpu = self.device.type == "cpu"
-        if name == "auto" and on_cpu:
-            name = "cpu" if CpuAttentionBackend.supports(self.shape.head_dim) else "torch_native"
-        elif name == "auto":
-            name = "triton"
         if name == "cpu":
             if not on_cpu or not CpuAttentionBackend.supports(self.shape.head_dim):
                 raise ValueError("attention_backend='cpu' needs the CPU device, a C++ compiler "

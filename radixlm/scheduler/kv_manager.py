@@ -3,6 +3,10 @@ the prefix cache and live requests.
 
 Accounting invariant (checked when idle and in tests):
     free slots + slots held by the prefix cache + slots owned by live requests == pool size
+and over a window pool (`KVPool.window`, swa_memory_pool.py) the same for its
+window slots, counting the slots that still have window KV. A request's own
+tokens give up their window KV as they leave its window (the prefix cache
+handles the tokens it holds).
 
 Keys in the prefix cache carry the request's namespace (`Req.namespace`), so
 KV computed under one adapter or one set of images never serves another.
@@ -24,11 +28,14 @@ class KVManager:
         self.req_to_token_pool = req_to_token_pool
         self.kv_pool = kv_pool
         self.cache = cache
+        # Window pools: per request row, the first of its own positions that may
+        # still hold window KV (everything before it was given up).
+        self._window_front: dict[int, int] = {}
 
     # ---- capacity --------------------------------------------------------
     def available(self) -> int:
         """Slots obtainable now: free plus evictable."""
-        return self.kv_pool.available_size() + self.cache.evictable_size()
+        return self.cache.obtainable_size(self.kv_pool)
 
     def alloc(self, n: int) -> torch.Tensor | None:
         short = n - self.kv_pool.available_size()
@@ -68,6 +75,7 @@ class KVManager:
                 req.req_pool_idx, req.kv_len, req.slots = None, 0, []
             return None
         self._write_table(req, req.kv_len, slots)
+        self._drop_window(req, req.kv_len)
         req.kv_len += extend_len
         return slots
 
@@ -79,9 +87,31 @@ class KVManager:
         cols = torch.tensor([r.kv_len for r in reqs], dtype=torch.int64)
         dev = table.device
         table[to_device(rows, dev), to_device(cols, dev)] = to_device(slots, dev, torch.int32)
+        gone = [self._window_gone(r, r.kv_len) for r in reqs] if self.kv_pool.window else []
         for r, slot in zip(reqs, slots.tolist()):
             r.slots.append(slot)
             r.kv_len += 1
+        if any(gone):
+            self.kv_pool.free_window(torch.tensor([s for g in gone for s in g],
+                                                  dtype=torch.int64))
+
+    def _window_gone(self, req: Req, first_query: int) -> list[int]:
+        """The request's own slots whose window KV no query from `first_query` on
+        reads (window pools), marked as given up; the caller frees them."""
+        window = self.kv_pool.window
+        assert window is not None
+        lo = max(self._window_front.get(req.req_pool_idx, 0), len(req.prefix_indices))
+        hi = first_query - window + 1
+        if hi <= lo:
+            return []
+        self._window_front[req.req_pool_idx] = hi
+        return req.slots[lo:hi]
+
+    def _drop_window(self, req: Req, first_query: int) -> None:
+        if self.kv_pool.window:
+            gone = self._window_gone(req, first_query)
+            if gone:
+                self.kv_pool.free_window(torch.tensor(gone, dtype=torch.int64))
 
     def truncate(self, req: Req, n: int) -> None:
         """Free the request's last `n` KV slots (draft tokens a verify step rejected).
@@ -95,6 +125,9 @@ class KVManager:
         self.kv_pool.free(torch.tensor(req.slots[req.kv_len - n:], dtype=torch.int64))
         del req.slots[req.kv_len - n:]
         req.kv_len -= n
+        front = self._window_front.get(req.req_pool_idx)
+        if front is not None and front > req.kv_len:
+            self._window_front[req.req_pool_idx] = req.kv_len
 
     def _write_table(self, req: Req, start: int, slots: torch.Tensor) -> None:
         """Writes go to the device table and to the request's host mirror, so reading
@@ -135,6 +168,7 @@ class KVManager:
         self.kv_pool.free(slots[len(req.prefix_indices):dup])
         self.cache.unlock(req.last_node)
         self.req_to_token_pool.free(req.req_pool_idx)
+        self._window_front.pop(req.req_pool_idx, None)
         req.req_pool_idx, req.kv_len, req.last_node = None, 0, None
         req.slots = []
         req.prefix_indices = torch.empty(0, dtype=torch.int64)
@@ -142,7 +176,7 @@ class KVManager:
     # ---- invariant -----------------------------------------------------------
     def check_invariants(self, live: list[Req]) -> None:
         owned = sum(r.own_kv_len for r in live if r.req_pool_idx is not None)
-        free = self.kv_pool.available_size()
+        free = self.kv_pool.full_available_size()
         held = self.cache.total_size()
         total = free + held + owned
         assert total == self.kv_pool.size, (
@@ -152,3 +186,17 @@ class KVManager:
         assert self.req_to_token_pool.available_size() + slots_in_use == \
             self.req_to_token_pool.size, "request-slot accounting broken"
         self.cache.check_invariants()
+        if self.kv_pool.window:
+            self._check_window_slots(live)
+
+    def _check_window_slots(self, live: list[Req]) -> None:
+        pool = self.kv_pool
+        owned = sum(int(pool.has_window(self.table_slots(r, len(r.prefix_indices),
+                                                         r.kv_len)).sum())
+                    for r in live if r.req_pool_idx is not None)
+        held = int(pool.has_window(self.cache.all_slots()).sum())
+        free = pool.window_available_size()
+        assert free + held + owned == pool.window_size, (
+            f"window KV accounting broken: free {free} + cached {held} + requests {owned} "
+            f"!= window slots {pool.window_size}")
+        pool.check_invariants()

@@ -104,8 +104,14 @@ class Scheduler:
 
     # ---- requests in -------------------------------------------------------------
     def add_request(self, msg: GenerateReq) -> None:
-        """Queue a request; raises ValueError (with the parameter and allowed range)
-        on bad input, leaving the scheduler untouched."""
+        """Queue a request; raises ValueError (naming the parameter) when it cannot be
+        served, leaving the scheduler untouched.
+
+        The front ends (radixlm/request_input.py) validated the request once on its
+        way in: sampling parameters, the prompt against the limits, logprob
+        arguments, the grammar's syntax. Checked here is what only the scheduler
+        knows: memory released, a duplicate id, priority scheduling off, a
+        session's full prompt, whether grammars can be served at all."""
         self.controls.check_accepting()  # refused while memory is released
         if msg.rid in self.reqs:
             raise ValueError(f"duplicate request id {msg.rid!r}")
@@ -115,13 +121,12 @@ class Scheduler:
         # An embedding server pools every request's prompt: no decoding, no sampling.
         params = SamplingParams(max_new_tokens=0) if self.args.is_embedding else \
             SamplingParams.from_wire(msg.sampling_params)
-        params.validate(self.vocab_size)
         input_ids, session = list(msg.input_ids), None
         if msg.session_params is not None:  # the earlier request's context + these ids
             session = self.sessions.continuation(msg.rid, msg.session_params, input_ids)
             input_ids = session.input_ids
-        self.validate_input(input_ids, params.max_new_tokens)
-        self.grammars.check(params)
+            self.validate_input(input_ids, params.max_new_tokens)
+        self.grammars.check_servable(params)
         seed = params.seed if params.seed is not None else self.rng.getrandbits(62)
         req = Req(rid=msg.rid, origin_input_ids=input_ids, sampling_params=params,
                   seed=seed, stream=msg.stream, return_logprob=msg.return_logprob,
@@ -183,8 +188,6 @@ class Scheduler:
         if self.in_flight is not None and not self.overlap:
             self._process(self.in_flight)
             self.in_flight = None
-        if not self.reqs and self.in_flight is None:
-            self.kv.check_invariants([])
         self.controls.after_step()
         return self.output.drain()
 

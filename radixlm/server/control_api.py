@@ -8,10 +8,10 @@ answers 400 with the same two fields *and* OpenAI's error object, so SGLang
 clients (which read `success`/`message`) and OpenAI-style clients (which read
 `error`) both understand it.
 
-Weight updates take `UpdateGate` first, SGLang's model-update lock: new
-generate requests wait at the gate, and the update waits for the running ones
-to finish (or aborts them with `abort_all_requests`), so no request sees two
-sets of weights.
+Weight updates close the update gate first (server/update_gate.py, SGLang's
+model-update lock): new generate requests wait at the gate, and the update
+waits for the running ones to finish (or aborts them with
+`abort_all_requests`), so no request sees two sets of weights.
 """
 
 from __future__ import annotations
@@ -19,9 +19,9 @@ from __future__ import annotations
 import asyncio
 import base64
 import binascii
-import contextlib
+import functools
 import logging
-from collections.abc import AsyncIterator
+from contextlib import AbstractAsyncContextManager
 from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI
@@ -116,31 +116,17 @@ class ControlError(APIError):
 
 
 # ---- the gate ------------------------------------------------------------------------------
-class UpdateGate:
-    """While closed, `wait_open` blocks (new requests queue in the front end)."""
+def _updating(state: ServerState, abort_all: bool) -> AbstractAsyncContextManager[None]:
+    """The update gate closed around a weight update: new requests wait, running
+    ones are aborted (`abort_all`) or waited for first."""
+    return state.tm.update_gate.closed(functools.partial(_stop_requests, state.tm, abort_all))
 
-    def __init__(self) -> None:
-        self._open = asyncio.Event()
-        self._open.set()
-        self._lock = asyncio.Lock()
 
-    async def wait_open(self) -> None:
-        if not self._open.is_set():
-            await self._open.wait()
-
-    @contextlib.asynccontextmanager
-    async def closed(self, tm: TokenizerManager, abort_all: bool,
-                     timeout: float = DRAIN_TIMEOUT) -> AsyncIterator[None]:
-        """Close the gate, abort or wait out the running requests, run the body, reopen."""
-        async with self._lock:
-            self._open.clear()
-            try:
-                if abort_all and tm.num_live_seqs:
-                    tm.abort(abort_all=True)
-                await _drain(tm, timeout)
-                yield
-            finally:
-                self._open.set()
+async def _stop_requests(tm: TokenizerManager, abort_all: bool,
+                         timeout: float = DRAIN_TIMEOUT) -> None:
+    if abort_all and tm.num_live_seqs:
+        tm.abort(abort_all=True)
+    await _drain(tm, timeout)
 
 
 async def _drain(tm: TokenizerManager, timeout: float) -> None:
@@ -190,11 +176,9 @@ def add_control_routes(app: FastAPI, state: ServerState) -> None:
 
 
 def _add_weight_routes(app: FastAPI, state: ServerState) -> None:
-    gate = state.tm.update_gate
-
     @app.post("/update_weights_from_disk")
     async def update_weights_from_disk(body: UpdateWeightsFromDiskRequest) -> JSONResponse:
-        async with gate.closed(state.tm, body.abort_all_requests):
+        async with _updating(state, body.abort_all_requests):
             result = await _control(state, "update_weights_from_disk", UPDATE_TIMEOUT,
                                     model_path=body.model_path, load_format=body.load_format,
                                     abort_all_requests=body.abort_all_requests)
@@ -206,7 +190,7 @@ def _add_weight_routes(app: FastAPI, state: ServerState) -> None:
     @app.post("/update_weights_from_tensor")
     async def update_weights_from_tensor(body: UpdateWeightsFromTensorRequest) -> JSONResponse:
         data = _decode_base64(body.serialized_named_tensors)
-        async with gate.closed(state.tm, body.abort_all_requests):
+        async with _updating(state, body.abort_all_requests):
             result = await _control(state, "update_weights_from_tensor", UPDATE_TIMEOUT,
                                     serialized_named_tensors=data, load_format=body.load_format,
                                     flush_cache=body.flush_cache,
@@ -223,8 +207,6 @@ def _add_weight_routes(app: FastAPI, state: ServerState) -> None:
 
 
 def _add_distributed_routes(app: FastAPI, state: ServerState) -> None:
-    gate = state.tm.update_gate
-
     @app.post("/init_weights_update_group")
     async def init_weights_update_group(body: InitWeightsUpdateGroupRequest) -> JSONResponse:
         # The scheduler blocks until the trainer and every rank have joined.
@@ -240,7 +222,7 @@ def _add_distributed_routes(app: FastAPI, state: ServerState) -> None:
     @app.post("/update_weights_from_distributed")
     async def update_weights_from_distributed(
             body: UpdateWeightsFromDistributedRequest) -> JSONResponse:
-        async with gate.closed(state.tm, body.abort_all_requests):
+        async with _updating(state, body.abort_all_requests):
             result = await _control(state, "update_weights_from_distributed", UPDATE_TIMEOUT,
                                     **body.model_dump())
         return _answer(result)

@@ -9,6 +9,7 @@ import gc
 import logging
 import os
 import sys
+import time
 from typing import Any
 
 import zmq
@@ -48,6 +49,15 @@ def detokenize_batch(detok: Detokenizer, outs: list[Any]) -> list[StrOut]:
     return results
 
 
+def stamp_timing(results: list[StrOut], received: float) -> None:
+    """GenerateReq.return_timing: this process's stamps on the first outputs."""
+    sent = None
+    for r in results:
+        if r.token.timing is not None:
+            sent = sent or time.monotonic()
+            r.token.timing.update(detok_recv=received, detok_send=sent)
+
+
 def run_detokenizer_process(tokenizer_path: str, paths: IpcPaths, parent_pid: int,
                             log_level: str) -> None:
     install_child_signals()
@@ -68,6 +78,7 @@ def run_detokenizer_process(tokenizer_path: str, paths: IpcPaths, parent_pid: in
                     sys.exit(EXIT_PARENT_GONE)
                 continue
             data = recv_sock.recv()
+            received = time.monotonic()
             try:
                 batch = decode_to_detokenizer(data)
             except Exception as e:
@@ -75,7 +86,9 @@ def run_detokenizer_process(tokenizer_path: str, paths: IpcPaths, parent_pid: in
                 # write to it): dropping it beats taking every request down.
                 logger.error("dropping an undecodable message: %s", e)
                 continue
-            to_tok.send(encode(BatchStrOut(detokenize_batch(detok, batch.outputs))))
+            results = detokenize_batch(detok, batch.outputs)
+            stamp_timing(results, received)
+            to_tok.send(encode(BatchStrOut(results)))
     except SystemExit as e:
         ctx.destroy(linger=0)
         exit_now(e.code if isinstance(e.code, int) else 1)

@@ -141,7 +141,7 @@ class EmbeddingServing:
     # ---- /encode ------------------------------------------------------------------------
     async def encode(self, req: EncodeRequest) -> Response:
         self.require_embedding_server()
-        inputs, single = await self.tm.tokenize(self.native.inputs, req)
+        inputs, single = await self.native.prompts(req)
         gid, rids = self.native.rids(req.rid, len(inputs))
         results = [{"embedding": vec, "meta_info": seq.meta_info()}
                    for vec, seq in await self.embed(inputs, rids, gid)]

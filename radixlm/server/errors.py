@@ -53,13 +53,17 @@ def error_body(status: int, message: str, param: str | None = None,
 
 def from_value_error(e: ValueError, known_params: set[str] | None = None) -> APIError:
     """A ValueError raised by input validation ("temperature must be >= 0, ...")
-    becomes a 400 whose `param` is the parameter the message starts with."""
+    becomes a 400 whose `param` is the one the error names (`request_input.InputError`)
+    or else the parameter its message starts with."""
     message = str(e)
-    first = message.split(" ", 1)[0]
-    param = first if known_params and first in known_params else None
+    param = getattr(e, "param", None)
+    if param is None:
+        first = message.split(" ", 1)[0]
+        param = first if known_params and first in known_params else None
     if param is not None:
         public = OPENAI_PARAM_NAMES.get(param, param)
-        message = public + message[len(first):]
+        if message.startswith(param + " "):
+            message = public + message[len(param):]
         param = public
     return APIError(400, message, param)
 

@@ -8,18 +8,24 @@ list for a batch. Stream chunks carry the cumulative `text` and `output_ids`
 of their sequence plus `meta_info` and `index` (input-major, as above); the
 last chunk of every index carries `meta_info.finish_reason`.
 `session_params` (one dict, or one per input) continues a session's earlier
-request: see radixlm/scheduler/session.py.
+request: see radixlm/scheduler/session.py. `priority` (an integer, or one per
+input; higher runs first under --enable-priority-scheduling) likewise. The
+call's shapes are normalized by `request_input.native_jobs`, as
+Engine.generate's are. `return_timing` (radixlm's extension) adds
+`meta_info.timing`: time.monotonic() stamps of each sequence's way through the
+processes to its first output (`python -m radixlm.bench ttft` reads them).
 """
 
 from __future__ import annotations
 
+import time
 from typing import TYPE_CHECKING, Any
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
 from radixlm.protocol import StrOut
-from radixlm.sampling_params import SamplingParams
+from radixlm.request_input import native_jobs, prompt_ids, rids_per_input
 from radixlm.server.errors import APIError, from_value_error
 from radixlm.server.openai_api import OpenAIServing
 from radixlm.server.openai_protocol import (
@@ -30,7 +36,7 @@ from radixlm.server.openai_protocol import (
     OpenSessionRequest,
     TokenizeRequest,
 )
-from radixlm.server.tokenizer_manager import SAMPLING_NAMES, PromptJob, TokenizerManager
+from radixlm.server.tokenizer_manager import SAMPLING_NAMES, TokenizerManager
 
 if TYPE_CHECKING:
     from radixlm.server.embeddings_api import EncodeRequest
@@ -46,51 +52,40 @@ class NativeServing:
     def inputs(self, req: GenerateRequest | EncodeRequest) -> tuple[list[list[int]], bool]:
         """Token ids per input (`text` or `input_ids`, one or a batch), and whether the
         call named a single input."""
-        if (req.text is None) == (req.input_ids is None):
-            raise APIError(400, "pass exactly one of text or input_ids", "text")
-        if req.text is not None:
-            single = isinstance(req.text, str)
-            texts = [req.text] if single else req.text
-            if not texts:
-                raise APIError(400, "text must not be an empty list", "text")
-            return [self.tokenizer.encode(t) for t in texts], single
-        ids = req.input_ids
-        single = not ids or not isinstance(ids[0], list)
-        return ([list(ids)] if single else [list(x) for x in ids]), single
+        try:
+            encode = self.tokenizer.encode if self.tokenizer is not None else None
+            return prompt_ids(req.text, req.input_ids, encode)
+        except ValueError as e:
+            raise from_value_error(e) from None
+
+    async def prompts(self, req: GenerateRequest | EncodeRequest) -> tuple[list[list[int]], bool]:
+        """`inputs`, encoding text on the tokenizer thread (token ids need no hop)."""
+        if req.text is None:
+            return self.inputs(req)
+        return await self.tm.tokenize(self.inputs, req)
 
     @staticmethod
-    def params(sp: dict[str, Any] | list[dict[str, Any]] | None,
-               n: int) -> list[SamplingParams]:
-        try:
-            if isinstance(sp, list):
-                if len(sp) != n:
-                    raise APIError(400, f"got {len(sp)} sampling_params for {n} inputs",
-                                   "sampling_params")
-                return [SamplingParams.from_dict(p) for p in sp]
-            return [SamplingParams.from_dict(sp)] * n
-        except ValueError as e:
-            raise from_value_error(e, SAMPLING_NAMES) from None
-
-    def rids(self, rid: str | list[str] | None, n: int) -> tuple[str, list[str]]:
+    def rids(rid: str | list[str] | None, n: int) -> tuple[str, list[str]]:
         """The call's id and one id per input."""
-        if rid is None:
-            gid = self.tm.new_id()
-            return gid, [gid] if n == 1 else [f"{gid}-{i}" for i in range(n)]
-        rids = [rid] if isinstance(rid, str) else list(rid)
-        if len(rids) != n:
-            raise APIError(400, f"got {len(rids)} rids for {n} inputs", "rid")
-        return (rids[0] if n == 1 else self.tm.new_id()), rids
+        try:
+            return rids_per_input(rid, n)
+        except ValueError as e:
+            raise from_value_error(e) from None
 
     async def generate(self, req: GenerateRequest, raw_request: Request) -> Response:
-        inputs, single = await self.tm.tokenize(self.inputs, req)
-        params = self.params(req.sampling_params, len(inputs))
-        gid, rids = self.rids(req.rid, len(inputs))
-        sessions = self.session_params(req.session_params, len(inputs))
-        jobs = [PromptJob(r, ids, p, s)
-                for r, ids, p, s in zip(rids, inputs, params, sessions, strict=True)]
+        received = time.monotonic()
+        inputs, single = await self.prompts(req)
+        timing = {"received": received, "tokenized": time.monotonic()} \
+            if req.return_timing else None
+        try:
+            gid, jobs = native_jobs(inputs, sampling_params=req.sampling_params, rid=req.rid,
+                                    session_params=req.session_params, priority=req.priority)
+        except ValueError as e:
+            raise from_value_error(e, SAMPLING_NAMES) from None
         group = await self.tm.submit(
             jobs, gid=gid, stream=req.stream, return_logprob=req.return_logprob,
-            top_logprobs_num=req.top_logprobs_num, logprob_start_len=req.logprob_start_len)
+            top_logprobs_num=req.top_logprobs_num, logprob_start_len=req.logprob_start_len,
+            timing=timing)
         if req.stream:
             def render(idx: int, _: StrOut) -> list[dict[str, Any]]:
                 return [group.seqs[idx].native()]
@@ -99,18 +94,6 @@ class NativeServing:
         seqs = await group.collect()
         results = [s.native() for s in seqs]
         return JSONResponse(results[0] if single and len(results) == 1 else results)
-
-    @staticmethod
-    def session_params(sp: dict[str, Any] | list[dict[str, Any]] | None,
-                       n: int) -> list[dict[str, Any] | None]:
-        """One dict per input (a single dict applies to every input); the scheduler
-        checks the contents."""
-        if isinstance(sp, list):
-            if len(sp) != n:
-                raise APIError(400, f"got {len(sp)} session_params for {n} inputs",
-                               "session_params")
-            return list(sp)
-        return [sp] * n
 
     # ---- sessions -----------------------------------------------------------------------
     async def open_session(self, req: OpenSessionRequest) -> str:

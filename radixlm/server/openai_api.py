@@ -25,6 +25,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from radixlm.protocol import StrOut
+from radixlm.request_input import MAX_TOP_LOGPROBS
 from radixlm.sampling_params import SamplingParams
 from radixlm.server.chat_output import ChatParsers, OutputStream
 from radixlm.server.errors import APIError, from_value_error
@@ -36,7 +37,6 @@ from radixlm.server.openai_protocol import (
     _CommonRequest,
 )
 from radixlm.server.tokenizer_manager import (
-    MAX_TOP_LOGPROBS,
     SAMPLING_NAMES,
     PromptJob,
     RequestGroup,
@@ -114,6 +114,11 @@ class Call:
                 "total_tokens": prompt + completion,
                 "prompt_tokens_details": {"cached_tokens": sum(s.cached_tokens
                                                                for s in first.values())}}
+
+
+def _priority(req: _CommonRequest) -> int:
+    """The body's `priority` as sent (None: 0); the TokenizerManager checks it."""
+    return 0 if req.priority is None else req.priority
 
 
 def _has_text(prompt: Any) -> bool:
@@ -209,8 +214,14 @@ class OpenAIServing:
         if seq.error_status is not None:
             await events.aclose()
             raise APIError(seq.error_status, seq.error_message)
-        return StreamingResponse(_sse_body(events, first, render, tail, group.queue.empty),
-                                 media_type="text/event-stream")
+        timing = group.seqs[first[0]].timing
+
+        def wrote_first() -> None:
+            if timing is not None:
+                timing["first_write"] = time.monotonic()
+
+        return StreamingResponse(_sse_body(events, first, render, tail, group.queue.empty,
+                                           wrote_first), media_type="text/event-stream")
 
     # ---- /v1/completions --------------------------------------------------------------------
     def completion_prompts(self, prompt: Any) -> list[tuple[str, list[int]]]:
@@ -257,7 +268,8 @@ class OpenAIServing:
             max_new = req.max_tokens if req.max_tokens is not None else \
                 self.default_max_tokens(len(ids))
             rid = call.id if len(prompts) == 1 else f"{call.id}-{i}"
-            jobs.append(PromptJob(rid, ids, self.sampling_params(req, max_new)))
+            jobs.append(PromptJob(rid, ids, self.sampling_params(req, max_new),
+                                  priority=_priority(req)))
         want_lp = req.logprobs is not None
         group = await self.tm.submit(
             jobs, gid=call.id, stream=req.stream, return_logprob=want_lp,
@@ -397,7 +409,8 @@ class OpenAIServing:
         call = Call(id=f"chatcmpl-{uuid.uuid4().hex}", created=int(time.time()),
                     model=self.served_name, prompt_of=[0] * req.n, include_usage=bool(
                         req.stream_options and req.stream_options.include_usage))
-        job = PromptJob(call.id, ids, self.sampling_params(req, max_new, plan.schema()))
+        job = PromptJob(call.id, ids, self.sampling_params(req, max_new, plan.schema()),
+                        priority=_priority(req))
         try:
             return await self._chat_response(req, plan, call, job)
         except APIError as e:
@@ -597,9 +610,11 @@ class ChatStream(_Stream):
 async def _sse_body(events: EventIter, first: tuple[int, StrOut],
                     render: Callable[[int, StrOut], list[dict[str, Any]]],
                     tail: Callable[[], list[dict[str, Any]]],
-                    caught_up: Callable[[], bool]) -> AsyncIterator[bytes]:
+                    caught_up: Callable[[], bool],
+                    wrote_first: Callable[[], None] = lambda: None) -> AsyncIterator[bytes]:
     """SSE frames: `data: {chunk}` per rendered chunk, then `data: [DONE]`.
     Closing `events` (also on a client disconnect) aborts unfinished choices.
+    `wrote_first` runs as the first frames go to the server (timing stamps).
 
     Frames are written once `caught_up()` says nothing more is queued for this
     call: a stream that fell behind (a busy server, many streams per step)
@@ -608,12 +623,18 @@ async def _sse_body(events: EventIter, first: tuple[int, StrOut],
     the API process; the client still sees one event per chunk."""
     try:
         frames = [sse(chunk) for chunk in render(*first)]
+        first_write = True
         if caught_up() and frames:
+            wrote_first()
+            first_write = False
             yield b"".join(frames)
             frames.clear()
         async for idx, out in events:
             frames += [sse(chunk) for chunk in render(idx, out)]
             if caught_up() and frames:
+                if first_write:
+                    wrote_first()
+                    first_write = False
                 yield b"".join(frames)
                 frames.clear()
         frames += [sse(chunk) for chunk in tail()]

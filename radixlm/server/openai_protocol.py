@@ -60,6 +60,9 @@ class _CommonRequest(SamplingExtensions):
     frequency_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
     user: str | None = None
+    # Higher runs first under --enable-priority-scheduling (vLLM's and SGLang's field).
+    # Any: request_input.check_priority refuses bools and floats (a typed field coerces).
+    priority: Any = None
 
 
 class CompletionRequest(_CommonRequest):
@@ -141,6 +144,10 @@ class GenerateRequest(_Lenient):
     logprob_start_len: int = -1
     # {"id", "rid", "offset", "replace"}: continue a session (radixlm/scheduler/session.py)
     session_params: dict[str, Any] | list[dict[str, Any]] | None = None
+    # An integer, or one per input (SGLang's shape); request_input.check_priority
+    # refuses bools and floats, which a typed field would coerce.
+    priority: Any = None
+    return_timing: bool = False  # meta_info.timing: stamps per hop (bench ttft)
 
 
 class TokenizeRequest(_Lenient):

@@ -3,7 +3,10 @@
 With one rank the Engine runs its Scheduler in-process. With several it
 spawns them as the server does (radixlm/server/workers.py) and drives them
 through this proxy, which offers the few Scheduler members the Engine uses:
-`add_request`, `abort`, `step`, `control`, `reqs`, `has_work` and the sizes.
+`add_request`, `abort`, `step`, `control`, `reqs`, `has_work`, `grammars` and
+the sizes. The Engine validates each call (radixlm/request_input.py) before it
+gets here; grammars only by `precheck`, since this process has no compiler (one
+that fails to compile in the scheduler comes back as an abort with the reason).
 The Engine binds the sockets the scheduler side pushes to: token outputs
 (where the server's detokenizer would read) and replies (where the
 TokenizerManager would).
@@ -22,7 +25,7 @@ from typing import Any
 import zmq
 
 from radixlm.config import ServerArgs
-from radixlm.constrained.base import precheck
+from radixlm.constrained.spec import precheck
 from radixlm.protocol import (
     AbortReq,
     BatchTokenOut,
@@ -35,7 +38,6 @@ from radixlm.protocol import (
     decode_to_tokenizer,
     encode,
 )
-from radixlm.request_input import check_input
 from radixlm.sampling_params import SamplingParams
 from radixlm.server.ipc import IpcPaths, pull_socket, push_socket
 from radixlm.server.workers import spawn_schedulers
@@ -102,9 +104,6 @@ class RemoteScheduler:
             raise RuntimeError(f"the {dead[0][0]} process died with exit code {dead[0][1]}")
 
     # ---- the Scheduler members the Engine uses -------------------------------------
-    def validate_input(self, input_ids: list[int], max_new_tokens: int) -> None:
-        check_input(self, input_ids, max_new_tokens)
-
     def add_request(self, msg: GenerateReq) -> None:
         if msg.rid in self.reqs:
             raise ValueError(f"duplicate request id {msg.rid!r}")

@@ -1,11 +1,13 @@
 """The TokenizerManager: the asyncio front end of the scheduler process.
 
-It validates requests with the same rules the scheduler applies (so bad input
-is a 400 before anything is sent), expands `n` into n sequences sharing the
-prompt, sends them to the scheduler, and routes the detokenizer's text back to
-the API call that owns them. One API call is one `RequestGroup`; its
-sequences are numbered input-major (prompt i, sample j -> i * n + j), the
-`index` the APIs report.
+It turns each API call into a `request_input.GenerateInput`, validates it once
+(as the offline Engine does; see radixlm/request_input.py), runs the n > 1
+warm-up, sends the requests to the scheduler, and routes the detokenizer's
+text back to the API call that owns them. One API call is one `RequestGroup`;
+its sequences are numbered input-major (prompt i, sample j -> i * n + j), the
+`index` the APIs report. Grammars are only prechecked here (no compiler in
+this process): one that fails to compile comes back from the scheduler as a
+400 abort.
 """
 
 from __future__ import annotations
@@ -15,7 +17,6 @@ import functools
 import itertools
 import logging
 import time
-import uuid
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -25,7 +26,7 @@ import zmq
 import zmq.asyncio
 
 from radixlm.config import ServerArgs
-from radixlm.constrained.base import precheck
+from radixlm.constrained.spec import precheck
 from radixlm.protocol import (
     AbortReq,
     BatchStrOut,
@@ -38,43 +39,19 @@ from radixlm.protocol import (
     decode_to_tokenizer,
     encode,
 )
+from radixlm.request_input import GenerateInput, Limits, PromptJob, new_id
 from radixlm.sampling_params import SamplingParams
-from radixlm.server.control_api import UpdateGate
 from radixlm.server.errors import APIError, from_value_error
 from radixlm.server.io import SeqOutput
 from radixlm.server.ipc import IpcPaths, pull_socket, push_socket
 from radixlm.server.request_dump import RequestDumper
+from radixlm.server.update_gate import UpdateGate
 
 logger = logging.getLogger(__name__)
 
 CHILDREN = ("scheduler", "detokenizer")
+# The parameters a validation message may start with (they name the 400's `param`).
 SAMPLING_NAMES = {f for f in SamplingParams.__dataclass_fields__}
-MAX_TOP_LOGPROBS = 20  # vLLM's default cap on top-k logprobs per token
-
-
-@dataclass(frozen=True)
-class Limits:
-    """The scheduler's sizes, as its ready message reports them (the `sizes` that
-    the scheduler's own input rule, `check_input`, reads)."""
-
-    vocab_size: int
-    context_len: int
-    max_total_tokens: int
-    max_running_requests: int
-
-    @property
-    def max_seq_len(self) -> int:
-        return min(self.context_len, self.max_total_tokens)
-
-
-@dataclass
-class PromptJob:
-    """One prompt of an API call, to be sampled `params.n` times."""
-
-    rid: str
-    input_ids: list[int]
-    params: SamplingParams
-    session_params: dict[str, Any] | None = None  # the scheduler prepends the session context
 
 
 @dataclass
@@ -190,13 +167,15 @@ class TokenizerManager:
         while True:
             data = await self.recv_sock.recv()
             try:
-                self._handle(decode_to_tokenizer(data))
+                self._handle(decode_to_tokenizer(data), time.monotonic())
             except Exception:  # one bad message must not stop every other request
                 logger.exception("failed to handle a message from a child process")
 
-    def _handle(self, msg: Any) -> None:
+    def _handle(self, msg: Any, received: float = 0.0) -> None:
         if isinstance(msg, BatchStrOut):
             for out in msg.outputs:
+                if out.token.timing is not None:
+                    out.token.timing["api_recv"] = received
                 self._dispatch(out)
         elif isinstance(msg, ControlReply):
             fut = self.control_futures.pop(msg.req_id, None)
@@ -208,9 +187,7 @@ class TokenizerManager:
     def _on_ready(self, msg: ProcessReady) -> None:
         self.ready_msgs[msg.process] = msg
         if msg.process == "scheduler":
-            i = msg.info
-            self.limits = Limits(i["vocab_size"], i["context_len"], i["max_total_tokens"],
-                                 i["max_running_requests"])
+            self.limits = Limits.from_info(msg.info)
         if all(name in self.ready_msgs for name in CHILDREN):
             self.ready.set()
 
@@ -253,22 +230,10 @@ class TokenizerManager:
 
     # ---- requests -----------------------------------------------------------------
     def new_id(self, prefix: str = "") -> str:
-        return f"{prefix}{uuid.uuid4().hex}"
+        return new_id(prefix)
 
-    def validate(self, job: PromptJob) -> None:
-        """The scheduler's own input rules, applied before anything is sent."""
-        from radixlm.request_input import check_input
-
-        limits = self.require_limits()
-        try:
-            # One rule, enforced here and in the scheduler.
-            check_input(limits, job.input_ids, job.params.max_new_tokens)
-            job.params.validate(limits.vocab_size)
-            # Grammar checks that need no compiler; a grammar that fails to compile
-            # comes back from the scheduler as a 400 abort.
-            precheck(job.params, self.args.grammar_backend)
-        except ValueError as e:
-            raise from_value_error(e, SAMPLING_NAMES) from None
+    def check_grammar(self, params: SamplingParams) -> None:
+        precheck(params, self.args.grammar_backend)
 
     def require_limits(self) -> Limits:
         if self.limits is None or self.dead_reason is not None:
@@ -289,46 +254,62 @@ class TokenizerManager:
 
     async def submit(self, jobs: list[PromptJob], *, gid: str, stream: bool = False,
                      return_logprob: bool = False, top_logprobs_num: int = 0,
-                     logprob_start_len: int = -1, internal: bool = False) -> RequestGroup:
+                     logprob_start_len: int = -1, internal: bool = False,
+                     timing: dict[str, float] | None = None) -> RequestGroup:
         """Validate, warm shared prompts (n > 1), send; the caller then reads
-        `group.events()` or `group.collect()`."""
-        for job in jobs:
-            self.validate(job)
-        check_logprob_args(top_logprobs_num, logprob_start_len)
-        samples = [expand_samples(job) for job in jobs]
-        members = group_members(gid, jobs, samples)
-        self._check_ids(list(members))
-        self.check_admission(sum(job.params.n for job in jobs))
-        await self.update_gate.wait_open()  # a weight update is running: wait for it
-        await self._warm_shared_prompts(jobs)
-        # Again: other calls ran during the warm-up. Without the second admission
-        # check, calls admitted meanwhile overfill the queue, and the scheduler
-        # refuses some samples of a call whose stream has already started.
-        self._check_ids(list(members))
-        self.check_admission(sum(job.params.n for job in jobs))
-        reqs = [GenerateReq(rid=rid, input_ids=job.input_ids, sampling_params=sp,
-                            stream=stream, return_logprob=return_logprob,
-                            top_logprobs_num=top_logprobs_num,
-                            logprob_start_len=logprob_start_len if return_logprob else -1,
-                            session_params=job.session_params)
-                for job, job_samples in zip(jobs, samples, strict=True)
-                for rid, sp in job_samples]
+        `group.events()` or `group.collect()`. Bad input raises a 400 APIError.
+        `timing`: the caller's stamps so far; each sequence then collects the
+        stamps of its way to its first output (`SeqOutput.timing`)."""
+        call = GenerateInput(gid, jobs, stream=stream, return_logprob=return_logprob,
+                             top_logprobs_num=top_logprobs_num,
+                             logprob_start_len=logprob_start_len,
+                             return_timing=timing is not None)
+        limits = self.require_limits()
+        try:
+            call.validate(limits, self.check_grammar,
+                          priority_scheduling=self.args.enable_priority_scheduling)
+        except ValueError as e:
+            raise from_value_error(e, SAMPLING_NAMES) from None
+        members = call.members()
+        reqs = call.requests()
         frames = [encode_request(r) for r in reqs]  # may refuse: nothing is registered yet
-        seqs = [SeqOutput(rid=r.rid, index=i, return_logprob=return_logprob,
-                          prompt_tokens=len(r.input_ids)) for i, r in enumerate(reqs)]
-        group = RequestGroup(gid, seqs, members, internal=internal, stream=stream,
-                             manager=self, unfinished=len(reqs))
-        self._register(group)
+        self._admit(list(members), len(reqs))
+        await self.update_gate.wait_open()  # a weight update is running: wait for it
+        warmups = call.warmups(radix_cache=not self.args.disable_radix_cache)
+        if warmups:
+            await self._warm_up(warmups)
+            # Again: other calls ran during the warm-up. Without the second admission
+            # check, calls admitted meanwhile overfill the queue, and the scheduler
+            # refuses some samples of a call whose stream has already started.
+            self._admit(list(members), len(reqs))
+        group = self._start(gid, reqs, frames, members, stream=stream,
+                            return_logprob=return_logprob, internal=internal, timing=timing)
         if not internal:
             self.dumper.on_submit(reqs)
-        for frame in frames:
-            self._send_frame(frame)
         return group
 
-    def _check_ids(self, ids: list[str]) -> None:
+    def _admit(self, ids: list[str], num_new: int) -> None:
         for rid in ids:
             if rid in self.aliases or rid in self.seq_owner:
                 raise APIError(400, f"request id {rid!r} is already in use", "rid")
+        self.check_admission(num_new)
+
+    def _start(self, gid: str, reqs: list[GenerateReq], frames: list[bytes],
+               members: dict[str, list[int]], *, stream: bool, return_logprob: bool,
+               internal: bool, timing: dict[str, float] | None = None) -> RequestGroup:
+        """Register the group and send its frames (reqs[i] is sequence i)."""
+        if timing is not None:
+            timing = {**timing, "sent": time.monotonic()}
+        seqs = [SeqOutput(rid=r.rid, index=i, return_logprob=return_logprob,
+                          prompt_tokens=len(r.input_ids),
+                          timing=dict(timing) if timing is not None else None)
+                for i, r in enumerate(reqs)]
+        group = RequestGroup(gid, seqs, members, internal=internal, stream=stream,
+                             manager=self, unfinished=len(reqs))
+        self._register(group)
+        for frame in frames:
+            self._send_frame(frame)
+        return group
 
     def _register(self, group: RequestGroup) -> None:
         for alias in group.members:
@@ -336,17 +317,13 @@ class TokenizerManager:
         for i, s in enumerate(group.seqs):
             self.seq_owner[s.rid] = (group, i)
 
-    async def _warm_shared_prompts(self, jobs: list[PromptJob]) -> None:
-        """n > 1: prefill the prompt once, so the n samples share its KV (seed 000).
-        Any failure here (a 400 the scheduler found) is the call's failure."""
-        if self.args.disable_radix_cache:
-            return
-        warm = [PromptJob(self.new_id("warm-"), job.input_ids,
-                          SamplingParams.from_dict({"max_new_tokens": 0}))
-                for job in jobs if job.params.n > 1 and job.session_params is None]
-        if not warm:
-            return
-        group = await self.submit(warm, gid=self.new_id("warm-"), internal=True)
+    async def _warm_up(self, reqs: list[GenerateReq]) -> None:
+        """Run the prefill-only warm-ups to completion. Any failure here (a 400 the
+        scheduler found) is the call's failure."""
+        gid = new_id("warm-")
+        members = {gid: list(range(len(reqs))), **{r.rid: [i] for i, r in enumerate(reqs)}}
+        group = self._start(gid, reqs, [encode_request(r) for r in reqs], members,
+                            stream=False, return_logprob=False, internal=True)
         await group.collect()
 
     def abort_group(self, group: RequestGroup, indices: list[int] | None = None) -> None:
@@ -416,51 +393,3 @@ def encode_request(req: GenerateReq) -> bytes:
         return encode(req)
     except OverflowError as e:
         raise APIError(400, f"an integer in the request is out of range ({e})") from None
-
-
-def check_logprob_args(top_logprobs_num: int, logprob_start_len: int) -> None:
-    if not 0 <= top_logprobs_num <= MAX_TOP_LOGPROBS:
-        raise APIError(400, f"top_logprobs_num must be in [0, {MAX_TOP_LOGPROBS}], got "
-                            f"{top_logprobs_num}", "top_logprobs_num")
-    if logprob_start_len < -1:
-        raise APIError(400, "logprob_start_len must be >= 0 (or -1: no prompt logprobs)",
-                       "logprob_start_len")
-
-
-def group_members(gid: str, jobs: list[PromptJob],
-                  expanded: list[list[tuple[str, dict[str, Any]]]] | None = None
-                  ) -> dict[str, list[int]]:
-    """Which sequence indices each id of the call covers (`expanded`: each job's
-    `expand_samples`, if already made); 400 on a repeated id."""
-    members: dict[str, list[int]] = {gid: []}
-    seq_rids: set[str] = set()
-    index = 0
-    for job, samples in zip(jobs, expanded or map(expand_samples, jobs)):
-        ids = list(range(index, index + len(samples)))
-        members[gid] += ids
-        if job.rid != gid:
-            if job.rid in members:
-                raise APIError(400, f"request id {job.rid!r} appears twice", "rid")
-            members[job.rid] = ids
-        for (rid, _), i in zip(samples, ids, strict=True):
-            if rid in seq_rids:
-                raise APIError(400, f"request id {rid!r} appears twice", "rid")
-            seq_rids.add(rid)
-            members.setdefault(rid, [i])
-        index += len(samples)
-    return members
-
-
-def expand_samples(job: PromptJob) -> list[tuple[str, dict[str, Any]]]:
-    """(rid, wire sampling params) per sample; seeded samples get seed + j so the
-    n samples of one seeded request differ (the offline Engine does the same)."""
-    p = job.params
-    if p.n == 1:
-        return [(job.rid, p.to_dict())]
-    out = []
-    for j in range(p.n):
-        sp = p.to_dict()
-        if p.seed is not None:
-            sp["seed"] = p.seed + j
-        out.append((f"{job.rid}-{j}", sp))
-    return out

@@ -31,6 +31,23 @@ def save_random_llama(path: str | Path, seed: int = 0, **config: Any) -> str:
     return str(path)
 
 
+def save_tiny_bpe_tokenizer(path: str | Path, texts: list[str]) -> Any:
+    """A byte-level BPE tokenizer (vocabulary 384) trained on `texts` here, no hub
+    access, saved to `path`; returns it."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=384, special_tokens=["<s>", "</s>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    bpe.train_from_iterator(texts * 50, trainer)
+    tok = PreTrainedTokenizerFast(tokenizer_object=bpe, bos_token="<s>", eos_token="</s>")
+    tok.save_pretrained(path)
+    return tok
+
+
 def random_attention_pools(group: int, head_dim: int, dtype: torch.dtype, seed: int,
                            device: torch.device | str, max_requests: int, pool_tokens: int,
                            num_layers: int = 1, layer_id: int = 0) -> tuple[Any, ...]:

@@ -60,6 +60,9 @@ class AttentionBackend(ABC):
     # Layer variants this backend computes (see `check_layer`).
     supports_sliding_window = False
     supports_logit_softcap = False
+    # Reads window layers through a window pool's slot map (`KVPool.layer_slot_map`);
+    # the model runner gives other backends a plain pool.
+    supports_window_pool = False
 
     def check_layer(self, layer: RadixAttention) -> None:
         """ValueError if `layer` needs something this backend does not compute."""

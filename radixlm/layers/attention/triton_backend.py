@@ -92,6 +92,14 @@ class TritonAttentionBackend(AttentionBackend):
     when the groups object changes. Needs >= 2 requests per pass-1 program
     (`supports_cascade_decode`: GQA ratio <= 32).
 
+    Layer variants (`check_layer` accepts them all): sliding windows and logit
+    softcaps are compile-time branches of the kernels, per layer (the plain
+    path is unchanged); a window layer's decode is plain even when the batch's
+    graphs capture the cascade path. With a window pool (`SWAKVPool`,
+    `supports_window_pool`) a window layer's K/V live at window slots: the
+    kernels translate the table's full slots through the pool's slot map, and
+    the store writes at the translated slots.
+
     Decode never synchronizes with the host. The new tokens' K/V are stored in
     the pool before the kernels read it (extend reads the new keys from there).
 
@@ -110,6 +118,9 @@ class TritonAttentionBackend(AttentionBackend):
 
     supports_cuda_graph = True
     supports_cascade_decode = True
+    supports_sliding_window = True
+    supports_logit_softcap = True
+    supports_window_pool = True
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int,
                  device: torch.device | str, max_context_len: int | None = None,
@@ -146,6 +157,9 @@ class TritonAttentionBackend(AttentionBackend):
         self._cg_tables_buf: torch.Tensor | None = None
         self._plan_groups: PrefixGroups | None = None
         self._plan_value: CascadePlan | None = None
+        # (full slots, their window-pool slots, made in a graph capture) of the
+        # forward's new tokens.
+        self._window_loc: tuple[torch.Tensor, torch.Tensor, bool] | None = None
 
     def num_kv_splits(self, bs: int) -> int:
         target = self.programs_per_sm * self.num_sms
@@ -154,6 +168,7 @@ class TritonAttentionBackend(AttentionBackend):
 
     # ---- metadata ------------------------------------------------------
     def init_forward_metadata(self, fb: ForwardBatch) -> None:
+        self._window_loc = None
         if fb.mode.is_decode():
             bs = fb.batch_size
             s = self.num_kv_splits(bs)
@@ -221,6 +236,8 @@ class TritonAttentionBackend(AttentionBackend):
         graphs capture the cascade path; otherwise decode stays plain."""
         if self._cg is None:
             raise RuntimeError("call init_cuda_graph_state(max_bs) first")
+        # A capture must record the slot translation: nothing computed earlier.
+        self._window_loc = None
         cg = self._cg
         assert bs <= cg["seq_lens"].shape[0], "batch larger than init_cuda_graph_state's max_bs"
         rpi, sl = cg["req_pool_indices"][:bs], cg["seq_lens"][:bs]
@@ -260,11 +277,11 @@ class TritonAttentionBackend(AttentionBackend):
         stored = False
         if rope is not None:
             emb, positions = rope
-            bufs = row_kv_buffers(fb.token_to_kv_pool, layer.layer_id, k.dtype)
-            if (bufs is not None and emb.rotary_dim == emb.head_dim
+            target = self._store_target(layer, fb, k.dtype)
+            if (target is not None and emb.rotary_dim == emb.head_dim
                     and k.shape[0] >= self.kv_store_min_tokens):
                 apply_rope_(positions, q, k, emb.head_dim, emb.cos_sin_cache,
-                            kv_store=(v, *bufs, fb.out_cache_loc))
+                            kv_store=(v, *target))
                 stored = True
             else:
                 q, k = emb(positions, q, k)
@@ -274,14 +291,35 @@ class TritonAttentionBackend(AttentionBackend):
             return self.forward_decode(q, k, v, layer, fb, kv_stored=stored)
         return self.forward_extend(q, k, v, layer, fb, kv_stored=stored)
 
+    def _store_target(self, layer: RadixAttention, fb: ForwardBatch, dtype: torch.dtype
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """(k buffer, v buffer, rows) a kernel may copy the new K/V rows into, or None
+        (then the pool's `set_kv_buffer`). A window pool's layer is written at the
+        window slots of the new tokens: one gather per forward, shared by its
+        window layers. A CUDA-graph capture must record that gather, so a gather
+        made outside the capture (the warm-up runs before it) is not reused in it."""
+        pool = fb.token_to_kv_pool
+        slot_map = pool.layer_slot_map(layer.layer_id)
+        if slot_map is None:
+            bufs = row_kv_buffers(pool, layer.layer_id, dtype)
+            return None if bufs is None else (*bufs, fb.out_cache_loc)
+        k_buf, v_buf = pool.get_kv_buffer(layer.layer_id)
+        if k_buf.dtype != dtype:
+            return None
+        loc = fb.out_cache_loc
+        capturing = loc.is_cuda and torch.cuda.is_current_stream_capturing()
+        cached = self._window_loc
+        if cached is None or cached[0] is not loc or cached[2] != capturing:
+            cached = self._window_loc = (loc, slot_map[loc], capturing)
+        return k_buf, v_buf, cached[1]
+
     def _store(self, k: torch.Tensor, v: torch.Tensor, layer: RadixAttention,
                fb: ForwardBatch) -> None:
-        pool = fb.token_to_kv_pool
-        bufs = row_kv_buffers(pool, layer.layer_id, k.dtype)
-        if bufs is not None and k.shape[0] >= self.kv_store_min_tokens:
-            store_kv(k, v, *bufs, fb.out_cache_loc)
+        target = self._store_target(layer, fb, k.dtype)
+        if target is not None and k.shape[0] >= self.kv_store_min_tokens:
+            store_kv(k, v, *target)
         else:
-            pool.set_kv_buffer(layer.layer_id, fb.out_cache_loc, k, v)
+            fb.token_to_kv_pool.set_kv_buffer(layer.layer_id, fb.out_cache_loc, k, v)
 
     def forward_extend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                        layer: RadixAttention, fb: ForwardBatch,
@@ -303,7 +341,8 @@ class TritonAttentionBackend(AttentionBackend):
         extend_attention_fwd(
             qv, o, k_buf, v_buf, fb.req_to_token_pool.req_to_token, fb.req_pool_indices,
             fb.extend_prefix_lens, fb.extend_seq_lens, fb.extend_start_loc, table,
-            layer.scaling, **cfg)
+            layer.scaling, **cfg, window=layer.sliding_window, softcap=layer.logit_softcap,
+            slot_map=fb.token_to_kv_pool.layer_slot_map(layer.layer_id))
         return o.view(n, h * d)
 
     def forward_decode(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -317,14 +356,18 @@ class TritonAttentionBackend(AttentionBackend):
         bs, h, d = q.shape[0], layer.num_heads, layer.head_dim
         o = torch.empty((bs, h, d), dtype=q.dtype, device=q.device)
         c = meta.cascade
-        if c is not None:
+        # Window layers decode plainly: they read at most `window` keys per request,
+        # and which of a shared prefix's keys are inside differs per request.
+        if c is not None and layer.sliding_window is None:
             cascade_decode_fwd(
                 q.view(bs, h, d), k_buf, v_buf, o, fb.req_to_token_pool.req_to_token,
                 meta.req_pool_indices, meta.seq_lens, meta.mid_o, meta.mid_lse,
-                meta.num_splits, layer.scaling, c.tables, c.mid_po, c.mid_plse)
+                meta.num_splits, layer.scaling, c.tables, c.mid_po, c.mid_plse,
+                softcap=layer.logit_softcap)
             return o.view(bs, h * d)
         decode_attention_fwd(
             q.view(bs, h, d), k_buf, v_buf, o, fb.req_to_token_pool.req_to_token,
             meta.req_pool_indices, meta.seq_lens, meta.mid_o, meta.mid_lse, meta.num_splits,
-            layer.scaling)
+            layer.scaling, window=layer.sliding_window, softcap=layer.logit_softcap,
+            slot_map=fb.token_to_kv_pool.layer_slot_map(layer.layer_id))
         return o.view(bs, h * d)

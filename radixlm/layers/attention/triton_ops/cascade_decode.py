@@ -39,7 +39,7 @@ from radixlm.layers.attention.triton_ops.decode_attention import (
     decode_attention_fwd,
     dot_precision,
 )
-from radixlm.layers.attention.triton_ops.flash_block import LOG2E, attend_block
+from radixlm.layers.attention.triton_ops.flash_block import attend_block, score_scales
 
 # Pass-1 tiles (H200 sweep, docs/kernels.md). CASCADE_ROWS query rows per program
 # (members x GQA heads): one K/V block read feeds 64 dot rows instead of 16.
@@ -172,7 +172,7 @@ def build_cascade_plan(groups: Sequence[tuple[int, Sequence[int]]], batch_size: 
 @triton.jit
 def _cascade_prefix_kernel(
     Q, K, V, ReqToToken, ReqPoolIdx, Items, Members, MidPO, MidPLse,
-    sm_scale_log2,
+    qk_scale, cap_log2,
     stride_qb, stride_qh,
     stride_kn, stride_kh, stride_vn, stride_vh,
     stride_r2t,
@@ -180,6 +180,7 @@ def _cascade_prefix_kernel(
     stride_plb, stride_plh,
     GROUP: tl.constexpr, MEMBERS: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, DOT_PREC: tl.constexpr,
+    SOFTCAP: tl.constexpr,
 ):
     it = tl.program_id(0)
     g = tl.program_id(1)
@@ -218,8 +219,9 @@ def _cascade_prefix_kernel(
         # Masked tokens read slot 0 (the padding row); int64 offsets as in decode.
         slot = tl.load(r2t + offs_n, mask=nmask, other=0).to(tl.int64)
         m_i, l_i, acc = attend_block(q, k_base, v_base, slot, stride_kn, stride_vn,
-                                     nmask[None, :], m_i, l_i, acc, sm_scale_log2,
-                                     DOT_PREC=DOT_PREC, MASKED=True)
+                                     nmask[None, :], m_i, l_i, acc, qk_scale, cap_log2,
+                                     DOT_PREC=DOT_PREC, MASKED=True, SOFTCAP=SOFTCAP,
+                                     EMPTY_ROWS=False)
 
     po = MidPO + b[:, None] * stride_pob + heads[:, None] * stride_poh + split * stride_pos
     tl.store(po + offs_d[None, :], acc / l_i[:, None], mask=valid[:, None])
@@ -231,7 +233,8 @@ def cascade_prefix_fwd(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.
                        req_to_token: torch.Tensor, req_pool_indices: torch.Tensor,
                        tables: CascadeTables, mid_po: torch.Tensor, mid_plse: torch.Tensor,
                        sm_scale: float, *, block_n: int | None = None,
-                       num_warps: int | None = None, num_stages: int | None = None) -> None:
+                       num_warps: int | None = None, num_stages: int | None = None,
+                       softcap: float | None = None) -> None:
     """Pass 1 over every item of `tables` (grid: all of its rows; empty ones exit)."""
     _, num_heads, head_dim = q.shape
     num_kv_heads = k_buffer.shape[1]
@@ -243,7 +246,7 @@ def cascade_prefix_fwd(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.
     block_m = max(16, triton.next_power_of_2(members * group))
     _cascade_prefix_kernel[(n_items, num_kv_heads)](
         q, k_buffer, v_buffer, req_to_token, req_pool_indices, tables.items, tables.members,
-        mid_po, mid_plse, sm_scale * LOG2E,
+        mid_po, mid_plse, *score_scales(sm_scale, softcap),
         q.stride(0), q.stride(1),
         k_buffer.stride(0), k_buffer.stride(1), v_buffer.stride(0), v_buffer.stride(1),
         req_to_token.stride(0),
@@ -251,7 +254,7 @@ def cascade_prefix_fwd(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.
         mid_plse.stride(0), mid_plse.stride(1),
         GROUP=group, MEMBERS=members, BLOCK_M=block_m,
         BLOCK_N=block_n or cascade_block_n(head_dim, q.dtype), HEAD_DIM=head_dim,
-        DOT_PREC=dot_precision(q.dtype),
+        DOT_PREC=dot_precision(q.dtype), SOFTCAP=softcap is not None,
         num_warps=num_warps or CASCADE_NUM_WARPS, num_stages=num_stages or CASCADE_NUM_STAGES,
     )
 
@@ -261,17 +264,21 @@ def cascade_decode_fwd(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.
                        req_pool_indices: torch.Tensor, seq_lens: torch.Tensor,
                        mid_o: torch.Tensor, mid_lse: torch.Tensor, num_splits: int,
                        sm_scale: float, tables: CascadeTables, mid_po: torch.Tensor,
-                       mid_plse: torch.Tensor) -> torch.Tensor:
+                       mid_plse: torch.Tensor, softcap: float | None = None) -> torch.Tensor:
     """Decode attention with shared prefixes; writes and returns `o`.
 
     Arguments as `decode_attention_fwd`, plus the plan's device `tables` (rows
     past the batch must have prefix_len 0 and no partials) and pass 1's scratch:
     mid_po [>= bs, num_heads, >= max partials, head_dim], mid_plse [>= bs,
-    num_heads, >= max partials] fp32. No host synchronization.
+    num_heads, >= max partials] fp32. No host synchronization. Softcapped layers
+    are fine; sliding-window layers take plain decode (`decode_attention_fwd`
+    with `window`): the shared prefix is mostly outside their window, and what
+    is inside differs per request.
     """
     bs = q.shape[0]
     cascade_prefix_fwd(q, k_buffer, v_buffer, req_to_token, req_pool_indices, tables,
-                       mid_po, mid_plse, sm_scale)
+                       mid_po, mid_plse, sm_scale, softcap=softcap)
     prefix = DecodePrefix(tables.prefix_lens[:bs], tables.num_prefix[:bs], mid_po, mid_plse)
     return decode_attention_fwd(q, k_buffer, v_buffer, o, req_to_token, req_pool_indices,
-                                seq_lens, mid_o, mid_lse, num_splits, sm_scale, prefix=prefix)
+                                seq_lens, mid_o, mid_lse, num_splits, sm_scale, prefix=prefix,
+                                softcap=softcap)

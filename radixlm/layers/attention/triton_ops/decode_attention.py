@@ -24,6 +24,12 @@ chunk = round_up(cdiv(seq_len, num_splits), BLOCK_N). Splits that start past
 the end exit at once; stage 2 recomputes how many splits were valid. A request
 with seq_len 0 (padding rows) yields zeros.
 
+Layer variants, each a compile-time flag (the plain path compiles as before):
+a sliding window W starts each request's range at seq_len - W (a shorter range,
+not a mask: splits divide only the window); a logit softcap c scores
+c * tanh(s / c); a window pool's layer reads its K/V rows through the pool's
+full-to-window slot map.
+
 Exponentials use exp2 with log2(e) folded into the scale; accumulation is fp32.
 """
 
@@ -36,7 +42,7 @@ import triton
 import triton.language as tl
 
 from radixlm.layers import pdl
-from radixlm.layers.attention.triton_ops.flash_block import LOG2E, attend_block
+from radixlm.layers.attention.triton_ops.flash_block import attend_block, load_slots, score_scales
 from radixlm.layers.pdl import pdl_trigger, pdl_wait
 
 
@@ -55,18 +61,22 @@ class DecodePrefix:
 
 
 @triton.jit
-def _first_token(PrefixLens, b, seq_len, HAS_PREFIX: tl.constexpr):
-    """First token the split-KV stages cover: after the request's shared prefix."""
+def _first_token(PrefixLens, b, seq_len, window, HAS_PREFIX: tl.constexpr,
+                 HAS_WINDOW: tl.constexpr):
+    """First token the split-KV stages cover: after the request's shared prefix,
+    and within the last `window` positions (the query's own included)."""
     first = seq_len * 0
     if HAS_PREFIX:
         first = tl.minimum(tl.load(PrefixLens + b).to(seq_len.dtype), seq_len)
+    if HAS_WINDOW:
+        first = tl.maximum(first, seq_len - window)
     return first
 
 
 @triton.jit
 def _decode_stage1_kernel(
-    Q, K, V, ReqToToken, ReqPoolIdx, SeqLens, PrefixLens, MidO, MidLse,
-    sm_scale_log2, num_splits,
+    Q, K, V, ReqToToken, ReqPoolIdx, SeqLens, PrefixLens, SlotMap, MidO, MidLse,
+    qk_scale, cap_log2, window, num_splits,
     stride_qb, stride_qh,
     stride_kn, stride_kh, stride_vn, stride_vh,
     stride_r2t,
@@ -74,6 +84,7 @@ def _decode_stage1_kernel(
     stride_mlb, stride_mlh,
     GROUP: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
     HEAD_DIM: tl.constexpr, DOT_PREC: tl.constexpr, HAS_PREFIX: tl.constexpr,
+    HAS_WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, TRANSLATE: tl.constexpr,
     PDL: tl.constexpr,
 ):
     pdl_wait(PDL)
@@ -83,7 +94,7 @@ def _decode_stage1_kernel(
     s = tl.program_id(2)
 
     seq_len = tl.load(SeqLens + b)
-    first = _first_token(PrefixLens, b, seq_len, HAS_PREFIX)
+    first = _first_token(PrefixLens, b, seq_len, window, HAS_PREFIX, HAS_WINDOW)
     chunk = tl.cdiv(tl.cdiv(seq_len - first, num_splits), BLOCK_N) * BLOCK_N
     start = first + s * chunk
     end = tl.minimum(start + chunk, seq_len)
@@ -111,11 +122,13 @@ def _decode_stage1_kernel(
         # Out-of-range tokens read slot 0 (the pool's padding row), so the K/V
         # gathers need no mask; their scores are masked to -inf below. int64:
         # slot * row stride overflows int32 for pools past ~2M tokens.
-        slot = tl.load(r2t + offs_n, mask=nmask, other=0).to(tl.int64)
-        # Every block has >= 1 valid token, so m_i is finite and no NaN appears.
+        slot = load_slots(r2t, offs_n, nmask, SlotMap, True, TRANSLATE)
+        # Every block has >= 1 valid token, so m_i is finite and no NaN appears
+        # (a window only moves the range's start).
         m_i, l_i, acc = attend_block(q, k_base, v_base, slot, stride_kn, stride_vn,
-                                     nmask[None, :], m_i, l_i, acc, sm_scale_log2,
-                                     DOT_PREC=DOT_PREC, MASKED=True)
+                                     nmask[None, :], m_i, l_i, acc, qk_scale, cap_log2,
+                                     DOT_PREC=DOT_PREC, MASKED=True, SOFTCAP=SOFTCAP,
+                                     EMPTY_ROWS=False)
 
     mo = MidO + b * stride_mob + heads[:, None] * stride_moh + s * stride_mos + offs_d[None, :]
     tl.store(mo, acc / l_i[:, None], mask=hmask[:, None])
@@ -125,14 +138,15 @@ def _decode_stage1_kernel(
 
 @triton.jit
 def _decode_stage2_kernel(
-    MidO, MidLse, Out, SeqLens, PrefixLens, NumPrefix, MidPO, MidPLse, num_splits,
+    MidO, MidLse, Out, SeqLens, PrefixLens, NumPrefix, MidPO, MidPLse, window, num_splits,
     stride_mob, stride_moh, stride_mos,
     stride_mlb, stride_mlh,
     stride_pob, stride_poh, stride_pos,
     stride_plb, stride_plh,
     stride_ob, stride_oh,
     BLOCK_S: tl.constexpr, BLOCK_P: tl.constexpr, CHUNK_ALIGN: tl.constexpr,
-    HEAD_DIM: tl.constexpr, HAS_PREFIX: tl.constexpr, PDL: tl.constexpr,
+    HEAD_DIM: tl.constexpr, HAS_PREFIX: tl.constexpr, HAS_WINDOW: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     pdl_wait(PDL)
     pdl_trigger(PDL)
@@ -141,7 +155,7 @@ def _decode_stage2_kernel(
     seq_len = tl.load(SeqLens + b)
     if HAS_PREFIX:
         n_pre = tl.load(NumPrefix + b)
-    n = seq_len - _first_token(PrefixLens, b, seq_len, HAS_PREFIX)
+    n = seq_len - _first_token(PrefixLens, b, seq_len, window, HAS_PREFIX, HAS_WINDOW)
     # Same chunking as stage 1: the number of splits that did work.
     chunk = tl.cdiv(tl.cdiv(n, num_splits), CHUNK_ALIGN) * CHUNK_ALIGN
     n_valid = tl.cdiv(n, tl.maximum(chunk, 1))
@@ -215,6 +229,9 @@ def decode_attention_fwd(
     num_warps: int | None = None,
     num_stages: int | None = None,
     prefix: DecodePrefix | None = None,
+    window: int | None = None,
+    softcap: float | None = None,
+    slot_map: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Decode attention; writes and returns `o`.
 
@@ -227,6 +244,11 @@ def decode_attention_fwd(
     prefix: the shared-prefix pass's results (cascade decode): stage 1 then skips
     each request's first `prefix.prefix_lens[b]` tokens and stage 2 merges the
     pass's partials; None: plain decode over all tokens.
+    window: attend to the last `window` tokens only (sliding window; None: all).
+    softcap: scores become softcap * tanh(score / softcap) (None: off).
+    slot_map: the table holds full-pool slots and K/V live at slot_map[slot]
+    (a window pool's layer; `SWAKVPool.slot_map`). Each of the three is a
+    compile-time branch: None costs nothing.
     """
     bs, num_heads, head_dim = q.shape
     num_kv_heads = k_buffer.shape[1]
@@ -241,9 +263,12 @@ def decode_attention_fwd(
     has_prefix = prefix is not None
     # Without a prefix the pointer arguments are unused: any tensor will do.
     pl = prefix.prefix_lens if has_prefix else seq_lens
+    qk_scale, cap_log2 = score_scales(sm_scale, softcap)
+    translate = slot_map is not None
     _decode_stage1_kernel[(bs, num_kv_heads, num_splits)](
-        q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, pl, mid_o, mid_lse,
-        sm_scale * LOG2E, num_splits,
+        q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, pl,
+        slot_map if translate else seq_lens, mid_o, mid_lse,
+        qk_scale, cap_log2, window or 0, num_splits,
         q.stride(0), q.stride(1),
         k_buffer.stride(0), k_buffer.stride(1), v_buffer.stride(0), v_buffer.stride(1),
         req_to_token.stride(0),
@@ -251,13 +276,14 @@ def decode_attention_fwd(
         mid_lse.stride(0), mid_lse.stride(1),
         GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n,
         HEAD_DIM=head_dim, DOT_PREC=dot_precision(q.dtype), HAS_PREFIX=has_prefix,
+        HAS_WINDOW=window is not None, SOFTCAP=softcap is not None, TRANSLATE=translate,
         num_warps=num_warps or DECODE_NUM_WARPS, num_stages=num_stages or DECODE_NUM_STAGES,
         **pdl.launch_args(),
     )
     po, plse = (prefix.mid_po, prefix.mid_plse) if has_prefix else (mid_o, mid_lse)
     _decode_stage2_kernel[(bs, num_heads)](
         mid_o, mid_lse, o, seq_lens, pl, prefix.num_prefix if has_prefix else seq_lens,
-        po, plse, num_splits,
+        po, plse, window or 0, num_splits,
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2),
         mid_lse.stride(0), mid_lse.stride(1),
         po.stride(0), po.stride(1), po.stride(2),
@@ -266,7 +292,7 @@ def decode_attention_fwd(
         BLOCK_S=triton.next_power_of_2(num_splits),
         BLOCK_P=triton.next_power_of_2(po.shape[2]) if has_prefix else 1,
         CHUNK_ALIGN=block_n, HEAD_DIM=head_dim, HAS_PREFIX=has_prefix,
-        num_warps=4 if head_dim >= 128 else 2, **pdl.launch_args(),
+        HAS_WINDOW=window is not None, num_warps=4 if head_dim >= 128 else 2, **pdl.launch_args(),
     )
     return o
 

@@ -18,7 +18,9 @@ heads vary fastest, so the heads of one GQA group run at about the same time
 and share the group's K/V tiles through L2.
 
 Per program, keys run in two loops: blocks entirely before the first query's
-position (no mask) and the causal tail (masked). Online softmax in fp32 with
+position (no mask) and the causal tail (masked). A sliding-window layer adds a
+masked loop over the window's leading edge and starts there: keys before the
+first query's window are never read. Online softmax in fp32 with
 exp2, fp32 accumulation.
 """
 
@@ -29,18 +31,19 @@ import triton
 import triton.language as tl
 
 from radixlm.layers.attention.triton_ops.decode_attention import dot_precision
-from radixlm.layers.attention.triton_ops.flash_block import LOG2E, attend_block
+from radixlm.layers.attention.triton_ops.flash_block import attend_block, load_slots, score_scales
 
 
 @triton.jit
 def _extend_kernel(
     Q, K, V, Out, ReqToToken, ReqPoolIdx, PrefixLens, ExtendLens, ExtendStart, BlockTable,
-    sm_scale_log2,
+    SlotMap, qk_scale, cap_log2, window,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_kn, stride_kh, stride_vn, stride_vh,
     stride_r2t,
     GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    HEAD_DIM: tl.constexpr, DOT_PREC: tl.constexpr,
+    HEAD_DIM: tl.constexpr, DOT_PREC: tl.constexpr, HAS_WINDOW: tl.constexpr,
+    SOFTCAP: tl.constexpr, TRANSLATE: tl.constexpr,
 ):
     h = tl.program_id(0)
     blk = tl.program_id(1)
@@ -67,28 +70,51 @@ def _extend_kernel(
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
 
-    # Keys [0, full_end) precede every query of the block: no mask at all.
-    full_end = ((prefix + m0) // BLOCK_N) * BLOCK_N
-    for n0 in range(0, full_end, BLOCK_N):
-        slot = tl.load(r2t + n0 + tl.arange(0, BLOCK_N)).to(tl.int64)
+    # Keys [0, full_end) precede every query of the block: no causal mask.
+    first_q = prefix + m0
+    full_end = (first_q // BLOCK_N) * BLOCK_N
+    full_start = full_end * 0
+    if HAS_WINDOW:
+        # Row i sees keys (q_pos_i - window, q_pos_i]. Keys from window_start on
+        # may be visible to the first row; from full_start on, to the block's
+        # last row too (so to all rows before full_end: no mask there).
+        window_start = (tl.maximum(first_q - window + 1, 0) // BLOCK_N) * BLOCK_N
+        full_start = tl.cdiv(tl.maximum(first_q + BLOCK_M - window, 0), BLOCK_N) * BLOCK_N
+        full_start = tl.minimum(tl.maximum(full_start, window_start), full_end)
+        for n0 in range(window_start, full_start, BLOCK_N):
+            offs_n = n0 + tl.arange(0, BLOCK_N)
+            slot = load_slots(r2t, offs_n, None, SlotMap, False, TRANSLATE)
+            visible = offs_n[None, :] > q_pos[:, None] - window
+            m_i, l_i, acc = attend_block(q, k_base, v_base, slot, stride_kn, stride_vn,
+                                         visible, m_i, l_i, acc, qk_scale, cap_log2,
+                                         DOT_PREC=DOT_PREC, MASKED=True, SOFTCAP=SOFTCAP,
+                                         EMPTY_ROWS=True)
+    for n0 in range(full_start, full_end, BLOCK_N):
+        slot = load_slots(r2t, n0 + tl.arange(0, BLOCK_N), None, SlotMap, False,
+                          TRANSLATE)
         m_i, l_i, acc = attend_block(q, k_base, v_base, slot, stride_kn, stride_vn, None,
-                                     m_i, l_i, acc, sm_scale_log2,
-                                     DOT_PREC=DOT_PREC, MASKED=False)
+                                     m_i, l_i, acc, qk_scale, cap_log2,
+                                     DOT_PREC=DOT_PREC, MASKED=False, SOFTCAP=SOFTCAP,
+                                     EMPTY_ROWS=HAS_WINDOW)
 
     # Causal tail: keys [full_end, min(prefix + m0 + BLOCK_M, seq_len)). Key
-    # full_end <= every query position, so each row's first tail block has a
-    # finite score and m_i never stays -inf (no NaN from fully masked blocks).
+    # full_end <= every query position, so without a window each row's first
+    # tail block has a finite score and m_i never stays -inf (no NaN from fully
+    # masked blocks); a window may hide a whole block from a row (EMPTY_ROWS).
     seq_len = prefix + ext
     tail_end = tl.minimum(prefix + m0 + BLOCK_M, seq_len)
     for n0 in range(full_end, tail_end, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         nmask = offs_n < tail_end
         # Masked-off keys read slot 0 (padding row): gathers stay unmasked.
-        slot = tl.load(r2t + offs_n, mask=nmask, other=0).to(tl.int64)
+        slot = load_slots(r2t, offs_n, nmask, SlotMap, True, TRANSLATE)
         visible = (offs_n[None, :] <= q_pos[:, None]) & nmask[None, :]
+        if HAS_WINDOW:
+            visible = visible & (offs_n[None, :] > q_pos[:, None] - window)
         m_i, l_i, acc = attend_block(q, k_base, v_base, slot, stride_kn, stride_vn, visible,
-                                     m_i, l_i, acc, sm_scale_log2,
-                                     DOT_PREC=DOT_PREC, MASKED=True)
+                                     m_i, l_i, acc, qk_scale, cap_log2,
+                                     DOT_PREC=DOT_PREC, MASKED=True, SOFTCAP=SOFTCAP,
+                                     EMPTY_ROWS=HAS_WINDOW)
 
     out = acc / l_i[:, None]
     tl.store(Out + (q_start + offs_m)[:, None] * stride_ot + h * stride_oh + offs_d[None, :],
@@ -147,6 +173,9 @@ def extend_attention_fwd(
     block_n: int,
     num_warps: int,
     num_stages: int,
+    window: int | None = None,
+    softcap: float | None = None,
+    slot_map: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Extend attention; writes and returns `o`.
 
@@ -154,7 +183,8 @@ def extend_attention_fwd(
     k_buffer, v_buffer: pool buffers [pool_size, num_kv_heads, head_dim], already
     holding the new tokens' K/V. prefix_lens, extend_lens, extend_start_loc,
     req_pool_indices: [bs] device tensors. block_table: `build_extend_block_table`
-    for the same `block_m`.
+    for the same `block_m`. window / softcap / slot_map: as `decode_attention_fwd`
+    (compile-time branches; None costs nothing).
     """
     num_heads, head_dim = q.shape[1], q.shape[2]
     num_kv_heads = k_buffer.shape[1]
@@ -168,12 +198,14 @@ def extend_attention_fwd(
     _extend_kernel[(num_heads, num_blocks)](
         q, k_buffer, v_buffer, o, req_to_token, req_pool_indices, prefix_lens, extend_lens,
         extend_start_loc, block_table,
-        sm_scale * LOG2E,
+        slot_map if slot_map is not None else prefix_lens, *score_scales(sm_scale, softcap),
+        window or 0,
         q.stride(0), q.stride(1), o.stride(0), o.stride(1),
         k_buffer.stride(0), k_buffer.stride(1), v_buffer.stride(0), v_buffer.stride(1),
         req_to_token.stride(0),
         GROUP=num_heads // num_kv_heads, BLOCK_M=block_m, BLOCK_N=block_n,
-        HEAD_DIM=head_dim, DOT_PREC=dot_precision(q.dtype),
+        HEAD_DIM=head_dim, DOT_PREC=dot_precision(q.dtype), HAS_WINDOW=window is not None,
+        SOFTCAP=softcap is not None, TRANSLATE=slot_map is not None,
         num_warps=num_warps, num_stages=num_stages,
     )
     return o
