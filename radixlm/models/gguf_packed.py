@@ -56,6 +56,34 @@ def tensor_types(gguf_path: str | Path) -> dict[str, str]:
             if (name := gguf_hf_name(t.name)) is not None}
 
 
+# The dtype a .gguf file's matrices are stored in, by GGUF type; the block formats'
+# values are half precision or less (fp16 scales times small integers).
+_STORED_DTYPES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16"}
+
+
+def stored_dtype(gguf_path: str | Path) -> tuple[str, str]:
+    """(dtype name, why) of a .gguf file's weight matrices, for --dtype auto: the
+    widest float type among them (F32 > F16 / BF16), or bfloat16 when all are in
+    block formats. Norms (1-D, always F32 in GGUF) do not count."""
+    import gguf
+
+    reader = gguf.GGUFReader(gguf_path)
+    kinds = sorted({t.tensor_type.name for t in reader.tensors if len(t.shape) >= 2})
+    floats = [k for k in ("F32", "F16", "BF16") if k in kinds]
+    if floats:
+        return _STORED_DTYPES[floats[0]], f"its matrices include {floats[0]} tensors"
+    return "bfloat16", f"its matrices are {', '.join(kinds)} blocks (half precision or less)"
+
+
+def record_stored_dtype(hf_config: PretrainedConfig, gguf_path: str | Path) -> None:
+    """Give a converted .gguf config (which records no dtype) the file's stored dtype."""
+    if getattr(hf_config, "dtype", None) is None and \
+            getattr(hf_config, "torch_dtype", None) is None:
+        dtype, why = stored_dtype(gguf_path)
+        logger.info("the .gguf file's dtype is taken as %s: %s", dtype, why)
+        hf_config.dtype = dtype
+
+
 def _head_counts(reader: Any) -> tuple[bool, int, int]:
     arch = gguf_field(reader, "general.architecture")
     if arch not in GGUF_ARCHS:
@@ -143,16 +171,19 @@ def iter_packed(gguf_path: str | Path, names: frozenset[str] | None = None
 
 
 # ---- the --quantization gguf config ---------------------------------------------------
-# Whether a .gguf file on the CPU keeps its blocks by default (--quantization auto).
-KEEP_BLOCKS_BY_DEFAULT = False
+# Whether a .gguf file on the CPU keeps its blocks by default (--quantization auto): it
+# does since they won every measured workload against the dequantized weights
+# (BENCHMARKS.md, "CPU: GGUF blocks in the engine").
+KEEP_BLOCKS_BY_DEFAULT = True
 
 
 def quant_config(hf_config: PretrainedConfig, gguf_path: Path, quantization: str | None,
-                 device: torch.device, *, prepack: bool = True,
-                 gemv: bool = True) -> QuantizationConfig:
+                 device: torch.device, dtype: torch.dtype = torch.float32, *,
+                 prepack: bool = True, gemv: bool = True) -> QuantizationConfig:
     """The config of a model loaded from the .gguf file `gguf_path`: its blocks
     in our kernels (`quantization` 'gguf', or auto where that is the default),
-    or floats ('none', auto on a GPU). The choice and its reason go to the log."""
+    or floats ('none'; auto on a GPU or in float16). The choice and its reason
+    go to the log."""
     floats = UnquantizedConfig(prepack=prepack, gemv=gemv)
     if quantization == "int8":
         raise ValueError("quantization='int8' quantizes a float checkpoint; a .gguf file keeps "
@@ -160,7 +191,7 @@ def quant_config(hf_config: PretrainedConfig, gguf_path: Path, quantization: str
     if quantization not in (None, "auto", "none", "gguf"):
         raise ValueError(f"quantization={quantization!r}: a .gguf file takes auto, none or gguf")
     if quantization in (None, "auto"):
-        quantization, why = _default_choice(device)
+        quantization, why = _default_choice(device, dtype)
         logger.info("quantization auto -> %s for a .gguf file: %s", quantization, why)
     if quantization == "none":
         return floats
@@ -169,16 +200,19 @@ def quant_config(hf_config: PretrainedConfig, gguf_path: Path, quantization: str
                       fallback=floats)
 
 
-def _default_choice(device: torch.device) -> tuple[str, str]:
+def _default_choice(device: torch.device, dtype: torch.dtype) -> tuple[str, str]:
     if device.type != "cpu":
         return "none", f"our GGUF kernels run on the CPU, the model on {device.type}"
     if not KEEP_BLOCKS_BY_DEFAULT:
         return "none", ("its blocks in our kernels (--quantization gguf) are not yet faster "
                         "on every measured workload")
+    if dtype not in (torch.float32, torch.bfloat16):
+        return "none", f"our kernels take float32 or bfloat16 activations, not {dtype}"
     if not qgemm.load():
         return "none", "the quantized CPU kernels could not be built (see the warning above)"
     return "gguf", (f"its blocks in our {qgemm.default_isa()} kernels read 4-8x fewer bytes "
-                    "per token than dequantized weights")
+                    "per token than dequantized weights and were faster on every measured "
+                    "workload (--quantization none: dequantized)")
 
 
 def gguf_tensors(gguf_path: str | Path, hf_config: PretrainedConfig) -> GGUFTensors:

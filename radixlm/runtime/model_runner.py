@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from pathlib import Path
 
 import psutil
 import torch
@@ -74,6 +75,9 @@ class ModelRunner:
             torch.cuda.set_device(self.device.index or 0)
             if set_pdl(not args.disable_pdl, self.device):
                 logger.info("programmatic dependent launch on for the decode kernels")
+        if (gguf := self._gguf_source()) is not None:
+            from radixlm.models.gguf_packed import record_stored_dtype
+            record_stored_dtype(config, gguf)  # for dtype auto
         self.dtype = resolve_dtype(args.dtype, config, self.device)
         self.config = config
         self.shape = ModelShape.from_config(config, args.context_length, args.tp_size,
@@ -112,15 +116,21 @@ class ModelRunner:
         --quantization; a .gguf file's blocks, `models/gguf_packed.py`), and for
         float weights the fast paths the flags allow."""
         from radixlm.models.gguf_packed import quant_config
-        from radixlm.models.loader import gguf_source
 
         args = self.args
         fast = {"prepack": not args.disable_weight_prepack, "gemv": not args.disable_gemv}
-        gguf = None if args.load_format == "dummy" else gguf_source(args.model_path,
-                                                                     args.load_format)
-        if gguf is not None:
-            return quant_config(self.config, gguf, args.quantization, self.device, **fast)
+        if (gguf := self._gguf_source()) is not None:
+            return quant_config(self.config, gguf, args.quantization, self.device, self.dtype,
+                                **fast)
         return get_quantization_config(self.config, args.quantization, **fast)
+
+    def _gguf_source(self) -> Path | None:
+        """The .gguf file the weights come from, or None."""
+        from radixlm.models.loader import gguf_source
+
+        if self.args.load_format == "dummy":
+            return None
+        return gguf_source(self.args.model_path, self.args.load_format)
 
     # ---- sizing ------------------------------------------------------------
     def _kv_capacity(self) -> int:
