@@ -104,7 +104,8 @@ def test_server_args_reach_the_quant_config():
     args = ServerArgs(disable_weight_prepack=True, quantization="none")
     from radixlm.runtime.model_runner import ModelRunner
 
-    runner = SimpleNamespace(args=args, config=config, device=torch.device("cpu"))
+    runner = SimpleNamespace(args=args, config=config, device=torch.device("cpu"),
+                             dtype=torch.float32)
     built = ModelRunner._quant_config(runner)
     assert isinstance(built, UnquantizedConfig) and not built.prepack and built.gemv
 

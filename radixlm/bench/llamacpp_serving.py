@@ -167,10 +167,13 @@ def rss_mb(server: Server, model: str) -> tuple[float, str]:
 def kv_pool_mib(dtype_name: str, model: str, tokens: int) -> float:
     """The KV pool's size as the scheduler sizes it (same config, same dtype rule)."""
     from radixlm.cache.memory_pool import MHATokenToKVPool
+    from radixlm.models.gguf_packed import record_stored_dtype
     from radixlm.models.llama import head_dim_of
-    from radixlm.models.loader import load_config, prepare_model_dir, resolve_dtype
+    from radixlm.models.loader import gguf_source, load_config, prepare_model_dir, resolve_dtype
 
     config = load_config(prepare_model_dir(model))
+    if (gguf := gguf_source(model)) is not None:
+        record_stored_dtype(config, gguf)  # as the runner does, for dtype auto
     dtype = resolve_dtype(dtype_name, config, "cpu")
     per_token = MHATokenToKVPool.bytes_per_token(
         config.num_key_value_heads, head_dim_of(config), config.num_hidden_layers, dtype)

@@ -62,6 +62,15 @@ def resolve_device(name: str, gpu_id: int | None = None) -> torch.device:
     return device
 
 
+def gguf_file(args: ServerArgs) -> Path | None:
+    """The .gguf file the weights come from, or None."""
+    from radixlm.models.loader import gguf_source
+
+    if args.load_format == "dummy":
+        return None
+    return gguf_source(args.model_path, args.load_format)
+
+
 class ModelRunner:
     def __init__(self, args: ServerArgs, model_dir: str, config,
                  gpu_id: int | None = None) -> None:
@@ -75,7 +84,7 @@ class ModelRunner:
             torch.cuda.set_device(self.device.index or 0)
             if set_pdl(not args.disable_pdl, self.device):
                 logger.info("programmatic dependent launch on for the decode kernels")
-        if (gguf := self._gguf_source()) is not None:
+        if (gguf := gguf_file(args)) is not None:
             from radixlm.models.gguf_packed import record_stored_dtype
             record_stored_dtype(config, gguf)  # for dtype auto
         self.dtype = resolve_dtype(args.dtype, config, self.device)
@@ -119,18 +128,11 @@ class ModelRunner:
 
         args = self.args
         fast = {"prepack": not args.disable_weight_prepack, "gemv": not args.disable_gemv}
-        if (gguf := self._gguf_source()) is not None:
+        if (gguf := gguf_file(args)) is not None:
             return quant_config(self.config, gguf, args.quantization, self.device, self.dtype,
                                 **fast)
         return get_quantization_config(self.config, args.quantization, **fast)
 
-    def _gguf_source(self) -> Path | None:
-        """The .gguf file the weights come from, or None."""
-        from radixlm.models.loader import gguf_source
-
-        if self.args.load_format == "dummy":
-            return None
-        return gguf_source(self.args.model_path, self.args.load_format)
 
     # ---- sizing ------------------------------------------------------------
     def _kv_capacity(self) -> int:
