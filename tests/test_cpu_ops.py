@@ -13,6 +13,7 @@ from radixlm.forward_batch import ForwardBatch, ForwardMode
 from radixlm.layers import cpu_ops
 from radixlm.layers.activation import SiluAndMul
 from radixlm.layers.attention.cpu_backend import CpuAttentionBackend
+from radixlm.layers.attention.radix_attention import RadixAttention
 from radixlm.layers.attention.torch_native import TorchNativeBackend
 from radixlm.layers.norm import RMSNorm
 from radixlm.layers.rotary import RotaryEmbedding
@@ -196,8 +197,7 @@ def test_cpu_backend_decode_matches_torch_native(dtype):
         req_pool.req_to_token[row, :n + 1] = kv_pool.alloc(n + 1).to(torch.int32)
     new_slots = torch.cat([req_pool.req_to_token[r, n:n + 1].long() for r, n in zip(rows, lens)])
 
-    class Layer:
-        layer_id, num_heads, num_kv_heads, head_dim, scaling = 1, heads, kv_heads, dim, 0.125
+    layer = RadixAttention(1, heads, kv_heads, dim, 0.125)
 
     q = torch.randn(3, heads * dim, generator=gen).to(dtype)
     k = torch.randn(3, kv_heads * dim, generator=gen).to(dtype)
@@ -207,7 +207,7 @@ def test_cpu_backend_decode_matches_torch_native(dtype):
         fb = ForwardBatch.build(ForwardMode.DECODE, [1, 2, 3], rows, lens, [1] * 3, new_slots,
                                 req_pool, kv_pool, backend, torch.device("cpu"))
         backend.init_forward_metadata(fb)
-        outs.append(backend.forward(q, k, v, Layer(), fb))
+        outs.append(backend.forward(q, k, v, layer, fb))
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(outs[1].float(), outs[0].float(), atol=tol, rtol=tol)
 
@@ -288,8 +288,7 @@ def test_cpu_backend_extend_mixes_fresh_and_cached_prompts():
         req_pool.req_to_token[row, :pre + ext] = slots
         new.append(slots[pre:].long())
 
-    class Layer:
-        layer_id, num_heads, num_kv_heads, head_dim, scaling = 0, heads, kv_heads, dim, 0.125
+    layer = RadixAttention(0, heads, kv_heads, dim, 0.125)
 
     n = sum(extend)
     qkv = torch.randn(n, (heads + 2 * kv_heads) * dim, generator=gen).to(dtype)
@@ -300,5 +299,5 @@ def test_cpu_backend_extend_mixes_fresh_and_cached_prompts():
                                 torch.cat(new), req_pool, kv_pool, backend,
                                 torch.device("cpu"))
         backend.init_forward_metadata(fb)
-        outs.append(backend.forward(q, k, v, Layer(), fb))
+        outs.append(backend.forward(q, k, v, layer, fb))
     torch.testing.assert_close(outs[1].float(), outs[0].float(), atol=2e-2, rtol=2e-2)

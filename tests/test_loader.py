@@ -212,7 +212,7 @@ def test_synthetic_gguf_converts_exactly(tiny_gguf, cache_dir):
 
 
 def test_synthetic_gguf_logits_match_hf(tiny_gguf, cache_dir):
-    from test_models import KVRunner, check_close
+    from kv_runner import KVRunner, check_close
 
     path, config, _ = tiny_gguf
     model_dir = prepare_model_dir(str(path))

@@ -9,12 +9,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from kv_runner import KVRunner, check_close, hf_logits
 from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config
 
 from radixlm import distributed
-from radixlm.cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
 from radixlm.forward_batch import ForwardBatch, ForwardMode
-from radixlm.layers.attention.torch_native import TorchNativeBackend
 from radixlm.layers.embedding import ParallelLMHead
 from radixlm.layers.linear import (
     ColumnParallelLinear,
@@ -26,10 +25,6 @@ from radixlm.models import get_model_class, supported_architectures
 from radixlm.models.loader import iter_safetensors, load_config, load_model
 from radixlm.tokenizer import get_tokenizer
 
-# Relative to the largest reference logit; fp32 on the same weights differs
-# only by summation order (batched matmuls of other shapes).
-RTOL = 1e-4
-
 TEXTS = [
     "The capital of France is",
     "def fibonacci(n):\n    if n < 2:\n        return n\n",
@@ -38,64 +33,6 @@ TEXTS = [
     "1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15,",
     "Hi",
 ]
-
-
-class KVRunner:
-    """Runs a model over a real KV pool: extend (prefill after a cached prefix) and decode."""
-
-    def __init__(self, model: torch.nn.Module, max_requests: int = 8,
-                 max_context: int = 256) -> None:
-        self.model = model
-        self.req_pool = ReqToTokenPool(max_requests, max_context, "cpu")
-        self.kv_pool = MHATokenToKVPool(max_requests * max_context, torch.float32,
-                                        model.num_kv_heads, model.head_dim, model.num_layers,
-                                        "cpu")
-        self.backend = TorchNativeBackend()
-        self.kv_len: dict[int, int] = {}
-
-    def new_request(self) -> int:
-        slot = self.req_pool.alloc()
-        self.kv_len[slot] = 0
-        return slot
-
-    def run(self, mode: ForwardMode, reqs: list[tuple[int, list[int]]],
-            all_rows: bool = False) -> torch.Tensor:
-        """`reqs`: (request slot, its new tokens); returns the model's logits."""
-        ids, prefix_lens, extend_lens, locs = [], [], [], []
-        for slot, new in reqs:
-            loc = self.kv_pool.alloc(len(new))
-            pre = self.kv_len[slot]
-            self.req_pool.req_to_token[slot, pre:pre + len(new)] = loc.to(torch.int32)
-            self.kv_len[slot] = pre + len(new)
-            ids += new
-            prefix_lens.append(pre)
-            extend_lens.append(len(new))
-            locs.append(loc)
-        rows = list(range(len(ids))) if all_rows else None
-        fb = ForwardBatch.build(mode, ids, [slot for slot, _ in reqs], prefix_lens, extend_lens,
-                                torch.cat(locs), self.req_pool, self.kv_pool, self.backend,
-                                torch.device("cpu"), logit_rows=rows)
-        self.backend.init_forward_metadata(fb)
-        with torch.inference_mode():
-            return self.model(fb.input_ids, fb.positions, fb)
-
-    def extend(self, reqs: list[tuple[int, list[int]]], all_rows: bool = False) -> torch.Tensor:
-        return self.run(ForwardMode.EXTEND, reqs, all_rows)
-
-    def decode(self, reqs: list[tuple[int, int]]) -> torch.Tensor:
-        return self.run(ForwardMode.DECODE, [(slot, [tok]) for slot, tok in reqs])
-
-
-def hf_logits(hf: torch.nn.Module, ids: list[int]) -> torch.Tensor:
-    with torch.inference_mode():
-        return hf(torch.tensor([ids])).logits[0].float()
-
-
-def check_close(ours: torch.Tensor, ref: torch.Tensor) -> float:
-    assert ours.dtype == torch.float32 and ours.shape == ref.shape
-    diff = (ours - ref).abs().max().item()
-    assert diff <= RTOL * ref.abs().max().item(), f"max |diff| {diff:.3g}"
-    return diff
 
 
 # ---- the embedded SmolLM2 --------------------------------------------------------

@@ -167,8 +167,8 @@ def rss_mb(server: Server, model: str) -> tuple[float, str]:
 def kv_pool_mib(dtype_name: str, model: str, tokens: int) -> float:
     """The KV pool's size as the scheduler sizes it (same config, same dtype rule)."""
     from radixlm.cache.memory_pool import MHATokenToKVPool
+    from radixlm.models.decoder import head_dim_of
     from radixlm.models.gguf_packed import record_stored_dtype
-    from radixlm.models.llama import head_dim_of
     from radixlm.models.loader import gguf_source, load_config, prepare_model_dir, resolve_dtype
 
     config = load_config(prepare_model_dir(model))

@@ -1,4 +1,5 @@
-"""Fused elementwise/row ops for the model layers: RMSNorm (+ residual add), RoPE, SiLU-and-mul.
+"""Fused elementwise/row ops for the model layers: RMSNorm (+ residual add, + a
+sandwich pre-norm), RoPE (+ a per-head QK norm), SiLU- and GELU-tanh-and-mul.
 
 Each op has a Triton kernel for CUDA tensors and a pure-torch path, used on the
 CPU, when Triton is missing, or with `use_triton=False`; the torch path is also
@@ -10,10 +11,17 @@ Semantics (both paths):
 - `rms_norm(x, w, eps, residual)` -> (normed, new_residual) with
   new_residual = x + residual rounded to x's dtype (as the unfused model code
   does), normed computed from that rounded sum.
+- `rms_norm(x, w, eps, residual, pre_weight=pw)`: x is first normalized with
+  pw and rounded (a sandwich layer's post-norm), then as above: one pass for
+  norm -> add -> norm.
 - `apply_rope_(positions, q, k, head_dim, cos_sin_cache)`: neox / rotate-half
   style, in place on the first `rotary_dim` dims of each head; cos_sin_cache is
   [max_position, rotary_dim] = cat(cos, sin) along the last dim.
+  `qk_norm=(wq, wk, eps)` (full rotary only): each head of q and k is first
+  RMS-normalized with wq / wk and rounded (Qwen3's and Gemma 3's QK norm).
 - `silu_and_mul(x)`: x = [..., 2 * d] -> silu(x[..., :d]) * x[..., d:].
+- `gelu_tanh_and_mul(x)`: gelu_tanh(x[..., :d]), rounded, times x[..., d:]
+  (GeGLU as the unfused `F.gelu(gate, approximate="tanh") * up` rounds it).
 """
 
 from __future__ import annotations
@@ -68,6 +76,19 @@ def apply_rope_torch_(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
     return q, k
 
 
+def rms_norm_heads_torch(x: torch.Tensor, weight: torch.Tensor, eps: float,
+                         head_dim: int) -> torch.Tensor:
+    """Per-head RMSNorm of [T, heads * head_dim] rows, rounded once."""
+    xf = x.float().view(x.shape[0], -1, head_dim)
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * weight.float()
+    return xf.to(x.dtype).view(x.shape)
+
+
+def gelu_tanh_and_mul_torch(x: torch.Tensor) -> torch.Tensor:
+    d = x.shape[-1] // 2
+    return F.gelu(x[..., :d], approximate="tanh") * x[..., d:]
+
+
 def silu_and_mul_torch(x: torch.Tensor) -> torch.Tensor:
     d = x.shape[-1] // 2
     xf = x.float()
@@ -92,14 +113,19 @@ if HAS_TRITON:
     from radixlm.layers.pdl import pdl_trigger, pdl_wait
 
     @triton.jit
-    def _rms_norm_kernel(X, R, W, Y, RO, stride_x, stride_r, stride_y, stride_ro, N, eps,
-                         HAS_RES: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    def _rms_norm_kernel(X, R, W, Y, RO, PW, stride_x, stride_r, stride_y, stride_ro, N, eps,
+                         HAS_RES: tl.constexpr, HAS_PRE: tl.constexpr, BLOCK: tl.constexpr,
+                         PDL: tl.constexpr):
         pdl_wait(PDL)
         pdl_trigger(PDL)
         row = tl.program_id(0).to(tl.int64)
         offs = tl.arange(0, BLOCK)
         mask = offs < N
         x = tl.load(X + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
+        if HAS_PRE:  # normalize x first, rounded as a separate norm's output would be
+            pw = tl.load(PW + offs, mask=mask, other=0.0).to(tl.float32)
+            pre = tl.rsqrt(tl.sum(x * x, 0) / N + eps)
+            x = (x * pre * pw).to(Y.dtype.element_ty).to(tl.float32)
         if HAS_RES:
             r = tl.load(R + row * stride_r + offs, mask=mask, other=0.0).to(tl.float32)
             # Round the sum to the activation dtype before normalizing, as the
@@ -112,10 +138,21 @@ if HAS_TRITON:
         tl.store(Y + row * stride_y + offs, (x * rstd * w).to(Y.dtype.element_ty), mask=mask)
 
     @triton.jit
+    def _norm_heads(x1, x2, W, offs, dmask, eps, HEAD_DIM: tl.constexpr, HALF: tl.constexpr,
+                    dtype: tl.constexpr):
+        """RMSNorm of each row (head) of a [heads, HALF] x2 tile pair, rounded."""
+        rstd = tl.rsqrt((tl.sum(x1 * x1, 1) + tl.sum(x2 * x2, 1)) / HEAD_DIM + eps)[:, None]
+        w1 = tl.load(W + offs, mask=dmask, other=0.0).to(tl.float32)[None, :]
+        w2 = tl.load(W + HALF + offs, mask=dmask, other=0.0).to(tl.float32)[None, :]
+        return ((x1 * rstd * w1).to(dtype).to(tl.float32),
+                (x2 * rstd * w2).to(dtype).to(tl.float32))
+
+    @triton.jit
     def _rope_kernel(Q, K, CosSin, Pos, stride_qt, stride_qh, stride_kt, stride_kh, stride_cs,
-                     V, KBuf, VBuf, Loc, stride_vt,
-                     NQ: tl.constexpr, NK: tl.constexpr, BLOCK_HQ: tl.constexpr,
-                     BLOCK_HK: tl.constexpr, HALF: tl.constexpr, BLOCK_HALF: tl.constexpr,
+                     V, KBuf, VBuf, Loc, stride_vt, WQ, WK, eps,
+                     QK_NORM: tl.constexpr, NQ: tl.constexpr, NK: tl.constexpr,
+                     BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, HALF: tl.constexpr,
+                     BLOCK_HALF: tl.constexpr,
                      STORE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                      PDL: tl.constexpr):
         pdl_wait(PDL)
@@ -134,6 +171,9 @@ if HAS_TRITON:
         pq = Q + t * stride_qt + hq[:, None] * stride_qh + offs[None, :]
         x1 = tl.load(pq, mask=mq, other=0.0).to(tl.float32)
         x2 = tl.load(pq + HALF, mask=mq, other=0.0).to(tl.float32)
+        if QK_NORM:
+            x1, x2 = _norm_heads(x1, x2, WQ, offs, dmask, eps, HEAD_DIM, HALF,
+                                 Q.dtype.element_ty)
         tl.store(pq, (x1 * cos - x2 * sin).to(Q.dtype.element_ty), mask=mq)
         tl.store(pq + HALF, (x2 * cos + x1 * sin).to(Q.dtype.element_ty), mask=mq)
         hk = tl.arange(0, BLOCK_HK)
@@ -141,6 +181,9 @@ if HAS_TRITON:
         pk = K + t * stride_kt + hk[:, None] * stride_kh + offs[None, :]
         y1 = tl.load(pk, mask=mk, other=0.0).to(tl.float32)
         y2 = tl.load(pk + HALF, mask=mk, other=0.0).to(tl.float32)
+        if QK_NORM:
+            y1, y2 = _norm_heads(y1, y2, WK, offs, dmask, eps, HEAD_DIM, HALF,
+                                 K.dtype.element_ty)
         k1 = (y1 * cos - y2 * sin).to(K.dtype.element_ty)
         k2 = (y2 * cos + y1 * sin).to(K.dtype.element_ty)
         tl.store(pk, k1, mask=mk)
@@ -156,8 +199,8 @@ if HAS_TRITON:
             tl.store(VBuf + row + heads, tl.load(V + t * stride_vt + heads, mask=mv), mask=mv)
 
     @triton.jit
-    def _silu_and_mul_kernel(X, Y, stride_x, stride_y, D, BLOCK: tl.constexpr,
-                             PDL: tl.constexpr):
+    def _act_and_mul_kernel(X, Y, stride_x, stride_y, D, BLOCK: tl.constexpr,
+                            GELU_TANH: tl.constexpr, PDL: tl.constexpr):
         pdl_wait(PDL)
         pdl_trigger(PDL)
         row = tl.program_id(0).to(tl.int64)
@@ -165,17 +208,28 @@ if HAS_TRITON:
         mask = cols < D
         a = tl.load(X + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
         b = tl.load(X + row * stride_x + D + cols, mask=mask, other=0.0).to(tl.float32)
-        y = a / (1.0 + tl.exp(-a)) * b
+        if GELU_TANH:
+            # tanh(u) = 1 - 2 / (exp(2u) + 1); the gelu rounded before the product.
+            u = 0.7978845608028654 * (a + 0.044715 * a * a * a)
+            g = 0.5 * a * (2.0 - 2.0 / (tl.exp(2.0 * u) + 1.0))
+            y = g.to(Y.dtype.element_ty).to(tl.float32) * b
+        else:
+            y = a / (1.0 + tl.exp(-a)) * b
         tl.store(Y + row * stride_y + cols, y.to(Y.dtype.element_ty), mask=mask)
 
 
 # ---------------------------------------------------------------- public ops
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
-             residual: torch.Tensor | None = None, *, use_triton: bool | None = None
+             residual: torch.Tensor | None = None, *, pre_weight: torch.Tensor | None = None,
+             use_triton: bool | None = None
              ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """RMSNorm over the last dim; with `residual`, returns (normed, x + residual)."""
+    """RMSNorm over the last dim; with `residual`, returns (normed, x + residual);
+    `pre_weight` (needs `residual`): x is RMS-normalized with it first."""
+    assert pre_weight is None or residual is not None
     if not _use_triton(x, use_triton):
+        if pre_weight is not None:
+            x = rms_norm_torch(x, pre_weight, eps)
         return rms_norm_torch(x, weight, eps, residual)
     n = x.shape[-1]
     x2 = x.reshape(-1, n)
@@ -189,9 +243,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     warps = max(1, min(16, block // 512))
     if residual is None:
         if rows:
-            _rms_norm_kernel[(rows,)](x2, x2, weight, y2, y2, x2.stride(0), 0, y2.stride(0), 0,
-                                      n, eps, HAS_RES=False, BLOCK=block, num_warps=warps,
-                                      **pdl.launch_args())
+            _rms_norm_kernel[(rows,)](x2, x2, weight, y2, y2, weight, x2.stride(0), 0,
+                                      y2.stride(0), 0, n, eps, HAS_RES=False, HAS_PRE=False,
+                                      BLOCK=block, num_warps=warps, **pdl.launch_args())
         return y
     r2 = residual.reshape(-1, n)
     if r2.stride(-1) != 1:
@@ -199,8 +253,10 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     new_res = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     ro2 = new_res.view(-1, n)
     if rows:
-        _rms_norm_kernel[(rows,)](x2, r2, weight, y2, ro2, x2.stride(0), r2.stride(0),
-                                  y2.stride(0), ro2.stride(0), n, eps, HAS_RES=True,
+        _rms_norm_kernel[(rows,)](x2, r2, weight, y2, ro2,
+                                  weight if pre_weight is None else pre_weight,
+                                  x2.stride(0), r2.stride(0), y2.stride(0), ro2.stride(0), n,
+                                  eps, HAS_RES=True, HAS_PRE=pre_weight is not None,
                                   BLOCK=block, num_warps=warps, **pdl.launch_args())
     return y, new_res
 
@@ -208,14 +264,21 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
 def apply_rope_(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, head_dim: int,
                 cos_sin_cache: torch.Tensor, *, use_triton: bool | None = None,
                 kv_store: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None
-                = None) -> tuple[torch.Tensor, torch.Tensor]:
+                = None, qk_norm: tuple[torch.Tensor, torch.Tensor, float] | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
     """Neox-style RoPE in place. q: [T, nq * head_dim], k: [T, nk * head_dim] (rows may be
     strided, e.g. views into a fused qkv output); returns (q, k).
 
     `kv_store` (v, k_buffer, v_buffer, loc): also write the rotated k and v rows
     into slots `loc` of the pool's [size, nk, head_dim] buffers, as
-    `store_kv` does, in the same kernel (needs rotary over the whole head)."""
+    `store_kv` does, in the same kernel (needs rotary over the whole head).
+    `qk_norm` (wq, wk, eps): per-head RMSNorm of q and k first, in the same kernel
+    (rotary over the whole head)."""
     if not _use_triton(q, use_triton):
+        if qk_norm is not None:
+            wq, wk, eps = qk_norm
+            q.copy_(rms_norm_heads_torch(q, wq, eps, head_dim))
+            k.copy_(rms_norm_heads_torch(k, wk, eps, head_dim))
         apply_rope_torch_(positions, q, k, head_dim, cos_sin_cache)
         if kv_store is not None:
             v, k_buf, v_buf, loc = kv_store
@@ -241,10 +304,15 @@ def apply_rope_(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, head_
         assert k_buf.shape[1:] == (nk, head_dim) and v_buf.dtype == v.dtype
     else:
         vv, k_buf, v_buf, loc = kv, kv, kv, positions  # unused pointers
+    if qk_norm is not None:
+        assert rot == head_dim, "a fused QK norm needs rotary over the whole head"
+        wq, wk, eps = qk_norm
+    else:
+        wq, wk, eps = cos_sin_cache, cos_sin_cache, 0.0  # unused
     _rope_kernel[(t,)](
         qv, kv, cos_sin_cache, positions, qv.stride(0), qv.stride(1), kv.stride(0), kv.stride(1),
-        cos_sin_cache.stride(0), vv, k_buf, v_buf, loc, vv.stride(0),
-        NQ=nq, NK=nk, BLOCK_HQ=triton.next_power_of_2(nq),
+        cos_sin_cache.stride(0), vv, k_buf, v_buf, loc, vv.stride(0), wq, wk, eps,
+        QK_NORM=qk_norm is not None, NQ=nq, NK=nk, BLOCK_HQ=triton.next_power_of_2(nq),
         BLOCK_HK=triton.next_power_of_2(nk), HALF=half, BLOCK_HALF=triton.next_power_of_2(half),
         STORE=store, HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim), num_warps=4,
         **pdl.launch_args(),
@@ -256,6 +324,17 @@ def silu_and_mul(x: torch.Tensor, *, use_triton: bool | None = None) -> torch.Te
     """[..., 2 * d] -> [..., d]: silu(gate) * up."""
     if not _use_triton(x, use_triton):
         return silu_and_mul_torch(x)
+    return _act_and_mul(x, gelu_tanh=False)
+
+
+def gelu_tanh_and_mul(x: torch.Tensor, *, use_triton: bool | None = None) -> torch.Tensor:
+    """[..., 2 * d] -> [..., d]: gelu_tanh(gate) * up."""
+    if not _use_triton(x, use_triton):
+        return gelu_tanh_and_mul_torch(x)
+    return _act_and_mul(x, gelu_tanh=True)
+
+
+def _act_and_mul(x: torch.Tensor, gelu_tanh: bool) -> torch.Tensor:
     d = x.shape[-1] // 2
     x2 = x.reshape(-1, 2 * d)
     if x2.stride(-1) != 1:
@@ -265,7 +344,7 @@ def silu_and_mul(x: torch.Tensor, *, use_triton: bool | None = None) -> torch.Te
     rows = x2.shape[0]
     if rows:
         block = min(1024, triton.next_power_of_2(d))
-        _silu_and_mul_kernel[(rows, triton.cdiv(d, block))](
-            x2, y2, x2.stride(0), y2.stride(0), d, BLOCK=block, num_warps=4,
-            **pdl.launch_args())
+        _act_and_mul_kernel[(rows, triton.cdiv(d, block))](
+            x2, y2, x2.stride(0), y2.stride(0), d, BLOCK=block, GELU_TANH=gelu_tanh,
+            num_warps=4, **pdl.launch_args())
     return y

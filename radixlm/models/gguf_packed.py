@@ -31,14 +31,8 @@ from radixlm.layers.cpu_ops import qgemm, qpack
 from radixlm.layers.quantization import QuantizationConfig, UnquantizedConfig
 from radixlm.layers.quantization.gguf import GGUFConfig, GGUFTensors
 from radixlm.layers.quantization.packed import PackedLayout, packed_bytes
-from radixlm.models.loader import (
-    GGUF_ARCHS,
-    cached_dir,
-    gguf_field,
-    gguf_hf_name,
-    iter_safetensors,
-    unpermute_qk,
-)
+from radixlm.models.gguf_arch import GGUF_ARCHS, GgufArch
+from radixlm.models.loader import cached_dir, gguf_field, iter_safetensors, unpermute_qk
 from radixlm.models.registry import get_model_class
 
 logger = logging.getLogger(__name__)
@@ -52,8 +46,9 @@ def tensor_types(gguf_path: str | Path) -> dict[str, str]:
     import gguf
 
     reader = gguf.GGUFReader(gguf_path)
+    spec = _arch(reader)
     return {name: t.tensor_type.name for t in reader.tensors
-            if (name := gguf_hf_name(t.name)) is not None}
+            if (name := spec.hf_name(t.name)) is not None}
 
 
 # The dtype a .gguf file's matrices are stored in, by GGUF type; the block formats'
@@ -84,13 +79,18 @@ def record_stored_dtype(hf_config: PretrainedConfig, gguf_path: str | Path) -> N
         hf_config.dtype = dtype
 
 
-def _head_counts(reader: Any) -> tuple[bool, int, int]:
+def _arch(reader: Any) -> GgufArch:
     arch = gguf_field(reader, "general.architecture")
     if arch not in GGUF_ARCHS:
         raise ValueError(f"GGUF architecture {arch!r} is not supported "
                          f"(supported: {', '.join(GGUF_ARCHS)})")
+    return GGUF_ARCHS[arch]
+
+
+def _head_counts(reader: Any) -> tuple[int, int]:
+    arch = gguf_field(reader, "general.architecture")
     heads = gguf_field(reader, f"{arch}.attention.head_count")
-    return GGUF_ARCHS[arch][2], heads, gguf_field(reader, f"{arch}.attention.head_count_kv", heads)
+    return heads, gguf_field(reader, f"{arch}.attention.head_count_kv", heads)
 
 
 def _blocks(tensor: Any, n: int, permuted: bool, heads: int, kv_heads: int) -> np.ndarray:
@@ -106,14 +106,16 @@ def _pack_all(gguf_path: Path) -> Iterator[tuple[str, qgemm.QuantizedWeight]]:
     import gguf
 
     reader = gguf.GGUFReader(gguf_path)
-    permuted, heads, kv_heads = _head_counts(reader)
+    spec = _arch(reader)
+    heads, kv_heads = _head_counts(reader)
     for tensor in reader.tensors:
-        name = gguf_hf_name(tensor.name)
+        name = spec.hf_name(tensor.name)
         kind = tensor.tensor_type.name
         if name is None or kind not in qpack.GGUF_FORMATS:
             continue
         k, n = int(tensor.shape[0]), int(np.prod(tensor.shape[1:]))
-        yield name, qpack.pack_gguf(_blocks(tensor, n, permuted, heads, kv_heads), kind, n, k)
+        yield name, qpack.pack_gguf(_blocks(tensor, n, spec.permuted_qk, heads, kv_heads),
+                                    kind, n, k)
 
 
 def _write_cache(gguf_path: Path, out: Path) -> None:

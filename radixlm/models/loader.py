@@ -37,6 +37,7 @@ from radixlm.layers.quantization import (
     process_weights_after_loading,
 )
 from radixlm.layers.rotary import compute_inv_freq
+from radixlm.models.gguf_arch import GGUF_ARCHS, GgufArch
 from radixlm.models.registry import get_model_class
 from radixlm.models.weight_map import WeightMap, missing_message
 from radixlm.utils import cache_root
@@ -178,22 +179,6 @@ def _remove_stale_temp_dirs(root: Path) -> None:
             continue  # not ours to judge: no pid file yet, or a file
 
 
-# GGUF architecture -> (transformers config class, HF architecture, whether
-# llama.cpp permuted the q/k rows when it converted the checkpoint).
-GGUF_ARCHS = {
-    "llama": ("LlamaConfig", "LlamaForCausalLM", True),
-    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", False),
-}
-_GGUF_GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm",
-                      "output": "lm_head"}
-_GGUF_BLOCK_NAMES = {
-    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
-    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
-}
-
-
 def _write_hf_dir(gguf_path: Path, out: Path) -> None:
     import gguf
 
@@ -206,7 +191,7 @@ def _write_hf_dir(gguf_path: Path, out: Path) -> None:
     config.save_pretrained(out)
     _write_generation_config(config, out)
     _write_tokenizer(reader, gguf_path, out)
-    _write_tensors(reader, config, GGUF_ARCHS[arch][2], out)
+    _write_tensors(reader, config, GGUF_ARCHS[arch], out)
 
 
 _MISSING = object()
@@ -232,12 +217,12 @@ def _gguf_config(reader: Any, arch: str) -> PretrainedConfig:
         return gguf_field(reader, f"{arch}.{key}", default)
 
     tensors = {t.name: t for t in reader.tensors}
-    config_cls, architecture, _ = GGUF_ARCHS[arch]
+    spec = GGUF_ARCHS[arch]
     hidden, heads = meta("embedding_length"), meta("attention.head_count")
     head_dim = meta("attention.key_length", hidden // heads)
     theta = _tidy_float(meta("rope.freq_base", 10000.0))
-    config = getattr(transformers, config_cls)(
-        architectures=[architecture],
+    fields = dict(
+        architectures=[spec.architecture],
         vocab_size=_hf_shape(tensors["token_embd.weight"])[0],
         hidden_size=hidden,
         intermediate_size=meta("feed_forward_length"),
@@ -255,7 +240,8 @@ def _gguf_config(reader: Any, arch: str) -> PretrainedConfig:
         eos_token_id=gguf_field(reader, "tokenizer.ggml.eos_token_id", None),
         pad_token_id=gguf_field(reader, "tokenizer.ggml.padding_token_id", None),
     )
-    return config
+    fields.update(spec.config_fields(meta, tensors))
+    return getattr(transformers, spec.config_class)(**fields)
 
 
 def _tidy_float(value: float) -> float:
@@ -270,9 +256,14 @@ def _gguf_rope_scaling(reader: Any, arch: str, tensors: dict[str, Any], theta: f
     if kind == "linear":
         factor = float(gguf_field(reader, f"{arch}.rope.scaling.factor"))
         return {"rope_type": "linear", "factor": factor}
+    if kind == "yarn":
+        return {"rope_type": "yarn", "factor": _tidy_float(gguf_field(
+                    reader, f"{arch}.rope.scaling.factor")),
+                "original_max_position_embeddings": gguf_field(
+                    reader, f"{arch}.rope.scaling.original_context_length")}
     if kind not in ("none", ""):
-        raise ValueError(f"GGUF rope scaling {kind!r} is not supported (supported: linear, and "
-                         "Llama 3's rope_freqs)")
+        raise ValueError(f"GGUF rope scaling {kind!r} is not supported (supported: linear, "
+                         "yarn, and Llama 3's rope_freqs)")
     if "rope_freqs.weight" in tensors:
         return _llama3_rope_from_factors(np.asarray(tensors["rope_freqs.weight"].data), theta,
                                          head_dim)
@@ -313,16 +304,6 @@ def _write_tokenizer(reader: Any, gguf_path: Path, out: Path) -> None:
     tokenizer.save_pretrained(out)
 
 
-def gguf_hf_name(gguf_name: str) -> str | None:
-    stem, _, kind = gguf_name.rpartition(".")
-    if stem.startswith("blk."):
-        _, layer, part = stem.split(".", 2)
-        mapped = _GGUF_BLOCK_NAMES.get(part)
-        return f"model.layers.{layer}.{mapped}.{kind}" if mapped else None
-    mapped = _GGUF_GLOBAL_NAMES.get(stem)
-    return f"{mapped}.{kind}" if mapped else None
-
-
 def unpermute_qk(w: np.ndarray, num_heads: int) -> np.ndarray:
     """Undo llama.cpp's convert-time row permutation of q/k (weights or biases).
     It reorders each head's rows from the two-halves layout HF's rotate_half
@@ -332,17 +313,19 @@ def unpermute_qk(w: np.ndarray, num_heads: int) -> np.ndarray:
             .swapaxes(1, 2).reshape(w.shape))
 
 
-def _to_torch(tensor: Any, config: PretrainedConfig, permuted: bool) -> torch.Tensor:
+def _to_torch(tensor: Any, config: PretrainedConfig, spec: GgufArch) -> torch.Tensor:
     import gguf
 
     qtype = tensor.tensor_type
     array = gguf.quants.dequantize(tensor.data, qtype).reshape(_hf_shape(tensor))
     part = tensor.name.split(".")[2] if tensor.name.startswith("blk.") else ""
-    if permuted and part == "attn_q":
+    if spec.permuted_qk and part == "attn_q":
         array = unpermute_qk(array, config.num_attention_heads)
-    elif permuted and part == "attn_k":
+    elif spec.permuted_qk and part == "attn_k":
         array = unpermute_qk(array, config.num_key_value_heads)
     out = torch.from_numpy(np.array(array, dtype=np.float32))  # a copy: the source is mmapped
+    if spec.norm_offset and tensor.name.endswith("norm.weight"):
+        out -= spec.norm_offset
     # Half-precision tensors stay half (losslessly); quantized ones become float32.
     if qtype == gguf.GGMLQuantizationType.F16:
         return out.to(torch.float16)
@@ -364,21 +347,23 @@ def _plan_shards(tensors: list[Any]) -> list[list[Any]]:
     return shards
 
 
-def _write_tensors(reader: Any, config: PretrainedConfig, permuted: bool, out: Path) -> None:
+def _write_tensors(reader: Any, config: PretrainedConfig, spec: GgufArch, out: Path) -> None:
     from safetensors.torch import save_file
 
     tensors = []
     for tensor in reader.tensors:
-        if gguf_hf_name(tensor.name) is not None:
+        if spec.hf_name(tensor.name) is not None:
             tensors.append(tensor)
-        elif tensor.name != "rope_freqs.weight":  # that one went into the config
-            logger.warning("GGUF tensor %s has no HF name; skipped", tensor.name)
+        elif tensor.name not in spec.config_tensors:  # those went into the config
+            raise ValueError(f"GGUF tensor {tensor.name} has no place in an HF "
+                             f"{spec.architecture} checkpoint (a variant of the "
+                             "architecture this converter does not know)")
     shards = _plan_shards(tensors)
     weight_map = {}
     for i, shard in enumerate(shards):
         filename = ("model.safetensors" if len(shards) == 1
                     else f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors")
-        data = {gguf_hf_name(t.name): _to_torch(t, config, permuted) for t in shard}
+        data = {spec.hf_name(t.name): _to_torch(t, config, spec) for t in shard}
         save_file(data, out / filename, metadata={"format": "pt"})
         weight_map.update(dict.fromkeys(data, filename))
     if len(shards) > 1:
@@ -389,7 +374,9 @@ def _write_tensors(reader: Any, config: PretrainedConfig, permuted: bool, out: P
 # ---- config and weights ------------------------------------------------------
 def load_config(model_dir: str, context_length: int | None = None) -> PretrainedConfig:
     """The model's HF config; `context_length` overrides max_position_embeddings
-    (the length the rope tables and the scheduler are sized for)."""
+    (the length the rope tables and the scheduler are sized for). The
+    checkpoint's own value stays as `native_max_position_embeddings`: rope
+    scalings (dynamic, YaRN, LongRoPE) are defined against it."""
     config = AutoConfig.from_pretrained(model_dir)
     if context_length is not None:
         if context_length < 1:
@@ -398,6 +385,7 @@ def load_config(model_dir: str, context_length: int | None = None) -> Pretrained
         if context_length > native:
             logger.warning("context_length=%d exceeds the model's %d; output quality past "
                            "%d tokens is not guaranteed", context_length, native, native)
+        config.native_max_position_embeddings = native
         config.max_position_embeddings = context_length
     return config
 
@@ -492,19 +480,23 @@ def _building_on(dtype: torch.dtype, device: torch.device) -> Iterator[None]:
         torch.set_default_dtype(previous)
 
 
-def dummy_weights(config: PretrainedConfig, seed: int,
-                  device: torch.device) -> Iterator[tuple[str, torch.Tensor]]:
+def dummy_weights(config: PretrainedConfig, seed: int, device: torch.device,
+                  model: nn.Module | None = None) -> Iterator[tuple[str, torch.Tensor]]:
     """Seeded noise the size of the real checkpoint, tensor by tensor under the HF
-    names: N(0, 0.02) as HF initializes, norms at one. Generated whole and then
+    names: N(0, 0.02) as HF initializes, norms at their identity (one; zero for
+    `model`'s norms that scale by 1 + weight). Generated whole and then
     sharded by the weight loaders, so every tensor-parallel size (and HF itself,
     given these tensors) sees the same model."""
     from transformers import AutoModelForCausalLM
 
     with torch.device("meta"):
         reference = AutoModelForCausalLM.from_config(config)
+    weight_map = WeightMap(model) if model is not None else None
     for i, (name, meta) in enumerate(reference.named_parameters()):
         if name.endswith("norm.weight"):
-            yield name, torch.ones(meta.shape, device=device)
+            slot = weight_map.resolve(name) if weight_map is not None else None
+            identity = getattr(slot.module, "identity_weight", 1.0) if slot else 1.0
+            yield name, torch.full(meta.shape, identity, device=device)
             continue
         generator = torch.Generator(device=device).manual_seed(seed + i)
         yield name, torch.empty(meta.shape, device=device).normal_(0.0, 0.02,
@@ -539,7 +531,7 @@ def load_model(model_dir: str, config: PretrainedConfig, load_format: str = "aut
     with _building_on(dtype, device):
         model = model_cls(config, quant_config=quant_config)
     if load_format == "dummy":
-        _load_weights(model, dummy_weights(config, seed, device), "dummy weights")
+        _load_weights(model, dummy_weights(config, seed, device, model), "dummy weights")
     else:
         weights = quant_config.checkpoint_weights(model_dir) or iter_safetensors(model_dir)
         _load_weights(model, weights, f"checkpoint {model_dir}")

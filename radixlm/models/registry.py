@@ -5,13 +5,21 @@ from __future__ import annotations
 from torch import nn
 from transformers import PretrainedConfig
 
+from radixlm.models.gemma2 import Gemma2ForCausalLM
+from radixlm.models.gemma3 import Gemma3ForCausalLM
 from radixlm.models.llama import LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM
+from radixlm.models.phi3 import Phi3ForCausalLM
+from radixlm.models.qwen3 import Qwen3ForCausalLM
 
 _MODELS: dict[str, type[nn.Module]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "LLaMAForCausalLM": LlamaForCausalLM,  # early Llama checkpoints spell it so
     "MistralForCausalLM": MistralForCausalLM,
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
+    "Qwen3ForCausalLM": Qwen3ForCausalLM,
+    "Gemma2ForCausalLM": Gemma2ForCausalLM,
+    "Gemma3ForCausalLM": Gemma3ForCausalLM,
+    "Phi3ForCausalLM": Phi3ForCausalLM,
 }
 
 

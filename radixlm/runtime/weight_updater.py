@@ -25,6 +25,7 @@ Nothing here pickles: tensors travel as safetensors bytes, or by broadcast.
 
 from __future__ import annotations
 
+import copy
 import datetime
 import logging
 from collections.abc import Iterable, Iterator
@@ -163,7 +164,7 @@ class WeightUpdater:
 
     def _check_config(self, new: Any) -> None:
         from radixlm.layers.rotary import rope_parameters
-        from radixlm.models.llama import head_dim_of
+        from radixlm.models.decoder import head_dim_of
 
         old_arch, new_arch = getattr(self.config, "architectures", None), \
             getattr(new, "architectures", None)
@@ -174,12 +175,29 @@ class WeightUpdater:
                  for f in SHAPE_FIELDS if getattr(self.config, f, None) != getattr(new, f, None)]
         if head_dim_of(self.config) != head_dim_of(new):
             diffs.append(f"head_dim: {head_dim_of(self.config)} -> {head_dim_of(new)}")
-        if rope_parameters(self.config) != rope_parameters(new):
+        types = set(getattr(self.config, "layer_types", None) or ["full_attention"])
+        if any(rope_parameters(self.config, t) != rope_parameters(new, t) for t in types):
             diffs.append("rope parameters differ")
+        if self._decoder_differs(new):
+            diffs.append("the decoder differs (windows, softcaps, norms, activation or biases)")
         if diffs:
             raise WeightUpdateError("the checkpoint's config does not match the served model ("
                                     + "; ".join(diffs) + "): restart the server to change "
                                     "the architecture")
+
+    def _decoder_differs(self, new: Any) -> bool:
+        """Whether `new` describes another computation than the served model's spec
+        (for models built from one, `models/decoder.py`), at the served context."""
+        spec_of = getattr(type(self.model), "decoder_spec", None)
+        served = getattr(self.model, "spec", None)
+        if spec_of is None or served is None:
+            return False
+        new = copy.copy(new)
+        new.max_position_embeddings = self.config.max_position_embeddings
+        try:
+            return spec_of(new) != served
+        except ValueError:
+            return True
 
     def _check_checkpoint(self, header: dict[str, tuple[str, tuple[int, ...]]]) -> None:
         """Names, dtypes and shapes from the safetensors headers, and completeness."""

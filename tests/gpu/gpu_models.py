@@ -44,6 +44,9 @@ def save_tiny_bpe_tokenizer(path: str | Path, texts: list[str]) -> Any:
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     bpe.train_from_iterator(texts * 50, trainer)
     tok = PreTrainedTokenizerFast(tokenizer_object=bpe, bos_token="<s>", eos_token="</s>")
+    # A plain role-prefixed template, so chat routes can be exercised.
+    tok.chat_template = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n"
+                         "{% endfor %}{% if add_generation_prompt %}assistant: {% endif %}")
     tok.save_pretrained(path)
     return tok
 

@@ -142,6 +142,83 @@ def test_silu_and_mul(dtype, d):
     assert _rel_err(fused_ops.silu_and_mul(x, use_triton=False), ref) < TOL[dtype]
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("hidden", [3840, 1000])
+def test_rms_norm_with_pre_norm_is_norm_then_add_then_norm(dtype, hidden):
+    """A sandwich layer's post-norm, the residual add and the next pre-norm in one
+    pass: bit for bit the two fused calls it replaces in half precision (same
+    roundings, same sums),
+    and the torch path within one rounding."""
+    torch.manual_seed(hidden)
+    x = (torch.randn(33, hidden, device=DEV) * 5).to(dtype)
+    r = torch.randn(33, hidden, device=DEV).to(dtype)
+    pw = (1 + torch.randn(hidden, device=DEV) * 0.1)  # Gemma's float32 (1 + w) scales
+    w = (1 + torch.randn(hidden, device=DEV) * 0.1)
+    want, want_res = fused_ops.rms_norm(fused_ops.rms_norm(x, pw, 1e-6), w, 1e-6, r)
+    _poison_allocator(x.numel() * x.element_size())
+    out, res = fused_ops.rms_norm(x, w, 1e-6, r, pre_weight=pw)
+    if dtype == torch.float32:  # no rounding between: the compiler may fuse into FMAs
+        assert _rel_err(out, want) < 1e-6 and _rel_err(res, want_res) < 1e-6
+    else:
+        assert torch.equal(out, want) and torch.equal(res, want_res)
+    t_out, t_res = fused_ops.rms_norm(x, w, 1e-6, r, pre_weight=pw, use_triton=False)
+    assert _rel_err(t_res, res) < TOL[dtype] and _rel_err(t_out, out) < 2 * TOL[dtype]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("head_dim,nq,nk,store", [(128, 32, 8, False), (256, 16, 8, True),
+                                                  (64, 12, 12, True), (128, 8, 1, False)])
+def test_rope_with_qk_norm_is_norm_then_rope(dtype, head_dim, nq, nk, store):
+    """Per-head QK RMSNorm inside the rotation's kernel against the norm kernel then
+    the rotation: equal up to the norm's summation order (two half-row sums), the
+    pool rows written as the plain rotation writes them."""
+    torch.manual_seed(head_dim + nq)
+    t, slots = 57, 128
+    cache = fused_ops.rope_cos_sin_cache(head_dim, 4096, 1e6, device=DEV).to(dtype)
+    pos = torch.randint(0, 4096, (t,), device=DEV)
+    loc = torch.randperm(slots, device=DEV)[:t]
+    qkv = (torch.randn(t, (nq + 2 * nk) * head_dim, device=DEV) * 3).to(dtype)
+    wq = torch.randn(head_dim, device=DEV).to(dtype)
+    wk = (1 + torch.randn(head_dim, device=DEV) * 0.1)
+    split = [nq * head_dim, nk * head_dim, nk * head_dim]
+    orig = qkv.clone()
+    ref_q, ref_k, ref_v = qkv.clone().split(split, dim=-1)
+    ref_q = fused_ops.rms_norm(ref_q.reshape(-1, head_dim), wq, 1e-6).view(t, -1)
+    ref_k = fused_ops.rms_norm(ref_k.reshape(-1, head_dim), wk, 1e-6).view(t, -1)
+    fused_ops.apply_rope_(pos, ref_q, ref_k, head_dim, cache)
+    q, k, v = qkv.split(split, dim=-1)
+    bufs = [torch.zeros(slots, nk, head_dim, device=DEV, dtype=dtype) for _ in range(2)]
+    fused_ops.apply_rope_(pos, q, k, head_dim, cache, qk_norm=(wq, wk, 1e-6),
+                          kv_store=(v, *bufs, loc) if store else None)
+    tol = max(2 * TOL[dtype], 2e-6)
+    assert _rel_err(q, ref_q) < tol and _rel_err(k, ref_k) < tol
+    if store:
+        assert torch.equal(bufs[0][loc].view(t, -1), k)
+        assert torch.equal(bufs[1][loc].view(t, -1), ref_v)
+    tq, tk, _ = orig.split(split, dim=-1)
+    tq, tk = fused_ops.apply_rope_(pos, tq.clone(), tk.clone(), head_dim, cache,
+                                   qk_norm=(wq, wk, 1e-6), use_triton=False)
+    assert _rel_err(tq, ref_q) < tol and _rel_err(tk, ref_k) < tol
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("d", [15360, 1000, 64])
+def test_gelu_tanh_and_mul(dtype, d):
+    """One kernel for GeGLU: within one rounding of float64, and within the same of
+    the unfused torch ops (the gelu rounded before the product, as they round it)."""
+    torch.manual_seed(d)
+    x = (torch.randn(65, 2 * d, device=DEV) * 4).to(dtype)
+    xd = x.double()
+    g = xd[:, :d]
+    ref = 0.5 * g * (1 + torch.tanh(0.7978845608028654 * (g + 0.044715 * g ** 3))) * xd[:, d:]
+    _poison_allocator(x.numel() * x.element_size() // 2)
+    out = fused_ops.gelu_tanh_and_mul(x)
+    assert out.shape == (65, d) and out.dtype == dtype and torch.isfinite(out).all()
+    assert _rel_err(out, ref) < 2 * TOL[dtype]
+    unfused = fused_ops.gelu_tanh_and_mul(x, use_triton=False)
+    assert _rel_err(out, unfused) < 2 * TOL[dtype]
+
+
 def test_empty_inputs():
     x = torch.empty(0, 4096, device=DEV, dtype=torch.bfloat16)
     w = torch.ones(4096, device=DEV, dtype=torch.bfloat16)

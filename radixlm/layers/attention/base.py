@@ -38,10 +38,14 @@ class AttentionBackend(ABC):
     - Layer variants (`RadixAttention.sliding_window`, `.logit_softcap`): a
       sliding window W means the query at position p attends to the keys at
       positions max(0, p - W + 1) .. p (the last W, its own included: the mask
-      of transformers' sliding-window layers); a softcap c replaces each scaled
-      score s by c * tanh(s / c) before the softmax. `check_layer(layer)` is
-      called for every layer at start-up and raises ValueError, naming the
-      feature, for a variant the backend cannot compute: never ignore one.
+      of transformers' sliding-window layers, `kv_idx > q_idx - W`, which
+      Mistral, Qwen2/3, Phi-3 and Gemma 2/3 all use; the family tests match
+      HF on it). A window layer never reads the KV slots of positions before
+      its window (a windowed pool may have freed them). A softcap c replaces
+      each scaled score s by c * tanh(s / c) before the mask and the softmax.
+      `check_layer(layer)` is called for every layer at start-up and raises
+      ValueError, naming the feature, for a variant the backend cannot
+      compute: never ignore one.
     - CUDA-graph hooks: state sized once for `max_bs`, then metadata for a
       padded batch is written into that state in place, so a captured graph
       replays with new inputs. Backends without graph support keep the

@@ -6,7 +6,8 @@ copies to fp32, since SDPA's bf16 single-query path is slow), then attends to
 the copy; the kernel in `cpu_ops` reads each K/V row from the pool once.
 Extend (prefill) of fresh bf16 prompts runs on `cpu_ops.extend_attention`
 where the CPU has AVX512-BF16 (3-4x torch's CPU flash attention); prompts
-after a cached prefix, and other dtypes, keep the torch path.
+after a cached prefix, and other dtypes, keep the torch path. Both kernels
+compute sliding windows and logit softcaps themselves, as the torch path does.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ class CpuAttentionBackend(TorchNativeBackend):
     """
 
     def __init__(self) -> None:
-        self.num_splits = 1
+        self.decode_batch_size, self.longest = 1, 1
         # Extend: rows (start, length) of the prompts without a cached prefix, for the
         # fresh-prompt kernel, and (request, start, prefix, length) of the others.
         self.fresh_starts = self.fresh_lens = torch.empty(0, dtype=torch.int64)
@@ -68,10 +69,13 @@ class CpuAttentionBackend(TorchNativeBackend):
             rows = torch.tensor(fresh, dtype=torch.int64).view(-1, 2)
             self.fresh_starts, self.fresh_lens = rows[:, 0].contiguous(), rows[:, 1].contiguous()
             return
-        # Few requests leave threads idle: split each over the threads instead.
+        self.decode_batch_size, self.longest = fb.batch_size, max(fb.seq_lens_cpu)
+
+    def _num_splits(self, window: int | None) -> int:
+        """Few requests leave threads idle: split each over the threads instead."""
         threads = torch.get_num_threads()
-        longest = max(fb.seq_lens_cpu)
-        self.num_splits = max(1, min(-(-threads // fb.batch_size), longest // MIN_SPLIT_TOKENS))
+        longest = self.longest if window is None else min(self.longest, window)
+        return max(1, min(-(-threads // self.decode_batch_size), longest // MIN_SPLIT_TOKENS))
 
     def forward_extend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                        layer: RadixAttention, fb: ForwardBatch) -> torch.Tensor:
@@ -85,7 +89,7 @@ class CpuAttentionBackend(TorchNativeBackend):
             k3, v3 = k3.contiguous(), v3.contiguous()
         out = torch.empty_like(q3)
         cpu_ops.extend_attention(q3, k3, v3, out, self.fresh_starts, self.fresh_lens,
-                                 layer.scaling)
+                                 layer.scaling, layer.sliding_window, layer.logit_softcap)
         for i, start, pre, ext in self.cached:  # these read a cached prefix from the pool
             rows = slice(start, start + ext)
             out[rows] = self._extend_one(q3[rows], i, pre, ext, layer, fb)
@@ -100,5 +104,6 @@ class CpuAttentionBackend(TorchNativeBackend):
         out = torch.empty_like(q)
         cpu_ops.decode_attention(q, k_buf, v_buf, out, fb.req_to_token_pool.req_to_token,
                                  fb.req_pool_indices, fb.seq_lens, layer.scaling,
-                                 self.num_splits)
+                                 self._num_splits(layer.sliding_window), layer.sliding_window,
+                                 layer.logit_softcap)
         return out.view(bs, layer.num_heads * layer.head_dim)

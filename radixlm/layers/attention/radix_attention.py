@@ -9,9 +9,10 @@ from torch import nn
 
 if TYPE_CHECKING:
     from radixlm.forward_batch import ForwardBatch
-    from radixlm.layers.rotary import RotaryEmbedding
+    from radixlm.layers.rotary import QKNormRotary, RotaryEmbedding
 
-    Rope = tuple[RotaryEmbedding, torch.Tensor]  # (the layer's rotary embedding, positions)
+    # (the layer's rotary embedding, or its QK norm + rotary, and the positions)
+    Rope = tuple[RotaryEmbedding | QKNormRotary, torch.Tensor]
 
 
 class RadixAttention(nn.Module):

@@ -27,7 +27,43 @@ def _extend_runs(prefix_lens: list[int],
     return runs
 
 
+def band_mask(q_start: int, num_q: int, k_start: int, num_k: int, window: int | None,
+              device: torch.device) -> torch.Tensor | None:
+    """[num_q, num_k] bool, True where query i (at position q_start + i) sees key j
+    (at position k_start + j): the key is not later than the query and, with a
+    window W, fewer than W positions before it (the contract in base.py). None
+    when every query sees every key."""
+    last_q, first_k, last_k = q_start + num_q - 1, k_start, k_start + num_k - 1
+    if last_k <= q_start and (window is None or first_k > last_q - window):
+        return None
+    q = torch.arange(q_start, q_start + num_q, device=device)[:, None]
+    k = torch.arange(k_start, k_start + num_k, device=device)[None, :]
+    mask = k <= q
+    return mask if window is None else mask & (k > q - window)
+
+
+def softcapped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                         layer: RadixAttention, mask: torch.Tensor | None) -> torch.Tensor:
+    """SDPA with scores s -> c * tanh(s / c) before the mask and softmax (Gemma 2),
+    in float32. q [B, H, Lq, d], k/v [B, KVH, Lk, d]; `mask` bool, broadcastable
+    to [B, H, Lq, Lk], True where a query attends."""
+    b, h, lq, d = q.shape
+    kvh = k.shape[1]
+    qg = q.float().view(b, kvh, h // kvh, lq, d)  # the query heads of each KV head
+    scores = qg @ k.float().unsqueeze(2).transpose(-1, -2) * layer.scaling
+    cap = layer.logit_softcap
+    scores = torch.tanh(scores / cap) * cap
+    if mask is not None:
+        mask = mask.view(*mask.shape[:-3], 1, *mask.shape[-3:]) if mask.dim() == 4 else mask
+        scores = scores.masked_fill(~mask, float("-inf"))
+    out = torch.softmax(scores, dim=-1) @ v.float().unsqueeze(2)
+    return out.view(b, h, lq, d).to(q.dtype)
+
+
 class TorchNativeBackend(AttentionBackend):
+    supports_sliding_window = True
+    supports_logit_softcap = True
+
     def init_forward_metadata(self, fb: ForwardBatch) -> None:
         if fb.mode.is_decode():
             # Decode: gather every request's KV through one padded index matrix
@@ -38,6 +74,24 @@ class TorchNativeBackend(AttentionBackend):
             valid = arange[None, :] < fb.seq_lens[:, None]
             self.decode_kv_index = torch.where(valid, table, 0)
             self.decode_mask = valid[:, None, None, :]  # [bs, 1, 1, max_len]
+            self._decode_fb = fb
+            self._window_views: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def _decode_view(self, window: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(KV slot index [bs, n], mask [bs, 1, 1, n]) of what each decode query
+        sees: everything, or with a window only its last `window` tokens (never
+        reading the slots before them, which a windowed pool may have freed)."""
+        fb = self._decode_fb
+        if window is None or window >= max(fb.seq_lens_cpu):
+            return self.decode_kv_index, self.decode_mask
+        if window not in self._window_views:
+            start = (fb.seq_lens - window).clamp(min=0)
+            pos = start[:, None] + torch.arange(window, device=start.device)
+            valid = pos < fb.seq_lens[:, None]
+            table = fb.req_to_token_pool.req_to_token[fb.req_pool_indices[:, None], pos].long()
+            self._window_views[window] = (torch.where(valid, table, 0),
+                                          valid[:, None, None, :])
+        return self._window_views[window]
 
     def _store(self, k: torch.Tensor, v: torch.Tensor, layer: RadixAttention,
                fb: ForwardBatch) -> None:
@@ -59,7 +113,10 @@ class TorchNativeBackend(AttentionBackend):
                 keys = k[rows].view(count, ext, kvh, d).transpose(1, 2)
                 values = v[rows].view(count, ext, kvh, d).transpose(1, 2)
                 qi = q[rows].view(count, ext, h, d).transpose(1, 2)
-                oi = self._sdpa(qi, keys, values, layer, mask=None, causal=ext > 1)
+                causal = ext > 1 and layer.sliding_window is None
+                mask = None if causal else band_mask(0, ext, 0, ext, layer.sliding_window,
+                                                     q.device)
+                oi = self._sdpa(qi, keys, values, layer, mask, causal)
                 out[rows] = oi.transpose(1, 2).reshape(count * ext, h, d)
             else:
                 out[rows] = self._extend_one(q[rows], i, pre, ext, layer, fb)
@@ -68,22 +125,29 @@ class TorchNativeBackend(AttentionBackend):
 
     def _extend_one(self, q: torch.Tensor, i: int, pre: int, ext: int, layer: RadixAttention,
                     fb: ForwardBatch) -> torch.Tensor:
-        """Request i's `ext` new tokens after `pre` cached ones, keys read from the pool."""
+        """Request i's `ext` new tokens after `pre` cached ones, keys read from the
+        pool: positions from the first one a query sees (0, or with a window W
+        pre - W + 1) on."""
         k_buf, v_buf = fb.token_to_kv_pool.get_kv_buffer(layer.layer_id)
-        total = pre + ext
-        slots = fb.req_to_token_pool.req_to_token[fb.req_pool_indices[i], :total].long()
-        keys = k_buf[slots].transpose(0, 1).unsqueeze(0)  # [1, kvh, total, d]
+        window, total = layer.sliding_window, pre + ext
+        first = 0 if window is None else max(0, pre - window + 1)
+        slots = fb.req_to_token_pool.req_to_token[fb.req_pool_indices[i], first:total].long()
+        keys = k_buf[slots].transpose(0, 1).unsqueeze(0)  # [1, kvh, total - first, d]
         values = v_buf[slots].transpose(0, 1).unsqueeze(0)
-        # Query j sits at position pre + j and sees keys 0..pre + j.
-        mask = None
-        if ext > 1:
-            mask = torch.ones(ext, total, dtype=torch.bool, device=q.device).tril(pre)
-        oi = self._sdpa(q.transpose(0, 1).unsqueeze(0), keys, values, layer, mask, causal=False)
+        mask = band_mask(pre, ext, first, total - first, window, q.device)
+        oi = self._sdpa(q.transpose(0, 1).unsqueeze(0), keys, values, layer, mask)
         return oi[0].transpose(0, 1)
 
     @staticmethod
     def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: RadixAttention,
-              mask: torch.Tensor | None, causal: bool) -> torch.Tensor:
+              mask: torch.Tensor | None, causal: bool = False) -> torch.Tensor:
+        """Attention of q [B, H, Lq, d] to k/v [B, KVH, Lk, d] under `mask` (bool,
+        True: attends; broadcastable to [B, H, Lq, Lk]; None: all) or, with
+        `causal`, SDPA's own causal mask (Lq == Lk, from position 0)."""
+        if layer.logit_softcap is not None:
+            if causal:
+                mask = band_mask(0, q.shape[-2], 0, k.shape[-2], None, q.device)
+            return softcapped_attention(q, k, v, layer, mask)
         return F.scaled_dot_product_attention(
             q, k, v, attn_mask=mask, is_causal=causal, scale=layer.scaling,
             enable_gqa=layer.num_heads != layer.num_kv_heads)
@@ -94,15 +158,14 @@ class TorchNativeBackend(AttentionBackend):
         k_buf, v_buf = fb.token_to_kv_pool.get_kv_buffer(layer.layer_id)
         bs = fb.batch_size
         q = q.view(bs, layer.num_heads, 1, layer.head_dim)
-        keys = k_buf[self.decode_kv_index].transpose(1, 2)  # [bs, kvh, max_len, d]
-        values = v_buf[self.decode_kv_index].transpose(1, 2)
+        kv_index, mask = self._decode_view(layer.sliding_window)
+        keys = k_buf[kv_index].transpose(1, 2)  # [bs, kvh, n, d]
+        values = v_buf[kv_index].transpose(1, 2)
         dtype = q.dtype
         if q.device.type == "cpu" and dtype != torch.float32:
             # CPU SDPA's half-precision path for one query row is several times slower
             # than its float32 path (measured 33 vs 14 ms per layer for bf16 at 64 x 320
             # tokens, conversions included): gather in the pool's dtype, attend in fp32.
             q, keys, values = q.float(), keys.float(), values.float()
-        out = F.scaled_dot_product_attention(
-            q, keys, values, attn_mask=self.decode_mask, scale=layer.scaling,
-            enable_gqa=layer.num_heads != layer.num_kv_heads)
+        out = self._sdpa(q, keys, values, layer, mask)
         return out.to(dtype).reshape(bs, layer.num_heads * layer.head_dim)

@@ -281,7 +281,7 @@ class TritonAttentionBackend(AttentionBackend):
             if (target is not None and emb.rotary_dim == emb.head_dim
                     and k.shape[0] >= self.kv_store_min_tokens):
                 apply_rope_(positions, q, k, emb.head_dim, emb.cos_sin_cache,
-                            kv_store=(v, *target))
+                            kv_store=(v, *target), qk_norm=emb.qk_norm)
                 stored = True
             else:
                 q, k = emb(positions, q, k)

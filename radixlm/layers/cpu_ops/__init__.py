@@ -101,14 +101,18 @@ def use_fused(x: torch.Tensor) -> bool:
 def decode_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor,
                      out: torch.Tensor, req_to_token: torch.Tensor,
                      req_pool_indices: torch.Tensor, seq_lens: torch.Tensor, scale: float,
-                     num_splits: int = 1) -> None:
+                     num_splits: int = 1, window: int | None = None,
+                     softcap: float | None = None) -> None:
     """out[b, h] = softmax(q[b, h] . K_b^T * scale) V_b, where K_b/V_b are rows
     `req_to_token[req_pool_indices[b], :seq_lens[b]]` of the pool buffers
     (kv head h // (heads / kv_heads)). q/out [bs, heads, dim], k/v [pool, kv_heads,
     dim], all one dtype; `num_splits` cuts each request's tokens into that many
-    chunks worked on in parallel (for few, long requests)."""
+    chunks worked on in parallel (for few, long requests). `window` W: only the
+    last W tokens (the rows before them are not read); `softcap` c: scores
+    become c * tanh(score / c)."""
     torch.ops.radixlm_cpu.decode_attention(q, k_buf, v_buf, out, req_to_token,
-                                           req_pool_indices, seq_lens, scale, num_splits)
+                                           req_pool_indices, seq_lens, scale, num_splits,
+                                           window or 0, softcap or 0.0)
 
 
 def has_extend_attention() -> bool:
@@ -117,12 +121,15 @@ def has_extend_attention() -> bool:
 
 
 def extend_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-                     starts: torch.Tensor, lens: torch.Tensor, scale: float) -> None:
+                     starts: torch.Tensor, lens: torch.Tensor, scale: float,
+                     window: int | None = None, softcap: float | None = None) -> None:
     """Causal attention of fresh prompts (no cached prefix), bf16: prompt i is rows
     `starts[i]:starts[i] + lens[i]` of q/out [tokens, heads, dim] and of k/v
     [tokens, kv_heads, dim] (dim 64 or 128; GQA when kv_heads < heads); rows
-    outside every prompt are left untouched."""
-    torch.ops.radixlm_cpu.extend_attention(q, k, v, out, starts, lens, scale)
+    outside every prompt are left untouched. `window` W: a query sees its last
+    W positions only; `softcap` c: scores become c * tanh(score / c)."""
+    torch.ops.radixlm_cpu.extend_attention(q, k, v, out, starts, lens, scale, window or 0,
+                                           softcap or 0.0)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,

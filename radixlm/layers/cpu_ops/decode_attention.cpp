@@ -14,6 +14,10 @@
 // query heads of a KV head share each K/V row read (GQA). Requests are cut
 // into splits only when there are fewer requests than threads can use (one
 // long sequence); splits are merged by their log-sum-exps.
+//
+// Layer variants: a sliding window W reads only the request's last W tokens
+// (the query's own included), never the rows before them; a softcap c maps
+// each scaled score s to c * tanh(s / c) before the softmax.
 
 #include "vec.h"
 
@@ -107,6 +111,8 @@ struct Args {
   const int64_t* seq_lens;
   int heads, kv_heads, dim, splits;
   float scale;
+  int64_t window;   // 0: none
+  float softcap;    // 0: none
   float* part_o;    // [bs, heads, splits, dim]
   float* part_lse;  // [bs, heads, splits]
 };
@@ -180,6 +186,13 @@ void attend_chunk(const Args<T, I>& a, int64_t b, int s, int64_t start, int64_t 
           mx = std::max(mx, sh[j]);
         }
       }
+      if (a.softcap > 0.f) {  // c * tanh(s / c) is increasing: the block max is recomputed
+        mx = m[h];
+        for (int j = 0; j < bn; ++j) {
+          sh[j] = a.softcap * std::tanh(sh[j] / a.softcap);
+          mx = std::max(mx, sh[j]);
+        }
+      }
       for (int j = bn; j < kBlockN; ++j) sh[j] = -1e30f;  // a short last block
       alpha[h] = std::exp(m[h] - mx);  // exp(-inf) = 0 on the first block
       vfloat sum = vfloat{};
@@ -204,15 +217,21 @@ void attend_chunk(const Args<T, I>& a, int64_t b, int s, int64_t start, int64_t 
   }
 }
 
+// The first token a request of `len` tokens attends to (its window's start).
+template <typename T, typename I>
+inline int64_t first_token(const Args<T, I>& a, int64_t len) {
+  return a.window > 0 ? std::max<int64_t>(0, len - a.window) : 0;
+}
+
 template <typename T, typename I>
 void run(const Args<T, I>& a, int64_t bs, T* out, int64_t o_sb, int64_t o_sh) {
   at::parallel_for(0, bs * a.splits, 1, [&](int64_t begin, int64_t end) {
     for (int64_t u = begin; u < end; ++u) {
       const int s = static_cast<int>(u % a.splits);
       const int64_t b = u / a.splits;
-      const int64_t len = a.seq_lens[b];
-      const int64_t chunk = (len + a.splits - 1) / a.splits;
-      const int64_t start = s * chunk, stop = std::min(len, start + chunk);
+      const int64_t len = a.seq_lens[b], first = first_token(a, len);
+      const int64_t chunk = (len - first + a.splits - 1) / a.splits;
+      const int64_t start = first + s * chunk, stop = std::min(len, start + chunk);
       if (start < stop) attend_chunk(a, b, s, start, stop);
     }
   });
@@ -223,9 +242,9 @@ void run(const Args<T, I>& a, int64_t bs, T* out, int64_t o_sb, int64_t o_sh) {
     std::vector<float> sum(d);
     for (int64_t bh = begin; bh < end; ++bh) {
       const int64_t b = bh / a.heads, h = bh % a.heads;
-      const int64_t len = a.seq_lens[b];
-      const int64_t chunk = std::max<int64_t>(1, (len + a.splits - 1) / a.splits);
-      const int valid = static_cast<int>(std::min<int64_t>(a.splits, (len + chunk - 1) / chunk));
+      const int64_t len = a.seq_lens[b], n = len - first_token(a, len);
+      const int64_t chunk = std::max<int64_t>(1, (n + a.splits - 1) / a.splits);
+      const int valid = static_cast<int>(std::min<int64_t>(a.splits, (n + chunk - 1) / chunk));
       T* o = out + b * o_sb + h * o_sh;
       if (len == 0) {  // padding rows
         for (int i = 0; i < d; ++i) o[i] = T(0.f);
@@ -253,7 +272,7 @@ void run(const Args<T, I>& a, int64_t bs, T* out, int64_t o_sb, int64_t o_sh) {
 void decode_attention(const at::Tensor& q, const at::Tensor& k_buf, const at::Tensor& v_buf,
                       const at::Tensor& out, const at::Tensor& req_to_token,
                       const at::Tensor& req_pool_indices, const at::Tensor& seq_lens,
-                      double scale, int64_t num_splits) {
+                      double scale, int64_t num_splits, int64_t window, double softcap) {
   TORCH_CHECK(q.dim() == 3 && out.dim() == 3 && k_buf.dim() == 3 && v_buf.dim() == 3,
               "decode_attention: q/out [bs, heads, dim], k/v [pool, kv_heads, dim]");
   TORCH_CHECK(q.scalar_type() == k_buf.scalar_type() && q.scalar_type() == v_buf.scalar_type() &&
@@ -271,6 +290,7 @@ void decode_attention(const at::Tensor& q, const at::Tensor& k_buf, const at::Te
   TORCH_CHECK(heads % kv_heads == 0, "decode_attention: heads must be a multiple of kv_heads");
   TORCH_CHECK(k_buf.size(2) == dim && v_buf.size(2) == dim, "decode_attention: head_dim mismatch");
   TORCH_CHECK(dim % kLanes == 0, "decode_attention: head_dim must be a multiple of 16");
+  TORCH_CHECK(window >= 0 && softcap >= 0, "decode_attention: window and softcap are >= 0");
   const int splits = static_cast<int>(std::max<int64_t>(1, num_splits));
   auto f32 = q.options().dtype(at::kFloat);
   at::Tensor part_o = at::empty({bs, heads, splits, dim}, f32);
@@ -284,6 +304,7 @@ void decode_attention(const at::Tensor& q, const at::Tensor& k_buf, const at::Te
                  r2t_ptr, req_to_token.stride(0),
                  req_pool_indices.data_ptr<int64_t>(), seq_lens.data_ptr<int64_t>(),
                  heads, kv_heads, dim, splits, static_cast<float>(scale),
+                 window, static_cast<float>(softcap),
                  part_o.data_ptr<float>(), part_lse.data_ptr<float>()};
     run(a, bs, static_cast<T*>(out.data_ptr()), out.stride(0), out.stride(1));
   };
@@ -308,7 +329,7 @@ void decode_attention(const at::Tensor& q, const at::Tensor& k_buf, const at::Te
 TORCH_LIBRARY(radixlm_cpu, m) {
   m.def("decode_attention(Tensor q, Tensor k_buf, Tensor v_buf, Tensor(a!) out, "
         "Tensor req_to_token, Tensor req_pool_indices, Tensor seq_lens, float scale, "
-        "int num_splits) -> ()");
+        "int num_splits, int window, float softcap) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(radixlm_cpu, CPU, m) { m.impl("decode_attention", &decode_attention); }

@@ -16,6 +16,11 @@
 // time with their output in registers. As on GPUs (FlashAttention), the
 // probabilities are rounded to bf16 for the second product; the running max,
 // sum and output stay fp32.
+//
+// Layer variants: with a sliding window W the query at position p sees keys
+// p - W + 1 .. p only (key blocks wholly before a row's window are skipped,
+// partial ones masked); a softcap c maps each scaled score s to
+// c * tanh(s / c) before the mask and the softmax.
 
 #include "vec.h"
 
@@ -36,6 +41,24 @@ namespace {
 
 constexpr int kBlock = 32;  // keys per online-softmax step (two 16-lane registers)
 
+struct Variant {
+  int64_t window;  // 0: none
+  float softcap;   // 0: none
+};
+
+// c * tanh(x / c), with tanh(y) = 1 - 2 / (exp(2y) + 1).
+inline __m512 softcap_ps(__m512 x, float cap) {
+  radixlm_cpu::vfloat y;
+  const __m512 twice = _mm512_mul_ps(x, _mm512_set1_ps(2.f / cap));
+  std::memcpy(&y, &twice, sizeof(y));
+  y = radixlm_cpu::exp_vec(y);
+  __m512 e;
+  std::memcpy(&e, &y, sizeof(e));
+  const __m512 one = _mm512_set1_ps(1.f);
+  const __m512 t = _mm512_sub_ps(one, _mm512_div_ps(_mm512_set1_ps(2.f), _mm512_add_ps(e, one)));
+  return _mm512_mul_ps(t, _mm512_set1_ps(cap));
+}
+
 struct Prompt {
   const uint16_t* q;  // the prompt's first query row, head 0
   const uint16_t* k;  // its first key row, KV head 0
@@ -48,7 +71,7 @@ struct Prompt {
 template <int D, int R>
 void attend_rows(const uint16_t* q, int64_t q_row_stride, int rows, int64_t p0,
                  const uint32_t* kp, int64_t kp_stride, const uint32_t* vp, float scale,
-                 uint16_t* out, int64_t out_row_stride) {
+                 const Variant& var, uint16_t* out, int64_t out_row_stride) {
   constexpr int DP = D / 2;    // bf16 pairs per row
   constexpr int DV = D / 16;   // 16-lane registers per output row
   __m512 o[R][DV];
@@ -63,8 +86,10 @@ void attend_rows(const uint16_t* q, int64_t q_row_stride, int rows, int64_t p0,
     qr[r] = reinterpret_cast<const uint32_t*>(q + std::min(r, rows - 1) * q_row_stride);
   }
   const int64_t last = p0 + rows - 1;  // the last query's position: keys 0..last
+  // With a window, the first row's first visible key: earlier blocks are skipped.
+  const int64_t lowest = var.window > 0 ? std::max<int64_t>(0, p0 - var.window + 1) : 0;
   alignas(64) uint32_t pb[R][kBlock / 2];
-  for (int64_t j0 = 0; j0 <= last; j0 += kBlock) {
+  for (int64_t j0 = lowest / kBlock * kBlock; j0 <= last; j0 += kBlock) {
     __m512 s[R][2];
     for (int r = 0; r < R; ++r) s[r][0] = s[r][1] = _mm512_setzero_ps();
     const uint32_t* kb = kp + j0;
@@ -78,20 +103,40 @@ void attend_rows(const uint16_t* q, int64_t q_row_stride, int rows, int64_t p0,
       }
     }
     const bool diagonal = j0 + kBlock > p0;  // some key in this block is after some query
+    // Some key in this block is before some row's window.
+    const bool before = var.window > 0 && j0 < last - var.window + 1;
     const __m512 sc = _mm512_set1_ps(scale);
     const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+    const __m512i lane_hi = _mm512_add_epi32(lane, _mm512_set1_epi32(16));
+    const __m512 ninf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
     for (int r = 0; r < R; ++r) {
       __m512 a = _mm512_mul_ps(s[r][0], sc), b = _mm512_mul_ps(s[r][1], sc);
+      if (var.softcap > 0.f) {
+        a = softcap_ps(a, var.softcap);
+        b = softcap_ps(b, var.softcap);
+      }
+      const int64_t pos = p0 + std::min(r, rows - 1);
       if (diagonal) {  // key j is visible to the query at p0 + r when j <= p0 + r
-        const int64_t limit = std::min<int64_t>(p0 + std::min(r, rows - 1), last) - j0;
+        const int64_t limit = std::min<int64_t>(pos, last) - j0;
         const __m512i lim = _mm512_set1_epi32(static_cast<int>(std::min<int64_t>(limit, 64)));
-        const __m512 ninf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
         a = _mm512_mask_blend_ps(_mm512_cmpgt_epi32_mask(lane, lim), a, ninf);
-        b = _mm512_mask_blend_ps(
-            _mm512_cmpgt_epi32_mask(_mm512_add_epi32(lane, _mm512_set1_epi32(16)), lim), b, ninf);
+        b = _mm512_mask_blend_ps(_mm512_cmpgt_epi32_mask(lane_hi, lim), b, ninf);
+      }
+      if (before) {  // ... and j > pos - window
+        const int64_t low = pos - var.window + 1 - j0;
+        const __m512i lo = _mm512_set1_epi32(
+            static_cast<int>(std::max<int64_t>(-1, std::min<int64_t>(low, 64))));
+        a = _mm512_mask_blend_ps(_mm512_cmplt_epi32_mask(lane, lo), a, ninf);
+        b = _mm512_mask_blend_ps(_mm512_cmplt_epi32_mask(lane_hi, lo), b, ninf);
       }
       const float mx = std::max(m[r], _mm512_reduce_max_ps(_mm512_max_ps(a, b)));
-      // The first key is always visible, so mx is finite from the first block on.
+      if (mx == -std::numeric_limits<float>::infinity()) {
+        // Nothing of this row's window in the block yet (windows only): no change.
+        std::memset(pb[r], 0, sizeof(pb[r]));
+        continue;
+      }
+      // Without a window the first key is always visible, so mx is finite from the
+      // first block on; with one, from the first block that reaches the window.
       const float alpha = std::exp(m[r] - mx);
       m[r] = mx;
       const radixlm_cpu::vfloat mxv = radixlm_cpu::vfloat{} + mx;
@@ -131,7 +176,7 @@ void attend_rows(const uint16_t* q, int64_t q_row_stride, int rows, int64_t p0,
 template <int D>
 void attend_prompt(const Prompt& pr, int kvh_index, int group, int64_t q_sh, int64_t q_st,
                    int64_t k_sh, int64_t k_st, int64_t o_sh, int64_t o_st, float scale,
-                   std::vector<uint32_t>& kp, std::vector<uint32_t>& vp) {
+                   const Variant& var, std::vector<uint32_t>& kp, std::vector<uint32_t>& vp) {
   constexpr int R = D == 64 ? 4 : 2;  // rows x (D / 16) output registers + scores fit in 32
   const int64_t n = pr.len, padded = (n + kBlock - 1) / kBlock * kBlock;
   // Keys as [D / 2][padded] 32-bit pairs; values as [padded / 2][D] pairs of rows.
@@ -152,7 +197,7 @@ void attend_prompt(const Prompt& pr, int kvh_index, int group, int64_t q_sh, int
     for (int64_t p0 = 0; p0 < n; p0 += R) {
       const int rows = static_cast<int>(std::min<int64_t>(R, n - p0));
       attend_rows<D, R>(pr.q + h * q_sh + p0 * q_st, q_st, rows, p0, kp.data(), padded,
-                        vp.data(), scale, pr.out + h * o_sh + p0 * o_st, o_st);
+                        vp.data(), scale, var, pr.out + h * o_sh + p0 * o_st, o_st);
     }
   }
 }
@@ -162,7 +207,7 @@ void attend_prompt(const Prompt& pr, int kvh_index, int group, int64_t q_sh, int
 // [starts[i], starts[i] + lens[i]) of each and attends causally within itself.
 void extend_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                       const at::Tensor& out, const at::Tensor& starts, const at::Tensor& lens,
-                      double scale) {
+                      double scale, int64_t window, double softcap) {
   TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3 && out.dim() == 3,
               "extend_attention: q/out [tokens, heads, dim], k/v [tokens, kv_heads, dim]");
   for (const at::Tensor* t : {&q, &k, &v, &out})
@@ -191,6 +236,8 @@ void extend_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor
                 "extend_attention: prompt rows out of range");
   const int group = heads / kv_heads;
   const float sc = static_cast<float>(scale);
+  TORCH_CHECK(window >= 0 && softcap >= 0, "extend_attention: window and softcap are >= 0");
+  const Variant var{window, static_cast<float>(softcap)};
   at::parallel_for(0, count * kv_heads, 1, [&](int64_t begin, int64_t end) {
     std::vector<uint32_t> kbuf, vbuf;
     for (int64_t u = begin; u < end; ++u) {
@@ -201,10 +248,10 @@ void extend_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor
       const int g = static_cast<int>(u % kv_heads);
       if (dim == 64)
         attend_prompt<64>(pr, g, group, q.stride(1), q.stride(0), k.stride(1), k.stride(0),
-                          out.stride(1), out.stride(0), sc, kbuf, vbuf);
+                          out.stride(1), out.stride(0), sc, var, kbuf, vbuf);
       else
         attend_prompt<128>(pr, g, group, q.stride(1), q.stride(0), k.stride(1), k.stride(0),
-                           out.stride(1), out.stride(0), sc, kbuf, vbuf);
+                           out.stride(1), out.stride(0), sc, var, kbuf, vbuf);
     }
   });
 }
@@ -215,7 +262,7 @@ void extend_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor
 // `hasattr(torch.ops.radixlm_cpu, "extend_attention")`.
 TORCH_LIBRARY_FRAGMENT(radixlm_cpu, m) {
   m.def("extend_attention(Tensor q, Tensor k, Tensor v, Tensor(a!) out, Tensor starts, "
-        "Tensor lens, float scale) -> ()");
+        "Tensor lens, float scale, int window, float softcap) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(radixlm_cpu, CPU, m) { m.impl("extend_attention", &extend_attention); }

@@ -65,13 +65,17 @@ def get_quantization_config(hf_config: Any, quantization: str | None = None, *,
 
 
 def process_weights_after_loading(model: nn.Module) -> None:
-    """Every layer's method derives from the weights as they are now. Call it
-    after any write to the weights: the initial load, an update, a rollback, a
-    resume."""
+    """Every layer's method derives from the weights as they are now, and so
+    does every other module that keeps something derived (a
+    `process_weights_after_loading()` method of its own: Gemma's norm). Call
+    it after any write to the weights: the initial load, an update, a
+    rollback, a resume."""
     for module in model.modules():
         method = getattr(module, "quant_method", None)
         if method is not None:
             method.process_weights_after_loading(module)
+        elif callable(getattr(module, "process_weights_after_loading", None)):
+            module.process_weights_after_loading()
 
 
 def drop_derived_weights(model: nn.Module) -> None:

@@ -92,7 +92,11 @@ class GGUFConfig(QuantizationConfig):
         check_cpu_kernels(self.name)
         entries = [self.tensors.get((prefix, s)) for s in layer.shard_ids]
         if any(e is None for e in entries):
-            return None  # not in the file: the loader's completeness check names it
+            # A part the file lacks is named by the loader's completeness check; a
+            # tensor that is several of our parts at once (a fused qkv) loads as floats.
+            if any(e is not None for e in entries) or any(k[0] == prefix for k in self.tensors):
+                self.floats[prefix] = "its GGUF tensors are not one per part of this layer"
+            return None
         unkept = sorted({t for _, t in entries if t not in GGUF_FORMATS})
         if unkept:
             why = f"GGUF type {', '.join(unkept)} (kept: {', '.join(GGUF_FORMATS)})"

@@ -1,0 +1,350 @@
+"""The decoder-only transformer every dense family is built from.
+
+Pre-norm layers: norm -> attention (GQA, RoPE; optional QK-norm, sliding
+window, logit softcap) -> norm -> gated MLP, with the residual add fused into
+the next norm. Gemma's "sandwich" layers also normalize each block's output
+before its residual add (post-attention, pre- and post-feed-forward norms).
+q/k/v and gate/up run as one fused matmul each.
+
+A family is a subclass of `DecoderForCausalLM` that says what its config
+means in a `DecoderSpec` (`decoder_spec`, refusing what it cannot honour) and
+how its checkpoint names map onto our modules (`weight_mapping`, read by
+`models/weight_map.py`). Module names are HF's, so that mapping is only about
+the fused projections.
+
+Tensor parallelism: the row-parallel projections (o_proj, down_proj) leave
+per-rank partial sums (`reduce_results=False`); the norm that consumes one
+all-reduces it (`reduce=True`), fused with its residual add where it can.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import torch
+from torch import nn
+from transformers import PretrainedConfig
+
+from radixlm.layers.activation import GATED_ACTIVATIONS
+from radixlm.layers.attention.radix_attention import RadixAttention
+from radixlm.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from radixlm.layers.linear import (
+    MergedColumnParallelLinear,
+    QKVParallelLinear,
+    RowParallelLinear,
+)
+from radixlm.layers.norm import RMSNorm
+from radixlm.layers.quantization import QuantizationConfig
+from radixlm.layers.rotary import QKNormRotary, RotaryEmbedding, get_rope
+from radixlm.layers.sharding import ShardId
+from radixlm.models.weight_map import WeightMapping, load_weights
+
+if TYPE_CHECKING:
+    from radixlm.forward_batch import ForwardBatch
+
+logger = logging.getLogger(__name__)
+
+# HF's separate projections -> our fused modules (shard id inside each). A
+# checkpoint that already fuses them (Phi-3's qkv_proj, gate_up_proj) uses our
+# names and loads whole.
+HF_PROJECTIONS = WeightMapping(
+    fused={
+        "q_proj": ("qkv_proj", "q"),
+        "k_proj": ("qkv_proj", "k"),
+        "v_proj": ("qkv_proj", "v"),
+        "gate_proj": ("gate_up_proj", 0),
+        "up_proj": ("gate_up_proj", 1),
+    },
+    # Buffers some checkpoints carry that we recompute.
+    skipped=("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached"),
+)
+
+
+def head_dim_of(config: PretrainedConfig) -> int:
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+@dataclass(frozen=True)
+class DecoderSpec:
+    """What a family's decoder is made of (`from_hf` reads the shared fields;
+    a family passes what differs). Per-layer tuples have one entry per layer."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    qkv_bias: bool = False
+    o_bias: bool = False
+    mlp_bias: bool = False
+    activation: str = "silu"  # a key of GATED_ACTIVATIONS
+    norm: type[RMSNorm] = RMSNorm  # every norm of the model, QK-norms included
+    qk_norm: bool = False  # per-head norms of q and k before the rotary embedding
+    sandwich_norms: bool = False  # Gemma: each block's output normed before its residual add
+    attn_scale: float | None = None  # None: head_dim ** -0.5
+    attn_logit_softcap: float | None = None
+    final_logit_softcap: float | None = None
+    embed_scale: float | None = None  # token embeddings are multiplied by it
+    tie_word_embeddings: bool = False
+    sliding_windows: tuple[int | None, ...] = ()  # None: full attention
+    rope_layer_types: tuple[str | None, ...] = ()  # key of per-layer-type rope parameters
+    # The HF config, for the rotary embeddings (not compared).
+    config: Any = field(default=None, compare=False, repr=False)
+
+    @classmethod
+    def from_hf(cls, config: PretrainedConfig, **kw: Any) -> DecoderSpec:
+        heads = config.num_attention_heads
+        fields = dict(
+            vocab_size=config.vocab_size, hidden_size=config.hidden_size,
+            intermediate_size=config.intermediate_size, num_layers=config.num_hidden_layers,
+            num_heads=heads, num_kv_heads=getattr(config, "num_key_value_heads", None) or heads,
+            head_dim=head_dim_of(config), rms_norm_eps=config.rms_norm_eps,
+            tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
+            config=config)
+        spec = cls(**{**fields, **kw})
+        if spec.activation not in GATED_ACTIVATIONS:
+            raise ValueError(f"activation {spec.activation!r} (hidden_act) is not supported "
+                             f"(supported: {', '.join(GATED_ACTIVATIONS)})")
+        for name in ("sliding_windows", "rope_layer_types"):
+            if getattr(spec, name) and len(getattr(spec, name)) != spec.num_layers:
+                raise ValueError(f"{name}: {len(getattr(spec, name))} entries for "
+                                 f"{spec.num_layers} layers")
+        return spec
+
+    def window(self, layer_id: int) -> int | None:
+        return self.sliding_windows[layer_id] if self.sliding_windows else None
+
+    def rope_layer_type(self, layer_id: int) -> str | None:
+        return self.rope_layer_types[layer_id] if self.rope_layer_types else None
+
+
+class GatedMLP(nn.Module):
+    """down(act(gate(x)) * up(x)); SiLU fused with the gate/up product where the
+    weight method can."""
+
+    def __init__(self, spec: DecoderSpec, quant_config: QuantizationConfig | None = None,
+                 prefix: str = "") -> None:
+        super().__init__()
+        silu = spec.activation == "silu"
+        self.gate_up_proj = MergedColumnParallelLinear(
+            spec.hidden_size, [spec.intermediate_size] * 2, bias=spec.mlp_bias,
+            fused_silu_mul=silu, quant_config=quant_config, prefix=f"{prefix}.gate_up_proj")
+        self.act_fn = None if silu else GATED_ACTIVATIONS[spec.activation]()
+        # Partial sums under tensor parallelism: the next norm all-reduces them.
+        self.down_proj = RowParallelLinear(spec.intermediate_size, spec.hidden_size,
+                                           bias=spec.mlp_bias, reduce_results=False,
+                                           quant_config=quant_config,
+                                           prefix=f"{prefix}.down_proj")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.gate_up_proj(x)
+        return self.down_proj(x if self.act_fn is None else self.act_fn(x))
+
+
+class DecoderAttention(nn.Module):
+    def __init__(self, spec: DecoderSpec, layer_id: int, rotary_emb: RotaryEmbedding,
+                 quant_config: QuantizationConfig | None = None, prefix: str = "") -> None:
+        super().__init__()
+        d = spec.head_dim
+        self.qkv_proj = QKVParallelLinear(spec.hidden_size, d, spec.num_heads, spec.num_kv_heads,
+                                          bias=spec.qkv_bias, quant_config=quant_config,
+                                          prefix=f"{prefix}.qkv_proj")
+        qkv = self.qkv_proj
+        self.o_proj = RowParallelLinear(spec.num_heads * d, spec.hidden_size, bias=spec.o_bias,
+                                        input_partition=(qkv.q_start * d, qkv.q_size),
+                                        reduce_results=False, quant_config=quant_config,
+                                        prefix=f"{prefix}.o_proj")
+        self.q_norm = spec.norm(d, spec.rms_norm_eps) if spec.qk_norm else None
+        self.k_norm = spec.norm(d, spec.rms_norm_eps) if spec.qk_norm else None
+        self.rotary_emb = rotary_emb
+        # The QK norm runs with the rotation (one kernel on CUDA).
+        self.rope = (rotary_emb if self.q_norm is None
+                     else QKNormRotary(rotary_emb, self.q_norm, self.k_norm))
+        self.split_sizes = [qkv.q_size, qkv.kv_size, qkv.kv_size]
+        scale = spec.attn_scale if spec.attn_scale is not None else d ** -0.5
+        self.attn = RadixAttention(layer_id, qkv.num_heads, qkv.num_kv_heads, d, scaling=scale,
+                                   sliding_window=spec.window(layer_id),
+                                   logit_softcap=spec.attn_logit_softcap)
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, fb: ForwardBatch,
+                rows: torch.Tensor | None = None) -> torch.Tensor:
+        """`rows`: project only these rows of the attention output (every token's
+        K/V is still computed and stored)."""
+        q, k, v = self.qkv_proj(hidden).split(self.split_sizes, dim=-1)
+        out = self.attn(q, k, v, fb, rope=(self.rope, positions))
+        return self.o_proj(out if rows is None else out[rows])
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, spec: DecoderSpec, layer_id: int, rotary_emb: RotaryEmbedding,
+                 quant_config: QuantizationConfig | None = None, prefix: str = "") -> None:
+        super().__init__()
+        hidden, eps = spec.hidden_size, spec.rms_norm_eps
+        self.self_attn = DecoderAttention(spec, layer_id, rotary_emb, quant_config,
+                                          prefix=f"{prefix}.self_attn")
+        self.mlp = GatedMLP(spec, quant_config, prefix=f"{prefix}.mlp")
+        self.input_layernorm = spec.norm(hidden, eps)
+        # Llama: the MLP's input norm. Sandwich layers: the attention output's norm.
+        self.post_attention_layernorm = spec.norm(hidden, eps)
+        self.sandwich = spec.sandwich_norms
+        if self.sandwich:
+            self.pre_feedforward_layernorm = spec.norm(hidden, eps)
+            self.post_feedforward_layernorm = spec.norm(hidden, eps)
+
+    @property
+    def output_norm(self) -> RMSNorm | None:
+        """The norm still to apply to this layer's output before it joins the
+        residual stream (a sandwich layer's post-feed-forward norm): the next
+        norm applies it in the same kernel (`RMSNorm.forward`'s pre_norm)."""
+        return self.post_feedforward_layernorm if self.sandwich else None
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor,
+                residual: torch.Tensor | None, fb: ForwardBatch,
+                rows: torch.Tensor | None = None, pending_norm: RMSNorm | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Returns (this layer's output, residual stream): their sum, after
+        `output_norm` on the output, is the layer's HF output. The output is a
+        per-rank partial sum under tensor parallelism (the MLP's, left for the
+        next norm to reduce). `pending_norm`: the previous layer's output_norm.
+        `rows`: return only these token rows (the last layer in prefill, where
+        only the rows that get logits go on)."""
+        if residual is None:
+            residual, hidden = hidden, self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual, reduce=True,
+                                                    pre_norm=pending_norm)
+        hidden = self.self_attn(positions, hidden, fb, rows)
+        if rows is not None:
+            residual = residual[rows]
+        if self.sandwich:
+            hidden, residual = self.pre_feedforward_layernorm(
+                hidden, residual, reduce=True, pre_norm=self.post_attention_layernorm)
+        else:
+            hidden, residual = self.post_attention_layernorm(hidden, residual, reduce=True)
+        return self.mlp(hidden), residual
+
+
+class DecoderModel(nn.Module):
+    def __init__(self, spec: DecoderSpec, quant_config: QuantizationConfig | None = None,
+                 prefix: str = "model") -> None:
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(spec.vocab_size, spec.hidden_size,
+                                                   quant_config=quant_config,
+                                                   prefix=f"{prefix}.embed_tokens")
+        self.embed_scale = None
+        if spec.embed_scale is not None:
+            # HF rounds the scale to the weights' dtype before multiplying.
+            dtype = torch.get_default_dtype()
+            self.embed_scale = torch.tensor(spec.embed_scale, dtype=dtype, device="cpu").item()
+        # One cos/sin table per distinct rope (they are large for 128k contexts).
+        ropes: dict[str | None, RotaryEmbedding] = {}
+        for i in range(spec.num_layers):
+            kind = spec.rope_layer_type(i)
+            if kind not in ropes:
+                ropes[kind] = get_rope(spec.config, spec.head_dim, layer_type=kind)
+        self.layers = nn.ModuleList(
+            DecoderLayer(spec, i, ropes[spec.rope_layer_type(i)], quant_config,
+                         prefix=f"{prefix}.layers.{i}")
+            for i in range(spec.num_layers))
+        self.norm = spec.norm(spec.hidden_size, spec.rms_norm_eps)
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Token embeddings as the first layer takes them (scaled where the family
+        scales them): what `input_embeds` holds for ordinary tokens."""
+        hidden = self.embed_tokens(input_ids)
+        return hidden if self.embed_scale is None else hidden * self.embed_scale
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, fb: ForwardBatch,
+                last_rows: torch.Tensor | None = None,
+                input_embeds: torch.Tensor | None = None) -> torch.Tensor:
+        """The final-normed hidden states. With `last_rows` the last layer runs its
+        output projection and MLP on those rows only, and only they are
+        returned. `input_embeds` [num_tokens, hidden] replaces the embedding
+        of `input_ids` (then unused)."""
+        hidden = self.embed(input_ids) if input_embeds is None else input_embeds
+        residual = None
+        last = len(self.layers) - 1
+        pending = None
+        for i, layer in enumerate(self.layers):
+            hidden, residual = layer(positions, hidden, residual, fb,
+                                     last_rows if i == last else None, pending)
+            pending = layer.output_norm
+        # Under tensor parallelism this norm all-reduces the last MLP's partial
+        # sums in place (in the buffer the MLP wrote), so rows are picked after it.
+        return self.norm(hidden, residual, reduce=True, pre_norm=pending)[0]
+
+
+class DecoderForCausalLM(nn.Module):
+    """A dense decoder with an LM head. Subclasses implement `decoder_spec`."""
+
+    weight_mapping: ClassVar[WeightMapping] = HF_PROJECTIONS
+
+    @classmethod
+    def decoder_spec(cls, config: PretrainedConfig) -> DecoderSpec:
+        """What `config` asks of the decoder; ValueError naming any field this
+        family cannot honour."""
+        raise NotImplementedError
+
+    def __init__(self, config: PretrainedConfig,
+                 quant_config: QuantizationConfig | None = None) -> None:
+        """`quant_config`: picks each linear layer's weight method (default:
+        unquantized, with the fast paths of the device and dtype)."""
+        super().__init__()
+        spec = self.decoder_spec(config)
+        self.config = config
+        self.spec = spec
+        self.model = DecoderModel(spec, quant_config=quant_config)
+        self.tie_word_embeddings = spec.tie_word_embeddings
+        tied_to = self.model.embed_tokens if self.tie_word_embeddings else None
+        self.lm_head = ParallelLMHead(spec.vocab_size, spec.hidden_size, tied_to=tied_to,
+                                      quant_config=quant_config, prefix="lm_head")
+        self.final_logit_softcap = spec.final_logit_softcap
+        attn = self.model.layers[0].self_attn.attn
+        # What a KV pool for this rank needs.
+        self.num_layers = spec.num_layers
+        self.num_kv_heads = attn.num_kv_heads
+        self.head_dim = attn.head_dim
+        self.sliding_windows = tuple(spec.window(i) for i in range(spec.num_layers))
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, fb: ForwardBatch,
+                input_embeds: torch.Tensor | None = None) -> torch.Tensor:
+        """float32 logits [len(fb.logit_rows), vocab] for the rows `fb.logit_rows`
+        of the flat token axis (default: each request's last new token).
+        `input_embeds`: see `DecoderModel.forward`."""
+        rows = fb.logit_rows
+        if rows is None:
+            rows = fb.extend_start_loc + fb.extend_seq_lens - 1
+        # Prefill: the last layer's o_proj and MLP only for the logit rows (~3%).
+        every_row = fb.mode.is_decode() or rows.numel() == fb.num_tokens
+        hidden = self.model(input_ids, positions, fb, last_rows=None if every_row else rows,
+                            input_embeds=input_embeds)
+        if every_row:
+            hidden = hidden[rows]
+        return self.compute_logits(hidden)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = self.lm_head.compute_logits(hidden).float()
+        cap = self.final_logit_softcap
+        # In float32: HF caps in the model's dtype, which ties many large logits.
+        return logits if cap is None else torch.tanh(logits / cap) * cap
+
+    def forward_hidden(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                       fb: ForwardBatch, input_embeds: torch.Tensor | None = None
+                       ) -> torch.Tensor:
+        """Final-normed hidden states [num_tokens, hidden] of every token."""
+        return self.model(input_ids, positions, fb, input_embeds=input_embeds)
+
+    # ---- weights ---------------------------------------------------------
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]
+                     ) -> dict[str, set[ShardId]]:
+        """Copy HF-named tensors into place (`models/weight_map.py`); returns, per
+        parameter written (our name), the shard ids written, so a caller loading
+        a full checkpoint can check nothing is missing (a partial update may
+        legitimately write fewer). ValueError for a tensor with no place here."""
+        return load_weights(self, weights)
