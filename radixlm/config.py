@@ -20,9 +20,10 @@ EMBEDDING_POOLINGS = ("last", "mean")
 LOAD_BALANCE_METHODS = ("round_robin", "shortest_queue", "cache_aware")
 TOOL_CALL_PARSERS = ("hermes", "qwen25", "llama3", "mistral", "deepseekv3", "pythonic")
 REASONING_PARSERS = ("deepseek-r1", "qwen3")
-# --quantization choices: "auto" (what the checkpoint declares; the default, None, means
-# the same). A weight method adds its name here and in layers/quantization/__init__.py.
-QUANTIZATIONS = ("auto",)
+# --quantization choices: "auto" (what the checkpoint is; the default, None, means the
+# same), "none" (float weights; a .gguf file dequantized at load). A weight method adds its
+# name here and in layers/quantization/__init__.py.
+QUANTIZATIONS = ("auto", "none", "gguf", "int8")
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 # SGLang's default name of the group over which a trainer broadcasts new weights.
 WEIGHT_UPDATE_GROUP = "weight_update_group"
@@ -45,8 +46,11 @@ class ServerArgs:
     load_format: str = _opt("model", "Weight format", LOAD_FORMATS, default="auto")
     dtype: str = _opt("model", "Weight and activation dtype", DTYPES, default="auto")
     quantization: str | None = _opt(
-        "model", "Weight quantization method (default: what the checkpoint's config.json "
-        "declares; a quantization_config no method reads is refused)", QUANTIZATIONS,
+        "model", "Weight quantization method. auto (default): what the checkpoint is (its "
+        "config.json's quantization_config; a .gguf file keeps its blocks on the CPU where "
+        "that is the faster path, see the start-up log); none: float weights (a .gguf file "
+        "dequantized); gguf: a .gguf file's blocks in our CPU kernels; int8: per-channel "
+        "int8 of a float checkpoint, CPU", QUANTIZATIONS,
         default=None)
     context_length: int | None = _opt("model", "Override the model's context length", default=None)
     skip_tokenizer_init: bool = _opt(

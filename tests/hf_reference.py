@@ -7,6 +7,11 @@ from typing import Any
 
 import torch
 
+# The embedded model's defaults are its GGUF blocks in bf16 on CPUs that compute bf16
+# natively; tests that compare with HF's fp32 (or that need float weights) pin these.
+EXACT = {"dtype": "float32", "quantization": "none"}
+EXACT_ARGS = ["--dtype", "float32", "--quantization", "none"]
+
 
 def load_hf(model_dir: str) -> Any:
     from transformers import AutoModelForCausalLM

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+from hf_reference import EXACT_ARGS
 
 from radixlm.server.workers import free_port
 
@@ -36,8 +37,11 @@ class ServerProcess:
         self.api_key = api_key
         self.url = f"http://127.0.0.1:{self.port}"
         self.base_url = self.url + "/v1"
+        args = list(args or [])
+        if "--model-path" not in args:  # the embedded model: as HF computes it, unless told
+            args = [*EXACT_ARGS, *args]
         cmd = [*(launcher or [sys.executable, "-m", "radixlm.launch_server"]),
-               "--port", str(self.port), *(args or [])]
+               "--port", str(self.port), *args]
         if api_key:
             cmd += ["--api-key", api_key]
         fd, self.log_path = tempfile.mkstemp(prefix="radixlm-server-", suffix=".log")
@@ -124,7 +128,7 @@ class ServerProcess:
 # test process (and the offline Engine compared against uses one too);
 # metrics on so /metrics can be tested.
 DEFAULT_ARGS = ["--enable-metrics", "--max-total-tokens", "8192", "--context-length", "256",
-                "--num-threads", "1", "--stats-interval", "5"]
+                "--num-threads", "1", "--stats-interval", "5", *EXACT_ARGS]
 _default: ServerProcess | None = None
 
 

@@ -15,6 +15,7 @@ import jsonschema
 import pytest
 import torch
 from grammar_cases import json_schemas, regexes
+from hf_reference import EXACT
 
 import radixlm
 from radixlm.constrained import create_grammar_manager
@@ -37,7 +38,7 @@ PERSON = {"type": "object", "properties": {
 
 @pytest.fixture(scope="module")
 def engine():
-    with radixlm.Engine(max_total_tokens=32768) as e:
+    with radixlm.Engine(**EXACT, max_total_tokens=32768) as e:
         yield e
 
 
@@ -144,7 +145,7 @@ def test_chunked_prefill_and_retraction_keep_matchers_valid(engine):
     params = [{"max_new_tokens": 96, "temperature": 0.0, "json_schema": json.dumps(s)}
               for s in schemas]
     roomy = engine.generate(prompts, params)
-    with radixlm.Engine(max_total_tokens=220, chunked_prefill_size=32,
+    with radixlm.Engine(**EXACT, max_total_tokens=220, chunked_prefill_size=32,
                         schedule_conservativeness=0.05) as small:
         assert len(small.tokenizer.encode(prompts[0])) > 32  # prompts are chunked
         tight = small.generate(prompts, params)

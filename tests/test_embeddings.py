@@ -15,6 +15,7 @@ import httpx
 import openai
 import pytest
 import torch
+from hf_reference import EXACT
 from server_utils import ServerProcess, default_server
 
 import radixlm
@@ -48,7 +49,7 @@ def assert_matches(vec: list[float], ref: torch.Tensor) -> None:
 
 @pytest.fixture(scope="module", params=["last", "mean"])
 def embed_engine(request):
-    with radixlm.Engine(is_embedding=True, embedding_pooling=request.param,
+    with radixlm.Engine(**EXACT, is_embedding=True, embedding_pooling=request.param,
                         chunked_prefill_size=CHUNK, max_total_tokens=2048,
                         num_threads=1) as e:
         yield e
@@ -89,7 +90,7 @@ def test_engine_api_errors(embed_engine):
 
 
 def test_encode_needs_an_embedding_engine():
-    with radixlm.Engine(max_total_tokens=256, num_threads=1) as e, \
+    with radixlm.Engine(**EXACT, max_total_tokens=256, num_threads=1) as e, \
             pytest.raises(ValueError, match="is_embedding=True"):
         e.encode("Hello")
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import hf_reference
 import pytest
 import torch
+from hf_reference import EXACT
 
 import radixlm
 
@@ -36,7 +37,7 @@ def hf_greedy(hf_model, prompt_ids) -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def engine_default():
-    with radixlm.Engine(max_total_tokens=8192) as e:
+    with radixlm.Engine(**EXACT, max_total_tokens=8192) as e:
         yield e
 
 
@@ -63,7 +64,7 @@ def test_greedy_matches_hf(engine_default, prompt_ids, hf_greedy, together):
     ({"schedule_policy": "dfs-weight"}, (True,)),
 ])
 def test_greedy_matches_hf_configs(prompt_ids, hf_greedy, kwargs, modes):
-    with radixlm.Engine(max_total_tokens=8192, **kwargs) as e:
+    with radixlm.Engine(**EXACT, max_total_tokens=8192, **kwargs) as e:
         for together in modes:
             ours = _ours(e, prompt_ids, together)
             for o, h in zip(ours, hf_greedy):
@@ -86,7 +87,7 @@ def test_radix_cache_reports_cached_tokens(engine_default):
 def test_retraction_completes_with_same_outputs(prompt_ids, hf_greedy):
     # 8 requests that need ~8 x 90 tokens in a pool of 400: decode runs out of
     # memory and must retract and resume requests.
-    with radixlm.Engine(max_total_tokens=400, chunked_prefill_size=64) as e:
+    with radixlm.Engine(**EXACT, max_total_tokens=400, chunked_prefill_size=64) as e:
         ours = _ours(e, prompt_ids, together=True)
         assert e.scheduler.stats.num_retractions > 0
         for o, h in zip(ours, hf_greedy):
@@ -144,7 +145,7 @@ def test_stream_interval_batches_streamed_tokens():
     """--stream-interval 5: the first token at once, then five at a time, the rest
     with the finish; the same tokens and text as without streaming."""
     sp = {"max_new_tokens": 23, "temperature": 0, "ignore_eos": True}
-    with radixlm.Engine(max_total_tokens=4096, stream_interval=5) as e:
+    with radixlm.Engine(**EXACT, max_total_tokens=4096, stream_interval=5) as e:
         full = e.generate("Tell me about Paris.", sp)
         chunks = list(e.generate("Tell me about Paris.", sp, stream=True))
     assert [len(c["output_ids"]) for c in chunks] == [1, 5, 5, 5, 5, 2]
@@ -163,7 +164,7 @@ def test_full_batch_skips_ordering_the_queue(monkeypatch):
     real = prefill.order_waiting
     monkeypatch.setattr(prefill, "order_waiting", lambda *a: calls.append(1) or real(*a))
     sp = {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True}
-    with radixlm.Engine(max_total_tokens=4096, max_running_requests=2,
+    with radixlm.Engine(**EXACT, max_total_tokens=4096, max_running_requests=2,
                         schedule_policy="lpm") as e:
         outs = e.generate([f"Count to {i}:" for i in range(6)], sp)
     assert all(len(o["output_ids"]) == 8 for o in outs)
@@ -203,7 +204,7 @@ def test_bf16_engine_tracks_hf(prompt_ids, hf_model):
     """The CPU bf16 path (C++ kernels, prepacked weights, scores from raw bf16 keys)
     against HF in fp32: prompt logprobs within bf16 error, and each greedy token
     HF's top choice or within a near-tie of it (bf16 may flip those)."""
-    with radixlm.Engine(dtype="bfloat16", max_total_tokens=8192) as e:
+    with radixlm.Engine(dtype="bfloat16", quantization="none", max_total_tokens=8192) as e:
         outs = e.generate(input_ids=prompt_ids, return_logprob=True, logprob_start_len=0,
                           sampling_params={"max_new_tokens": 12, "temperature": 0})
         e.scheduler.check_invariants()
@@ -268,7 +269,7 @@ def test_priority_must_be_an_integer(engine_default, bad):
 
 
 def test_priority_travels_to_the_scheduler(monkeypatch):
-    with radixlm.Engine(enable_priority_scheduling=True) as engine:
+    with radixlm.Engine(**EXACT, enable_priority_scheduling=True) as engine:
         sent = []
         add = engine.scheduler.add_request
         monkeypatch.setattr(engine.scheduler, "add_request",

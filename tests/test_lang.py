@@ -9,6 +9,7 @@ import threading
 from pathlib import Path
 
 import pytest
+from hf_reference import EXACT
 
 import radixlm
 import radixlm.lang as sgl
@@ -25,7 +26,7 @@ def doc_blocks() -> list[str]:
 
 @pytest.fixture(scope="module")
 def engine():
-    with radixlm.Engine(max_total_tokens=8192) as e:
+    with radixlm.Engine(**EXACT, max_total_tokens=8192) as e:
         yield e
 
 

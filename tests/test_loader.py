@@ -21,6 +21,7 @@ from radixlm.models.loader import (
     iter_safetensors,
     load_config,
     load_model,
+    native_bf16_isa,
     prepare_model_dir,
     resolve_dtype,
     unpermute_qk,
@@ -296,7 +297,11 @@ def test_resolve_dtype():
     bf16 = LlamaConfig(dtype="bfloat16")
     fp16 = LlamaConfig(dtype="float16")
     fp32 = LlamaConfig(dtype="float32")
-    assert resolve_dtype("auto", bf16, "cpu") == torch.float32
+    native = torch.bfloat16 if native_bf16_isa() else torch.float32
+    assert resolve_dtype("auto", bf16, "cpu") == native
+    assert resolve_dtype("auto", fp16, "cpu") == native
+    assert resolve_dtype("auto", fp32, "cpu") == torch.float32
+    assert resolve_dtype("auto", LlamaConfig(), "cpu") == torch.float32
     assert resolve_dtype("auto", fp16, "cuda") == torch.float16
     assert resolve_dtype("auto", bf16, "cuda:0") == torch.bfloat16
     assert resolve_dtype("auto", fp32, "cuda") == torch.bfloat16
@@ -325,4 +330,4 @@ def test_load_logs_one_info_line(model_dir, caplog):
     with caplog.at_level("INFO", logger="radixlm.models.loader"):
         load_model(model_dir, config, "dummy", torch.float32, "cpu", seed=1)
     lines = [r.getMessage() for r in caplog.records if r.name == "radixlm.models.loader"]
-    assert len(lines) == 1 and "134.5M parameters" in lines[0] and "float32 on cpu" in lines[0]
+    assert len(lines) == 1 and "538.1 MB of weights" in lines[0] and "float32 on cpu" in lines[0]

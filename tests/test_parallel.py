@@ -11,7 +11,7 @@ import httpx
 import psutil
 import pytest
 import torch
-from hf_reference import hf_greedy
+from hf_reference import EXACT, hf_greedy
 from server_utils import ServerProcess
 from test_models import TINY_CONFIGS, save_random_hf_model
 
@@ -107,9 +107,9 @@ def embedded_ids(model_dir) -> list[list[int]]:
 def test_tp2_embedded_model_matches_tp1_and_hf(embedded_ids, hf_model):
     """SmolLM2's 9 heads / 3 KV heads split 6+3 / 2+1 over two gloo ranks."""
     ref = hf_greedy(hf_model, embedded_ids, NEW_TOKENS)
-    with radixlm.Engine(max_total_tokens=4096) as e:
+    with radixlm.Engine(**EXACT, max_total_tokens=4096) as e:
         tp1 = [o["output_ids"] for o in e.generate(input_ids=embedded_ids, sampling_params=GREEDY)]
-    with radixlm.Engine(tp_size=2, max_total_tokens=4096, chunked_prefill_size=8) as e:
+    with radixlm.Engine(**EXACT, tp_size=2, max_total_tokens=4096, chunked_prefill_size=8) as e:
         tp2 = [o["output_ids"] for o in e.generate(input_ids=embedded_ids, sampling_params=GREEDY)]
         # One by one, now with the prompts' KV cached by the radix tree.
         again = [e.generate(input_ids=ids, sampling_params=GREEDY)["output_ids"]
@@ -151,7 +151,7 @@ def shared_prefix_workload(groups: int, per_group: int) -> list[list[int]]:
 
 def run_dp(method: str, prompts: list[list[int]]) -> dict:
     sp = {"max_new_tokens": 4, "temperature": 0.0, "ignore_eos": True}
-    with radixlm.Engine(dp_size=2, load_balance_method=method, max_total_tokens=8192) as e:
+    with radixlm.Engine(**EXACT, dp_size=2, load_balance_method=method, max_total_tokens=8192) as e:
         outs = e.generate(input_ids=prompts, sampling_params=sp)
         assert all(o["meta_info"]["finish_reason"]["type"] == "length" for o in outs)
         return e.get_server_info()
@@ -172,7 +172,7 @@ def test_dp2_round_robin_vs_cache_aware():
 
 
 def test_dp2_shortest_queue_completes_and_controls_reach_every_replica():
-    with radixlm.Engine(dp_size=2, load_balance_method="shortest_queue",
+    with radixlm.Engine(**EXACT, dp_size=2, load_balance_method="shortest_queue",
                         max_total_tokens=4096) as e:
         outs = e.generate(PROMPTS * 2, GREEDY)
         assert len(outs) == 8
@@ -211,7 +211,7 @@ def test_tp2_server_serves_and_dies_with_a_rank():
 
 def test_dp2_session_turns_stay_on_one_replica():
     """A session's continuation must reach the replica holding its history."""
-    with radixlm.Engine(dp_size=2, max_total_tokens=4096) as e:
+    with radixlm.Engine(**EXACT, dp_size=2, max_total_tokens=4096) as e:
         sid = e.open_session(0)
         rid = None
         for turn in ("Hello!", " Tell me more.", " And then?"):

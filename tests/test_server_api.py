@@ -14,6 +14,7 @@ from typing import Any
 
 import openai
 import pytest
+from hf_reference import EXACT
 from server_utils import ServerProcess, default_server
 
 pytestmark = pytest.mark.timeout(600)
@@ -250,7 +251,7 @@ def test_greedy_matches_offline_engine(server: ServerProcess, client: openai.Ope
     prompts = [PROMPT, "def fibonacci(n):"]
     served = [client.completions.create(model="SmolLM2-135M-Instruct", prompt=p, max_tokens=10,
                                         **GREEDY).choices[0].text for p in prompts]
-    engine = radixlm.Engine(max_total_tokens=4096, num_threads=1)  # as the server's
+    engine = radixlm.Engine(**EXACT, max_total_tokens=4096, num_threads=1)  # as the server's
     try:
         offline = [engine.generate(p, {"max_new_tokens": 10, "temperature": 0.0})["text"]
                    for p in prompts]

@@ -8,6 +8,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+from hf_reference import EXACT
 from server_utils import ServerProcess, default_server
 
 import radixlm
@@ -21,7 +22,7 @@ QUESTIONS = ["What is the capital of France?", "And of Germany?", "Which one is 
 
 @pytest.fixture(scope="module")
 def engine():
-    with radixlm.Engine(max_total_tokens=4096, num_threads=1) as e:
+    with radixlm.Engine(**EXACT, max_total_tokens=4096, num_threads=1) as e:
         yield e
 
 
@@ -73,7 +74,8 @@ def test_three_turns_equal_full_context_and_reuse_kv(engine):
 def test_continuation_without_radix_cache_recomputes(engine):
     sid = engine.open_session(0)
     cached, _ = run_turns(engine, sid)
-    with radixlm.Engine(max_total_tokens=2048, num_threads=1, disable_radix_cache=True) as e:
+    with radixlm.Engine(**EXACT, max_total_tokens=2048, num_threads=1,
+                        disable_radix_cache=True) as e:
         sid2 = e.open_session(0, session_id="mine")
         assert sid2 == "mine"
         plain, _ = run_turns(e, sid2)

@@ -69,8 +69,9 @@ def _load(path: str, dtype: torch.dtype = torch.float32, **kw) -> nn.Module:
 
 
 def _methods(model: nn.Module) -> dict[str, type]:
+    """Each linear layer's (and the LM head's) method; the embedding's is an EmbeddingMethod."""
     return {name: type(m.quant_method) for name, m in model.named_modules()
-            if hasattr(m, "quant_method")}
+            if isinstance(getattr(m, "quant_method", None), LinearMethod)}
 
 
 def _rewrite(path: str, out, change) -> str:
@@ -100,10 +101,11 @@ def test_fp32_and_the_flag_off_keep_f_linear(tiny_dir):
 
 def test_server_args_reach_the_quant_config():
     config = TINY_CONFIGS["llama3-rope-tied"]()
-    args = ServerArgs(disable_weight_prepack=True)
+    args = ServerArgs(disable_weight_prepack=True, quantization="none")
     from radixlm.runtime.model_runner import ModelRunner
 
-    runner = SimpleNamespace(args=args, config=config)
+    runner = SimpleNamespace(args=args, config=config, device=torch.device("cpu"),
+                             dtype=torch.float32)
     built = ModelRunner._quant_config(runner)
     assert isinstance(built, UnquantizedConfig) and not built.prepack and built.gemv
 
@@ -235,7 +237,7 @@ def test_unknown_quantization_names_are_refused():
     with pytest.raises(ValueError, match="quantization='gptq'"):
         get_quantization_config(TINY_CONFIGS["llama3-rope-tied"](), "gptq")
     # The CLI choices and the registry name the same methods.
-    assert set(QUANTIZATIONS) == {"auto", *QUANTIZATION_METHODS}
+    assert set(QUANTIZATIONS) == {"auto", "none", *QUANTIZATION_METHODS}
 
 
 class _HalfMethod(UnquantizedLinearMethod):

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from hf_reference import hf_greedy, load_hf
+from hf_reference import EXACT, hf_greedy, load_hf
 from safetensors.torch import save
 from server_utils import free_port
 from weight_update_utils import (
@@ -36,7 +36,7 @@ SP = {"max_new_tokens": NEW_TOKENS, "temperature": 0.0}
 
 @pytest.fixture(scope="module")
 def engine(model_dir):
-    with radixlm.Engine(max_total_tokens=4096, context_length=256, num_threads=1) as e:
+    with radixlm.Engine(**EXACT, max_total_tokens=4096, context_length=256, num_threads=1) as e:
         yield e
 
 
@@ -176,8 +176,8 @@ def test_update_from_tensor(engine, prompt_ids, baseline, second, model_dir):
 def test_bf16_updates_replace_the_prepacked_weights(model_dir, prompt_ids, second):
     """On the CPU in bf16 the linear layers run from copies prepacked for oneDNN: an
     update must reach them (a stale copy would go on serving the old model)."""
-    kw = {"dtype": "bfloat16", "max_total_tokens": 4096, "context_length": 256,
-          "num_threads": 1}
+    kw = {"dtype": "bfloat16", "quantization": "none", "max_total_tokens": 4096,
+          "context_length": 256, "num_threads": 1}
     with radixlm.Engine(model_path=second["path"], skip_tokenizer_init=True, **kw) as fresh:
         want = greedy(fresh, prompt_ids)
     with radixlm.Engine(**kw) as e:
@@ -389,7 +389,7 @@ def test_tensor_parallel_weights_by_name_and_updates(hf_model, model_dir):
              "model.layers.0.self_attn.v_proj.weight", "model.layers.0.self_attn.o_proj.weight",
              "model.layers.1.mlp.gate_proj.weight", "model.layers.1.mlp.up_proj.weight",
              "model.layers.1.mlp.down_proj.weight", "model.norm.weight"]
-    with radixlm.Engine(tp_size=2, max_total_tokens=2048, context_length=256) as e:
+    with radixlm.Engine(**EXACT, tp_size=2, max_total_tokens=2048, context_length=256) as e:
         for name in names:
             whole = params[name].flatten()
             assert e.get_weights_by_name(name, whole.numel()) == whole.tolist(), name

@@ -1,6 +1,7 @@
 """python -m radixlm.bench MODE [options]
 
-MODE: offline, one-batch, shared-prefix, serving, ttft, mixed-chunk, priority.
+MODE: offline, one-batch, shared-prefix, serving, ttft, mixed-chunk, priority,
+llamacpp-serving, gguf-agreement.
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ import sys
 
 def main() -> None:
     modes = ("offline", "one-batch", "shared-prefix", "serving", "ttft", "mixed-chunk",
-             "priority")
+             "priority", "llamacpp-serving", "gguf-agreement")
     if len(sys.argv) < 2 or sys.argv[1] not in modes:
         print(f"usage: python -m radixlm.bench {{{','.join(modes)}}} [options]")
         sys.exit(2)
@@ -21,6 +22,12 @@ def main() -> None:
     elif mode in ("mixed-chunk", "priority"):
         from radixlm.bench.scheduling import main as run
         run(argv, mode)
+    elif mode == "llamacpp-serving":
+        from radixlm.bench.llamacpp_serving import main as run
+        sys.exit(run(argv))
+    elif mode == "gguf-agreement":
+        from radixlm.bench.gguf_agreement import main as run
+        run(argv)
     elif mode == "shared-prefix":
         from radixlm.bench.shared_prefix import main as run
         run(argv)

@@ -145,6 +145,32 @@ def workload_bound_seconds(runner, n: int, input_len: int, output_len: int, bw: 
     return prefill / flops + (output_len * weight_bytes + kv_read) / bw
 
 
+def run_llamacpp(python: str, server_args: ServerArgs, input_len: int, output_len: int,
+                 threads: int) -> Result:
+    """llama.cpp's prefill and decode on our .gguf file (`llamacpp_peer.py`), as a Result
+    of the same workload: one prompt of `input_len`, `output_len` tokens out."""
+    import json
+    import os
+    import subprocess
+    from pathlib import Path
+
+    from radixlm.models.loader import gguf_source
+
+    gguf = gguf_source(server_args.model_path, server_args.load_format)
+    if gguf is None:
+        raise SystemExit("--llamacpp-python needs a .gguf model")
+    script = Path(__file__).with_name("llamacpp_peer.py")
+    # Its OpenMP decode is a third slower under our passive wait policy.
+    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+    out = subprocess.run([python, str(script), str(gguf), "--threads", str(threads),
+                          "--prompt-len", str(input_len), "--decode-len", str(output_len)],
+                         env=env, check=True, capture_output=True, text=True).stdout
+    figures = json.loads(out.strip().splitlines()[-1])
+    prefill_s = input_len / figures["prefill_tok_s"]
+    seconds = prefill_s + (output_len - 1) / figures["decode_tok_s"]
+    return Result("llama.cpp", seconds, output_len, prefill_seconds=prefill_s)
+
+
 def print_table(rows: list[Result], peer: Result | None, extra: list[str]) -> None:
     print(f"\n{'system':<14}{'output tokens':>15}{'seconds':>10}{'tok/s':>10}{'ratio':>8}"
           f"{'prefill s':>11}{'decode tok/s':>14}{'ratio':>8}")
@@ -168,6 +194,9 @@ def main(argv: list[str] | None = None, mode: str = "offline") -> None:
     parser.add_argument("--hf-dtype", choices=("same", "float32", "bfloat16", "float16"),
                         default="same", help="the HF peer's dtype (default: ours)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--llamacpp-python", default=None,
+                        help="one-batch on a .gguf: also time llama.cpp in-process on the same "
+                             "file and threads, through this interpreter (llama-cpp-python)")
     ServerArgs.add_cli_args(parser)
     args = parser.parse_args(argv)
     if mode == "one-batch":
@@ -206,7 +235,18 @@ def main(argv: list[str] | None = None, mode: str = "offline") -> None:
                      f"{bw / 1e12:.2f} TB/s): {bound:.0f} tok/s decode (weights only); ours "
                      f"= {ours.decode_tok_s / bound:.0%} of it")
     peer = None
-    if not args.skip_hf:
+    if args.llamacpp_python:
+        threads = server_args.num_threads or torch.get_num_threads()
+        engine.shutdown()  # its cores are the peer's now
+        peer = run_llamacpp(args.llamacpp_python, server_args, args.input_len, args.output_len,
+                            threads)
+        extra.append(f"llama.cpp peer: same GGUF, {threads} threads, in-process "
+                     "(bench/llamacpp_peer.py)")
+        ours_pf = args.num_prompts * args.input_len / ours.prefill_seconds
+        peer_pf = args.input_len / peer.prefill_seconds
+        extra.append(f"prefill tok/s: radixlm {ours_pf:.0f} (time to first token), llama.cpp "
+                     f"{peer_pf:.0f}: {ours_pf / peer_pf:.2f}x")
+    elif not args.skip_hf:
         from radixlm.models.loader import load_config, prepare_model_dir
         model_dir = prepare_model_dir(server_args.model_path, server_args.load_format)
         config = load_config(model_dir, server_args.context_length)

@@ -9,7 +9,8 @@ Requests go to /v1/completions with `stream: true` and
 or vLLM. Prompts are token-id lists (exact input lengths without a local
 tokenizer); output lengths are pinned with the `ignore_eos`/`min_tokens`
 extensions (drop them with --disable-ignore-eos for servers without them).
-Token counts come from the server's `usage`. Arrivals are Poisson at each
+Token counts come from the server's `usage` (from the number of streamed
+text pieces for a server that sends none, as llama-cpp-python's). Arrivals are Poisson at each
 --request-rate (inf: all at once), optionally capped by --max-concurrency.
 Datasets: `random` (independent prompts) and `generated-shared-prefix` (groups
 of prompts behind one long shared system prefix, the radix cache's case).
@@ -35,7 +36,7 @@ import numpy as np
 
 @dataclass
 class Request:
-    prompt: list[int]
+    prompt: list[int] | str  # token ids, or text for servers that take no ids
     output_len: int
 
 
@@ -88,6 +89,7 @@ async def send(session: aiohttp.ClientSession, args: argparse.Namespace, model: 
     if not args.disable_ignore_eos:
         body.update(ignore_eos=True, min_tokens=req.output_len)
     res = Result()
+    pieces = 0
     t0 = last = time.perf_counter()
     res.sent = t0 - run_start
     try:
@@ -105,12 +107,14 @@ async def send(session: aiohttp.ClientSession, args: argparse.Namespace, model: 
                     res.prompt_tokens = chunk["usage"]["prompt_tokens"]
                     res.output_tokens = chunk["usage"]["completion_tokens"]
                 if chunk.get("choices") and chunk["choices"][0].get("text"):
+                    pieces += 1
                     if res.ttft == 0.0:
                         res.ttft = now - t0
                     else:
                         res.itl.append(now - last)
                     last = now
         res.e2e = time.perf_counter() - t0
+        res.output_tokens = res.output_tokens or pieces
         res.ok = res.ttft > 0
         res.error = "" if res.ok else "no text came back"
     except (TimeoutError, aiohttp.ClientError, ValueError) as e:

@@ -234,7 +234,9 @@ class DecoderModel(nn.Module):
     def __init__(self, spec: DecoderSpec, quant_config: QuantizationConfig | None = None,
                  prefix: str = "model") -> None:
         super().__init__()
-        self.embed_tokens = VocabParallelEmbedding(spec.vocab_size, spec.hidden_size)
+        self.embed_tokens = VocabParallelEmbedding(spec.vocab_size, spec.hidden_size,
+                                                   quant_config=quant_config,
+                                                   prefix=f"{prefix}.embed_tokens")
         self.embed_scale = None
         if spec.embed_scale is not None:
             # HF rounds the scale to the weights' dtype before multiplying.

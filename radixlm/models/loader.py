@@ -21,7 +21,7 @@ import os
 import shutil
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Container, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -71,6 +71,15 @@ def default_model_path() -> str:
 def prepare_model_dir(model_path: str | None = None, load_format: str = "auto") -> str:
     """An HF-style directory for `model_path` (default: the embedded model),
     converting a GGUF file into the cache on first use."""
+    gguf = gguf_source(model_path, load_format)
+    if gguf is not None:
+        return str(convert_gguf(gguf))
+    return str(Path(model_path).expanduser())
+
+
+def gguf_source(model_path: str | None, load_format: str = "auto") -> Path | None:
+    """The .gguf file a model comes from (default: the embedded model), or None
+    for an HF checkpoint directory."""
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"load_format={load_format!r}: expected one of {', '.join(LOAD_FORMATS)}")
     path = Path(model_path).expanduser() if model_path is not None else Path(default_model_path())
@@ -79,10 +88,10 @@ def prepare_model_dir(model_path: str | None = None, load_format: str = "auto") 
                                 "checkpoint directory or a .gguf file (no hub downloads here)")
     if path.is_dir():
         if load_format != "gguf" and (path / "config.json").is_file():
-            return str(path)
+            return None
         path = _single_gguf_in(path, model_path)
     if load_format == "gguf" or path.suffix == ".gguf":
-        return str(convert_gguf(path))
+        return path
     raise ValueError(f"model_path={model_path!r} is a file but not a .gguf file; expected an "
                      "HF checkpoint directory or a .gguf file")
 
@@ -99,21 +108,27 @@ def _single_gguf_in(directory: Path, model_path: str | None) -> Path:
 # ---- GGUF -> HF directory ----------------------------------------------------
 def convert_gguf(gguf_path: str | Path) -> Path:
     """The cache directory holding `gguf_path` converted to HF form; converts
-    on first use. The directory appears by an atomic rename, so it is either
-    complete or absent, even if a conversion is killed halfway."""
+    on first use (`cached_dir`)."""
     gguf_path = Path(gguf_path)
+    return cached_dir(gguf_path, "", lambda out: _write_hf_dir(gguf_path, out), "Converting")
+
+
+def cached_dir(source: Path, suffix: str, write: Callable[[Path], None], what: str) -> Path:
+    """`cache_root()/<source stem>-<content digest><suffix>`, made by `write(dir)`
+    on first use. The directory appears by an atomic rename, so it is either
+    complete or absent, even if `write` is killed halfway."""
     root = cache_root()
     root.mkdir(parents=True, exist_ok=True)
-    final = root / f"{gguf_path.stem}-{_content_digest(gguf_path, root)}"
+    final = root / f"{source.stem}-{_content_digest(source, root)}{suffix}"
     if final.is_dir():
         return final
     _remove_stale_temp_dirs(root)
     tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=root))
     (tmp / "owner.pid").write_text(str(os.getpid()))
-    logger.info("Converting %s into %s (first use only)", gguf_path, final)
+    logger.info("%s %s into %s (first use only)", what, source, final)
     start = time.perf_counter()
     try:
-        _write_hf_dir(gguf_path, tmp)
+        write(tmp)
         (tmp / "owner.pid").unlink()
         try:
             tmp.rename(final)
@@ -122,7 +137,7 @@ def convert_gguf(gguf_path: str | Path) -> Path:
                 raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    logger.info("Converted %s in %.1f s", gguf_path.name, time.perf_counter() - start)
+    logger.info("%s %s took %.1f s", what, source.name, time.perf_counter() - start)
     return final
 
 
@@ -168,7 +183,7 @@ def _write_hf_dir(gguf_path: Path, out: Path) -> None:
     import gguf
 
     reader = gguf.GGUFReader(gguf_path)
-    arch = _field(reader, "general.architecture")
+    arch = gguf_field(reader, "general.architecture")
     if arch not in GGUF_ARCHS:
         raise ValueError(f"GGUF architecture {arch!r} is not supported "
                          f"(supported: {', '.join(GGUF_ARCHS)})")
@@ -182,7 +197,7 @@ def _write_hf_dir(gguf_path: Path, out: Path) -> None:
 _MISSING = object()
 
 
-def _field(reader: Any, key: str, default: Any = _MISSING) -> Any:
+def gguf_field(reader: Any, key: str, default: Any = _MISSING) -> Any:
     field = reader.fields.get(key)
     if field is None:
         if default is _MISSING:
@@ -199,7 +214,7 @@ def _gguf_config(reader: Any, arch: str) -> PretrainedConfig:
     import transformers
 
     def meta(key: str, default: Any = _MISSING) -> Any:
-        return _field(reader, f"{arch}.{key}", default)
+        return gguf_field(reader, f"{arch}.{key}", default)
 
     tensors = {t.name: t for t in reader.tensors}
     spec = GGUF_ARCHS[arch]
@@ -221,9 +236,9 @@ def _gguf_config(reader: Any, arch: str) -> PretrainedConfig:
         rope_scaling=_gguf_rope_scaling(reader, arch, tensors, theta, head_dim),
         # llama.cpp drops output.weight when the head is the embedding.
         tie_word_embeddings="output.weight" not in tensors,
-        bos_token_id=_field(reader, "tokenizer.ggml.bos_token_id", None),
-        eos_token_id=_field(reader, "tokenizer.ggml.eos_token_id", None),
-        pad_token_id=_field(reader, "tokenizer.ggml.padding_token_id", None),
+        bos_token_id=gguf_field(reader, "tokenizer.ggml.bos_token_id", None),
+        eos_token_id=gguf_field(reader, "tokenizer.ggml.eos_token_id", None),
+        pad_token_id=gguf_field(reader, "tokenizer.ggml.padding_token_id", None),
     )
     fields.update(spec.config_fields(meta, tensors))
     return getattr(transformers, spec.config_class)(**fields)
@@ -237,14 +252,14 @@ def _tidy_float(value: float) -> float:
 
 def _gguf_rope_scaling(reader: Any, arch: str, tensors: dict[str, Any], theta: float,
                        head_dim: int) -> dict[str, Any] | None:
-    kind = _field(reader, f"{arch}.rope.scaling.type", "none")
+    kind = gguf_field(reader, f"{arch}.rope.scaling.type", "none")
     if kind == "linear":
-        factor = float(_field(reader, f"{arch}.rope.scaling.factor"))
+        factor = float(gguf_field(reader, f"{arch}.rope.scaling.factor"))
         return {"rope_type": "linear", "factor": factor}
     if kind == "yarn":
-        return {"rope_type": "yarn", "factor": _tidy_float(_field(
+        return {"rope_type": "yarn", "factor": _tidy_float(gguf_field(
                     reader, f"{arch}.rope.scaling.factor")),
-                "original_max_position_embeddings": _field(
+                "original_max_position_embeddings": gguf_field(
                     reader, f"{arch}.rope.scaling.original_context_length")}
     if kind not in ("none", ""):
         raise ValueError(f"GGUF rope scaling {kind!r} is not supported (supported: linear, "
@@ -387,8 +402,10 @@ def safetensors_files(model_dir: str | Path) -> list[Path]:
     return sorted(model_dir.glob("*.safetensors"))
 
 
-def iter_safetensors(model_dir: str) -> Iterator[tuple[str, torch.Tensor]]:
-    """(name, tensor) for every tensor of the checkpoint's *.safetensors shards."""
+def iter_safetensors(model_dir: str, skip: Container[str] = ()
+                     ) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) for every tensor of the checkpoint's *.safetensors shards
+    but those named in `skip` (not read at all)."""
     from safetensors import safe_open
 
     files = safetensors_files(model_dir)
@@ -399,24 +416,55 @@ def iter_safetensors(model_dir: str) -> Iterator[tuple[str, torch.Tensor]]:
     with tqdm(total=total, desc="Loading weights", unit="tensor", disable=None) as bar:
         for handle in handles:
             for name in handle.keys():  # noqa: SIM118 (safe_open objects are not mappings)
-                yield name, handle.get_tensor(name)
+                if name not in skip:
+                    yield name, handle.get_tensor(name)
                 bar.update()
 
 
 def resolve_dtype(name: str, config: PretrainedConfig, device: str | torch.device) -> torch.dtype:
-    """`auto`: float32 on the CPU; on a GPU the checkpoint's half type, else bfloat16."""
+    """`auto`: on a GPU the checkpoint's half type, else bfloat16; on the CPU
+    bfloat16 where the checkpoint is in a half type and the CPU computes bf16
+    natively (AVX512-BF16 or AMX), else float32 (emulated bf16 is slower
+    than fp32). The choice and its reason go to the log."""
     if name != "auto":
         if name not in _DTYPES:
             raise ValueError(f"dtype={name!r}: expected one of auto, {', '.join(_DTYPES)}")
         return _DTYPES[name]
-    if torch.device(device).type == "cpu":
-        return torch.float32
+    saved = _checkpoint_dtype(config)
+    if torch.device(device).type != "cpu":
+        return saved if saved in (torch.bfloat16, torch.float16) else torch.bfloat16
+    native = native_bf16_isa()
+    if saved in (torch.bfloat16, torch.float16) and native:
+        logger.info("dtype auto -> bfloat16: the checkpoint is %s and this CPU computes bf16 "
+                    "natively (%s)", _dtype_name(saved), native)
+        return torch.bfloat16
+    why = (f"the checkpoint is {_dtype_name(saved)}" if saved not in (torch.bfloat16, torch.float16)
+           else "this CPU has neither AVX512-BF16 nor AMX") if saved else "no dtype in the config"
+    logger.info("dtype auto -> float32 on the CPU: %s", why)
+    return torch.float32
+
+
+def _checkpoint_dtype(config: PretrainedConfig) -> torch.dtype | None:
     saved = getattr(config, "dtype", None)
     if saved is None:
         saved = getattr(config, "torch_dtype", None)
     if isinstance(saved, str):
         saved = _DTYPES.get(saved)
-    return saved if saved in (torch.bfloat16, torch.float16) else torch.bfloat16
+    return saved if isinstance(saved, torch.dtype) else None
+
+
+def _dtype_name(dtype: torch.dtype | None) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def native_bf16_isa() -> str | None:
+    """The CPU's native bf16 instructions ('AMX-BF16', 'AVX512-BF16'), or None."""
+    from radixlm.layers.cpu_ops import _cpu_flags
+
+    flags = set(_cpu_flags().split())
+    if "amx_bf16" in flags:
+        return "AMX-BF16"
+    return "AVX512-BF16" if "avx512_bf16" in flags else None
 
 
 @contextlib.contextmanager
@@ -485,11 +533,14 @@ def load_model(model_dir: str, config: PretrainedConfig, load_format: str = "aut
     if load_format == "dummy":
         _load_weights(model, dummy_weights(config, seed, device, model), "dummy weights")
     else:
-        _load_weights(model, iter_safetensors(model_dir), f"checkpoint {model_dir}")
+        weights = quant_config.checkpoint_weights(model_dir) or iter_safetensors(model_dir)
+        _load_weights(model, weights, f"checkpoint {model_dir}")
     process_weights_after_loading(model)
+    if (chosen := quant_config.describe()) is not None:
+        logger.info("%s", chosen)
     model.eval()
-    num_params = sum(p.numel() for p in model.parameters())
-    logger.info("Loaded %s (%s weights): %.1fM parameters, %s on %s in %.2f s",
-                model_cls.__name__, load_format, num_params / 1e6,
+    nbytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    logger.info("Loaded %s (%s weights): %.1f MB of weights, %s on %s in %.2f s",
+                model_cls.__name__, load_format, nbytes / 1e6,
                 str(dtype).removeprefix("torch."), device, time.perf_counter() - start)
     return model

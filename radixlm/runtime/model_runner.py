@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from pathlib import Path
 
 import psutil
 import torch
@@ -61,6 +62,15 @@ def resolve_device(name: str, gpu_id: int | None = None) -> torch.device:
     return device
 
 
+def gguf_file(args: ServerArgs) -> Path | None:
+    """The .gguf file the weights come from, or None."""
+    from radixlm.models.loader import gguf_source
+
+    if args.load_format == "dummy":
+        return None
+    return gguf_source(args.model_path, args.load_format)
+
+
 class ModelRunner:
     def __init__(self, args: ServerArgs, model_dir: str, config,
                  gpu_id: int | None = None) -> None:
@@ -74,6 +84,9 @@ class ModelRunner:
             torch.cuda.set_device(self.device.index or 0)
             if set_pdl(not args.disable_pdl, self.device):
                 logger.info("programmatic dependent launch on for the decode kernels")
+        if (gguf := gguf_file(args)) is not None:
+            from radixlm.models.gguf_packed import record_stored_dtype
+            record_stored_dtype(config, gguf)  # for dtype auto
         self.dtype = resolve_dtype(args.dtype, config, self.device)
         self.config = config
         self.shape = ModelShape.from_config(config, args.context_length, args.tp_size,
@@ -109,11 +122,17 @@ class ModelRunner:
 
     def _quant_config(self) -> QuantizationConfig:
         """Each linear layer's weight method: the checkpoint's format (or
-        --quantization), and for float weights the fast paths the flags allow."""
+        --quantization; a .gguf file's blocks, `models/gguf_packed.py`), and for
+        float weights the fast paths the flags allow."""
+        from radixlm.models.gguf_packed import quant_config
+
         args = self.args
-        return get_quantization_config(self.config, args.quantization,
-                                       prepack=not args.disable_weight_prepack,
-                                       gemv=not args.disable_gemv)
+        fast = {"prepack": not args.disable_weight_prepack, "gemv": not args.disable_gemv}
+        if (gguf := gguf_file(args)) is not None:
+            return quant_config(self.config, gguf, args.quantization, self.device, self.dtype,
+                                **fast)
+        return get_quantization_config(self.config, args.quantization, **fast)
+
 
     # ---- sizing ------------------------------------------------------------
     def _kv_capacity(self) -> int:

@@ -38,10 +38,11 @@ def _cpu_flags() -> str:
     return platform.processor()
 
 
-def _build_key() -> str:
+def _build_key(files: list[Path], cflags: list[str]) -> str:
     h = hashlib.sha256()
-    for src in SOURCES + HEADERS:
+    for src in files:
         h.update(src.read_bytes())
+    h.update(" ".join(cflags).encode())
     h.update(torch.__version__.encode())
     h.update(_cpu_flags().encode())
     return h.hexdigest()[:16]
@@ -60,22 +61,34 @@ def load() -> bool:
 
 
 def _load() -> bool:
+    return build_extension("radixlm_cpu_ops", SOURCES, HEADERS, ["-O3", "-march=native"],
+                           "using the torch attention path"
+                           ) and hasattr(torch.ops.radixlm_cpu, "decode_attention")
+
+
+def build_extension(name: str, sources: list[Path], headers: list[Path], cflags: list[str],
+                    fallback: str) -> bool:
+    """Compile `sources` (with OpenMP) into `cache_root()/<name>/<key>` and load
+    them into this process; False, after one warning naming `fallback` (what
+    the caller does instead), when that fails."""
     from torch.utils import cpp_extension
 
-    build_dir = cache_root() / "cpu_ops" / _build_key()
+    cflags = [*cflags, "-fopenmp"]
+    build_dir = cache_root() / name.removeprefix("radixlm_") / _build_key(sources + headers,
+                                                                           cflags)
     build_dir.mkdir(parents=True, exist_ok=True)
     try:
         cpp_extension.load(
-            name="radixlm_cpu_ops", sources=[str(s) for s in SOURCES],
-            extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"],
-            build_directory=str(build_dir), is_python_module=False, verbose=False)
+            name=name, sources=[str(s) for s in sources], extra_cflags=cflags,
+            extra_ldflags=["-fopenmp"], build_directory=str(build_dir), is_python_module=False,
+            verbose=False)
     except Exception as e:  # no compiler, no ninja, unsupported flags: keep the torch path
         lines = str(e).splitlines()
         why = next((ln for ln in lines if "error" in ln), lines[-1] if lines else "")
-        logger.warning("CPU kernels unavailable (%s: %s); using the torch attention path",
-                       type(e).__name__, why.strip())
+        logger.warning("CPU kernels %s unavailable (%s: %s); %s", name, type(e).__name__,
+                       why.strip(), fallback)
         return False
-    return hasattr(torch.ops.radixlm_cpu, "decode_attention")
+    return True
 
 
 def use_fused(x: torch.Tensor) -> bool:

@@ -12,30 +12,44 @@ from typing import Any
 
 from torch import nn
 
-from radixlm.layers.quantization.base import LinearMethod, QuantizationConfig
+from radixlm.layers.quantization.base import EmbeddingMethod, LinearMethod, QuantizationConfig
+from radixlm.layers.quantization.gguf import GGUFConfig
+from radixlm.layers.quantization.int8 import Int8Config
 from radixlm.layers.quantization.unquantized import UnquantizedConfig
 
 # --quantization name (= the checkpoint's quantization_config "quant_method") -> config.
-QUANTIZATION_METHODS: dict[str, type[QuantizationConfig]] = {}
+# Besides these, "auto" (what the checkpoint is) and "none" (float weights: a .gguf
+# file dequantized at load).
+QUANTIZATION_METHODS: dict[str, type[QuantizationConfig]] = {"gguf": GGUFConfig,
+                                                              "int8": Int8Config}
 
-__all__ = ["QUANTIZATION_METHODS", "LinearMethod", "QuantizationConfig", "UnquantizedConfig",
+__all__ = ["QUANTIZATION_METHODS", "EmbeddingMethod", "LinearMethod", "QuantizationConfig",
+           "UnquantizedConfig",
            "drop_derived_weights", "get_quantization_config", "process_weights_after_loading"]
 
 
 def get_quantization_config(hf_config: Any, quantization: str | None = None, *,
                             prepack: bool = True, gemv: bool = True) -> QuantizationConfig:
-    """The config for a model: `quantization` (None or 'auto': what the
-    checkpoint's config.json declares, unquantized when it declares nothing).
-    ValueError for a method we lack, or one that contradicts the checkpoint.
-    `prepack` / `gemv`: the unquantized fast paths (--disable-weight-prepack,
-    --disable-gemv)."""
+    """The config for a model from a checkpoint directory: `quantization`
+    (None or 'auto': what the checkpoint's config.json declares, unquantized
+    when it declares nothing; 'none': unquantized). ValueError for a method we
+    lack, or one that contradicts the checkpoint. `prepack` / `gemv`: the
+    unquantized fast paths (--disable-weight-prepack, --disable-gemv). A .gguf
+    file's config comes from `models/gguf_packed.quant_config`."""
     declared = getattr(hf_config, "quantization_config", None)
-    if quantization not in (None, "auto") and quantization not in QUANTIZATION_METHODS:
-        known = ", ".join(["auto", *QUANTIZATION_METHODS])
+    if quantization not in (None, "auto", "none") and quantization not in QUANTIZATION_METHODS:
+        known = ", ".join(["auto", "none", *QUANTIZATION_METHODS])
         raise ValueError(f"quantization={quantization!r}: expected one of {known}")
+    floats = UnquantizedConfig(prepack=prepack, gemv=gemv)
     if declared is None:
-        if quantization in (None, "auto"):
-            return UnquantizedConfig(prepack=prepack, gemv=gemv)
+        if quantization in (None, "auto", "none"):
+            return floats
+        if quantization == GGUFConfig.name:
+            raise ValueError("quantization='gguf' keeps the blocks of a .gguf model file; "
+                             "this model is an HF checkpoint directory (use int8 to quantize "
+                             "its float weights)")
+        if quantization == Int8Config.name:
+            return Int8Config(fallback=floats)
         return QUANTIZATION_METHODS[quantization]()
     declared = declared if isinstance(declared, dict) else declared.to_dict()
     method = declared.get("quant_method")

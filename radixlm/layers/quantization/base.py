@@ -18,7 +18,14 @@ layer: `input_size` / `output_size` (whole, all ranks), `params_dtype`,
 merged gate/up layer `fused_silu_mul`. The LM head (`ParallelLMHead`) gets
 a method too, for its product only: its weight is the embedding table
 (the input embedding itself when tied), so its method's `create_weights` is
-never called and `apply` reads `layer.weight` as it is.
+never called and `apply` reads `layer.weight` as it is (and what the table's
+parameter spec says about its layout).
+
+An embedding table (`VocabParallelEmbedding`, and an untied LM head's table)
+is created and looked up by an `EmbeddingMethod` from
+`QuantizationConfig.get_embedding_method`: float rows by default, or a
+quantized table whose lookups dequantize rows (GGUF). The head's linear
+method and the table's embedding method then agree on the layout.
 
 1. `create_weights(layer, ...)` runs in the layer's constructor, under the
    model's dtype and device as torch's defaults (`torch.empty` lands there).
@@ -69,6 +76,7 @@ never called and `apply` reads `layer.weight` as it is.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
@@ -106,6 +114,28 @@ class LinearMethod(ABC):
         """Forget what `process_weights_after_loading` derived."""
 
 
+class EmbeddingMethod(ABC):
+    """How an embedding table is held and looked up. Same rules as a linear
+    method: parameters registered with `layer.add_weight` in `create_weights`
+    (a table of [rows of this rank (padded), embedding_dim]), derived state in
+    `process_weights_after_loading`."""
+
+    @abstractmethod
+    def create_weights(self, layer: Any, embedding_dim: int, num_rows: int,
+                       params_dtype: torch.dtype) -> None:
+        """Register the table's parameters (rows past the vocabulary read as zeros)."""
+
+    @abstractmethod
+    def embedding(self, layer: Any, ids: torch.Tensor) -> torch.Tensor:
+        """Rows `ids` (of this rank's table) in `layer.params_dtype`, [*ids.shape, dim]."""
+
+    def process_weights_after_loading(self, layer: Any) -> None:  # noqa: B027 (optional)
+        """Derive what `embedding` reads from the freshly written parameters."""
+
+    def drop_derived(self, layer: Any) -> None:  # noqa: B027 (optional)
+        """Forget what `process_weights_after_loading` derived."""
+
+
 class QuantizationConfig(ABC):
     """Picks the linear method of every layer of one model. Built once, from
     the server arguments and the checkpoint's config.json, before the model;
@@ -128,3 +158,21 @@ class QuantizationConfig(ABC):
         'model.layers.0.self_attn.qkv_proj', 'lm_head'): a fresh instance per
         layer. Layers a format leaves unquantized (often the LM head) get an
         unquantized method."""
+
+    def get_embedding_method(self, layer: Any, prefix: str) -> EmbeddingMethod:
+        """The method of an embedding table ('model.embed_tokens', or 'lm_head'
+        for an untied head's table); default: float rows."""
+        from radixlm.layers.quantization.unquantized import UnquantizedEmbeddingMethod
+
+        return UnquantizedEmbeddingMethod()
+
+    def checkpoint_weights(self, model_dir: str) -> Iterator[tuple[str, torch.Tensor]] | None:
+        """The checkpoint's (name, whole tensor) pairs for a format whose tensors
+        do not come from the directory's *.safetensors as they are (GGUF blocks,
+        packed from the .gguf file and cached); None: they do. Called once the
+        model is built, so it may depend on what the layers chose."""
+        return None
+
+    def describe(self) -> str | None:
+        """One line for the start-up log: what the layers chose and why (None: nothing to say)."""
+        return None

@@ -23,9 +23,10 @@ from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from radixlm.layers.gemv import HAS_TRITON, gemv, use_gemv
-from radixlm.layers.quantization.base import LinearMethod, QuantizationConfig
+from radixlm.layers.quantization.base import EmbeddingMethod, LinearMethod, QuantizationConfig
 from radixlm.layers.sharding import AxisSpec
 
 if TYPE_CHECKING:
@@ -129,6 +130,19 @@ class PrepackedLinearMethod(UnquantizedLinearMethod):
 
 def _packs_halves(layer: LinearBase) -> bool:
     return getattr(layer, "fused_silu_mul", False) and layer.bias is None
+
+
+class UnquantizedEmbeddingMethod(EmbeddingMethod):
+    """A float table [rows, dim] in the model's dtype, looked up with F.embedding."""
+
+    def create_weights(self, layer: nn.Module, embedding_dim: int, num_rows: int,
+                       params_dtype: torch.dtype) -> None:
+        # Zeros, not empty: the padding rows past the vocabulary are never loaded.
+        layer.add_weight("weight", torch.zeros(num_rows, embedding_dim, dtype=params_dtype),
+                         AxisSpec(output_dim=0, input_dim=1))
+
+    def embedding(self, layer: nn.Module, ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(ids, layer.weight)
 
 
 class UnquantizedConfig(QuantizationConfig):

@@ -1,0 +1,256 @@
+// Torch ops over the quantized-weight kernels of qgemm.h: checks, threading,
+// and the choice of ISA path (the best this CPU runs, or the one asked for).
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <tuple>
+
+#include "qgemm.h"
+
+namespace {
+
+using namespace radixlm_q;
+
+enum Isa : int64_t { kPortable = 0, kAvx2 = 1, kAvx512 = 2, kAvx512Vnni = 3, kNumIsas = 4 };
+
+bool cpu_has(int64_t isa) {
+#if defined(__x86_64__)
+  switch (isa) {
+    case kPortable: return true;
+    case kAvx2:
+      return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+             __builtin_cpu_supports("f16c");
+    case kAvx512:
+      return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+             __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
+             __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+    case kAvx512Vnni: return cpu_has(kAvx512) && __builtin_cpu_supports("avx512vnni");
+  }
+  return false;
+#else
+  return isa == kPortable;
+#endif
+}
+
+const Kernels* table(int64_t isa) {
+  switch (isa) {
+    case kPortable: return kernels_portable();
+    case kAvx2: return kernels_avx2();
+    case kAvx512: return kernels_avx512();
+    case kAvx512Vnni: return kernels_avx512_vnni();
+  }
+  return nullptr;
+}
+
+bool isa_supported(int64_t isa) { return table(isa) != nullptr && cpu_has(isa); }
+
+// isa < 0: the best path this CPU runs.
+const Kernels* kernels_for(int64_t isa) {
+  if (isa < 0) {
+    for (int64_t i = kNumIsas - 1; i >= 0; --i)
+      if (isa_supported(i)) return table(i);
+  }
+  TORCH_CHECK(isa < kNumIsas && isa_supported(isa), "quantized-kernel ISA path ", isa,
+              " is not available on this CPU or build");
+  return table(isa);
+}
+
+std::string isa_name(int64_t isa) { return kernels_for(isa)->name; }
+
+int64_t block_of(int64_t format) {
+  switch (format) {
+    case kQ6_K: return Traits<kQ6_K>::kBlock;
+    default: return 32;
+  }
+}
+
+int64_t block_bytes_of(int64_t format) {
+  switch (format) {
+    case kQ4_0: return kBlockBytes<kQ4_0>;
+    case kQ4_1: return kBlockBytes<kQ4_1>;
+    case kQ8_0: return kBlockBytes<kQ8_0>;
+    case kQ4_K: return kBlockBytes<kQ4_K>;
+    case kQ5_K: return kBlockBytes<kQ5_K>;
+    case kQ6_K: return kBlockBytes<kQ6_K>;
+    case kI8: return kBlockBytes<kI8>;
+  }
+  TORCH_CHECK(false, "unknown quantized format ", format);
+}
+
+bool is_asym(int64_t format) { return format == kQ4_1 || format == kQ4_K || format == kQ5_K; }
+bool f32_scales(int64_t format) { return format >= kQ4_K; }
+
+PackedWeight packed_weight(const at::Tensor& qweight, const at::Tensor& scales,
+                           const at::Tensor& mins, int64_t format, int64_t n, int64_t k) {
+  TORCH_CHECK(format >= 0 && format < kNumFormats, "unknown quantized format ", format);
+  TORCH_CHECK(n > 0 && k > 0 && k % kActBlock == 0, "quantized weight: n=", n, ", k=", k,
+              " (k must be a positive multiple of ", kActBlock, ")");
+  const int64_t tiles = (n + kTile - 1) / kTile, blocks = k / block_of(format);
+  TORCH_CHECK(qweight.scalar_type() == at::kByte && qweight.is_contiguous() &&
+                  qweight.numel() == tiles * blocks * block_bytes_of(format),
+              "qweight must be contiguous uint8 with ", tiles * blocks * block_bytes_of(format),
+              " bytes for n=", n, ", k=", k);
+  const int64_t scale_count = format == kI8 ? tiles * kTile : tiles * blocks * kTile;
+  const auto scale_type = f32_scales(format) ? at::kFloat : at::kHalf;
+  TORCH_CHECK(scales.scalar_type() == scale_type && scales.is_contiguous() &&
+                  scales.numel() == scale_count,
+              "scales must be contiguous ", scale_type, " with ", scale_count, " values");
+  if (is_asym(format))
+    TORCH_CHECK(mins.scalar_type() == scale_type && mins.is_contiguous() &&
+                    mins.numel() == scale_count,
+                "mins must be contiguous ", scale_type, " with ", scale_count, " values");
+  return PackedWeight{static_cast<int>(format), n, k, tiles, blocks, qweight.data_ptr<uint8_t>(),
+                      scales.data_ptr(), is_asym(format) ? mins.data_ptr() : nullptr};
+}
+
+void check_rows(const at::Tensor& x, const char* what) {
+  TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 && x.stride(1) == 1,
+              what, " must be a 2-D CPU tensor with a contiguous last dimension");
+}
+
+// Work items: groups of tiles x blocks of rows, each worth at least ~2^17
+// multiply-adds per thread.
+constexpr int64_t kTilesPerItem = 4, kRowsPerItem = 128;
+// Below this many rows a product is bound by reading its weight, which one
+// core already does at the memory bandwidth it gets: a second thread only adds
+// its wake-up. Measured on SmolLM2's decode linears (2 cores, OMP passive
+// wait): 9.5-9.8 ms per token's matmuls on one thread vs 14-15 ms on two at 1
+// row, 11.7-12.0 vs 14.8-16.5 at 4 rows, equal at 8.
+constexpr int64_t kSerialRows = 8;
+
+void run_gemm(const Kernels* kernels, const PackedWeight& w, const QuantAct& a, const Out& out) {
+  if (a.m < kSerialRows) {
+    kernels->gemm(w, a, 0, a.m, 0, w.tiles, out);
+    return;
+  }
+  const int64_t tile_items = (w.tiles + kTilesPerItem - 1) / kTilesPerItem;
+  const int64_t row_items = (a.m + kRowsPerItem - 1) / kRowsPerItem;
+  const int64_t work_per_item = std::min(a.m, kRowsPerItem) * kTilesPerItem * kTile * w.k;
+  const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 17) / work_per_item);
+  at::parallel_for(0, tile_items * row_items, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t tg = item / row_items, rb = item % row_items;
+      const int64_t t0 = tg * kTilesPerItem, t1 = std::min(w.tiles, t0 + kTilesPerItem);
+      const int64_t m0 = rb * kRowsPerItem, m1 = std::min(a.m, m0 + kRowsPerItem);
+      kernels->gemm(w, a, m0, m1, t0, t1, out);
+    }
+  });
+}
+
+struct ActBuffers {
+  at::Tensor q, d, sum16, dsum;
+  QuantAct view() const {
+    return QuantAct{q.size(0), q.size(1), q.data_ptr<int8_t>(), d.data_ptr<float>(),
+                    sum16.data_ptr<int32_t>(), dsum.data_ptr<float>()};
+  }
+};
+
+ActBuffers quantize_into(const Kernels* kernels, const at::Tensor& x) {
+  check_rows(x, "x");
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16,
+              "x must be float32 or bfloat16, got ", x.scalar_type());
+  const int64_t m = x.size(0), k = x.size(1);
+  TORCH_CHECK(k % kActBlock == 0, "x has ", k, " columns; quantized products need a multiple of ",
+              kActBlock);
+  ActBuffers buf{at::empty({m, k}, x.options().dtype(at::kChar)),
+                 at::empty({m, k / kActBlock}, x.options().dtype(at::kFloat)),
+                 at::empty({m, k / 16}, x.options().dtype(at::kInt)),
+                 at::empty({m, k / kActBlock}, x.options().dtype(at::kFloat))};
+  const bool bf16 = x.scalar_type() == at::kBFloat16;
+  const void* data = x.data_ptr();
+  const int64_t ld = x.stride(0);
+  at::parallel_for(0, m, std::max<int64_t>(1, (int64_t{1} << 15) / k), [&](int64_t b, int64_t e) {
+    kernels->quantize(data, bf16, ld, b, e, k, buf.q.data_ptr<int8_t>(), buf.d.data_ptr<float>(),
+                      buf.sum16.data_ptr<int32_t>(), buf.dsum.data_ptr<float>());
+  });
+  return buf;
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> quantize_act(const at::Tensor& x,
+                                                                        int64_t isa) {
+  ActBuffers buf = quantize_into(kernels_for(isa), x);
+  return {buf.q, buf.d, buf.sum16, buf.dsum};
+}
+
+Out out_view(const at::Tensor& out, int64_t m, int64_t n) {
+  check_rows(out, "out");
+  TORCH_CHECK(out.size(0) == m && out.size(1) == n, "out must be [", m, ", ", n, "], got ",
+              out.sizes());
+  TORCH_CHECK(out.scalar_type() == at::kFloat || out.scalar_type() == at::kBFloat16,
+              "out must be float32 or bfloat16");
+  return Out{out.data_ptr(), out.stride(0), out.scalar_type() == at::kBFloat16};
+}
+
+// out = x W^T for activations already quantized by quantize_act: several
+// weights (q, k and v of one layer, each in its own format) share one
+// quantization, each writing its columns of one output.
+void gemm(const at::Tensor& xq, const at::Tensor& xd, const at::Tensor& xsum16,
+          const at::Tensor& xdsum, const at::Tensor& qweight, const at::Tensor& scales,
+          const at::Tensor& mins, int64_t format, int64_t n, at::Tensor& out, int64_t isa) {
+  check_rows(xq, "xq");
+  const int64_t m = xq.size(0), k = xq.size(1);
+  TORCH_CHECK(xq.scalar_type() == at::kChar && xq.is_contiguous() && xd.is_contiguous() &&
+                  xsum16.is_contiguous() && xdsum.is_contiguous() &&
+                  xd.numel() == m * (k / kActBlock) && xsum16.numel() == m * (k / 16) &&
+                  xdsum.numel() == m * (k / kActBlock),
+              "activations must come from quantize_act");
+  const PackedWeight w = packed_weight(qweight, scales, mins, format, n, k);
+  const QuantAct a{m, k, xq.data_ptr<int8_t>(), xd.data_ptr<float>(), xsum16.data_ptr<int32_t>(),
+                   xdsum.data_ptr<float>()};
+  run_gemm(kernels_for(isa), w, a, out_view(out, m, n));
+}
+
+// x [m, k] (float32 or bfloat16) times W^T -> [m, n] in x's dtype.
+at::Tensor linear(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
+                  const at::Tensor& mins, int64_t format, int64_t n, int64_t isa) {
+  const Kernels* kernels = kernels_for(isa);
+  const ActBuffers buf = quantize_into(kernels, x);
+  const PackedWeight w = packed_weight(qweight, scales, mins, format, n, x.size(1));
+  at::Tensor out = at::empty({x.size(0), n}, x.options());
+  run_gemm(kernels, w, buf.view(), out_view(out, x.size(0), n));
+  return out;
+}
+
+// Rows `rows` of W, dequantized to `dtype` (float32 or bfloat16): an embedding
+// lookup, or the whole weight read back.
+at::Tensor dequantize(const at::Tensor& qweight, const at::Tensor& scales, const at::Tensor& mins,
+                      int64_t format, int64_t n, int64_t k, const at::Tensor& rows,
+                      at::ScalarType dtype) {
+  const PackedWeight w = packed_weight(qweight, scales, mins, format, n, k);
+  TORCH_CHECK(rows.scalar_type() == at::kLong && rows.dim() == 1, "rows must be 1-D int64");
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, "dtype must be float32 or bfloat16");
+  const at::Tensor idx = rows.contiguous();
+  const int64_t count = idx.numel();
+  const int64_t* ids = idx.data_ptr<int64_t>();
+  for (int64_t i = 0; i < count; ++i)
+    TORCH_CHECK(ids[i] >= 0 && ids[i] < n, "row ", ids[i], " out of range [0, ", n, ")");
+  at::Tensor out = at::empty({count, k}, rows.options().dtype(dtype));
+  const Out o = out_view(out, count, k);
+  const Kernels* portable = kernels_portable();
+  at::parallel_for(0, count, std::max<int64_t>(1, (int64_t{1} << 16) / k),
+                   [&](int64_t b, int64_t e) { portable->dequantize(w, ids, b, e, o); });
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(radixlm_q, m) {
+  m.def("isa_supported(int isa) -> bool", &isa_supported);
+  m.def("isa_name(int isa) -> str", &isa_name);
+  m.def("quantize_act(Tensor x, int isa) -> (Tensor, Tensor, Tensor, Tensor)");
+  m.def("gemm(Tensor xq, Tensor xd, Tensor xsum16, Tensor xdsum, Tensor qweight, Tensor scales, "
+        "Tensor mins, int format, int n, Tensor(a!) out, int isa) -> ()");
+  m.def("linear(Tensor x, Tensor qweight, Tensor scales, Tensor mins, int format, int n, "
+        "int isa) -> Tensor");
+  m.def("dequantize(Tensor qweight, Tensor scales, Tensor mins, int format, int n, int k, "
+        "Tensor rows, ScalarType dtype) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(radixlm_q, CPU, m) {
+  m.impl("quantize_act", &quantize_act);
+  m.impl("gemm", &gemm);
+  m.impl("linear", &linear);
+  m.impl("dequantize", &dequantize);
+}

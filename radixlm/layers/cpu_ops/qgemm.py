@@ -1,0 +1,172 @@
+"""Products with quantized weights on the CPU: our C++ kernels (`qgemm*.cpp`).
+
+A weight is a `QuantizedWeight` in the tile layout of `qgemm.h` (built by
+`qpack`); activations are quantized to int8 per block of 32 on the way in, as
+llama.cpp does, and the products run in integer SIMD (AVX-512 VNNI, AVX-512,
+AVX2) or portable C++. Every path gives the same bits, so the path is a
+property of the machine, never of the result.
+
+The library is compiled on first use without `-march=native`: each ISA path
+is compiled for its own instruction set and picked at run time from what the
+CPU reports, which is what lets a test force each one (`isa=`) and the
+`RADIXLM_QGEMM_ISA` environment variable pin one for a process.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from radixlm.layers.cpu_ops import build_extension
+
+logger = logging.getLogger(__name__)
+
+_DIR = Path(__file__).parent
+SOURCES = [_DIR / f"{name}.cpp" for name in
+           ("qgemm", "qgemm_portable", "qgemm_avx2", "qgemm_avx512", "qgemm_avx512_vnni")]
+HEADERS = [_DIR / "qgemm.h", _DIR / "qgemm_avx512.inc"]
+# No fma contraction: the paths compute the same bits only if each keeps the
+# multiplies and adds as written.
+_CFLAGS = ["-O3", "-ffp-contract=off"]
+
+# Fastest last; the index is the C++ `Isa` code.
+ISAS = ("portable", "avx2", "avx512", "avx512_vnni")
+FORMATS = ("q4_0", "q4_1", "q8_0", "q4_k", "q5_k", "q6_k", "int8")
+ISA_ENV = "RADIXLM_QGEMM_ISA"
+ACT_BLOCK = 32  # activation values per int8 scale; weights' k is a multiple of it
+
+_lock = threading.Lock()
+_loaded: bool | None = None
+
+
+def load() -> bool:
+    """Build (once per machine) and load the kernels; True when usable."""
+    global _loaded
+    if _loaded is None:
+        with _lock:
+            if _loaded is None:
+                _loaded = build_extension("radixlm_qgemm", SOURCES, HEADERS, _CFLAGS,
+                                          "quantized weights are unavailable")
+    return _loaded
+
+
+def _ops() -> object:
+    if not load():
+        raise RuntimeError("the quantized-weight CPU kernels could not be built (see the "
+                           "warning above): a C++ compiler and ninja are needed")
+    return torch.ops.radixlm_q
+
+
+def available_isas() -> list[str]:
+    """The ISA paths this CPU and build run, slowest first."""
+    if not load():
+        return []
+    return [name for i, name in enumerate(ISAS) if torch.ops.radixlm_q.isa_supported(i)]
+
+
+@functools.cache
+def _default_isa() -> int:
+    name = os.environ.get(ISA_ENV)
+    if not name:
+        return ISAS.index(available_isas()[-1])
+    return _isa_code(name)
+
+
+def _isa_code(name: str | None) -> int:
+    if name is None:
+        return _default_isa()
+    if name not in ISAS:
+        raise ValueError(f"isa={name!r}: expected one of {', '.join(ISAS)}")
+    if name not in available_isas():
+        raise ValueError(f"isa={name!r} is not available on this CPU (available: "
+                         f"{', '.join(available_isas()) or 'none'})")
+    return ISAS.index(name)
+
+
+def default_isa() -> str:
+    """The path products take unless told otherwise: $RADIXLM_QGEMM_ISA, else the fastest."""
+    return ISAS[_default_isa()]
+
+
+@dataclass(frozen=True)
+class QuantizedWeight:
+    """W [n, k] in the kernels' tile layout (`qgemm.h`). `k` is a multiple of 32;
+    `in_features` (<= k) is what callers pass (int8 pads k up with zeros)."""
+
+    format: str
+    n: int
+    k: int
+    in_features: int
+    qweight: torch.Tensor  # uint8, flat
+    scales: torch.Tensor   # float16 or float32, flat
+    mins: torch.Tensor     # same dtype as scales; empty for symmetric formats
+
+    @property
+    def format_code(self) -> int:
+        return FORMATS.index(self.format)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.qweight, self.scales, self.mins))
+
+
+def _rows(x: torch.Tensor, w: QuantizedWeight) -> torch.Tensor:
+    if x.shape[-1] != w.in_features:
+        raise ValueError(f"input has {x.shape[-1]} features, the weight {w.in_features}")
+    if x.dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"quantized products take float32 or bfloat16 input, got {x.dtype}")
+    x2 = x.reshape(-1, x.shape[-1])
+    if w.k != w.in_features:
+        x2 = F.pad(x2, (0, w.k - w.in_features))
+    return x2 if x2.stride(-1) == 1 else x2.contiguous()
+
+
+def linear(x: torch.Tensor, w: QuantizedWeight, isa: str | None = None) -> torch.Tensor:
+    """x W^T for x [..., in_features] (float32 or bfloat16), in x's dtype."""
+    x2 = _rows(x, w)
+    out = _ops().linear(x2, w.qweight, w.scales, w.mins, w.format_code, w.n,
+                                     _isa_code(isa))
+    return out.view(*x.shape[:-1], w.n)
+
+
+@dataclass(frozen=True)
+class QuantizedActivations:
+    """x quantized once for several products (`gemm_into`)."""
+
+    q: torch.Tensor
+    d: torch.Tensor
+    sum16: torch.Tensor
+    dsum: torch.Tensor
+
+
+def quantize_activations(x: torch.Tensor, w: QuantizedWeight,
+                         isa: str | None = None) -> QuantizedActivations:
+    """x [..., in_features] quantized for products with weights shaped like `w`."""
+    return QuantizedActivations(*_ops().quantize_act(_rows(x, w), _isa_code(isa)))
+
+
+def gemm_into(act: QuantizedActivations, w: QuantizedWeight, out: torch.Tensor,
+              isa: str | None = None) -> None:
+    """out[:, :] = x W^T, out a [rows, n] view (float32 or bfloat16) whose last dim
+    is contiguous: a column slice of a wider output works."""
+    _ops().gemm(act.q, act.d, act.sum16, act.dsum, w.qweight, w.scales, w.mins,
+                             w.format_code, w.n, out, _isa_code(isa))
+
+
+def dequantize(w: QuantizedWeight, rows: torch.Tensor | None = None,
+               dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """W[rows] ([len(rows), in_features]; all of W without `rows`) in `dtype`, the
+    values gguf's dequantization gives, bit for bit (before a bf16 rounding)."""
+    if rows is None:
+        rows = torch.arange(w.n)
+    flat = rows.reshape(-1).to(torch.int64)
+    out = _ops().dequantize(w.qweight, w.scales, w.mins, w.format_code, w.n, w.k,
+                                         flat, dtype)
+    return out[:, :w.in_features].reshape(*rows.shape, w.in_features)
