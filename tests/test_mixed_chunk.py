@@ -5,6 +5,7 @@ on each CPU attention backend, with and without the prefix cache."""
 from __future__ import annotations
 
 import pytest
+from hf_reference import EXACT
 
 import radixlm
 from radixlm.forward_batch import ForwardMode
@@ -21,7 +22,7 @@ SP = {"max_new_tokens": 12, "temperature": 0, "ignore_eos": True}
 
 def _generate(mixed: bool, **kw: object) -> tuple[list[list[int]], list[ForwardMode]]:
     modes: list[ForwardMode] = []
-    with radixlm.Engine(dtype="float32", chunked_prefill_size=32, max_prefill_tokens=32,
+    with radixlm.Engine(**EXACT, chunked_prefill_size=32, max_prefill_tokens=32,
                         enable_mixed_chunk=mixed, **kw) as e:
         forward = e.scheduler.worker.forward
         e.scheduler.worker.forward = lambda b: modes.append(b.mode) or forward(b)

@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+from hf_reference import EXACT
 
 import radixlm
 from radixlm.protocol import GenerateReq
@@ -48,7 +49,7 @@ def _run(engine: Any, reqs: list[GenerateReq], before: int = 0,
 
 
 def test_priority_is_refused_without_priority_scheduling() -> None:
-    with radixlm.Engine(dtype="float32") as e:
+    with radixlm.Engine(**EXACT) as e:
         with pytest.raises(ValueError, match="enable-priority-scheduling"):
             e.scheduler.add_request(_req(e, "p", "Hello", priority=3))
         assert not e.scheduler.reqs
@@ -57,7 +58,7 @@ def test_priority_is_refused_without_priority_scheduling() -> None:
 
 
 def test_higher_priority_is_admitted_first() -> None:
-    with radixlm.Engine(dtype="float32", enable_priority_scheduling=True,
+    with radixlm.Engine(**EXACT, enable_priority_scheduling=True,
                         max_running_requests=1, schedule_policy="fcfs") as e:
         reqs = [_req(e, f"low{i}", f"Tell me about the number {i}.") for i in range(3)]
         reqs.insert(2, _req(e, "high", "Tell me about the sea.", priority=5))
@@ -73,10 +74,10 @@ def test_preemption_retracts_lower_priority_and_loses_nothing(limit: str) -> Non
     texts = {"low0": "Describe a quiet morning in a small village by the sea, " * 2,
              "low1": "Describe a busy afternoon in a large city by the river, " * 2,
              "high": "Name three colours. " * 10}  # too long to fit beside both
-    with radixlm.Engine(dtype="float32") as ref:
+    with radixlm.Engine(**EXACT) as ref:
         expected = {rid: ref.generate(t, {**SP, "max_new_tokens": 24 if rid != "high" else 8}
                                       )["output_ids"] for rid, t in texts.items()}
-    with radixlm.Engine(dtype="float32", enable_priority_scheduling=True,
+    with radixlm.Engine(**EXACT, enable_priority_scheduling=True,
                         priority_preemption=True, **kw) as e:
         lows = [_req(e, rid, texts[rid], max_new_tokens=24) for rid in ("low0", "low1")]
         high = _req(e, "high", texts["high"], priority=10)
@@ -89,4 +90,4 @@ def test_preemption_retracts_lower_priority_and_loses_nothing(limit: str) -> Non
 
 def test_preemption_needs_priority_scheduling() -> None:
     with pytest.raises(ValueError, match="priority_preemption needs"):
-        radixlm.Engine(dtype="float32", priority_preemption=True)
+        radixlm.Engine(**EXACT, priority_preemption=True)
