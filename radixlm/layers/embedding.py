@@ -12,7 +12,7 @@ from torch import nn
 
 from radixlm import distributed as tp
 from radixlm.layers.quantization import QuantizationConfig, UnquantizedConfig
-from radixlm.layers.sharding import Piece, ShardId, WeightSpec, weight_spec
+from radixlm.layers.sharding import Piece, ShardId, WeightSpec, register_weight, weight_spec
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -47,11 +47,7 @@ class VocabParallelEmbedding(nn.Module):
 
     def add_weight(self, name: str, data: torch.Tensor, spec: WeightSpec) -> nn.Parameter:
         """Register `data` as parameter `name`, mapped to the checkpoint by `spec`."""
-        param = nn.Parameter(data, requires_grad=False)
-        param.weight_spec = spec
-        param.weight_loader = self.weight_loader
-        self.register_parameter(name, param)
-        return param
+        return register_weight(self, name, data, spec)
 
     def output_piece(self, shard_id: ShardId) -> Piece:
         """The vocabulary rows of this rank (the padding rows after them are not loaded)."""

@@ -27,6 +27,7 @@ from radixlm.layers.sharding import (
     WeightSpec,
     divide,
     head_partition,
+    register_weight,
     weight_spec,
 )
 
@@ -68,11 +69,7 @@ class LinearBase(nn.Module):
 
     def add_weight(self, name: str, data: torch.Tensor, spec: WeightSpec) -> nn.Parameter:
         """Register `data` as parameter `name`, mapped to the checkpoint by `spec`."""
-        param = nn.Parameter(data, requires_grad=False)
-        param.weight_spec = spec
-        param.weight_loader = self.weight_loader
-        self.register_parameter(name, param)
-        return param
+        return register_weight(self, name, data, spec)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor,
                       shard_id: ShardId = None) -> None:

@@ -301,3 +301,14 @@ SAFETENSORS_DTYPES: dict[str, torch.dtype] = {
     "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
     "U8": torch.uint8, "BOOL": torch.bool,
 }
+
+
+def register_weight(module: nn.Module, name: str, data: torch.Tensor,
+                    spec: WeightSpec) -> nn.Parameter:
+    """Register `data` as `module`'s parameter `name`, mapped to the checkpoint by
+    `spec` and loaded through `module.weight_loader`."""
+    param = nn.Parameter(data, requires_grad=False)
+    param.weight_spec = spec
+    param.weight_loader = module.weight_loader
+    module.register_parameter(name, param)
+    return param

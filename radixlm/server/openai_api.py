@@ -204,16 +204,7 @@ class OpenAIServing:
         """Wait for the first message before answering, so a request the scheduler
         refuses still gets its HTTP status; later failures end their choice with
         finish_reason "abort"."""
-        events = group.events()
-        try:
-            first = await anext(events)
-        except BaseException:
-            await events.aclose()
-            raise
-        seq = group.seqs[first[0]]
-        if seq.error_status is not None:
-            await events.aclose()
-            raise APIError(seq.error_status, seq.error_message)
+        events, first = await first_event(group)
         timing = group.seqs[first[0]].timing
 
         def wrote_first() -> None:
@@ -605,6 +596,23 @@ class ChatStream(_Stream):
         if not deltas and (fr is not None or has_logprobs):
             deltas = [{}]  # the finish_reason, or logprobs of held-back tokens
         return deltas, tool_finish_reason(fr, bool(reader.calls)) if fr is not None else None
+
+
+async def first_event(group: RequestGroup) -> tuple[EventIter, tuple[int, StrOut]]:
+    """A streamed group's events and its first message, awaited before the HTTP
+    response starts so a request the scheduler refuses still gets its status:
+    APIError for a refused one (the stream closed)."""
+    events = group.events()
+    try:
+        first = await anext(events)
+    except BaseException:
+        await events.aclose()
+        raise
+    seq = group.seqs[first[0]]
+    if seq.error_status is not None:
+        await events.aclose()
+        raise APIError(seq.error_status, seq.error_message)
+    return events, first
 
 
 async def _sse_body(events: EventIter, first: tuple[int, StrOut],

@@ -33,7 +33,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from radixlm.server.chat_output import OutputParser, OutputStream
 from radixlm.server.errors import APIError
 from radixlm.server.io import dumps, with_cancellation
-from radixlm.server.openai_api import OpenAIServing, finish_reason
+from radixlm.server.openai_api import OpenAIServing, finish_reason, first_event
 from radixlm.server.openai_protocol import ChatCompletionRequest
 from radixlm.server.responses_protocol import ResponsesRequest, to_chat_request
 from radixlm.server.tokenizer_manager import PromptJob
@@ -222,15 +222,7 @@ class ResponsesServing:
         deltas = ChatDeltas(plan, api.parsers.for_plan(plan))
         if req.stream:
             # The first message decides the HTTP status (a refused request is a 4xx).
-            events = group.events()
-            try:
-                first = await anext(events)
-            except BaseException:
-                await events.aclose()
-                raise
-            if group.seqs[0].error_status is not None:
-                await events.aclose()
-                raise APIError(group.seqs[0].error_status, group.seqs[0].error_message)
+            events, first = await first_event(group)
             return StreamingResponse(self._events(job, group, events, first, deltas),
                                      media_type="text/event-stream")
         seq = (await group.collect())[0]
