@@ -265,12 +265,12 @@ class _GatedBackend:
 @pytest.fixture
 def gated(engine):
     grammars = engine.scheduler.grammars
-    real = grammars.backend
-    grammars.backend = _GatedBackend(real)
-    yield grammars.backend
-    grammars.backend.gate.set()
-    grammars.backend.pool.shutdown()
-    grammars.backend = real
+    real = grammars.backend  # built on first use
+    gate = grammars._backend = _GatedBackend(real)
+    yield gate
+    gate.gate.set()
+    gate.pool.shutdown()
+    grammars._backend = real
     engine.scheduler.check_invariants()
 
 
@@ -348,3 +348,27 @@ def test_clean_error_strips_cpp_location():
     e = RuntimeError("[09:53:50] /project/cpp/regex_converter.cc:94: Regex parsing error at "
                      "position 5: The parenthesis is not closed.\n")
     assert clean_error(e) == "Regex parsing error at position 5: The parenthesis is not closed."
+
+
+def test_backend_that_fails_to_start_refuses_grammars_and_serves_the_rest(engine):
+    """The backend is built when the first grammar arrives; if that fails, that
+    request and later grammars get the reason, and plain requests still run."""
+    from radixlm.constrained.manager import GrammarManager
+
+    def broken():
+        raise RuntimeError("tokenizer has no vocabulary")
+
+    sched = engine.scheduler
+    saved = sched.grammars
+    sched.grammars = sched.output.grammars = GrammarManager(broken, "xgrammar", 4)
+    try:
+        params = SamplingParams(regex="[ab]+")
+        with pytest.raises(ValueError, match="failed to start: tokenizer has no vocabulary"):
+            sched.grammars.validate(params)
+        with pytest.raises(ValueError, match="failed to start"):
+            sched.grammars.check(params)
+        out = engine.generate("Hello", {"max_new_tokens": 3, "temperature": 0})
+        assert out["meta_info"]["completion_tokens"] == 3
+    finally:
+        sched.grammars = sched.output.grammars = saved
+    sched.check_invariants()

@@ -153,7 +153,7 @@ def test_method_is_chosen_per_layer_from_device_dtype_and_flags(monkeypatch, dev
 
     if method is PrepackedLinearMethod and not unquantized.onednn_bf16():
         pytest.skip("oneDNN bf16 is not supported on this CPU")
-    if method is GemvLinearMethod and not unquantized.HAS_TRITON:
+    if method is GemvLinearMethod and not unquantized.triton_installed():
         pytest.skip("no Triton")
     # No CUDA here: ask as if the model were being built on a GPU.
     monkeypatch.setattr(torch, "get_default_device", lambda: torch.device(device))

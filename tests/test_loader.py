@@ -18,6 +18,7 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from radixlm.models import loader
 from radixlm.models.loader import (
     default_model_path,
+    family_config,
     iter_safetensors,
     load_config,
     load_model,
@@ -90,7 +91,7 @@ def test_dequantization_matches_transformers_gguf_loading(model_dir):
 
     path = default_model_path()
     with torch.device("meta"):
-        skeleton = AutoModelForCausalLM.from_config(load_config(model_dir))
+        skeleton = AutoModelForCausalLM.from_config(family_config(load_config(model_dir)))
     ref = load_gguf_checkpoint(path, return_tensors=True, model_to_load=skeleton)["tensors"]
     ours = dict(iter_safetensors(model_dir))
     assert set(ours) == set(ref) and "model.layers.0.self_attn.k_proj.weight" in ours

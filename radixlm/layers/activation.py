@@ -6,7 +6,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from radixlm.layers import cpu_ops, fused_ops
+from radixlm.layers import cpu_ops
+from radixlm.utils import lazy_import
+
+fused_ops = lazy_import("radixlm.layers.fused_ops")  # Triton: CUDA tensors only
 
 
 class SiluAndMul(nn.Module):

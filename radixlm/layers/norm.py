@@ -7,8 +7,11 @@ import torch
 from torch import nn
 
 from radixlm import distributed as tp
-from radixlm.layers import cpu_ops, fused_ops
+from radixlm.layers import cpu_ops
 from radixlm.layers.linear import default_weight_loader
+from radixlm.utils import lazy_import
+
+fused_ops = lazy_import("radixlm.layers.fused_ops")  # Triton: CUDA tensors only
 
 
 class RMSNorm(nn.Module):

@@ -31,7 +31,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from radixlm.layers import cpu_ops, fused_ops
+from radixlm.layers import cpu_ops
+from radixlm.utils import lazy_import
+
+fused_ops = lazy_import("radixlm.layers.fused_ops")  # Triton: CUDA tensors only
 
 logger = logging.getLogger(__name__)
 

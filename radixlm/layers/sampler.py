@@ -32,15 +32,9 @@ import torch
 from torch import Tensor
 
 from radixlm.sampling_params import SamplingParams
-from radixlm.utils import to_device
+from radixlm.utils import lazy_import, to_device, triton_installed
 
-try:  # CPU-only installs may lack Triton; the torch path covers them.
-    import triton
-    import triton.language as tl
-
-    HAS_TRITON = True
-except ImportError:  # pragma: no cover - depends on the install
-    HAS_TRITON = False
+_gumbel_triton = lazy_import("radixlm.layers.gumbel_triton")  # Triton: CUDA only
 
 _MASK32 = 0xFFFFFFFF
 # Odd multipliers below 2**31: a 32-bit value times one stays below 2**63, so
@@ -283,8 +277,8 @@ def gumbel_argmax(scores: Tensor, keys: Tensor, use_triton: bool | None = None) 
     H200); both paths hash the same u, but the kernel's faster `log` may round
     differently, so they agree except on near-ties.
     """
-    if use_triton if use_triton is not None else (HAS_TRITON and scores.is_cuda):
-        return _gumbel_argmax_triton(scores, keys)
+    if use_triton if use_triton is not None else (scores.is_cuda and triton_installed()):
+        return _gumbel_triton.gumbel_argmax(scores, keys)
     return _gumbel_argmax_torch(scores, keys)
 
 
@@ -435,51 +429,3 @@ def _scatter_rows(ids: list[list[int]], shape: tuple[int, int], dtype: torch.dty
     else:
         out.index_put_((rows, flat), torch.ones_like(flat, dtype=dtype), accumulate=True)
     return out
-
-
-# ---- fused Gumbel-argmax (CUDA) ------------------------------------------------
-_SPLIT = 4096  # columns per program: many programs per row keep small batches fast
-_BLOCK = 1024
-
-if HAS_TRITON:
-
-    @triton.jit
-    def _gumbel_argmax_kernel(scores_ptr, keys_ptr, vals_ptr, ids_ptr, vocab, row_stride,
-                              SPLIT: tl.constexpr, BLOCK: tl.constexpr):
-        row = tl.program_id(0)
-        split = tl.program_id(1)
-        # uint32 arithmetic wraps, which is exactly the masked int64 math of _mix32_.
-        key = tl.load(keys_ptr + row).to(tl.uint32)
-        best = tl.full([BLOCK], float("-inf"), tl.float32)
-        best_col = tl.zeros([BLOCK], tl.int32)
-        for offset in range(0, SPLIT, BLOCK):
-            cols = split * SPLIT + offset + tl.arange(0, BLOCK)
-            s = tl.load(scores_ptr + row.to(tl.int64) * row_stride + cols, mask=cols < vocab,
-                        other=float("-inf"))
-            h = key ^ (cols.to(tl.uint32) * 0x9E3779B1)
-            h ^= h >> 16
-            h *= 0x21F0AAAD
-            h ^= h >> 15
-            h *= 0x735A2D97
-            h ^= h >> 15
-            u = ((h >> 9).to(tl.float32) + 0.5) * 1.1920928955078125e-07  # 2**-23
-            v = s - tl.log(-tl.log(u))
-            better = v > best  # strict: each lane keeps its lowest column on ties
-            best = tl.where(better, v, best)
-            best_col = tl.where(better, cols, best_col)
-        top = tl.max(best, axis=0)
-        col = tl.min(tl.where(best == top, best_col, 2147483647), axis=0)
-        tl.store(vals_ptr + row * tl.num_programs(1) + split, top)
-        tl.store(ids_ptr + row * tl.num_programs(1) + split, col)
-
-
-def _gumbel_argmax_triton(scores: Tensor, keys: Tensor) -> Tensor:
-    n, vocab = scores.shape
-    scores = scores.contiguous()
-    splits = triton.cdiv(vocab, _SPLIT)
-    vals = torch.empty((n, splits), dtype=torch.float32, device=scores.device)
-    ids = torch.empty((n, splits), dtype=torch.int32, device=scores.device)
-    _gumbel_argmax_kernel[(n, splits)](scores, keys, vals, ids, vocab, scores.stride(0),
-                                      SPLIT=_SPLIT, BLOCK=_BLOCK)
-    # argmax takes the first split holding the maximum: ties go to the lowest id.
-    return ids.gather(1, vals.argmax(dim=1, keepdim=True)).squeeze(1).long()

@@ -106,11 +106,24 @@ def _single_gguf_in(directory: Path, model_path: str | None) -> Path:
 
 
 # ---- GGUF -> HF directory ----------------------------------------------------
+# Marks a directory convert_gguf wrote: its config.json lists every field of
+# the family's config, and its tokenizer is transformers' generic fast one.
+CONVERTED_FROM_GGUF = "radixlm_converted_from_gguf.json"
+# Part of the converted directory's name: bumped when what it holds changes, so
+# a cache written by an older radixlm is not read as the new layout.
+CONVERTED_LAYOUT = "-hf2"
+
+
+def converted_from_gguf(model_dir: str | Path) -> bool:
+    return (Path(model_dir) / CONVERTED_FROM_GGUF).is_file()
+
+
 def convert_gguf(gguf_path: str | Path) -> Path:
     """The cache directory holding `gguf_path` converted to HF form; converts
     on first use (`cached_dir`)."""
     gguf_path = Path(gguf_path)
-    return cached_dir(gguf_path, "", lambda out: _write_hf_dir(gguf_path, out), "Converting")
+    return cached_dir(gguf_path, CONVERTED_LAYOUT, lambda out: _write_hf_dir(gguf_path, out),
+                      "Converting")
 
 
 def cached_dir(source: Path, suffix: str, write: Callable[[Path], None], what: str) -> Path:
@@ -189,6 +202,7 @@ def _write_hf_dir(gguf_path: Path, out: Path) -> None:
                          f"(supported: {', '.join(GGUF_ARCHS)})")
     config = _gguf_config(reader, arch)
     config.save_pretrained(out)
+    (out / CONVERTED_FROM_GGUF).write_text(json.dumps({"source": gguf_path.name}) + "\n")
     _write_generation_config(config, out)
     _write_tokenizer(reader, gguf_path, out)
     _write_tensors(reader, config, GGUF_ARCHS[arch], out)
@@ -377,7 +391,7 @@ def load_config(model_dir: str, context_length: int | None = None) -> Pretrained
     (the length the rope tables and the scheduler are sized for). The
     checkpoint's own value stays as `native_max_position_embeddings`: rope
     scalings (dynamic, YaRN, LongRoPE) are defined against it."""
-    config = AutoConfig.from_pretrained(model_dir)
+    config = _read_config(model_dir)
     if context_length is not None:
         if context_length < 1:
             raise ValueError(f"context_length must be >= 1, got {context_length}")
@@ -388,6 +402,27 @@ def load_config(model_dir: str, context_length: int | None = None) -> Pretrained
         config.native_max_position_embeddings = native
         config.max_position_embeddings = context_length
     return config
+
+
+def _read_config(model_dir: str) -> PretrainedConfig:
+    """AutoConfig's config for `model_dir`; for a directory converted from a
+    GGUF file, the same fields as a plain PretrainedConfig (every field is
+    written out, so the family's class would add no value). transformers 5's
+    family config classes import torch.distributed.tensor and with it sympy:
+    ~60 MiB of resident memory and ~1 s of start-up in every process, which on
+    the embedded model is more than its weights."""
+    if converted_from_gguf(model_dir):
+        return PretrainedConfig.from_json_file(str(Path(model_dir) / "config.json"))
+    return AutoConfig.from_pretrained(model_dir)
+
+
+def family_config(config: PretrainedConfig) -> PretrainedConfig:
+    """`config` as its family's transformers class (what AutoConfig returns),
+    for code that hands it to transformers' own models."""
+    if type(config) is not PretrainedConfig:
+        return config
+    fields = {k: v for k, v in config.to_dict().items() if k != "model_type"}
+    return AutoConfig.for_model(config.model_type, **fields)
 
 
 def safetensors_files(model_dir: str | Path) -> list[Path]:
@@ -490,7 +525,7 @@ def dummy_weights(config: PretrainedConfig, seed: int, device: torch.device,
     from transformers import AutoModelForCausalLM
 
     with torch.device("meta"):
-        reference = AutoModelForCausalLM.from_config(config)
+        reference = AutoModelForCausalLM.from_config(family_config(config))
     weight_map = WeightMap(model) if model is not None else None
     for i, (name, meta) in enumerate(reference.named_parameters()):
         if name.endswith("norm.weight"):

@@ -16,7 +16,6 @@ from radixlm.config import ServerArgs
 from radixlm.forward_batch import ForwardBatch
 from radixlm.layers.attention.base import AttentionBackend
 from radixlm.layers.attention.radix_attention import RadixAttention
-from radixlm.layers.pdl import set_pdl
 from radixlm.layers.quantization import QuantizationConfig, get_quantization_config
 
 logger = logging.getLogger(__name__)
@@ -82,6 +81,8 @@ class ModelRunner:
             self._set_cpu_threads()
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device.index or 0)
+            from radixlm.layers.pdl import set_pdl  # Triton: not imported on CPU
+
             if set_pdl(not args.disable_pdl, self.device):
                 logger.info("programmatic dependent launch on for the decode kernels")
         if (gguf := gguf_file(args)) is not None:

@@ -25,12 +25,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from radixlm.layers.gemv import HAS_TRITON, gemv, use_gemv
 from radixlm.layers.quantization.base import EmbeddingMethod, LinearMethod, QuantizationConfig
 from radixlm.layers.sharding import AxisSpec
+from radixlm.utils import lazy_import, triton_installed
 
 if TYPE_CHECKING:
     from radixlm.layers.linear import LinearBase
+
+_gemv = lazy_import("radixlm.layers.gemv")  # Triton: CUDA only
 
 
 @functools.cache
@@ -72,15 +74,15 @@ class GemvLinearMethod(UnquantizedLinearMethod):
 
     def apply(self, layer: LinearBase, x: torch.Tensor, bias: torch.Tensor | None = None,
               out: torch.Tensor | None = None) -> torch.Tensor:
-        if use_gemv(x, layer.weight):
-            return gemv(x, layer.weight, bias, out=out)
+        if _gemv.use_gemv(x, layer.weight):
+            return _gemv.gemv(x, layer.weight, bias, out=out)
         return plain_linear(x, layer.weight, bias, out)
 
     def apply_silu_mul(self, layer: LinearBase, x: torch.Tensor) -> torch.Tensor | None:
         # Matching gate and up columns in one program, the activation in registers:
         # one launch instead of two per MLP, the same bits.
-        if use_gemv(x, layer.weight):
-            return gemv(x, layer.weight, silu_mul=True)
+        if _gemv.use_gemv(x, layer.weight):
+            return _gemv.gemv(x, layer.weight, silu_mul=True)
         return None
 
 
@@ -161,7 +163,7 @@ class UnquantizedConfig(QuantizationConfig):
         if (self.prepack and device.type == "cpu" and dtype == torch.bfloat16
                 and onednn_bf16()):
             return PrepackedLinearMethod()
-        if (self.gemv and device.type == "cuda" and HAS_TRITON
+        if (self.gemv and device.type == "cuda" and triton_installed()
                 and dtype in (torch.bfloat16, torch.float16)):
             return GemvLinearMethod()
         return UnquantizedLinearMethod()
