@@ -159,9 +159,20 @@ def rss_mb(server: Server, model: str) -> tuple[float, str]:
     rss = sum(psutil.Process(pid).memory_info().rss for pid in pids) / 2**20
     pool = kv_pool_mib(info["server_args"]["dtype"], model, info["kv_tokens_total"])
     budget = os.path.getsize(model) / 2**20 * 1.5 + pool
+    floor = torch_floor_mib()
     return rss, (f"(KV pool {info['kv_tokens_total']} tokens = {pool:.0f} MiB; rest "
-                 f"{rss - pool:.0f} MiB; budget file x 1.5 + pool = {budget:.0f} MiB: "
+                 f"{rss - pool:.0f} MiB, of which a bare `import torch` holds {floor:.0f}; "
+                 f"budget file x 1.5 + pool = {budget:.0f} MiB: "
                  f"{'within' if rss <= budget else 'over'})")
+
+
+def torch_floor_mib() -> float:
+    """The RSS of a fresh interpreter that only imports torch: what any process
+    running torch holds before it loads a model."""
+    code = "import torch, psutil; print(psutil.Process().memory_info().rss)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True, timeout=120)
+    return int(out.stdout.split()[-1]) / 2**20
 
 
 def kv_pool_mib(dtype_name: str, model: str, tokens: int) -> float:
