@@ -21,7 +21,7 @@ _ENGINE_RUN = textwrap.dedent("""
     import json, sys
     from radixlm import Engine
 
-    engine = Engine(max_total_tokens=4096, dtype="float32")
+    engine = Engine(max_total_tokens=4096, dtype="float32", device="cpu")
     out = engine.generate("The capital of France is", {"max_new_tokens": 4,
                                                        "temperature": 0})
     before = {m: m in sys.modules for m in ("triton", "sympy", "xgrammar")}
