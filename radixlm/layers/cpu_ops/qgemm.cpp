@@ -4,10 +4,16 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include <pthread.h>
+
 #include <algorithm>
+#include <atomic>
+#include <memory>
+#include <mutex>
 #include <tuple>
 
 #include "qgemm.h"
+#include "qgemm_pool.h"
 
 namespace {
 
@@ -110,17 +116,102 @@ void check_rows(const at::Tensor& x, const char* what) {
               what, " must be a 2-D CPU tensor with a contiguous last dimension");
 }
 
+// Threading. Products of fewer than pool_rows rows run on the pool of
+// qgemm_pool.h (the caller and at::get_num_threads() - 1 workers that spin
+// between the products of a forward pass and then sleep), larger ones on
+// at::parallel_for, whose OpenMP threads sleep under the engine's passive
+// wait policy (cheap to wake once for a product of 8+ rows, not ~120 times
+// per decode token). pool_rows 0: main's old threading, fewer than 8 rows on
+// the calling thread (set_threading, for A/B runs).
+std::atomic<int64_t> g_pool_rows{8};
+
+// The pool, made on first use and remade when torch's thread count changes.
+// g_pool_mu is held around each pooled product: a second Python thread that
+// finds it held runs its product serially; fork() takes it (prepare), so no
+// product is in flight when the child drops the pool, whose threads the child
+// does not have (the object is leaked there, never joined).
+std::mutex g_pool_mu;
+Pool* g_pool = nullptr;  // under g_pool_mu
+
+void pool_fork_prepare() { g_pool_mu.lock(); }
+void pool_fork_parent() { g_pool_mu.unlock(); }
+void pool_fork_child() {
+  g_pool = nullptr;
+  g_pool_mu.unlock();
+}
+
+Pool* pool_of(int workers) {  // under g_pool_mu
+  static const bool registered = [] {
+    pthread_atfork(pool_fork_prepare, pool_fork_parent, pool_fork_child);
+    return true;
+  }();
+  (void)registered;
+  if (g_pool == nullptr || g_pool->workers() != workers) {
+    delete g_pool;  // joins its threads: none is in a job (we hold the lock)
+    g_pool = nullptr;
+    g_pool = new Pool(workers);
+  }
+  return g_pool;
+}
+
 // Work items: groups of tiles x blocks of rows, each worth at least ~2^17
-// multiply-adds per thread.
+// multiply-adds per thread (at::parallel_for's path).
 constexpr int64_t kTilesPerItem = 4, kRowsPerItem = 128;
-// Below this many rows a product is bound by reading its weight, which one
-// core already does at the memory bandwidth it gets: a second thread only adds
-// its wake-up. Measured on SmolLM2's decode linears (2 cores, OMP passive
-// wait): 9.5-9.8 ms per token's matmuls on one thread vs 14-15 ms on two at 1
-// row, 11.7-12.0 vs 14.8-16.5 at 4 rows, equal at 8.
+// main's threading (pool_rows 0): below this many rows the calling thread
+// alone, because waking a passive OpenMP thread per product cost more than it
+// gained: 9.5-9.8 ms per SmolLM2 decode token's matmuls on one thread vs 14-15
+// ms on two at 1 row, 11.7-12.0 vs 14.8-16.5 at 4 rows, equal at 8.
 constexpr int64_t kSerialRows = 8;
 
+// A pooled product: chunk c is tiles [tg * tile_step, +tile_step) times rows
+// [rb * row_step, +row_step), tg = c / row_chunks, rb = c % row_chunks.
+struct GemmJob {
+  const Kernels* kernels;
+  const PackedWeight* w;
+  const QuantAct* a;
+  const Out* out;
+  int64_t tile_step, row_step, row_chunks;
+};
+
+void gemm_chunk(const void* ctx, int64_t c) {
+  const GemmJob& j = *static_cast<const GemmJob*>(ctx);
+  const int64_t tg = c / j.row_chunks, rb = c % j.row_chunks;
+  const int64_t t0 = tg * j.tile_step, t1 = std::min(j.w->tiles, t0 + j.tile_step);
+  const int64_t m0 = rb * j.row_step, m1 = std::min(j.a->m, m0 + j.row_step);
+  j.kernels->gemm(*j.w, *j.a, m0, m1, t0, t1, *j.out);
+}
+
+// On the pool when it pays; false when the caller should take another path
+// (one thread, nested in a parallel region, too small, the pool held by
+// another thread).
+bool pool_gemm(const Kernels* kernels, const PackedWeight& w, const QuantAct& a,
+               const Out& out) {
+  const int threads = at::get_num_threads();
+  if (threads < 2 || at::in_parallel_region()) return false;
+  GemmJob job{kernels, &w, &a, &out, 0, a.m, 1};
+  if (a.m < kSerialRows) {
+    // Tile ranges only (every chunk all rows): ~4 chunks per thread so that a
+    // late worker costs at most a quarter of its share, even (the kernel runs
+    // tiles in pairs), at most 32 tiles (~200-350 KB of 4-8 bit weights at
+    // k = 576-1536: a chunk ~10-25 us at one core's bandwidth).
+    int64_t step = (w.tiles + 4 * threads - 1) / (4 * threads);
+    step = std::min<int64_t>(32, std::max<int64_t>(2, (step + 1) & ~int64_t{1}));
+    job.tile_step = step;
+  } else {
+    job.tile_step = kTilesPerItem;
+    job.row_step = kRowsPerItem;
+    job.row_chunks = (a.m + kRowsPerItem - 1) / kRowsPerItem;
+  }
+  const int64_t chunks = (w.tiles + job.tile_step - 1) / job.tile_step * job.row_chunks;
+  if (chunks < 2 || chunks > Pool::kMaxChunks) return false;
+  std::unique_lock<std::mutex> lock(g_pool_mu, std::try_to_lock);
+  if (!lock.owns_lock()) return false;
+  pool_of(threads - 1)->run(gemm_chunk, &job, chunks);
+  return true;
+}
+
 void run_gemm(const Kernels* kernels, const PackedWeight& w, const QuantAct& a, const Out& out) {
+  if (a.m < g_pool_rows.load(std::memory_order_relaxed) && pool_gemm(kernels, w, a, out)) return;
   if (a.m < kSerialRows) {
     kernels->gemm(w, a, 0, a.m, 0, w.tiles, out);
     return;
@@ -137,6 +228,13 @@ void run_gemm(const Kernels* kernels, const PackedWeight& w, const QuantAct& a, 
       kernels->gemm(w, a, m0, m1, t0, t1, out);
     }
   });
+}
+
+// pool_rows < 0 and spin_us < 0 keep the current value; returns the values now.
+std::tuple<int64_t, int64_t> set_threading(int64_t pool_rows, int64_t spin_us) {
+  if (pool_rows >= 0) g_pool_rows.store(pool_rows);
+  if (spin_us >= 0) Pool::spin_ns().store(spin_us * 1000);
+  return {g_pool_rows.load(), Pool::spin_ns().load() / 1000};
 }
 
 struct ActBuffers {
@@ -239,6 +337,7 @@ at::Tensor dequantize(const at::Tensor& qweight, const at::Tensor& scales, const
 TORCH_LIBRARY(radixlm_q, m) {
   m.def("isa_supported(int isa) -> bool", &isa_supported);
   m.def("isa_name(int isa) -> str", &isa_name);
+  m.def("set_threading(int pool_rows, int spin_us) -> (int, int)", &set_threading);
   m.def("quantize_act(Tensor x, int isa) -> (Tensor, Tensor, Tensor, Tensor)");
   m.def("gemm(Tensor xq, Tensor xd, Tensor xsum16, Tensor xdsum, Tensor qweight, Tensor scales, "
         "Tensor mins, int format, int n, Tensor(a!) out, int isa) -> ()");

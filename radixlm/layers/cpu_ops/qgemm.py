@@ -10,6 +10,12 @@ The library is compiled on first use without `-march=native`: each ISA path
 is compiled for its own instruction set and picked at run time from what the
 CPU reports, which is what lets a test force each one (`isa=`) and the
 `RADIXLM_QGEMM_ISA` environment variable pin one for a process.
+
+Threads: products of fewer than 8 rows (decode) run on a small pool of our own
+(`qgemm_pool.h`: torch's thread count, spinning briefly between products, then
+asleep), larger ones on torch's OpenMP threads; `set_threading` (or
+`RADIXLM_QGEMM_POOL_ROWS` / `RADIXLM_QGEMM_SPIN_US`) changes that, for A/B runs.
+The thread count never changes a result's bits.
 """
 
 from __future__ import annotations
@@ -31,7 +37,7 @@ logger = logging.getLogger(__name__)
 _DIR = Path(__file__).parent
 SOURCES = [_DIR / f"{name}.cpp" for name in
            ("qgemm", "qgemm_portable", "qgemm_avx2", "qgemm_avx512", "qgemm_avx512_vnni")]
-HEADERS = [_DIR / "qgemm.h", _DIR / "qgemm_avx512.inc"]
+HEADERS = [_DIR / "qgemm.h", _DIR / "qgemm_avx512.inc", _DIR / "qgemm_pool.h"]
 # No fma contraction: the paths compute the same bits only if each keeps the
 # multiplies and adds as written.
 _CFLAGS = ["-O3", "-ffp-contract=off"]
@@ -40,6 +46,8 @@ _CFLAGS = ["-O3", "-ffp-contract=off"]
 ISAS = ("portable", "avx2", "avx512", "avx512_vnni")
 FORMATS = ("q4_0", "q4_1", "q8_0", "q4_k", "q5_k", "q6_k", "int8")
 ISA_ENV = "RADIXLM_QGEMM_ISA"
+POOL_ROWS_ENV = "RADIXLM_QGEMM_POOL_ROWS"
+SPIN_US_ENV = "RADIXLM_QGEMM_SPIN_US"
 ACT_BLOCK = 32  # activation values per int8 scale; weights' k is a multiple of it
 
 _lock = threading.Lock()
@@ -52,9 +60,23 @@ def load() -> bool:
     if _loaded is None:
         with _lock:
             if _loaded is None:
-                _loaded = build_extension("radixlm_qgemm", SOURCES, HEADERS, _CFLAGS,
-                                          "quantized weights are unavailable")
+                loaded = build_extension("radixlm_qgemm", SOURCES, HEADERS, _CFLAGS,
+                                         "quantized weights are unavailable")
+                if loaded:
+                    torch.ops.radixlm_q.set_threading(int(os.environ.get(POOL_ROWS_ENV, -1)),
+                                                      int(os.environ.get(SPIN_US_ENV, -1)))
+                _loaded = loaded
     return _loaded
+
+
+def set_threading(pool_rows: int | None = None, spin_us: int | None = None) -> tuple[int, int]:
+    """Products of fewer than `pool_rows` rows run on our pool (default 8; 0: none,
+    so fewer than 8 rows run on the calling thread alone, the threading before the
+    pool), larger ones on torch's OpenMP threads; pool workers spin `spin_us`
+    microseconds for the next product before they sleep. None keeps a value;
+    returns (pool_rows, spin_us) now."""
+    return tuple(_ops().set_threading(-1 if pool_rows is None else pool_rows,
+                                      -1 if spin_us is None else spin_us))
 
 
 def _ops() -> object:
