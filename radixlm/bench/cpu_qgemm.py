@@ -102,7 +102,8 @@ def model_weights(layer_fmt: str, head_fmt: str) -> list[Weight]:
 def serially(fn: Callable[[], object]) -> Callable[[], None]:
     """fn with the threading before our pool: fewer than 8 rows on the calling thread."""
     def run() -> None:
-        rows, _ = qgemm.set_threading(pool_rows=0)
+        rows, _ = qgemm.set_threading()
+        qgemm.set_threading(pool_rows=0)
         try:
             fn()
         finally:

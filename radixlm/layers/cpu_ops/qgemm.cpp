@@ -8,7 +8,7 @@
 
 #include <algorithm>
 #include <atomic>
-#include <memory>
+#include <limits>
 #include <mutex>
 #include <tuple>
 
@@ -116,20 +116,25 @@ void check_rows(const at::Tensor& x, const char* what) {
               what, " must be a 2-D CPU tensor with a contiguous last dimension");
 }
 
-// Threading. Products of fewer than pool_rows rows run on the pool of
-// qgemm_pool.h (the caller and at::get_num_threads() - 1 workers that spin
-// between the products of a forward pass and then sleep), larger ones on
-// at::parallel_for, whose OpenMP threads sleep under the engine's passive
-// wait policy (cheap to wake once for a product of 8+ rows, not ~120 times
-// per decode token). pool_rows 0: main's old threading, fewer than 8 rows on
-// the calling thread (set_threading, for A/B runs).
-std::atomic<int64_t> g_pool_rows{8};
+// Threading. Products and activation quantizations run on the pool of
+// qgemm_pool.h: the caller and at::get_num_threads() - 1 workers that spin
+// between the products of a forward pass, then sleep. Not on at::parallel_for:
+// under the engine's passive OpenMP wait policy every product paid a sleeping
+// thread's wake-up. SmolLM2's model pass (bench.cpu_qgemm's 121 linears, 2
+// threads, passive), ms per pass, one thread or OpenMP -> pool:
+//   M = 1: 7.9-9.1 -> 4.9-5.7, M = 4: 10.5-11.4 -> 6.9-7.4,
+//   M = 8: 17.6-18.8 -> 9.9, M = 32: 35.1-35.9 -> 27.2, M = 256: 225 -> 204.
+// pool_rows (set_threading; default: every size) bounds the rows that take the
+// pool; 0 gives the threading before it: fewer than 8 rows on the calling
+// thread alone (kSerialRows), more on at::parallel_for. That is also the
+// fallback when the pool is held by another Python thread's product.
+std::atomic<int64_t> g_pool_rows{std::numeric_limits<int64_t>::max()};
 
 // The pool, made on first use and remade when torch's thread count changes.
-// g_pool_mu is held around each pooled product: a second Python thread that
-// finds it held runs its product serially; fork() takes it (prepare), so no
-// product is in flight when the child drops the pool, whose threads the child
-// does not have (the object is leaked there, never joined).
+// g_pool_mu is held around each pooled job: a second Python thread that finds
+// it held takes the fallback; fork() takes it (prepare), so no job is in
+// flight when the child drops the pool, whose threads the child does not have
+// (the object is leaked there, never joined).
 std::mutex g_pool_mu;
 Pool* g_pool = nullptr;  // under g_pool_mu
 
@@ -154,64 +159,53 @@ Pool* pool_of(int workers) {  // under g_pool_mu
   return g_pool;
 }
 
-// Work items: groups of tiles x blocks of rows, each worth at least ~2^17
-// multiply-adds per thread (at::parallel_for's path).
-constexpr int64_t kTilesPerItem = 4, kRowsPerItem = 128;
-// main's threading (pool_rows 0): below this many rows the calling thread
-// alone, because waking a passive OpenMP thread per product cost more than it
-// gained: 9.5-9.8 ms per SmolLM2 decode token's matmuls on one thread vs 14-15
-// ms on two at 1 row, 11.7-12.0 vs 14.8-16.5 at 4 rows, equal at 8.
-constexpr int64_t kSerialRows = 8;
-
-// A pooled product: chunk c is tiles [tg * tile_step, +tile_step) times rows
-// [rb * row_step, +row_step), tg = c / row_chunks, rb = c % row_chunks.
-struct GemmJob {
-  const Kernels* kernels;
-  const PackedWeight* w;
-  const QuantAct* a;
-  const Out* out;
-  int64_t tile_step, row_step, row_chunks;
-};
-
-void gemm_chunk(const void* ctx, int64_t c) {
-  const GemmJob& j = *static_cast<const GemmJob*>(ctx);
-  const int64_t tg = c / j.row_chunks, rb = c % j.row_chunks;
-  const int64_t t0 = tg * j.tile_step, t1 = std::min(j.w->tiles, t0 + j.tile_step);
-  const int64_t m0 = rb * j.row_step, m1 = std::min(j.a->m, m0 + j.row_step);
-  j.kernels->gemm(*j.w, *j.a, m0, m1, t0, t1, *j.out);
-}
-
-// On the pool when it pays; false when the caller should take another path
-// (one thread, nested in a parallel region, too small, the pool held by
-// another thread).
-bool pool_gemm(const Kernels* kernels, const PackedWeight& w, const QuantAct& a,
-               const Out& out) {
+// body(c) for c in [0, count) on the pool; false (nothing run) when the pool
+// does not take it: rows >= pool_rows, one thread, inside a parallel region,
+// fewer than 2 chunks, or the pool held by another thread.
+template <typename Body>
+bool on_pool(int64_t rows, int64_t count, const Body& body) {
+  if (rows >= g_pool_rows.load(std::memory_order_relaxed) || count < 2 ||
+      count > Pool::kMaxChunks)
+    return false;
   const int threads = at::get_num_threads();
   if (threads < 2 || at::in_parallel_region()) return false;
-  GemmJob job{kernels, &w, &a, &out, 0, a.m, 1};
-  if (a.m < kSerialRows) {
-    // Tile ranges only (every chunk all rows): ~4 chunks per thread so that a
-    // late worker costs at most a quarter of its share, even (the kernel runs
-    // tiles in pairs), at most 32 tiles (~200-350 KB of 4-8 bit weights at
-    // k = 576-1536: a chunk ~10-25 us at one core's bandwidth).
-    int64_t step = (w.tiles + 4 * threads - 1) / (4 * threads);
-    step = std::min<int64_t>(32, std::max<int64_t>(2, (step + 1) & ~int64_t{1}));
-    job.tile_step = step;
-  } else {
-    job.tile_step = kTilesPerItem;
-    job.row_step = kRowsPerItem;
-    job.row_chunks = (a.m + kRowsPerItem - 1) / kRowsPerItem;
-  }
-  const int64_t chunks = (w.tiles + job.tile_step - 1) / job.tile_step * job.row_chunks;
-  if (chunks < 2 || chunks > Pool::kMaxChunks) return false;
   std::unique_lock<std::mutex> lock(g_pool_mu, std::try_to_lock);
   if (!lock.owns_lock()) return false;
-  pool_of(threads - 1)->run(gemm_chunk, &job, chunks);
+  pool_of(threads - 1)->run(
+      [](const void* ctx, int64_t c) { (*static_cast<const Body*>(ctx))(c); }, &body, count);
   return true;
 }
 
+// Pool chunks of a product: tile_step tiles x up to kRowsPerItem rows (the
+// rows the kernel passes over each group of 4 tiles while it is in L1/L2).
+// ~4 chunks per thread, so that a late worker costs at most a quarter of its
+// share (the caller takes the rest); even (the kernel runs tiles in pairs); at
+// most 32 tiles (200-350 KB of 4-8 bit weights at k = 576-1536, 10-25 us at
+// one core's bandwidth). 2 or 8 chunks per thread, or 16 or 64 tiles at most,
+// measured the same within noise.
+int64_t tile_step(int64_t tiles, int threads) {
+  const int64_t step = (tiles + 4 * threads - 1) / (4 * threads);
+  return std::min<int64_t>(32, std::max<int64_t>(2, (step + 1) & ~int64_t{1}));
+}
+
+// The fallback's work items: groups of tiles x blocks of rows, each worth at
+// least ~2^17 multiply-adds per thread.
+constexpr int64_t kTilesPerItem = 4, kRowsPerItem = 128;
+// The fallback below this many rows: the calling thread alone (waking a
+// passive OpenMP thread per product cost more than it gained: 9.5-9.8 ms per
+// SmolLM2 decode token's matmuls on one thread vs 14-15 ms on two at 1 row).
+constexpr int64_t kSerialRows = 8;
+
 void run_gemm(const Kernels* kernels, const PackedWeight& w, const QuantAct& a, const Out& out) {
-  if (a.m < g_pool_rows.load(std::memory_order_relaxed) && pool_gemm(kernels, w, a, out)) return;
+  const int64_t step = tile_step(w.tiles, at::get_num_threads());
+  const int64_t row_chunks = (a.m + kRowsPerItem - 1) / kRowsPerItem;
+  const auto chunk = [&](int64_t c) {
+    const int64_t tg = c / row_chunks, rb = c % row_chunks;
+    const int64_t t0 = tg * step, t1 = std::min(w.tiles, t0 + step);
+    const int64_t m0 = rb * kRowsPerItem, m1 = std::min(a.m, m0 + kRowsPerItem);
+    kernels->gemm(w, a, m0, m1, t0, t1, out);
+  };
+  if (on_pool(a.m, (w.tiles + step - 1) / step * row_chunks, chunk)) return;
   if (a.m < kSerialRows) {
     kernels->gemm(w, a, 0, a.m, 0, w.tiles, out);
     return;
@@ -259,10 +253,13 @@ ActBuffers quantize_into(const Kernels* kernels, const at::Tensor& x) {
   const bool bf16 = x.scalar_type() == at::kBFloat16;
   const void* data = x.data_ptr();
   const int64_t ld = x.stride(0);
-  at::parallel_for(0, m, std::max<int64_t>(1, (int64_t{1} << 15) / k), [&](int64_t b, int64_t e) {
+  const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 15) / k);  // rows
+  const auto rows = [&](int64_t b, int64_t e) {
     kernels->quantize(data, bf16, ld, b, e, k, buf.q.data_ptr<int8_t>(), buf.d.data_ptr<float>(),
                       buf.sum16.data_ptr<int32_t>(), buf.dsum.data_ptr<float>());
-  });
+  };
+  const auto chunk = [&](int64_t c) { rows(c * grain, std::min(m, (c + 1) * grain)); };
+  if (!on_pool(m, (m + grain - 1) / grain, chunk)) at::parallel_for(0, m, grain, rows);
   return buf;
 }
 

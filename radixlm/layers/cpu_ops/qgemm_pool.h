@@ -53,7 +53,10 @@ class Pool {
   static constexpr int64_t kMaxChunks = (int64_t{1} << 20) - 1;
 
   explicit Pool(int workers) {
-    for (int i = 0; i < workers; ++i) threads_.emplace_back([this] { work(); });
+    for (int i = 0; i < workers; ++i) {
+      threads_.emplace_back([this] { work(); });
+      pthread_setname_np(threads_.back().native_handle(), "radixlm-qgemm");
+    }
   }
   Pool(const Pool&) = delete;
   Pool& operator=(const Pool&) = delete;
@@ -137,7 +140,6 @@ class Pool {
   }
 
   void work() {
-    pthread_setname_np(pthread_self(), "radixlm-qgemm");
     uint64_t seen = gen_of(state_.load(std::memory_order_acquire));
     for (;;) {
       const auto fresh = [&] { return gen_of(state_.load(std::memory_order_acquire)) != seen; };
