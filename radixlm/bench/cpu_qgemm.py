@@ -100,7 +100,8 @@ def model_weights(layer_fmt: str, head_fmt: str) -> list[Weight]:
 
 
 def serially(fn: Callable[[], object]) -> Callable[[], None]:
-    """fn with the threading before our pool: fewer than 8 rows on the calling thread."""
+    """fn with the threading before our pool: fewer than 8 rows on the calling
+    thread, more on torch's OpenMP threads."""
     def run() -> None:
         rows, _ = qgemm.set_threading()
         qgemm.set_threading(pool_rows=0)
@@ -123,7 +124,7 @@ def pass_fns(weights: list[Weight], m: int, isas: list[str],
 
     fns = {f"ours {isa} fp32 act": ours(isa, xs) for isa in isas}
     if serial:
-        fns.update({f"ours {isa} fp32 act, serial < 8 rows": serially(ours(isa, xs))
+        fns.update({f"ours {isa} fp32 act, old threading": serially(ours(isa, xs))
                     for isa in isas})
     fns[f"ours {isas[0]} bf16 act"] = ours(isas[0], xs16)
     fns["torch fp32"] = lambda: [F.linear(xs[w.packed.in_features], w.fp32) for w in weights]
@@ -257,7 +258,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--threads", type=int, default=None, help="torch's thread count")
     p.add_argument("--serial", action="store_true",
                    help="model pass: also ours with the threading before the pool (fewer than "
-                   "8 rows on the calling thread), in the same run")
+                   "8 rows on the calling thread, more on OpenMP), in the same run")
     p.add_argument("--pool-rows", type=int, default=None,
                    help="products of fewer rows run on our pool (qgemm.set_threading)")
     p.add_argument("--spin-us", type=int, default=None,

@@ -11,11 +11,11 @@ is compiled for its own instruction set and picked at run time from what the
 CPU reports, which is what lets a test force each one (`isa=`) and the
 `RADIXLM_QGEMM_ISA` environment variable pin one for a process.
 
-Threads: products of fewer than 8 rows (decode) run on a small pool of our own
-(`qgemm_pool.h`: torch's thread count, spinning briefly between products, then
-asleep), larger ones on torch's OpenMP threads; `set_threading` (or
-`RADIXLM_QGEMM_POOL_ROWS` / `RADIXLM_QGEMM_SPIN_US`) changes that, for A/B runs.
-The thread count never changes a result's bits.
+Threads: products run on a small pool of our own (`qgemm_pool.h`: torch's
+thread count, spinning for the next product up to 1 ms, then asleep), not on
+torch's OpenMP threads; `set_threading` (or `RADIXLM_QGEMM_POOL_ROWS` /
+`RADIXLM_QGEMM_SPIN_US`) changes that, for A/B runs. The thread count never
+changes a result's bits.
 """
 
 from __future__ import annotations
@@ -70,11 +70,11 @@ def load() -> bool:
 
 
 def set_threading(pool_rows: int | None = None, spin_us: int | None = None) -> tuple[int, int]:
-    """Products of fewer than `pool_rows` rows run on our pool (default 8; 0: none,
-    so fewer than 8 rows run on the calling thread alone, the threading before the
-    pool), larger ones on torch's OpenMP threads; pool workers spin `spin_us`
-    microseconds for the next product before they sleep. None keeps a value;
-    returns (pool_rows, spin_us) now."""
+    """Products of fewer than `pool_rows` rows run on our pool (default: all; 0:
+    none, the threading before the pool: fewer than 8 rows on the calling thread
+    alone, more on torch's OpenMP threads); pool workers spin `spin_us`
+    microseconds (default 1000) for the next product before they sleep. None
+    keeps a value; returns (pool_rows, spin_us) now."""
     return tuple(_ops().set_threading(-1 if pool_rows is None else pool_rows,
                                       -1 if spin_us is None else spin_us))
 
