@@ -118,14 +118,17 @@ void check_rows(const at::Tensor& x, const char* what) {
 
 // Threading. Products and activation quantizations run on the pool of
 // qgemm_pool.h: the caller and at::get_num_threads() - 1 workers that spin
-// between the products of a forward pass, then sleep. Not on at::parallel_for:
-// under the engine's passive OpenMP wait policy every product paid a sleeping
-// thread's wake-up. SmolLM2's model pass (bench.cpu_qgemm's 121 linears, 2
-// threads, passive), ms per pass, one thread or OpenMP -> pool:
-//   M = 1: 7.9-9.1 -> 4.9-5.7, M = 4: 10.5-11.4 -> 6.9-7.4,
-//   M = 8: 17.6-18.8 -> 9.9, M = 32: 35.1-35.9 -> 27.2, M = 256: 225 -> 204.
-// pool_rows (set_threading; default: every size) bounds the rows that take the
-// pool; 0 gives the threading before it: fewer than 8 rows on the calling
+// (yielding) between the products of a forward pass, then sleep. Not on
+// at::parallel_for: under the engine's passive OpenMP wait policy every
+// product paid a sleeping thread's wake-up. bench.cpu_qgemm's model pass (121
+// SmolLM2 linears, 2 threads, passive), ms, old threading -> pool, one run:
+//   M = 1: 10.9 -> 7.9, 4: 12.1 -> 10.4, 8: 22.8 -> 10.5, 32: 34.4 -> 24.4,
+//   256: 247 -> 210 (docs/kernels.md has the figures of record).
+// pool_rows (set_threading) bounds the rows that take the pool: every size by
+// default here, fewer than 8 rows where qgemm.py finds OpenMP's threads
+// spinning when idle (not OMP_WAIT_POLICY=PASSIVE: they then hold the second
+// core against our workers, and OpenMP's own 8+ row products are fast). 0
+// gives the threading before the pool: fewer than 8 rows on the calling
 // thread alone (kSerialRows), more on at::parallel_for. That is also the
 // fallback when the pool is held by another Python thread's product.
 std::atomic<int64_t> g_pool_rows{std::numeric_limits<int64_t>::max()};

@@ -13,9 +13,10 @@ CPU reports, which is what lets a test force each one (`isa=`) and the
 
 Threads: products run on a small pool of our own (`qgemm_pool.h`: torch's
 thread count, spinning for the next product up to 1 ms, then asleep), not on
-torch's OpenMP threads; `set_threading` (or `RADIXLM_QGEMM_POOL_ROWS` /
-`RADIXLM_QGEMM_SPIN_US`) changes that, for A/B runs. The thread count never
-changes a result's bits.
+torch's OpenMP threads (only decode sizes, fewer than 8 rows, unless OpenMP's
+threads sleep when idle: OMP_WAIT_POLICY=PASSIVE, radixlm's default);
+`set_threading` (or `RADIXLM_QGEMM_POOL_ROWS` / `RADIXLM_QGEMM_SPIN_US`)
+changes that, for A/B runs. The thread count never changes a result's bits.
 """
 
 from __future__ import annotations
@@ -63,14 +64,29 @@ def load() -> bool:
                 loaded = build_extension("radixlm_qgemm", SOURCES, HEADERS, _CFLAGS,
                                          "quantized weights are unavailable")
                 if loaded:
-                    torch.ops.radixlm_q.set_threading(int(os.environ.get(POOL_ROWS_ENV, -1)),
+                    torch.ops.radixlm_q.set_threading(_default_pool_rows(),
                                                       int(os.environ.get(SPIN_US_ENV, -1)))
                 _loaded = loaded
     return _loaded
 
 
+def _default_pool_rows() -> int:
+    """$RADIXLM_QGEMM_POOL_ROWS, else every size (-1: the C++ default) where
+    torch's OpenMP threads sleep when idle (OMP_WAIT_POLICY=PASSIVE, which
+    radixlm sets unless told otherwise), else only fewer than 8 rows: OpenMP
+    threads that spin after each parallel region hold the second core against
+    our workers, and their own products of 8+ rows are fast (model pass, 2
+    threads, OMP_WAIT_POLICY=ACTIVE, ms: M = 8 10.2 on OpenMP vs 18.5 on the
+    pool, 32: 25.8 vs 42.2, 256: 208 vs 309; below 8 rows the pool is the same
+    or faster: M = 1 8.6 vs 8.8 serial, 4: 12.4 vs 15.3)."""
+    if POOL_ROWS_ENV in os.environ:
+        return int(os.environ[POOL_ROWS_ENV])
+    return -1 if os.environ.get("OMP_WAIT_POLICY", "").upper() == "PASSIVE" else 8
+
+
 def set_threading(pool_rows: int | None = None, spin_us: int | None = None) -> tuple[int, int]:
-    """Products of fewer than `pool_rows` rows run on our pool (default: all; 0:
+    """Products of fewer than `pool_rows` rows run on our pool (default: all under
+    OMP_WAIT_POLICY=PASSIVE, else 8, see `_default_pool_rows`; 0:
     none, the threading before the pool: fewer than 8 rows on the calling thread
     alone, more on torch's OpenMP threads); pool workers spin `spin_us`
     microseconds (default 1000) for the next product before they sleep. None
@@ -88,9 +104,14 @@ def _ops() -> object:
 
 def available_isas() -> list[str]:
     """The ISA paths this CPU and build run, slowest first."""
-    if not load():
-        return []
-    return [name for i, name in enumerate(ISAS) if torch.ops.radixlm_q.isa_supported(i)]
+    return list(_available_isas()) if load() else []
+
+
+@functools.cache
+def _available_isas() -> tuple[str, ...]:
+    # Asked once: every product with an explicit isa= checks it, and four op
+    # calls cost ~5 us of a 20-100 us decode-sized product.
+    return tuple(name for i, name in enumerate(ISAS) if torch.ops.radixlm_q.isa_supported(i))
 
 
 @functools.cache
@@ -106,7 +127,7 @@ def _isa_code(name: str | None) -> int:
         return _default_isa()
     if name not in ISAS:
         raise ValueError(f"isa={name!r}: expected one of {', '.join(ISAS)}")
-    if name not in available_isas():
+    if not load() or name not in _available_isas():
         raise ValueError(f"isa={name!r} is not available on this CPU (available: "
                          f"{', '.join(available_isas()) or 'none'})")
     return ISAS.index(name)

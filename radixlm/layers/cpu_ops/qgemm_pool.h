@@ -131,8 +131,8 @@ class Pool {
   // where it matters most, OpenMP spinning too (its default wait policy, not
   // the engine's): without the yields a 1 ms spin made the engine's decode
   // attention (OpenMP, 2 threads) 7x slower, 47 -> 350 us a call, and decode
-  // 32-36 tok/s against 53-56 with them. Under the passive policy both run
-  // the same within noise. Past spin_ns(): returns false, or keeps checking
+  // 32-36 tok/s against 53-56 with them. Under the passive policy, and on
+  // the model pass, yielding every 8, 64 or no pauses measured the same. Past spin_ns(): returns false, or keeps checking
   // when `yield`.
   template <typename Pred>
   static bool spin_until(Pred pred, bool yield) {
