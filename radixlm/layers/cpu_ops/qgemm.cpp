@@ -11,6 +11,7 @@
 #include <limits>
 #include <mutex>
 #include <tuple>
+#include <vector>
 
 #include "qgemm.h"
 #include "qgemm_pool.h"
@@ -242,28 +243,60 @@ struct ActBuffers {
   }
 };
 
-ActBuffers quantize_into(const Kernels* kernels, const at::Tensor& x) {
+void check_act_input(const at::Tensor& x) {
   check_rows(x, "x");
   TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16,
               "x must be float32 or bfloat16, got ", x.scalar_type());
+  TORCH_CHECK(x.size(1) % kActBlock == 0, "x has ", x.size(1),
+              " columns; quantized products need a multiple of ", kActBlock);
+}
+
+// x quantized into a's buffers ([x.size(0), x.size(1)]).
+void quantize_rows(const Kernels* kernels, const at::Tensor& x, const QuantAct& a) {
   const int64_t m = x.size(0), k = x.size(1);
-  TORCH_CHECK(k % kActBlock == 0, "x has ", k, " columns; quantized products need a multiple of ",
-              kActBlock);
+  const bool bf16 = x.scalar_type() == at::kBFloat16;
+  const void* data = x.data_ptr();
+  const int64_t ld = x.stride(0);
+  int8_t* q = const_cast<int8_t*>(a.q);
+  float* d = const_cast<float*>(a.d);
+  int32_t* sum16 = const_cast<int32_t*>(a.sum16);
+  float* dsum = const_cast<float*>(a.dsum);
+  const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 15) / k);  // rows
+  const auto rows = [&](int64_t b, int64_t e) {
+    kernels->quantize(data, bf16, ld, b, e, k, q, d, sum16, dsum);
+  };
+  const auto chunk = [&](int64_t c) { rows(c * grain, std::min(m, (c + 1) * grain)); };
+  if (!on_pool(m, (m + grain - 1) / grain, chunk)) at::parallel_for(0, m, grain, rows);
+}
+
+ActBuffers quantize_into(const Kernels* kernels, const at::Tensor& x) {
+  check_act_input(x);
+  const int64_t m = x.size(0), k = x.size(1);
   ActBuffers buf{at::empty({m, k}, x.options().dtype(at::kChar)),
                  at::empty({m, k / kActBlock}, x.options().dtype(at::kFloat)),
                  at::empty({m, k / 16}, x.options().dtype(at::kInt)),
                  at::empty({m, k / kActBlock}, x.options().dtype(at::kFloat))};
-  const bool bf16 = x.scalar_type() == at::kBFloat16;
-  const void* data = x.data_ptr();
-  const int64_t ld = x.stride(0);
-  const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 15) / k);  // rows
-  const auto rows = [&](int64_t b, int64_t e) {
-    kernels->quantize(data, bf16, ld, b, e, k, buf.q.data_ptr<int8_t>(), buf.d.data_ptr<float>(),
-                      buf.sum16.data_ptr<int32_t>(), buf.dsum.data_ptr<float>());
-  };
-  const auto chunk = [&](int64_t c) { rows(c * grain, std::min(m, (c + 1) * grain)); };
-  if (!on_pool(m, (m + grain - 1) / grain, chunk)) at::parallel_for(0, m, grain, rows);
+  quantize_rows(kernels, x, buf.view());
   return buf;
+}
+
+// linear's quantized activations up to this many values live in a buffer
+// per calling thread instead of four tensors: a decode-sized product paid
+// ~2 us of its 15-80 us for the allocations. Larger ones (prefill) allocate,
+// so no thread keeps megabytes.
+constexpr int64_t kScratchValues = int64_t{1} << 20;
+
+QuantAct scratch_act(int64_t m, int64_t k) {
+  thread_local std::vector<int64_t> scratch;  // 8-byte aligned
+  const int64_t blocks = m * k / kActBlock;
+  // q: m k bytes, then d, sum16 (2 per block), dsum: 4 bytes each.
+  const int64_t bytes = m * k + 4 * blocks * 4;
+  if (int64_t(scratch.size()) * 8 < bytes) scratch.resize((bytes + 7) / 8);
+  uint8_t* base = reinterpret_cast<uint8_t*>(scratch.data());
+  float* d = reinterpret_cast<float*>(base + m * k);  // m k is a multiple of 32
+  int32_t* sum16 = reinterpret_cast<int32_t*>(d + blocks);
+  float* dsum = reinterpret_cast<float*>(sum16 + 2 * blocks);
+  return QuantAct{m, k, reinterpret_cast<int8_t*>(base), d, sum16, dsum};
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> quantize_act(const at::Tensor& x,
@@ -304,10 +337,18 @@ void gemm(const at::Tensor& xq, const at::Tensor& xd, const at::Tensor& xsum16,
 at::Tensor linear(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
                   const at::Tensor& mins, int64_t format, int64_t n, int64_t isa) {
   const Kernels* kernels = kernels_for(isa);
-  const ActBuffers buf = quantize_into(kernels, x);
-  const PackedWeight w = packed_weight(qweight, scales, mins, format, n, x.size(1));
-  at::Tensor out = at::empty({x.size(0), n}, x.options());
-  run_gemm(kernels, w, buf.view(), out_view(out, x.size(0), n));
+  check_act_input(x);
+  const int64_t m = x.size(0), k = x.size(1);
+  const PackedWeight w = packed_weight(qweight, scales, mins, format, n, k);
+  at::Tensor out = at::empty({m, n}, x.options());
+  if (m * k <= kScratchValues) {
+    const QuantAct a = scratch_act(m, k);
+    quantize_rows(kernels, x, a);
+    run_gemm(kernels, w, a, out_view(out, m, n));
+  } else {
+    const ActBuffers buf = quantize_into(kernels, x);
+    run_gemm(kernels, w, buf.view(), out_view(out, m, n));
+  }
   return out;
 }
 

@@ -165,7 +165,7 @@ def _rows(x: torch.Tensor, w: QuantizedWeight) -> torch.Tensor:
         raise ValueError(f"input has {x.shape[-1]} features, the weight {w.in_features}")
     if x.dtype not in (torch.float32, torch.bfloat16):
         raise ValueError(f"quantized products take float32 or bfloat16 input, got {x.dtype}")
-    x2 = x.reshape(-1, x.shape[-1])
+    x2 = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
     if w.k != w.in_features:
         x2 = F.pad(x2, (0, w.k - w.in_features))
     return x2 if x2.stride(-1) == 1 else x2.contiguous()
@@ -176,7 +176,8 @@ def linear(x: torch.Tensor, w: QuantizedWeight, isa: str | None = None) -> torch
     x2 = _rows(x, w)
     out = _ops().linear(x2, w.qweight, w.scales, w.mins, w.format_code, w.n,
                                      _isa_code(isa))
-    return out.view(*x.shape[:-1], w.n)
+    # Views cost ~1 us each of a decode-sized product: none for 2-D input.
+    return out if x.dim() == 2 else out.view(*x.shape[:-1], w.n)
 
 
 @dataclass(frozen=True)
