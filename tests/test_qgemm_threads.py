@@ -33,7 +33,10 @@ def kernels() -> None:
 
 @pytest.fixture(autouse=True)
 def restore_threading():
+    """Each test starts with the pool on for every size (the default only under
+    OMP_WAIT_POLICY=PASSIVE) and leaves the settings as it found them."""
     threads, setting = torch.get_num_threads(), qgemm.set_threading()
+    qgemm.set_threading(pool_rows=1 << 40)
     yield
     torch.set_num_threads(threads)
     qgemm.set_threading(*setting)

@@ -126,10 +126,10 @@ void check_rows(const at::Tensor& x, const char* what) {
 //   M = 1: 10.9 -> 7.9, 4: 12.1 -> 10.4, 8: 22.8 -> 10.5, 32: 34.4 -> 24.4,
 //   256: 247 -> 210 (docs/kernels.md has the figures of record).
 // pool_rows (set_threading) bounds the rows that take the pool: every size by
-// default here, fewer than 8 rows where qgemm.py finds OpenMP's threads
-// spinning when idle (not OMP_WAIT_POLICY=PASSIVE: they then hold the second
-// core against our workers, and OpenMP's own 8+ row products are fast). 0
-// gives the threading before the pool: fewer than 8 rows on the calling
+// default here, none where qgemm.py finds OpenMP's threads spinning when idle
+// (not OMP_WAIT_POLICY=PASSIVE: they then hold the second core against our
+// workers, and OpenMP's own products are fast). 0 gives the threading before
+// the pool: fewer than 8 rows on the calling
 // thread alone (kSerialRows), more on at::parallel_for. That is also the
 // fallback when the pool is held by another Python thread's product.
 std::atomic<int64_t> g_pool_rows{std::numeric_limits<int64_t>::max()};

@@ -13,8 +13,8 @@ CPU reports, which is what lets a test force each one (`isa=`) and the
 
 Threads: products run on a small pool of our own (`qgemm_pool.h`: torch's
 thread count, spinning for the next product up to 1 ms, then asleep), not on
-torch's OpenMP threads (only decode sizes, fewer than 8 rows, unless OpenMP's
-threads sleep when idle: OMP_WAIT_POLICY=PASSIVE, radixlm's default);
+torch's OpenMP threads, where those sleep when idle (OMP_WAIT_POLICY=PASSIVE,
+radixlm's default; with spinning OpenMP threads, the threading before it);
 `set_threading` (or `RADIXLM_QGEMM_POOL_ROWS` / `RADIXLM_QGEMM_SPIN_US`)
 changes that, for A/B runs. The thread count never changes a result's bits.
 """
@@ -73,20 +73,21 @@ def load() -> bool:
 def _default_pool_rows() -> int:
     """$RADIXLM_QGEMM_POOL_ROWS, else every size (-1: the C++ default) where
     torch's OpenMP threads sleep when idle (OMP_WAIT_POLICY=PASSIVE, which
-    radixlm sets unless told otherwise), else only fewer than 8 rows: OpenMP
-    threads that spin after each parallel region hold the second core against
-    our workers, and their own products of 8+ rows are fast (model pass, 2
-    threads, OMP_WAIT_POLICY=ACTIVE, ms: M = 8 10.2 on OpenMP vs 18.5 on the
-    pool, 32: 25.8 vs 42.2, 256: 208 vs 309; below 8 rows the pool is the same
-    or faster: M = 1 8.6 vs 8.8 serial, 4: 12.4 vs 15.3)."""
+    radixlm sets unless told otherwise), else none (0: the threading before the
+    pool). OpenMP threads that spin after each parallel region hold the second
+    core against our workers: model pass, 2 threads, OMP_WAIT_POLICY=ACTIVE, ms,
+    pool vs OpenMP at M = 8 18.5 vs 10.2, 32: 42.2 vs 25.8, 256: 309 vs 208
+    (15:35 UTC); below 8 rows the pool vs the calling thread alone was faster in
+    one run (M = 1 7.9 vs 9.1, 2: 9.4 vs 11.5) and slower in the next (M = 2
+    10.7 vs 7.9, 4: 10.6 vs 9.6, 15:48 UTC): no gain to count on."""
     if POOL_ROWS_ENV in os.environ:
         return int(os.environ[POOL_ROWS_ENV])
-    return -1 if os.environ.get("OMP_WAIT_POLICY", "").upper() == "PASSIVE" else 8
+    return -1 if os.environ.get("OMP_WAIT_POLICY", "").upper() == "PASSIVE" else 0
 
 
 def set_threading(pool_rows: int | None = None, spin_us: int | None = None) -> tuple[int, int]:
     """Products of fewer than `pool_rows` rows run on our pool (default: all under
-    OMP_WAIT_POLICY=PASSIVE, else 8, see `_default_pool_rows`; 0:
+    OMP_WAIT_POLICY=PASSIVE, else none, see `_default_pool_rows`; 0:
     none, the threading before the pool: fewer than 8 rows on the calling thread
     alone, more on torch's OpenMP threads); pool workers spin `spin_us`
     microseconds (default 1000) for the next product before they sleep. None
