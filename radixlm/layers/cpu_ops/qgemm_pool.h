@@ -132,8 +132,8 @@ class Pool {
   // the engine's): without the yields a 1 ms spin made the engine's decode
   // attention (OpenMP, 2 threads) 7x slower, 47 -> 350 us a call, and decode
   // 32-36 tok/s against 53-56 with them. Under the passive policy, and on
-  // the model pass, yielding every 8, 64 or no pauses measured the same. Past spin_ns(): returns false, or keeps checking
-  // when `yield`.
+  // the model pass, yielding every 8, 64 or no pauses measured the same.
+  // Past spin_ns(): returns false, or keeps checking when `yield`.
   template <typename Pred>
   static bool spin_until(Pred pred, bool yield) {
     using clock = std::chrono::steady_clock;
@@ -170,7 +170,9 @@ class Pool {
   }
 
   uint64_t gen_ = 0;  // the caller's
-  Fn fn_ = nullptr;    // the job: written before state_ publishes it
+  // The job: written before state_ publishes it, read only by a thread that
+  // holds a claim on it (so never while the next job's caller writes them).
+  Fn fn_ = nullptr;
   const void* ctx_ = nullptr;
   alignas(64) std::atomic<uint64_t> state_{0};
   alignas(64) std::atomic<int64_t> done_{0};  // chunks the workers finished
