@@ -36,7 +36,6 @@ import torch
 import torch.nn.functional as F
 
 from radixlm.layers.cpu_ops import qgemm, qpack
-from radixlm.layers.linear import linear as radixlm_linear
 
 LAYERS = 30
 LAYER_SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # (out, in)
@@ -44,6 +43,16 @@ HEAD = (49152, 576)
 BLOCK_BYTES = {"q4_0": (18, 32), "q4_1": (20, 32), "q8_0": (34, 32), "q4_k": (144, 256),
                "q5_k": (176, 256), "q6_k": (210, 256)}
 GGUF_NAMES = {v: k for k, v in qpack.GGUF_FORMATS.items()}
+
+
+def prepack(weight: torch.Tensor) -> torch.Tensor:
+    """A bf16 weight in oneDNN's blocked layout, as radixlm's PrepackedLinearMethod keeps it."""
+    return torch.ops.mkldnn._reorder_linear_weight(weight.contiguous())
+
+
+def onednn_linear(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
+    """radixlm's CPU bf16 product (PrepackedLinearMethod.apply)."""
+    return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed, None, "none", [], "")
 
 
 def random_blocks(fmt: str, n: int, k: int, rng: np.random.Generator) -> np.ndarray:
@@ -70,6 +79,7 @@ class Weight:
         if dense:
             self.fp32 = qgemm.dequantize(self.packed)
             self.bf16 = self.fp32.to(torch.bfloat16)
+            self.onednn = prepack(self.bf16)
 
 
 def median_ms(fn: Callable[[], object], min_seconds: float = 1.0, min_reps: int = 5) -> float:
@@ -89,7 +99,21 @@ def model_weights(layer_fmt: str, head_fmt: str) -> list[Weight]:
     return weights + [Weight(head_fmt, *HEAD, rng)]
 
 
-def pass_fns(weights: list[Weight], m: int, isas: list[str]) -> dict[str, Callable[[], None]]:
+def serially(fn: Callable[[], object]) -> Callable[[], None]:
+    """fn with the threading before our pool: fewer than 8 rows on the calling
+    thread, more on torch's OpenMP threads."""
+    def run() -> None:
+        rows, _ = qgemm.set_threading()
+        qgemm.set_threading(pool_rows=0)
+        try:
+            fn()
+        finally:
+            qgemm.set_threading(pool_rows=rows)
+    return run
+
+
+def pass_fns(weights: list[Weight], m: int, isas: list[str],
+             serial: bool = False) -> dict[str, Callable[[], None]]:
     gen = torch.Generator().manual_seed(m)
     xs = {k: torch.randn(m, k, generator=gen) for k in {w.packed.in_features for w in weights}}
     xs16 = {k: x.to(torch.bfloat16) for k, x in xs.items()}
@@ -99,26 +123,30 @@ def pass_fns(weights: list[Weight], m: int, isas: list[str]) -> dict[str, Callab
                         for w in weights]
 
     fns = {f"ours {isa} fp32 act": ours(isa, xs) for isa in isas}
+    if serial:
+        fns.update({f"ours {isa} fp32 act, old threading": serially(ours(isa, xs))
+                    for isa in isas})
     fns[f"ours {isas[0]} bf16 act"] = ours(isas[0], xs16)
     fns["torch fp32"] = lambda: [F.linear(xs[w.packed.in_features], w.fp32) for w in weights]
-    fns["torch bf16 oneDNN"] = lambda: [radixlm_linear(xs16[w.packed.in_features], w.bf16)
+    fns["torch bf16 oneDNN"] = lambda: [onednn_linear(xs16[w.packed.in_features], w.onednn)
                                         for w in weights]
     return fns
 
 
-def bench_model(rows: list[int], isas: list[str]) -> None:
+def bench_model(rows: list[int], isas: list[str], serial: bool = False) -> None:
     weights = model_weights("q4_1", "q8_0")
     nbytes = {"ours": sum(w.packed.nbytes for w in weights),
               "torch fp32": sum(w.fp32.numel() * 4 for w in weights),
               "torch bf16 oneDNN": sum(w.bf16.numel() * 2 for w in weights)}
     print(f"\n## Model pass: SmolLM2-135M linears (Q4_1 layers, Q8_0 head), "
-          f"{torch.get_num_threads()} threads")
+          f"{torch.get_num_threads()} threads; our pool below {qgemm.set_threading()[0]} rows, "
+          f"spin {qgemm.set_threading()[1]} us")
     print(f"weight bytes per pass: ours {nbytes['ours'] / 1e6:.1f} MB, bf16 "
           f"{nbytes['torch bf16 oneDNN'] / 1e6:.1f} MB, fp32 {nbytes['torch fp32'] / 1e6:.1f} MB\n")
     print("| M | system | ms / pass | tok/s (matmuls only) | weight GB/s | vs torch bf16 |")
     print("|---|---|---|---|---|---|")
     for m in rows:
-        results = {name: median_ms(fn) for name, fn in pass_fns(weights, m, isas).items()}
+        results = {name: median_ms(fn) for name, fn in pass_fns(weights, m, isas, serial).items()}
         peer = results["torch bf16 oneDNN"]
         for name, ms in results.items():
             size = nbytes[name] if name.startswith("torch") else nbytes["ours"]
@@ -151,13 +179,13 @@ def bench_formats(formats: list[str], rows: list[int], isa: str) -> None:
         proto = Weight(fmt, n, k, rng)
         packed = [proto.packed] + [Weight(fmt, n, k, rng, dense=False).packed
                                    for _ in range(copies_past_l3(proto.packed.nbytes) - 1)]
-        bf16 = [proto.bf16.clone() for _ in range(copies_past_l3(n * k * 2))]
+        bf16 = [prepack(proto.bf16.clone()) for _ in range(copies_past_l3(n * k * 2))]
         fp32 = [proto.fp32.clone() for _ in range(copies_past_l3(n * k * 4))]
         for m in rows:
             x = torch.randn(m, k)
             x16 = x.to(torch.bfloat16)
             ours = median_ms(rotating(packed, functools.partial(_ours, x, isa=isa)))
-            t16 = median_ms(rotating(bf16, functools.partial(radixlm_linear, x16)))
+            t16 = median_ms(rotating(bf16, functools.partial(onednn_linear, x16)))
             t32 = median_ms(rotating(fp32, functools.partial(F.linear, x)))
             gbs = proto.packed.nbytes / ours / 1e6
             print(f"| {fmt} | {m} | {ours:.3f} | {gbs:.1f} | {t16:.3f} | {t32:.3f} | "
@@ -185,7 +213,7 @@ def bench_compute(rows: list[int], isa: str) -> None:
             for m in rows:
                 x16 = torch.randn(m, k).to(torch.bfloat16)
                 ours = best_ms(functools.partial(_ours, x16, w.packed, isa=isa))
-                bf16 = best_ms(functools.partial(radixlm_linear, x16, w.bf16))
+                bf16 = best_ms(functools.partial(onednn_linear, x16, w.onednn))
                 gmac = m * n * k / 1e6
                 print(f"| {n} x {k} | {m} | {gmac / ours:.0f} | {gmac / bf16:.0f} | "
                       f"{bf16 / ours:.2f}x |")
@@ -228,6 +256,13 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--formats", default=",".join(qgemm.FORMATS))
     p.add_argument("--format-rows", default="1,8")
     p.add_argument("--threads", type=int, default=None, help="torch's thread count")
+    p.add_argument("--serial", action="store_true",
+                   help="model pass: also ours with the threading before the pool (fewer than "
+                   "8 rows on the calling thread, more on OpenMP), in the same run")
+    p.add_argument("--pool-rows", type=int, default=None,
+                   help="products of fewer rows run on our pool (qgemm.set_threading)")
+    p.add_argument("--spin-us", type=int, default=None,
+                   help="how long pool workers spin for the next product before they sleep")
     p.add_argument("--skip-model", action="store_true")
     p.add_argument("--skip-formats", action="store_true")
     p.add_argument("--skip-compute", action="store_true")
@@ -240,11 +275,12 @@ def main(argv: list[str] | None = None) -> None:
         torch.set_num_threads(args.threads)
     if not qgemm.load():
         raise SystemExit("the quantized kernels did not build")
+    qgemm.set_threading(args.pool_rows, args.spin_us)
     isas = args.isas.split(",") if args.isas else [qgemm.default_isa()]
     print(f"torch {torch.__version__}, threads {torch.get_num_threads()}, "
           f"ISA paths available: {', '.join(qgemm.available_isas())}")
     if not args.skip_model:
-        bench_model([int(m) for m in args.rows.split(",")], isas)
+        bench_model([int(m) for m in args.rows.split(",")], isas, args.serial)
     if not args.skip_compute:
         bench_compute([1, 8, 64, 256], isas[0])
     if args.llamacpp_python:

@@ -4,10 +4,17 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include <pthread.h>
+
 #include <algorithm>
+#include <atomic>
+#include <limits>
+#include <mutex>
 #include <tuple>
+#include <vector>
 
 #include "qgemm.h"
+#include "qgemm_pool.h"
 
 namespace {
 
@@ -110,17 +117,99 @@ void check_rows(const at::Tensor& x, const char* what) {
               what, " must be a 2-D CPU tensor with a contiguous last dimension");
 }
 
-// Work items: groups of tiles x blocks of rows, each worth at least ~2^17
-// multiply-adds per thread.
+// Threading. Products and activation quantizations run on the pool of
+// qgemm_pool.h: the caller and at::get_num_threads() - 1 workers that spin
+// (yielding) between the products of a forward pass, then sleep. Not on
+// at::parallel_for: under the engine's passive OpenMP wait policy every
+// product paid a sleeping thread's wake-up. bench.cpu_qgemm's model pass (121
+// SmolLM2 linears, 2 threads, passive), ms, old threading -> pool, one run:
+//   M = 1: 10.9 -> 7.9, 4: 12.1 -> 10.4, 8: 22.8 -> 10.5, 32: 34.4 -> 24.4,
+//   256: 247 -> 210 (docs/kernels.md has the figures of record).
+// pool_rows (set_threading) bounds the rows that take the pool: every size by
+// default here, none where qgemm.py finds OpenMP's threads spinning when idle
+// (not OMP_WAIT_POLICY=PASSIVE: they then hold the second core against our
+// workers, and OpenMP's own products are fast). 0 gives the threading before
+// the pool: fewer than 8 rows on the calling
+// thread alone (kSerialRows), more on at::parallel_for. That is also the
+// fallback when the pool is held by another Python thread's product.
+std::atomic<int64_t> g_pool_rows{std::numeric_limits<int64_t>::max()};
+
+// The pool, made on first use and remade when torch's thread count changes.
+// g_pool_mu is held around each pooled job: a second Python thread that finds
+// it held takes the fallback; fork() takes it (prepare), so no job is in
+// flight when the child drops the pool, whose threads the child does not have
+// (the object is leaked there, never joined).
+std::mutex g_pool_mu;
+Pool* g_pool = nullptr;  // under g_pool_mu
+
+void pool_fork_prepare() { g_pool_mu.lock(); }
+void pool_fork_parent() { g_pool_mu.unlock(); }
+void pool_fork_child() {
+  g_pool = nullptr;
+  g_pool_mu.unlock();
+}
+
+Pool* pool_of(int workers) {  // under g_pool_mu
+  static const bool registered = [] {
+    pthread_atfork(pool_fork_prepare, pool_fork_parent, pool_fork_child);
+    return true;
+  }();
+  (void)registered;
+  if (g_pool == nullptr || g_pool->workers() != workers) {
+    delete g_pool;  // joins its threads: none is in a job (we hold the lock)
+    g_pool = nullptr;
+    g_pool = new Pool(workers);
+  }
+  return g_pool;
+}
+
+// body(c) for c in [0, count) on the pool; false (nothing run) when the pool
+// does not take it: rows >= pool_rows, one thread, inside a parallel region,
+// fewer than 2 chunks, or the pool held by another thread.
+template <typename Body>
+bool on_pool(int64_t rows, int64_t count, const Body& body) {
+  if (rows >= g_pool_rows.load(std::memory_order_relaxed) || count < 2 ||
+      count > Pool::kMaxChunks)
+    return false;
+  const int threads = at::get_num_threads();
+  if (threads < 2 || at::in_parallel_region()) return false;
+  std::unique_lock<std::mutex> lock(g_pool_mu, std::try_to_lock);
+  if (!lock.owns_lock()) return false;
+  pool_of(threads - 1)->run(
+      [](const void* ctx, int64_t c) { (*static_cast<const Body*>(ctx))(c); }, &body, count);
+  return true;
+}
+
+// Pool chunks of a product: tile_step tiles x up to kRowsPerItem rows (the
+// rows the kernel passes over each group of 4 tiles while it is in L1/L2).
+// ~4 chunks per thread, so that a late worker costs at most a quarter of its
+// share (the caller takes the rest); even (the kernel runs tiles in pairs); at
+// most 32 tiles (200-350 KB of 4-8 bit weights at k = 576-1536, 10-25 us at
+// one core's bandwidth). 2 or 8 chunks per thread, or 16 or 64 tiles at most,
+// measured the same within noise.
+int64_t tile_step(int64_t tiles, int threads) {
+  const int64_t step = (tiles + 4 * threads - 1) / (4 * threads);
+  return std::min<int64_t>(32, std::max<int64_t>(2, (step + 1) & ~int64_t{1}));
+}
+
+// The fallback's work items: groups of tiles x blocks of rows, each worth at
+// least ~2^17 multiply-adds per thread.
 constexpr int64_t kTilesPerItem = 4, kRowsPerItem = 128;
-// Below this many rows a product is bound by reading its weight, which one
-// core already does at the memory bandwidth it gets: a second thread only adds
-// its wake-up. Measured on SmolLM2's decode linears (2 cores, OMP passive
-// wait): 9.5-9.8 ms per token's matmuls on one thread vs 14-15 ms on two at 1
-// row, 11.7-12.0 vs 14.8-16.5 at 4 rows, equal at 8.
+// The fallback below this many rows: the calling thread alone (waking a
+// passive OpenMP thread per product cost more than it gained: 9.5-9.8 ms per
+// SmolLM2 decode token's matmuls on one thread vs 14-15 ms on two at 1 row).
 constexpr int64_t kSerialRows = 8;
 
 void run_gemm(const Kernels* kernels, const PackedWeight& w, const QuantAct& a, const Out& out) {
+  const int64_t step = tile_step(w.tiles, at::get_num_threads());
+  const int64_t row_chunks = (a.m + kRowsPerItem - 1) / kRowsPerItem;
+  const auto chunk = [&](int64_t c) {
+    const int64_t tg = c / row_chunks, rb = c % row_chunks;
+    const int64_t t0 = tg * step, t1 = std::min(w.tiles, t0 + step);
+    const int64_t m0 = rb * kRowsPerItem, m1 = std::min(a.m, m0 + kRowsPerItem);
+    kernels->gemm(w, a, m0, m1, t0, t1, out);
+  };
+  if (on_pool(a.m, (w.tiles + step - 1) / step * row_chunks, chunk)) return;
   if (a.m < kSerialRows) {
     kernels->gemm(w, a, 0, a.m, 0, w.tiles, out);
     return;
@@ -139,6 +228,13 @@ void run_gemm(const Kernels* kernels, const PackedWeight& w, const QuantAct& a, 
   });
 }
 
+// pool_rows < 0 and spin_us < 0 keep the current value; returns the values now.
+std::tuple<int64_t, int64_t> set_threading(int64_t pool_rows, int64_t spin_us) {
+  if (pool_rows >= 0) g_pool_rows.store(pool_rows);
+  if (spin_us >= 0) Pool::spin_ns().store(spin_us * 1000);
+  return {g_pool_rows.load(), Pool::spin_ns().load() / 1000};
+}
+
 struct ActBuffers {
   at::Tensor q, d, sum16, dsum;
   QuantAct view() const {
@@ -147,25 +243,60 @@ struct ActBuffers {
   }
 };
 
-ActBuffers quantize_into(const Kernels* kernels, const at::Tensor& x) {
+void check_act_input(const at::Tensor& x) {
   check_rows(x, "x");
   TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16,
               "x must be float32 or bfloat16, got ", x.scalar_type());
+  TORCH_CHECK(x.size(1) % kActBlock == 0, "x has ", x.size(1),
+              " columns; quantized products need a multiple of ", kActBlock);
+}
+
+// x quantized into a's buffers ([x.size(0), x.size(1)]).
+void quantize_rows(const Kernels* kernels, const at::Tensor& x, const QuantAct& a) {
   const int64_t m = x.size(0), k = x.size(1);
-  TORCH_CHECK(k % kActBlock == 0, "x has ", k, " columns; quantized products need a multiple of ",
-              kActBlock);
+  const bool bf16 = x.scalar_type() == at::kBFloat16;
+  const void* data = x.data_ptr();
+  const int64_t ld = x.stride(0);
+  int8_t* q = const_cast<int8_t*>(a.q);
+  float* d = const_cast<float*>(a.d);
+  int32_t* sum16 = const_cast<int32_t*>(a.sum16);
+  float* dsum = const_cast<float*>(a.dsum);
+  const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 15) / k);  // rows
+  const auto rows = [&](int64_t b, int64_t e) {
+    kernels->quantize(data, bf16, ld, b, e, k, q, d, sum16, dsum);
+  };
+  const auto chunk = [&](int64_t c) { rows(c * grain, std::min(m, (c + 1) * grain)); };
+  if (!on_pool(m, (m + grain - 1) / grain, chunk)) at::parallel_for(0, m, grain, rows);
+}
+
+ActBuffers quantize_into(const Kernels* kernels, const at::Tensor& x) {
+  check_act_input(x);
+  const int64_t m = x.size(0), k = x.size(1);
   ActBuffers buf{at::empty({m, k}, x.options().dtype(at::kChar)),
                  at::empty({m, k / kActBlock}, x.options().dtype(at::kFloat)),
                  at::empty({m, k / 16}, x.options().dtype(at::kInt)),
                  at::empty({m, k / kActBlock}, x.options().dtype(at::kFloat))};
-  const bool bf16 = x.scalar_type() == at::kBFloat16;
-  const void* data = x.data_ptr();
-  const int64_t ld = x.stride(0);
-  at::parallel_for(0, m, std::max<int64_t>(1, (int64_t{1} << 15) / k), [&](int64_t b, int64_t e) {
-    kernels->quantize(data, bf16, ld, b, e, k, buf.q.data_ptr<int8_t>(), buf.d.data_ptr<float>(),
-                      buf.sum16.data_ptr<int32_t>(), buf.dsum.data_ptr<float>());
-  });
+  quantize_rows(kernels, x, buf.view());
   return buf;
+}
+
+// linear's quantized activations up to this many values live in a buffer
+// per calling thread instead of four tensors: a decode-sized product paid
+// ~2 us of its 15-80 us for the allocations. Larger ones (prefill) allocate,
+// so no thread keeps megabytes.
+constexpr int64_t kScratchValues = int64_t{1} << 20;
+
+QuantAct scratch_act(int64_t m, int64_t k) {
+  thread_local std::vector<int64_t> scratch;  // 8-byte aligned
+  const int64_t blocks = m * k / kActBlock;
+  // q: m k bytes, then d, sum16 (2 per block), dsum: 4 bytes each.
+  const int64_t bytes = m * k + 4 * blocks * 4;
+  if (int64_t(scratch.size()) * 8 < bytes) scratch.resize((bytes + 7) / 8);
+  uint8_t* base = reinterpret_cast<uint8_t*>(scratch.data());
+  float* d = reinterpret_cast<float*>(base + m * k);  // m k is a multiple of 32
+  int32_t* sum16 = reinterpret_cast<int32_t*>(d + blocks);
+  float* dsum = reinterpret_cast<float*>(sum16 + 2 * blocks);
+  return QuantAct{m, k, reinterpret_cast<int8_t*>(base), d, sum16, dsum};
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> quantize_act(const at::Tensor& x,
@@ -206,10 +337,18 @@ void gemm(const at::Tensor& xq, const at::Tensor& xd, const at::Tensor& xsum16,
 at::Tensor linear(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
                   const at::Tensor& mins, int64_t format, int64_t n, int64_t isa) {
   const Kernels* kernels = kernels_for(isa);
-  const ActBuffers buf = quantize_into(kernels, x);
-  const PackedWeight w = packed_weight(qweight, scales, mins, format, n, x.size(1));
-  at::Tensor out = at::empty({x.size(0), n}, x.options());
-  run_gemm(kernels, w, buf.view(), out_view(out, x.size(0), n));
+  check_act_input(x);
+  const int64_t m = x.size(0), k = x.size(1);
+  const PackedWeight w = packed_weight(qweight, scales, mins, format, n, k);
+  at::Tensor out = at::empty({m, n}, x.options());
+  if (m * k <= kScratchValues) {
+    const QuantAct a = scratch_act(m, k);
+    quantize_rows(kernels, x, a);
+    run_gemm(kernels, w, a, out_view(out, m, n));
+  } else {
+    const ActBuffers buf = quantize_into(kernels, x);
+    run_gemm(kernels, w, buf.view(), out_view(out, m, n));
+  }
   return out;
 }
 
@@ -239,6 +378,7 @@ at::Tensor dequantize(const at::Tensor& qweight, const at::Tensor& scales, const
 TORCH_LIBRARY(radixlm_q, m) {
   m.def("isa_supported(int isa) -> bool", &isa_supported);
   m.def("isa_name(int isa) -> str", &isa_name);
+  m.def("set_threading(int pool_rows, int spin_us) -> (int, int)", &set_threading);
   m.def("quantize_act(Tensor x, int isa) -> (Tensor, Tensor, Tensor, Tensor)");
   m.def("gemm(Tensor xq, Tensor xd, Tensor xsum16, Tensor xdsum, Tensor qweight, Tensor scales, "
         "Tensor mins, int format, int n, Tensor(a!) out, int isa) -> ()");

@@ -10,6 +10,13 @@ The library is compiled on first use without `-march=native`: each ISA path
 is compiled for its own instruction set and picked at run time from what the
 CPU reports, which is what lets a test force each one (`isa=`) and the
 `RADIXLM_QGEMM_ISA` environment variable pin one for a process.
+
+Threads: products run on a small pool of our own (`qgemm_pool.h`: torch's
+thread count, spinning for the next product up to 1 ms, then asleep), not on
+torch's OpenMP threads, where those sleep when idle (OMP_WAIT_POLICY=PASSIVE,
+radixlm's default; with spinning OpenMP threads, the threading before it);
+`set_threading` (or `RADIXLM_QGEMM_POOL_ROWS` / `RADIXLM_QGEMM_SPIN_US`)
+changes that, for A/B runs. The thread count never changes a result's bits.
 """
 
 from __future__ import annotations
@@ -31,7 +38,7 @@ logger = logging.getLogger(__name__)
 _DIR = Path(__file__).parent
 SOURCES = [_DIR / f"{name}.cpp" for name in
            ("qgemm", "qgemm_portable", "qgemm_avx2", "qgemm_avx512", "qgemm_avx512_vnni")]
-HEADERS = [_DIR / "qgemm.h", _DIR / "qgemm_avx512.inc"]
+HEADERS = [_DIR / "qgemm.h", _DIR / "qgemm_avx512.inc", _DIR / "qgemm_pool.h"]
 # No fma contraction: the paths compute the same bits only if each keeps the
 # multiplies and adds as written.
 _CFLAGS = ["-O3", "-ffp-contract=off"]
@@ -40,6 +47,8 @@ _CFLAGS = ["-O3", "-ffp-contract=off"]
 ISAS = ("portable", "avx2", "avx512", "avx512_vnni")
 FORMATS = ("q4_0", "q4_1", "q8_0", "q4_k", "q5_k", "q6_k", "int8")
 ISA_ENV = "RADIXLM_QGEMM_ISA"
+POOL_ROWS_ENV = "RADIXLM_QGEMM_POOL_ROWS"
+SPIN_US_ENV = "RADIXLM_QGEMM_SPIN_US"
 ACT_BLOCK = 32  # activation values per int8 scale; weights' k is a multiple of it
 
 _lock = threading.Lock()
@@ -52,9 +61,39 @@ def load() -> bool:
     if _loaded is None:
         with _lock:
             if _loaded is None:
-                _loaded = build_extension("radixlm_qgemm", SOURCES, HEADERS, _CFLAGS,
-                                          "quantized weights are unavailable")
+                loaded = build_extension("radixlm_qgemm", SOURCES, HEADERS, _CFLAGS,
+                                         "quantized weights are unavailable")
+                if loaded:
+                    torch.ops.radixlm_q.set_threading(_default_pool_rows(),
+                                                      int(os.environ.get(SPIN_US_ENV, -1)))
+                _loaded = loaded
     return _loaded
+
+
+def _default_pool_rows() -> int:
+    """$RADIXLM_QGEMM_POOL_ROWS, else every size (-1: the C++ default) where
+    torch's OpenMP threads sleep when idle (OMP_WAIT_POLICY=PASSIVE, which
+    radixlm sets unless told otherwise), else none (0: the threading before the
+    pool). OpenMP threads that spin after each parallel region hold the second
+    core against our workers: model pass, 2 threads, OMP_WAIT_POLICY=ACTIVE, ms,
+    pool vs OpenMP at M = 8 18.5 vs 10.2, 32: 42.2 vs 25.8, 256: 309 vs 208
+    (15:35 UTC); below 8 rows the pool vs the calling thread alone was faster in
+    one run (M = 1 7.9 vs 9.1, 2: 9.4 vs 11.5) and slower in the next (M = 2
+    10.7 vs 7.9, 4: 10.6 vs 9.6, 15:48 UTC): no gain to count on."""
+    if POOL_ROWS_ENV in os.environ:
+        return int(os.environ[POOL_ROWS_ENV])
+    return -1 if os.environ.get("OMP_WAIT_POLICY", "").upper() == "PASSIVE" else 0
+
+
+def set_threading(pool_rows: int | None = None, spin_us: int | None = None) -> tuple[int, int]:
+    """Products of fewer than `pool_rows` rows run on our pool (default: all under
+    OMP_WAIT_POLICY=PASSIVE, else none, see `_default_pool_rows`; 0:
+    none, the threading before the pool: fewer than 8 rows on the calling thread
+    alone, more on torch's OpenMP threads); pool workers spin `spin_us`
+    microseconds (default 1000) for the next product before they sleep. None
+    keeps a value; returns (pool_rows, spin_us) now."""
+    return tuple(_ops().set_threading(-1 if pool_rows is None else pool_rows,
+                                      -1 if spin_us is None else spin_us))
 
 
 def _ops() -> object:
@@ -66,9 +105,14 @@ def _ops() -> object:
 
 def available_isas() -> list[str]:
     """The ISA paths this CPU and build run, slowest first."""
-    if not load():
-        return []
-    return [name for i, name in enumerate(ISAS) if torch.ops.radixlm_q.isa_supported(i)]
+    return list(_available_isas()) if load() else []
+
+
+@functools.cache
+def _available_isas() -> tuple[str, ...]:
+    # Asked once: every product with an explicit isa= checks it, and four op
+    # calls cost ~5 us of a 20-100 us decode-sized product.
+    return tuple(name for i, name in enumerate(ISAS) if torch.ops.radixlm_q.isa_supported(i))
 
 
 @functools.cache
@@ -84,7 +128,7 @@ def _isa_code(name: str | None) -> int:
         return _default_isa()
     if name not in ISAS:
         raise ValueError(f"isa={name!r}: expected one of {', '.join(ISAS)}")
-    if name not in available_isas():
+    if not load() or name not in _available_isas():
         raise ValueError(f"isa={name!r} is not available on this CPU (available: "
                          f"{', '.join(available_isas()) or 'none'})")
     return ISAS.index(name)
@@ -122,7 +166,7 @@ def _rows(x: torch.Tensor, w: QuantizedWeight) -> torch.Tensor:
         raise ValueError(f"input has {x.shape[-1]} features, the weight {w.in_features}")
     if x.dtype not in (torch.float32, torch.bfloat16):
         raise ValueError(f"quantized products take float32 or bfloat16 input, got {x.dtype}")
-    x2 = x.reshape(-1, x.shape[-1])
+    x2 = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
     if w.k != w.in_features:
         x2 = F.pad(x2, (0, w.k - w.in_features))
     return x2 if x2.stride(-1) == 1 else x2.contiguous()
@@ -133,7 +177,8 @@ def linear(x: torch.Tensor, w: QuantizedWeight, isa: str | None = None) -> torch
     x2 = _rows(x, w)
     out = _ops().linear(x2, w.qweight, w.scales, w.mins, w.format_code, w.n,
                                      _isa_code(isa))
-    return out.view(*x.shape[:-1], w.n)
+    # Views cost ~1 us each of a decode-sized product: none for 2-D input.
+    return out if x.dim() == 2 else out.view(*x.shape[:-1], w.n)
 
 
 @dataclass(frozen=True)

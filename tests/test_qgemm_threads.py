@@ -1,0 +1,171 @@
+"""Threading of the quantized-weight products (qgemm.cpp, qgemm_pool.h): for
+any thread count, on our pool or torch's OpenMP threads, every output is
+computed by the same code as on one thread, so results are BIT-IDENTICAL to
+the serial path; and the pool survives two Python threads and a fork()."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import threading
+
+import numpy as np
+import pytest
+import torch
+from gguf_blocks import GGUF_TYPES, random_blocks
+
+from radixlm.layers.cpu_ops import qgemm, qpack
+
+# Odd n (a partial last tile) with enough tiles for several chunks per thread;
+# k a multiple of 256 for the K-quants.
+N, K = 597, 512
+ROWS = [1, 3, 8, 130]  # pooled decode sizes, the first OpenMP size, > 128 (row chunks)
+FORMATS = [*GGUF_TYPES, "int8"]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def kernels() -> None:
+    if not qgemm.load():
+        if shutil.which("c++") or shutil.which("g++"):
+            pytest.fail("a C++ compiler is present but the quantized kernels did not build")
+        pytest.skip("no C++ compiler: the quantized kernels are unavailable")
+
+
+@pytest.fixture(autouse=True)
+def restore_threading():
+    """Each test starts with the pool on for every size (the default only under
+    OMP_WAIT_POLICY=PASSIVE) and leaves the settings as it found them."""
+    threads, setting = torch.get_num_threads(), qgemm.set_threading()
+    qgemm.set_threading(pool_rows=1 << 40)
+    yield
+    torch.set_num_threads(threads)
+    qgemm.set_threading(*setting)
+
+
+def packed(fmt: str, n: int = N, k: int = K, seed: int = 0) -> qgemm.QuantizedWeight:
+    if fmt == "int8":
+        gen = torch.Generator().manual_seed(seed)
+        return qpack.pack_int8(torch.randn(n, k, generator=gen) * 0.02)
+    return qpack.pack_gguf(random_blocks(fmt, n, k, seed), GGUF_TYPES[fmt], n, k)
+
+
+def serial(fn):
+    """fn() on one thread, no pool."""
+    threads, (rows, _) = torch.get_num_threads(), qgemm.set_threading()
+    torch.set_num_threads(1)
+    qgemm.set_threading(pool_rows=0)
+    try:
+        return fn()
+    finally:
+        torch.set_num_threads(threads)
+        qgemm.set_threading(pool_rows=rows)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_bit_identical_for_any_thread_count(fmt):
+    w = packed(fmt)
+    for m in ROWS:
+        x = torch.randn(m, K, generator=torch.Generator().manual_seed(m))
+        for dtype in (torch.float32, torch.bfloat16):
+            xd = x.to(dtype)
+            expected = serial(lambda: qgemm.linear(xd, w))  # noqa: B023
+            # 8: the default (pool below 8 rows); 1 << 20: the pool for every size.
+            for pool_rows in (8, 1 << 20):
+                for threads in (1, 2, 3):
+                    torch.set_num_threads(threads)
+                    qgemm.set_threading(pool_rows=pool_rows)
+                    y = qgemm.linear(xd, w)
+                    assert torch.equal(y, expected), (
+                        f"{fmt} m={m} {dtype} threads={threads} pool_rows={pool_rows}")
+
+
+def pool_threads() -> int:
+    return sum(1 for t in os.listdir("/proc/self/task")
+               if open(f"/proc/self/task/{t}/comm").read().strip() == "radixlm-qgemm")
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="no /proc")
+def test_pool_is_used_and_resized():
+    """Decode-sized products do run on the pool: torch's thread count - 1 workers."""
+    w, x = packed("q4_1", 1001), torch.randn(1, K)
+    for threads in (2, 3, 2):
+        torch.set_num_threads(threads)
+        qgemm.linear(x, w)
+        assert pool_threads() == threads - 1
+
+
+@pytest.mark.parametrize("threads", [2, 3])
+def test_shared_activations_into_column_slices(threads):
+    """The fused q/k/v route (one quantization, several `gemm` ops into column
+    slices of one bf16 output), pooled, against serial."""
+    weights = [packed("q4_0", 576, K, 1), packed("q6_k", 193, K, 2), packed("q8_0", 33, K, 3)]
+    x = torch.randn(3, K, generator=torch.Generator().manual_seed(9)).to(torch.bfloat16)
+
+    def run() -> torch.Tensor:
+        act = qgemm.quantize_activations(x, weights[0])
+        out = torch.empty(3, sum(w.n for w in weights), dtype=torch.bfloat16)
+        start = 0
+        for w in weights:
+            qgemm.gemm_into(act, w, out[:, start:start + w.n])
+            start += w.n
+        return out
+
+    expected = serial(run)
+    torch.set_num_threads(threads)
+    assert torch.equal(run(), expected)
+
+
+def test_two_python_threads_at_once():
+    """Products from two Python threads at once: one holds the pool, the other
+    runs serially on its own thread (or waits its turn); none is corrupted."""
+    torch.set_num_threads(2)
+    ws = [packed(fmt, 1001, K, i) for i, fmt in enumerate(("q4_1", "q8_0"))]
+    xs = [torch.randn(m, K, generator=torch.Generator().manual_seed(m)) for m in (1, 2, 5)]
+    expected = {(i, j): serial(lambda: qgemm.linear(x, w))  # noqa: B023
+                for i, w in enumerate(ws) for j, x in enumerate(xs)}
+    failures: list[str] = []
+
+    def hammer(seed: int) -> None:
+        rng = np.random.default_rng(seed)
+        for _ in range(300):
+            i, j = int(rng.integers(len(ws))), int(rng.integers(len(xs)))
+            if not torch.equal(qgemm.linear(xs[j], ws[i]), expected[i, j]):
+                failures.append(f"thread {seed}: weight {i}, x {j}")
+
+    threads = [threading.Thread(target=hammer, args=(s,)) for s in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not failures, failures[:5]
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="no fork()")
+def test_pool_after_fork():
+    """A fork()ed child (the server forks) gets a pool of its own: products run
+    there, pooled, with the same bits, instead of waiting on threads the child
+    does not have."""
+    torch.set_num_threads(2)
+    w = packed("q4_1", 1001)
+    x = torch.randn(1, K, generator=torch.Generator().manual_seed(1))
+    expected = serial(lambda: qgemm.linear(x, w))
+    assert torch.equal(qgemm.linear(x, w), expected)  # the parent's pool exists
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: report, never return into pytest
+        ok = False
+        try:
+            ok = all(torch.equal(qgemm.linear(x, w), expected) for _ in range(50))
+        finally:
+            os.write(write, b"1" if ok else b"0")
+            os._exit(0)
+    os.close(write)
+    try:
+        import select
+        ready, _, _ = select.select([read], [], [], 60)
+        assert ready, "the forked child's product hung"
+        assert os.read(read, 1) == b"1", "the forked child's products differ"
+    finally:
+        os.close(read)
+        os.waitpid(pid, 0)
+    assert torch.equal(qgemm.linear(x, w), expected)  # and the parent's still works
