@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import importlib.util
 import os
 import sys
 import types
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -40,6 +42,26 @@ def lazy_import(name: str) -> types.ModuleType:
 def triton_installed() -> bool:
     """Whether Triton can be imported, asked without importing it."""
     return importlib.util.find_spec("triton") is not None
+
+
+@functools.cache
+def _libc_malloc_trim() -> Any:
+    try:
+        return ctypes.CDLL("libc.so.6").malloc_trim
+    except (OSError, AttributeError):  # not glibc: nothing to trim
+        return None
+
+
+def release_free_heap() -> None:
+    """Give the C heap's free pages back to the OS (glibc's malloc_trim).
+
+    glibc keeps freed memory for reuse, and a busy batch's activations (torch
+    CPU tensors, freed into the heap) stay resident after the load is gone:
+    +33 MiB after 32 requests of 128/64 tokens on the embedded model, all
+    returned by a trim. Called when the scheduler goes idle; a few ms."""
+    trim = _libc_malloc_trim()
+    if trim is not None:
+        trim(0)
 
 
 def to_device(t: torch.Tensor, device: torch.device | str,
