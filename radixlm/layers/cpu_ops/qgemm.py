@@ -76,10 +76,10 @@ def _default_pool_rows() -> int:
     radixlm sets unless told otherwise), else none (0: the threading before the
     pool). OpenMP threads that spin after each parallel region hold the second
     core against our workers: model pass, 2 threads, OMP_WAIT_POLICY=ACTIVE, ms,
-    pool vs OpenMP at M = 8 18.5 vs 10.2, 32: 42.2 vs 25.8, 256: 309 vs 208
-    (15:35 UTC); below 8 rows the pool vs the calling thread alone was faster in
-    one run (M = 1 7.9 vs 9.1, 2: 9.4 vs 11.5) and slower in the next (M = 2
-    10.7 vs 7.9, 4: 10.6 vs 9.6, 15:48 UTC): no gain to count on."""
+    pool vs OpenMP at M = 8 18.5 vs 10.2, 32: 42.2 vs 25.8, 256: 309 vs 208;
+    below 8 rows the pool vs the calling thread alone was faster in one run
+    (M = 1 7.9 vs 9.1, 2: 9.4 vs 11.5) and slower in the next (M = 2 10.7 vs
+    7.9, 4: 10.6 vs 9.6): no gain to count on."""
     if POOL_ROWS_ENV in os.environ:
         return int(os.environ[POOL_ROWS_ENV])
     return -1 if os.environ.get("OMP_WAIT_POLICY", "").upper() == "PASSIVE" else 0
