@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import shutil
+from collections.abc import Callable
+
 import numpy as np
+import pytest
 import torch
 
 from radixlm.layers.cpu_ops import qpack
@@ -42,3 +46,12 @@ def exact_activations(m: int, k: int, seed: int) -> torch.Tensor:
     x = torch.randint(-127, 128, (m, k), generator=gen).float()
     x.view(m, -1, 32)[:, :, 0] = 127.0
     return x
+
+
+def require_kernels(load: Callable[[], bool], what: str) -> None:
+    """A machine with a compiler must build our C++ kernels (CI has one):
+    fail if `load()` cannot; without a compiler they are optional: skip."""
+    if not load():
+        if shutil.which("c++") or shutil.which("g++"):
+            pytest.fail(f"a C++ compiler is present but the {what} did not build (see log)")
+        pytest.skip(f"no C++ compiler: the {what} are unavailable")

@@ -15,13 +15,11 @@ weights' decoding (one code or scale off is orders of magnitude more).
 
 from __future__ import annotations
 
-import shutil
-
 import gguf
 import numpy as np
 import pytest
 import torch
-from gguf_blocks import GGUF_TYPES, exact_activations, random_blocks
+from gguf_blocks import GGUF_TYPES, exact_activations, random_blocks, require_kernels
 
 from radixlm.layers.cpu_ops import qgemm, qpack
 
@@ -34,10 +32,7 @@ ROWS = [1, 3, 4, 9, 130]  # every remainder of the 4-row micro-kernel; > 128 spl
 
 @pytest.fixture(scope="module", autouse=True)
 def kernels() -> None:
-    if not qgemm.load():
-        if shutil.which("c++") or shutil.which("g++"):
-            pytest.fail("a C++ compiler is present but the quantized kernels did not build")
-        pytest.skip("no C++ compiler: the quantized kernels are unavailable")
+    require_kernels(qgemm.load, "quantized kernels")
 
 
 def isas() -> list[str]:

@@ -6,13 +6,12 @@ the serial path; and the pool survives two Python threads and a fork()."""
 from __future__ import annotations
 
 import os
-import shutil
 import threading
 
 import numpy as np
 import pytest
 import torch
-from gguf_blocks import GGUF_TYPES, random_blocks
+from gguf_blocks import GGUF_TYPES, random_blocks, require_kernels
 
 from radixlm.layers.cpu_ops import qgemm, qpack
 
@@ -25,10 +24,7 @@ FORMATS = [*GGUF_TYPES, "int8"]
 
 @pytest.fixture(scope="module", autouse=True)
 def kernels() -> None:
-    if not qgemm.load():
-        if shutil.which("c++") or shutil.which("g++"):
-            pytest.fail("a C++ compiler is present but the quantized kernels did not build")
-        pytest.skip("no C++ compiler: the quantized kernels are unavailable")
+    require_kernels(qgemm.load, "quantized kernels")
 
 
 @pytest.fixture(autouse=True)
