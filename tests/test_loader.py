@@ -19,6 +19,8 @@ from radixlm.models import loader
 from radixlm.models.loader import (
     default_model_path,
     family_config,
+    gguf_field,
+    gguf_tensor_summary,
     iter_safetensors,
     load_config,
     load_model,
@@ -332,3 +334,13 @@ def test_load_logs_one_info_line(model_dir, caplog):
         load_model(model_dir, config, "dummy", torch.float32, "cpu", seed=1)
     lines = [r.getMessage() for r in caplog.records if r.name == "radixlm.models.loader"]
     assert len(lines) == 1 and "538.1 MB of weights" in lines[0] and "float32 on cpu" in lines[0]
+
+
+def test_conversion_records_the_tensor_summary(model_dir):
+    """What a start asks of the .gguf file (architecture, tensor types and
+    ranks) comes from the conversion's record, equal to a fresh parse."""
+    path = default_model_path()
+    reader = gguf.GGUFReader(path)
+    arch, tensors = gguf_tensor_summary(path)
+    assert arch == "llama" == gguf_field(reader, "general.architecture")
+    assert tensors == {t.name: (t.tensor_type.name, len(t.shape)) for t in reader.tensors}

@@ -32,7 +32,13 @@ from radixlm.layers.quantization import QuantizationConfig, UnquantizedConfig
 from radixlm.layers.quantization.gguf import GGUFConfig, GGUFTensors
 from radixlm.layers.quantization.packed import PackedLayout, packed_bytes
 from radixlm.models.gguf_arch import GGUF_ARCHS, GgufArch
-from radixlm.models.loader import cached_dir, gguf_field, iter_safetensors, unpermute_qk
+from radixlm.models.loader import (
+    cached_dir,
+    gguf_field,
+    gguf_tensor_summary,
+    iter_safetensors,
+    unpermute_qk,
+)
 from radixlm.models.registry import get_model_class
 
 logger = logging.getLogger(__name__)
@@ -43,12 +49,10 @@ _SHARD_BYTES = 2 << 30
 
 def tensor_types(gguf_path: str | Path) -> dict[str, str]:
     """HF name -> GGUF type name ('Q4_1', 'F32', ...) of every tensor with an HF name."""
-    import gguf
-
-    reader = gguf.GGUFReader(gguf_path)
-    spec = _arch(reader)
-    return {name: t.tensor_type.name for t in reader.tensors
-            if (name := spec.hf_name(t.name)) is not None}
+    arch, tensors = gguf_tensor_summary(gguf_path)
+    spec = _spec(arch)
+    return {name: kind for gguf_name, (kind, _) in tensors.items()
+            if (name := spec.hf_name(gguf_name)) is not None}
 
 
 # The dtype a .gguf file's matrices are stored in, by GGUF type; the block formats'
@@ -60,10 +64,8 @@ def stored_dtype(gguf_path: str | Path) -> tuple[str, str]:
     """(dtype name, why) of a .gguf file's weight matrices, for --dtype auto: the
     widest float type among them (F32 > F16 / BF16), or bfloat16 when all are in
     block formats. Norms (1-D, always F32 in GGUF) do not count."""
-    import gguf
-
-    reader = gguf.GGUFReader(gguf_path)
-    kinds = sorted({t.tensor_type.name for t in reader.tensors if len(t.shape) >= 2})
+    _, tensors = gguf_tensor_summary(gguf_path)
+    kinds = sorted({kind for kind, dims in tensors.values() if dims >= 2})
     floats = [k for k in ("F32", "F16", "BF16") if k in kinds]
     if floats:
         return _STORED_DTYPES[floats[0]], f"its matrices include {floats[0]} tensors"
@@ -80,7 +82,10 @@ def record_stored_dtype(hf_config: PretrainedConfig, gguf_path: str | Path) -> N
 
 
 def _arch(reader: Any) -> GgufArch:
-    arch = gguf_field(reader, "general.architecture")
+    return _spec(gguf_field(reader, "general.architecture"))
+
+
+def _spec(arch: str) -> GgufArch:
     if arch not in GGUF_ARCHS:
         raise ValueError(f"GGUF architecture {arch!r} is not supported "
                          f"(supported: {', '.join(GGUF_ARCHS)})")

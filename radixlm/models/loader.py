@@ -118,6 +118,23 @@ def converted_from_gguf(model_dir: str | Path) -> bool:
     return (Path(model_dir) / CONVERTED_FROM_GGUF).is_file()
 
 
+def gguf_tensor_summary(gguf_path: str | Path) -> tuple[str, dict[str, tuple[str, int]]]:
+    """(architecture, {GGUF tensor name: (GGUF type name, number of dims)}) of a
+    .gguf file, as its conversion recorded them. gguf's reader parses every
+    metadata value into numpy views (the embedded model's 49k-token vocabulary:
+    ~3 s a parse), and a start asked this twice; a conversion without the
+    record (an older radixlm's) is parsed."""
+    record_file = convert_gguf(gguf_path) / CONVERTED_FROM_GGUF
+    record = json.loads(record_file.read_text())
+    if "tensors" in record:
+        return record["architecture"], {k: (v[0], v[1]) for k, v in record["tensors"].items()}
+    import gguf
+
+    reader = gguf.GGUFReader(gguf_path)
+    return (gguf_field(reader, "general.architecture"),
+            {t.name: (t.tensor_type.name, len(t.shape)) for t in reader.tensors})
+
+
 def convert_gguf(gguf_path: str | Path) -> Path:
     """The cache directory holding `gguf_path` converted to HF form; converts
     on first use (`cached_dir`)."""
@@ -202,7 +219,9 @@ def _write_hf_dir(gguf_path: Path, out: Path) -> None:
                          f"(supported: {', '.join(GGUF_ARCHS)})")
     config = _gguf_config(reader, arch)
     config.save_pretrained(out)
-    (out / CONVERTED_FROM_GGUF).write_text(json.dumps({"source": gguf_path.name}) + "\n")
+    record = {"source": gguf_path.name, "architecture": arch,
+              "tensors": {t.name: [t.tensor_type.name, len(t.shape)] for t in reader.tensors}}
+    (out / CONVERTED_FROM_GGUF).write_text(json.dumps(record) + "\n")
     _write_generation_config(config, out)
     _write_tokenizer(reader, gguf_path, out)
     _write_tensors(reader, config, GGUF_ARCHS[arch], out)
