@@ -41,6 +41,9 @@ def _cpu_flags() -> str:
 def _build_key(files: list[Path], cflags: list[str]) -> str:
     h = hashlib.sha256()
     for src in files:
+        # The path too: ninja's build file names the sources, so two installs
+        # of the same sources sharing a key would rebuild each other's library.
+        h.update(str(src.resolve()).encode())
         h.update(src.read_bytes())
     h.update(" ".join(cflags).encode())
     h.update(torch.__version__.encode())
