@@ -135,3 +135,11 @@ GGUF_ARCHS: dict[str, GgufArch] = {
                                                "rope_factors_short.weight"}),
                      config_fields=_phi3_fields),
 }
+
+
+def arch_spec(arch: str) -> GgufArch:
+    """The spec of GGUF architecture `arch`; ValueError naming the supported ones."""
+    if arch not in GGUF_ARCHS:
+        raise ValueError(f"GGUF architecture {arch!r} is not supported "
+                         f"(supported: {', '.join(GGUF_ARCHS)})")
+    return GGUF_ARCHS[arch]

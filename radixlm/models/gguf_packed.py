@@ -31,7 +31,7 @@ from radixlm.layers.cpu_ops import qgemm, qpack
 from radixlm.layers.quantization import QuantizationConfig, UnquantizedConfig
 from radixlm.layers.quantization.gguf import GGUFConfig, GGUFTensors
 from radixlm.layers.quantization.packed import PackedLayout, packed_bytes
-from radixlm.models.gguf_arch import GGUF_ARCHS, GgufArch
+from radixlm.models.gguf_arch import GgufArch, arch_spec
 from radixlm.models.loader import (
     cached_dir,
     gguf_field,
@@ -50,7 +50,7 @@ _SHARD_BYTES = 2 << 30
 def tensor_types(gguf_path: str | Path) -> dict[str, str]:
     """HF name -> GGUF type name ('Q4_1', 'F32', ...) of every tensor with an HF name."""
     arch, tensors = gguf_tensor_summary(gguf_path)
-    spec = _spec(arch)
+    spec = arch_spec(arch)
     return {name: kind for gguf_name, (kind, _) in tensors.items()
             if (name := spec.hf_name(gguf_name)) is not None}
 
@@ -82,14 +82,7 @@ def record_stored_dtype(hf_config: PretrainedConfig, gguf_path: str | Path) -> N
 
 
 def _arch(reader: Any) -> GgufArch:
-    return _spec(gguf_field(reader, "general.architecture"))
-
-
-def _spec(arch: str) -> GgufArch:
-    if arch not in GGUF_ARCHS:
-        raise ValueError(f"GGUF architecture {arch!r} is not supported "
-                         f"(supported: {', '.join(GGUF_ARCHS)})")
-    return GGUF_ARCHS[arch]
+    return arch_spec(gguf_field(reader, "general.architecture"))
 
 
 def _head_counts(reader: Any) -> tuple[int, int]:

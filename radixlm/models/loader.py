@@ -37,7 +37,7 @@ from radixlm.layers.quantization import (
     process_weights_after_loading,
 )
 from radixlm.layers.rotary import compute_inv_freq
-from radixlm.models.gguf_arch import GGUF_ARCHS, GgufArch
+from radixlm.models.gguf_arch import GgufArch, arch_spec
 from radixlm.models.registry import get_model_class
 from radixlm.models.weight_map import WeightMap, missing_message
 from radixlm.utils import cache_root
@@ -214,9 +214,7 @@ def _write_hf_dir(gguf_path: Path, out: Path) -> None:
 
     reader = gguf.GGUFReader(gguf_path)
     arch = gguf_field(reader, "general.architecture")
-    if arch not in GGUF_ARCHS:
-        raise ValueError(f"GGUF architecture {arch!r} is not supported "
-                         f"(supported: {', '.join(GGUF_ARCHS)})")
+    spec = arch_spec(arch)
     config = _gguf_config(reader, arch)
     config.save_pretrained(out)
     record = {"source": gguf_path.name, "architecture": arch,
@@ -224,7 +222,7 @@ def _write_hf_dir(gguf_path: Path, out: Path) -> None:
     (out / CONVERTED_FROM_GGUF).write_text(json.dumps(record) + "\n")
     _write_generation_config(config, out)
     _write_tokenizer(reader, gguf_path, out)
-    _write_tensors(reader, config, GGUF_ARCHS[arch], out)
+    _write_tensors(reader, config, spec, out)
 
 
 _MISSING = object()
@@ -250,7 +248,7 @@ def _gguf_config(reader: Any, arch: str) -> PretrainedConfig:
         return gguf_field(reader, f"{arch}.{key}", default)
 
     tensors = {t.name: t for t in reader.tensors}
-    spec = GGUF_ARCHS[arch]
+    spec = arch_spec(arch)
     hidden, heads = meta("embedding_length"), meta("attention.head_count")
     head_dim = meta("attention.key_length", hidden // heads)
     theta = _tidy_float(meta("rope.freq_base", 10000.0))
