@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import shutil
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import pytest
@@ -55,3 +56,15 @@ def require_kernels(load: Callable[[], bool], what: str) -> None:
         if shutil.which("c++") or shutil.which("g++"):
             pytest.fail(f"a C++ compiler is present but the {what} did not build (see log)")
         pytest.skip(f"no C++ compiler: the {what} are unavailable")
+
+
+def add_hparams(w: Any, config: Any) -> None:
+    """The hyper-parameters every decoder's GGUF carries, from an HF config, as
+    llama.cpp's converter writes them (rope and family extras are the caller's)."""
+    w.add_block_count(config.num_hidden_layers)
+    w.add_context_length(config.max_position_embeddings)
+    w.add_embedding_length(config.hidden_size)
+    w.add_feed_forward_length(config.intermediate_size)
+    w.add_head_count(config.num_attention_heads)
+    w.add_head_count_kv(config.num_key_value_heads)
+    w.add_layer_norm_rms_eps(config.rms_norm_eps)

@@ -17,6 +17,7 @@ import gguf
 import pytest
 import torch
 from family_models import FAMILIES, WINDOW, save_random_model, tiny
+from gguf_blocks import add_hparams
 from kv_runner import KVRunner, check_close, hf_logits
 from transformers import Gemma3TextConfig, Qwen3Config
 
@@ -47,15 +48,9 @@ def _config(name: str) -> Any:
 def _metadata(w: gguf.GGUFWriter, name: str, config: Any) -> None:
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // \
         config.num_attention_heads
-    w.add_block_count(config.num_hidden_layers)
-    w.add_context_length(config.max_position_embeddings)
-    w.add_embedding_length(config.hidden_size)
-    w.add_feed_forward_length(config.intermediate_size)
-    w.add_head_count(config.num_attention_heads)
-    w.add_head_count_kv(config.num_key_value_heads)
+    add_hparams(w, config)
     w.add_key_length(head_dim)
     w.add_value_length(head_dim)
-    w.add_layer_norm_rms_eps(config.rms_norm_eps)
     rope = config.rope_parameters
     if name == "gemma3":
         rope = rope["full_attention"]

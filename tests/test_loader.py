@@ -12,6 +12,7 @@ import gguf
 import numpy as np
 import pytest
 import torch
+from gguf_blocks import add_hparams
 from transformers import AutoModelForCausalLM, LlamaConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
@@ -138,14 +139,8 @@ def _round_trip(arr: np.ndarray, qtype: Q) -> np.ndarray:
 def _write_gguf(path: Path, config: LlamaConfig, state: dict[str, torch.Tensor]) -> None:
     """A Llama GGUF written the way llama.cpp's converter writes one (no tokenizer)."""
     w = gguf.GGUFWriter(str(path), "llama")
-    w.add_block_count(config.num_hidden_layers)
-    w.add_context_length(config.max_position_embeddings)
-    w.add_embedding_length(config.hidden_size)
-    w.add_feed_forward_length(config.intermediate_size)
-    w.add_head_count(config.num_attention_heads)
-    w.add_head_count_kv(config.num_key_value_heads)
+    add_hparams(w, config)
     w.add_rope_freq_base(config.rope_parameters["rope_theta"])
-    w.add_layer_norm_rms_eps(config.rms_norm_eps)
     w.add_rope_dimension_count(config.head_dim)
     # Llama 3.1 scaling goes in as per-frequency divisors, as llama.cpp stores it.
     theta, dim = config.rope_parameters["rope_theta"], config.head_dim
@@ -344,3 +339,17 @@ def test_conversion_records_the_tensor_summary(model_dir):
     arch, tensors = gguf_tensor_summary(path)
     assert arch == "llama" == gguf_field(reader, "general.architecture")
     assert tensors == {t.name: (t.tensor_type.name, len(t.shape)) for t in reader.tensors}
+
+
+def test_unknown_gguf_architecture_is_refused(tmp_path, cache_dir):
+    path = tmp_path / "tiny-mamba.gguf"
+    w = gguf.GGUFWriter(str(path), "mamba")
+    w.add_block_count(1)
+    w.add_tensor("token_embd.weight", np.zeros((4, 8), dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(ValueError, match=r"GGUF architecture 'mamba' is not supported "
+                                         r"\(supported: llama, qwen2, qwen3"):
+        prepare_model_dir(str(path))
