@@ -15,6 +15,8 @@ from typing import Any, Literal, get_args, get_origin
 SCHEDULE_POLICIES = ("fcfs", "lpm", "dfs-weight")
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+# The KV cache's own dtype; auto: the model's.
+KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16")
 ATTENTION_BACKENDS = ("auto", "torch_native", "cpu", "triton")
 EMBEDDING_POOLINGS = ("last", "mean")
 LOAD_BALANCE_METHODS = ("round_robin", "shortest_queue", "cache_aware")
@@ -70,6 +72,9 @@ class ServerArgs:
         "memory", "Fraction of device memory for weights + KV cache", default=0.85)
     max_total_tokens: int | None = _opt("memory", "KV pool size in tokens (overrides the fraction)",
                                         default=None)
+    kv_cache_dtype: str = _opt(
+        "memory", "dtype of the KV cache (auto: the model's dtype); a smaller one holds more "
+        "tokens", KV_CACHE_DTYPES, default="auto")
     swa_full_tokens_ratio: float = _opt(
         "memory", "Models with sliding-window layers: window-layer KV slots per full slot "
         "(window layers drop the KV that left every window, so long contexts need few)",

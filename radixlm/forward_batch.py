@@ -1,4 +1,5 @@
-"""What one model forward needs: token ids, positions and where their KV lives."""
+"""What one model forward needs: token ids (or embeddings), positions and where
+their KV lives."""
 
 from __future__ import annotations
 
@@ -24,12 +25,24 @@ class ForwardMode(Enum):
     # Mixed chunked prefill: extend requests first, then decode requests (one
     # token each) in the same forward; see `ForwardBatch.mixed_parts`.
     MIXED = auto()
+    # Speculative verify: each request's newest token and k draft tokens after it
+    # (k + 1 rows, every row's logits wanted); row j attends to the request's KV
+    # and rows 0..j, exactly as the j-th of k + 1 decode steps would
+    # (`ForwardBatch.verify_decode_view`).
+    VERIFY = auto()
 
     def is_decode(self) -> bool:
         return self is ForwardMode.DECODE
 
     def is_mixed(self) -> bool:
         return self is ForwardMode.MIXED
+
+    def is_verify(self) -> bool:
+        return self is ForwardMode.VERIFY
+
+    def is_decode_like(self) -> bool:
+        """Every row is one decode step (decode, verify): one logit row per token."""
+        return self in (ForwardMode.DECODE, ForwardMode.VERIFY)
 
 
 @dataclass
@@ -42,7 +55,12 @@ class ForwardBatch:
     new ones are also given flat in `out_cache_loc` (the backend writes K/V there).
     In decode mode every extend length is 1. In mixed mode the first
     `num_extend` requests extend and the rest decode (one token each, last in
-    the flat token axis).
+    the flat token axis). In verify mode each request's rows are its newest
+    token and its draft tokens.
+
+    `input_embeds` [num_tokens, hidden], when set, is the model's input instead
+    of the embeddings of `input_ids` (rows of requests that came with
+    embeddings; the other rows hold their tokens' embeddings).
     """
 
     mode: ForwardMode
@@ -69,7 +87,12 @@ class ForwardBatch:
     # no sharing, or not looked for. Backends without cascade attention ignore it.
     prefix_groups: PrefixGroups | None = None
     num_extend: int = 0  # mixed mode: how many requests (from the first) extend
+    input_embeds: torch.Tensor | None = None
+    # Verify mode: a tree of drafts instead of a chain (a backend with
+    # `supports_tree_mask` reads it); None: each row sees the rows before it.
+    tree_mask: torch.Tensor | None = None
     _parts: tuple[ForwardBatch, ForwardBatch] | None = None
+    _verify_view: ForwardBatch | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -84,6 +107,34 @@ class ForwardBatch:
             self._parts = (self._part(ForwardMode.EXTEND, 0, self.num_extend),
                            self._part(ForwardMode.DECODE, self.num_extend, self.batch_size))
         return self._parts
+
+    def verify_decode_view(self) -> ForwardBatch:
+        """A verify batch as a decode batch of one row per token: row j of a request
+        is its own pseudo-request (the same request slot) with sequence length
+        prefix + j + 1, so it sees the request's KV and the rows before it (their
+        K/V are stored first, as every row's is). Backends attend it with their
+        decode path; made once (views and one small device tensor)."""
+        assert self.mode.is_verify(), "verify_decode_view of a batch that is not a verify"
+        if self._verify_view is None:
+            lens = torch.tensor(self.extend_seq_lens_cpu, dtype=torch.int64)
+            rows = torch.repeat_interleave(torch.arange(self.batch_size), lens)
+            seq_lens_cpu = [p + j + 1 for p, e in zip(self.extend_prefix_lens_cpu,
+                                                        self.extend_seq_lens_cpu)
+                            for j in range(e)]
+            n = self.num_tokens
+            seq_lens = self.positions + 1
+            self._verify_view = ForwardBatch(
+                mode=ForwardMode.DECODE, batch_size=n, input_ids=self.input_ids,
+                positions=self.positions,
+                req_pool_indices=self.req_pool_indices[to_device(rows, self.positions.device)],
+                seq_lens=seq_lens, out_cache_loc=self.out_cache_loc,
+                extend_seq_lens=torch.ones_like(seq_lens), extend_prefix_lens=self.positions,
+                extend_start_loc=torch.arange(n, device=seq_lens.device),
+                seq_lens_cpu=seq_lens_cpu, extend_seq_lens_cpu=[1] * n,
+                extend_prefix_lens_cpu=[s - 1 for s in seq_lens_cpu],
+                req_to_token_pool=self.req_to_token_pool,
+                token_to_kv_pool=self.token_to_kv_pool, attn_backend=self.attn_backend)
+        return self._verify_view
 
     def _part(self, mode: ForwardMode, lo: int, hi: int) -> ForwardBatch:
         first = sum(self.extend_seq_lens_cpu[:lo])
@@ -109,7 +160,8 @@ class ForwardBatch:
               attn_backend: AttentionBackend, device: torch.device,
               logit_rows: list[int] | None = None, num_extend: int | None = None
               ) -> ForwardBatch:
-        """`num_extend`: for a MIXED batch, how many requests (the first) extend."""
+        """`num_extend`: for a MIXED batch, how many requests (the first) extend.
+        `logit_rows` default: each request's last row (every row in verify mode)."""
         seq_lens = [p + e for p, e in zip(prefix_lens, extend_lens)]
         positions = [p + j for p, e in zip(prefix_lens, extend_lens) for j in range(e)]
         starts, acc = [], 0
@@ -121,7 +173,8 @@ class ForwardBatch:
             return to_device(torch.tensor(x, dtype=torch.int64), device)
 
         if logit_rows is None:
-            logit_rows = [s + e - 1 for s, e in zip(starts, extend_lens)]
+            logit_rows = (list(range(len(positions))) if mode.is_verify()
+                          else [s + e - 1 for s, e in zip(starts, extend_lens)])
         return cls(
             mode=mode, batch_size=len(req_pool_indices), input_ids=t(input_ids),
             positions=t(positions), req_pool_indices=t(req_pool_indices), seq_lens=t(seq_lens),

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from radixlm.cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
+from radixlm.cache.memory_pool import MHATokenToKVPool, PoolOptions, ReqToTokenPool
 from radixlm.forward_batch import ForwardBatch, ForwardMode
 from radixlm.layers.attention.base import AttentionBackend
 from radixlm.layers.attention.torch_native import TorchNativeBackend
@@ -23,9 +23,9 @@ class KVRunner:
                  max_context: int = 256, backend: AttentionBackend | None = None) -> None:
         self.model = model
         self.req_pool = ReqToTokenPool(max_requests, max_context, "cpu")
-        self.kv_pool = MHATokenToKVPool(max_requests * max_context, torch.float32,
-                                        model.num_kv_heads, model.head_dim, model.num_layers,
-                                        "cpu")
+        self.kv_pool = MHATokenToKVPool.create(model.kv_spec().without_windows(), torch.float32,
+                                               max_requests * max_context, torch.device("cpu"),
+                                               PoolOptions())
         self.backend = backend or TorchNativeBackend()
         self.kv_len: dict[int, int] = {}
 
@@ -52,7 +52,7 @@ class KVRunner:
         fb = ForwardBatch.build(mode, ids, [slot for slot, _ in reqs], prefix_lens, extend_lens,
                                 torch.cat(locs), self.req_pool, self.kv_pool, self.backend,
                                 torch.device("cpu"), logit_rows=rows)
-        self.backend.init_forward_metadata(fb)
+        self.backend.begin_forward(fb)
         with torch.inference_mode():
             if input_embeds is None:
                 return self.model(fb.input_ids, fb.positions, fb)

@@ -77,7 +77,7 @@ def test_repeated_prompt_is_recomputed_not_cached(embed_engine):
     assert torch.allclose(torch.tensor(first["embedding"]), torch.tensor(second["embedding"]),
                           atol=1e-5)
     s = embed_engine.scheduler
-    assert s.runner.kv_pool.available_size() == s.max_total_tokens  # nothing kept
+    assert s.worker.kv_pool.available_size() == s.max_total_tokens  # nothing kept
 
 
 def test_engine_api_errors(embed_engine):

@@ -84,7 +84,7 @@ def _logits_through_kv(model: torch.nn.Module, seqs: list[list[int]],
     """(prefill logits of all but each sequence's last 3 tokens; the first
     sequence's cached prefix extended by 2 of them; decode logits of the other
     sequences' last 3 tokens, step by step) on one KV pool."""
-    if backend == "cpu" and not CpuAttentionBackend.supports(model.head_dim):
+    if backend == "cpu" and not CpuAttentionBackend.supports(model.kv_spec().k_head_dim):
         pytest.skip("the CPU kernels need a C++ compiler")
     runner = KVRunner(model, backend=BACKENDS[backend]())
     slots = [runner.new_request() for _ in seqs]

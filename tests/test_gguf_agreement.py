@@ -68,7 +68,7 @@ def test_embedded_model_defaults_to_its_blocks(caplog):
     if not qgemm.load():
         pytest.skip("no C++ compiler: the quantized kernels are unavailable")
     with caplog.at_level(logging.INFO), radixlm.Engine(max_total_tokens=1024) as e:
-        runner = e.scheduler.runner
+        runner = e.scheduler.worker.runner
         layer = runner.model.model.layers[0]
         out = e.generate("The capital of France is", {"max_new_tokens": 4, "temperature": 0})
     assert runner.dtype == (torch.bfloat16 if native_bf16_isa() else torch.float32)

@@ -92,7 +92,7 @@ def test_select_scores_are_mean_choice_logprobs(engine):
 
 
 def test_forks_generate_in_the_same_batches(engine):
-    runner = engine.scheduler.runner
+    runner = engine.scheduler.worker.runner
     sizes: list[int] = []
     real = runner.forward
 

@@ -9,7 +9,13 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from radixlm.cache.memory_pool import MHATokenToKVPool, ReqToTokenPool, row_kv_buffers
+from radixlm.cache.kv_spec import MHA, KVSpec
+from radixlm.cache.memory_pool import (
+    MHATokenToKVPool,
+    PoolOptions,
+    ReqToTokenPool,
+    row_kv_buffers,
+)
 
 
 def make_kv_pool(size: int = 16, num_layers: int = 2) -> MHATokenToKVPool:
@@ -135,8 +141,19 @@ def test_kv_release_and_restore_buffers() -> None:
     assert len(pool.k_buffer) == 2 and pool.k_buffer[0].shape == (5, 2, 4)
 
 
-def test_bytes_per_token() -> None:
-    assert MHATokenToKVPool.bytes_per_token(8, 128, 32, torch.bfloat16) == 2 * 8 * 128 * 32 * 2
+def test_bytes_per_slot_and_separate_v_head_dim() -> None:
+    spec = KVSpec(MHA, 32, 8, 128, 128)
+    assert MHATokenToKVPool.bytes_per_slot(spec, torch.bfloat16, PoolOptions()) == \
+        2 * 8 * 128 * 32 * 2
+    spec = KVSpec(MHA, 2, 2, 8, 4)  # K and V heads of different sizes
+    pool = MHATokenToKVPool.create(spec, torch.float32, 6, torch.device("cpu"), PoolOptions())
+    assert pool.k_buffer[0].shape == (7, 2, 8) and pool.v_buffer[0].shape == (7, 2, 4)
+    assert MHATokenToKVPool.bytes_per_slot(spec, torch.float32, PoolOptions()) == \
+        2 * 2 * (8 + 4) * 4
+    loc = pool.alloc(2)
+    pool.set_kv_buffer(1, loc, torch.ones(2, 16), torch.full((2, 8), 2.0))
+    k, v = pool.get_kv_buffer(1)
+    assert k[loc].eq(1).all() and v[loc].eq(2).all()
 
 
 # -- property-based ---------------------------------------------------------------

@@ -23,7 +23,8 @@ from radixlm.cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
 from radixlm.config import ServerArgs
 from radixlm.protocol import GenerateReq, TokenOut
 from radixlm.runtime.detokenize import Detokenizer
-from radixlm.scheduler.model_worker import BatchResult, PendingResult
+from radixlm.scheduler.control import RuntimeControls
+from radixlm.scheduler.model_worker import BatchResult, PendingResult, WorkerLimits
 from radixlm.scheduler.schedule_batch import ScheduleBatch
 from radixlm.scheduler.scheduler import Scheduler
 from radixlm.tokenizer import get_tokenizer
@@ -32,23 +33,30 @@ TEXT = " The quick brown fox jumps over the lazy dog and runs far away into the 
 
 
 class ScriptedWorker:
-    """Stands in for ModelWorker: request `rid` produces `scripts[rid]`, `sizes`
-    tokens at a time (cycling, counted per request from its first sampling step)."""
+    """Stands in for ModelWorker (the `Worker` protocol): request `rid` produces
+    `scripts[rid]`, `sizes` tokens at a time (cycling, counted per request from its
+    first sampling step), from the output index the batch was launched for
+    (`ScheduleBatch.first_out`), as the device's token table would."""
 
-    def __init__(self, scripts: dict[str, list[int]], sizes: list[int], vocab_size: int) -> None:
+    def __init__(self, scripts: dict[str, list[int]], sizes: list[int], vocab_size: int,
+                 overlap: bool = False) -> None:
         self.scripts = scripts
         self.sizes = sizes
         self.steps: dict[str, int] = {}
         self.device = torch.device("cpu")
-        self.vocab_size = vocab_size
         self.tp_sync = None
-        self.runner = SimpleNamespace(
-            req_to_token_pool=ReqToTokenPool(8, 256, "cpu"),
-            kv_pool=MHATokenToKVPool(1024, torch.float32, 1, 1, 1, "cpu"),
-            shape=SimpleNamespace(context_len=256, vocab_size=vocab_size),
-            max_total_tokens=1024, max_running_requests=8, model=torch.nn.Linear(1, 1),
-            config=None, device=self.device)
+        self.supports_overlap = overlap
+        self.req_to_token_pool = ReqToTokenPool(8, 256, "cpu")
+        self.kv_pool = MHATokenToKVPool(1024, torch.float32, 1, 1, 1, "cpu")
+        self.limits = WorkerLimits(max_total_tokens=1024, max_running_requests=8,
+                                   context_len=256, vocab_size=vocab_size, hidden_size=1)
+        self.vocab_size = vocab_size
         self.step_sizes: list[set[int]] = []  # per forward: the token counts it returned
+        self.stale_results = 0  # the scheduler's count, after a run
+
+    def runtime_controls(self) -> RuntimeControls:
+        runner = SimpleNamespace(model=torch.nn.Linear(1, 1), config=None, device=self.device)
+        return RuntimeControls.for_runner(runner, None)
 
     def forward(self, batch: ScheduleBatch) -> PendingResult:
         tokens, lps, tops, prompt, prompt_top = [], [], [], [], []
@@ -58,11 +66,11 @@ class ScriptedWorker:
                 step = self.steps.get(req.rid, 0)
                 self.steps[req.rid] = step + 1
                 k = self.sizes[step % len(self.sizes)]
-                pos = len(req.output_ids)
+                pos = batch.first_out(i)
                 new = self.scripts[req.rid][pos:pos + k]
                 assert new, "a sampling request gets at least one token"
             tokens.append(new)
-            first = len(req.output_ids)
+            first = batch.first_out(i)
             lps.append([-0.01 * (first + j + 1) for j in range(len(new))])
             tops.append([[[-0.01 * (first + j + 1), t], [-5.0, (t + 1) % self.vocab_size]]
                          [:req.top_logprobs_num] for j, t in enumerate(new)])
@@ -113,9 +121,10 @@ def _requests(tok: Any) -> tuple[list[GenerateReq], dict[str, list[int]]]:
     return reqs, {rid: script for rid, (_, script) in specs.items()}
 
 
-def _run(tok: Any, sizes: list[int]) -> tuple[dict[str, list[TokenOut]], ScriptedWorker]:
+def _run(tok: Any, sizes: list[int], overlap: bool = False
+         ) -> tuple[dict[str, list[TokenOut]], ScriptedWorker]:
     reqs, scripts = _requests(tok)
-    worker = ScriptedWorker(scripts, sizes, len(tok))
+    worker = ScriptedWorker(scripts, sizes, len(tok), overlap)
     args = ServerArgs(device="cpu", enable_mixed_chunk=True, chunked_prefill_size=8)
     sched = Scheduler(args, "", SimpleNamespace(eos_token_id=tok.eos_token_id), tok,
                       worker=worker)
@@ -132,7 +141,8 @@ def _run(tok: Any, sizes: list[int]) -> tuple[dict[str, list[TokenOut]], Scripte
         sched.check_invariants()
     assert not sched.has_work and not sched.reqs
     sched.check_invariants()
-    assert worker.runner.kv_pool.available_size() + sched.cache.total_size() == 1024
+    assert worker.kv_pool.available_size() + sched.cache.total_size() == 1024
+    worker.stale_results = sched.stats.num_stale_results
     return outs, worker
 
 
@@ -151,10 +161,16 @@ def _summary(tok: Any, msgs: list[TokenOut]) -> dict[str, Any]:
     }
 
 
-def test_multi_token_steps_match_one_token_steps(tokenizer: Any) -> None:
+@pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlap"])
+def test_multi_token_steps_match_one_token_steps(tokenizer: Any, overlap: bool) -> None:
+    """With overlap the scheduler launches each step before it reads the previous
+    one, so a step after a 3-token step was launched for one token: its result is
+    stale and dropped, and the outputs must still be the same."""
     single, _ = _run(tokenizer, [1])
-    multi, worker = _run(tokenizer, [1, 3])
+    multi, worker = _run(tokenizer, [1, 3], overlap)
     assert {0, 1, 3} in worker.step_sizes  # one step: a chunk, a decode, a 3-token step
+    # Overlap launched steps on state a 3-token step then outdated (their tokens dropped).
+    assert (worker.stale_results > 0) == overlap
     for rid in single:
         a, b = _summary(tokenizer, single[rid]), _summary(tokenizer, multi[rid])
         assert a == b, rid

@@ -26,7 +26,7 @@ from radixlm.protocol import (
     decode_to_tokenizer,
     encode,
 )
-from radixlm.scheduler.control import SchedulerControl
+from radixlm.scheduler.control import RuntimeControls, SchedulerControl
 from radixlm.server.errors import APIError, from_value_error
 from radixlm.server.http_server import GuardMiddleware
 from radixlm.server.io import SeqOutput, sse
@@ -109,8 +109,10 @@ class FakeScheduler:
         self.pending: list[TokenOut] = []
         self.invariant_checks = 0
         self.args = ServerArgs()
-        self.runner = SimpleNamespace(model=torch.nn.Linear(1, 1), config=None,
-                                      device=torch.device("cpu"))
+        runner = SimpleNamespace(model=torch.nn.Linear(1, 1), config=None,
+                                 device=torch.device("cpu"))
+        self.worker = SimpleNamespace(
+            runtime_controls=lambda: RuntimeControls.for_runner(runner, None))
         self.controls = SchedulerControl(self)
 
     def control(self, method: str, **args: Any) -> Any:

@@ -219,7 +219,7 @@ def test_closing_a_session_with_a_running_request(engine):
     done = drain(s)
     assert done["running"].finish_reason["type"] == "length"
     s.check_invariants()
-    assert s.runner.kv_pool.available_size() + s.cache.total_size() == s.max_total_tokens
+    assert s.worker.kv_pool.available_size() + s.cache.total_size() == s.max_total_tokens
 
 
 # ---- over HTTP ------------------------------------------------------------------------

@@ -273,7 +273,7 @@ def test_get_weights_by_name_matches_the_checkpoint(engine, hf_model):
 
 # ---- memory ------------------------------------------------------------------------------------
 def test_release_and_resume(engine, prompt_ids, baseline):
-    runner = engine.scheduler.runner
+    runner = engine.scheduler.worker.runner
     ok, message = engine.release_memory_occupation()
     assert ok, message
     try:
@@ -301,7 +301,7 @@ def test_release_by_tag_and_refusals(engine, prompt_ids, baseline):
     assert not ok and "unknown memory tag" in message
     ok, message = engine.release_memory_occupation(["kv_cache"])
     assert ok and message == "released kv_cache"
-    assert engine.scheduler.runner.model.model.norm.weight.numel() == 576  # weights stay
+    assert engine.scheduler.worker.runner.model.model.norm.weight.numel() == 576  # weights stay
     assert engine.resume_memory_occupation(["kv_cache"])[0]
     assert engine.resume_memory_occupation()[1] == "nothing was released"
     stream = engine.generate(input_ids=prompt_ids[0], sampling_params=SP, stream=True)

@@ -177,7 +177,7 @@ def torch_floor_mib() -> float:
 
 def kv_pool_mib(dtype_name: str, model: str, tokens: int) -> float:
     """The KV pool's size as the scheduler sizes it (same config, same dtype rule)."""
-    from radixlm.cache.memory_pool import MHATokenToKVPool
+    from radixlm.cache.kv_spec import MHA, KVSpec
     from radixlm.models.decoder import head_dim_of
     from radixlm.models.gguf_packed import record_stored_dtype
     from radixlm.models.loader import gguf_source, load_config, prepare_model_dir, resolve_dtype
@@ -186,8 +186,9 @@ def kv_pool_mib(dtype_name: str, model: str, tokens: int) -> float:
     if (gguf := gguf_source(model)) is not None:
         record_stored_dtype(config, gguf)  # as the runner does, for dtype auto
     dtype = resolve_dtype(dtype_name, config, "cpu")
-    per_token = MHATokenToKVPool.bytes_per_token(
-        config.num_key_value_heads, head_dim_of(config), config.num_hidden_layers, dtype)
+    d = head_dim_of(config)
+    per_token = KVSpec(MHA, config.num_hidden_layers, config.num_key_value_heads, d,
+                       d).layer_bytes(dtype) * config.num_hidden_layers
     return tokens * per_token / 2**20
 
 

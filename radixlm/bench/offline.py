@@ -133,14 +133,14 @@ def measure_matmul_flops(device: torch.device, dtype: torch.dtype) -> float:
 def workload_bound_seconds(runner, n: int, input_len: int, output_len: int, bw: float,
                            flops: float) -> float:
     """Prefill FLOPs / matmul peak + sum over decode steps of (weights + KV read) / bw."""
-    s = runner.shape
+    spec, attn = runner.kv_spec, runner.layers[0]
     params = sum(p.numel() for p in runner.model.parameters())
     embed = runner.model.model.embed_tokens.weight.numel()
     weight_bytes = sum(p.numel() * p.element_size() for p in runner.model.parameters())
-    attn_dim = s.num_heads * s.head_dim
+    attn_dim = attn.num_heads * attn.head_dim
     prefill = n * (2 * (params - embed) * input_len  # linear layers (the head: last row only)
-                   + 2 * s.num_layers * attn_dim * input_len * input_len)  # causal QK^T + PV
-    kv_token = 2 * s.num_layers * s.num_kv_heads * s.head_dim * runner.dtype.itemsize
+                   + 2 * spec.num_layers * attn_dim * input_len * input_len)  # QK^T + PV
+    kv_token = spec.num_layers * spec.layer_bytes(runner.kv_dtype)
     kv_read = n * kv_token * sum(input_len + t for t in range(output_len))
     return prefill / flops + (output_len * weight_bytes + kv_read) / bw
 
@@ -207,7 +207,8 @@ def main(argv: list[str] | None = None, mode: str = "offline") -> None:
     engine = Engine(**vars(server_args))
     # With tp/dp > 1 the model runs in rank processes: no runner here, so no
     # roofline and no HF peer (which would need the same devices).
-    runner = getattr(engine.scheduler, "runner", None)
+    worker = getattr(engine.scheduler, "worker", None)
+    runner = getattr(worker, "runner", None)
     if runner is None and not args.skip_hf:
         engine.shutdown()
         parser.error("with --tp-size/--dp-size > 1, pass --skip-hf")

@@ -19,7 +19,9 @@ from dataclasses import dataclass
 
 import torch
 
-from radixlm.cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
+from radixlm.cache.kv_spec import MHA, KVSpec
+from radixlm.cache.memory_pool import MHATokenToKVPool, PoolOptions, ReqToTokenPool
+from radixlm.cache.pool_registry import kv_pool_class
 from radixlm.cache.radix_cache import RadixCache
 from radixlm.cache.swa_memory_pool import SWAKVPool
 from radixlm.sampling_params import SamplingParams
@@ -46,14 +48,15 @@ GEMMA2_9B = Shape("Gemma-2-9B", 42, 21, 8, 256, 4096)
 
 def pool_sizes(shape: Shape, memory: float, ratio: float | None) -> tuple[int, int]:
     """(full slots, window slots) in `memory` bytes of bf16 KV; ratio None: plain."""
-    if ratio is None:
-        per = MHATokenToKVPool.bytes_per_token(shape.num_kv_heads, shape.head_dim,
-                                               shape.num_layers, torch.bfloat16)
-        return int(memory // per), 0
-    per = SWAKVPool.bytes_per_full_token(shape.num_kv_heads, shape.head_dim,
-                                         shape.num_layers - shape.window_layers,
-                                         shape.window_layers, ratio, torch.bfloat16)
+    windows = tuple(shape.window if i < shape.window_layers else None
+                    for i in range(shape.num_layers))
+    spec = KVSpec(MHA, shape.num_layers, shape.num_kv_heads, shape.head_dim, shape.head_dim,
+                  windows if ratio is not None else ())
+    options = PoolOptions(swa_full_tokens_ratio=ratio or 1.0)
+    per = kv_pool_class(spec, torch.bfloat16).bytes_per_slot(spec, torch.bfloat16, options)
     full = int(memory // per)
+    if ratio is None:
+        return full, 0
     return full, max(1, int(full * ratio))
 
 

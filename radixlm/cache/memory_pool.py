@@ -4,7 +4,9 @@ Two pools:
 - `ReqToTokenPool` maps (request slot, position) -> KV slot index. Each running
   request owns one row while it lives.
 - `KVPool` owns the per-layer K and V buffers and a free-slot allocator over
-  them; `MHATokenToKVPool` is the only layout so far (page size 1).
+  them (page size 1): `MHATokenToKVPool` for per-head K/V, `SWAKVPool`
+  (swa_memory_pool.py) when window layers drop what left their window. Which
+  pool holds a model's `KVSpec` is the registry's choice (pool_registry.py).
 
 Slot 0 of the KV buffers is never handed out: padded entries (CUDA-graph
 padding, dummy decode rows) write there harmlessly.
@@ -13,8 +15,18 @@ padding, dummy decode rows) write there harmlessly.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from dataclasses import dataclass
 
 import torch
+
+from radixlm.cache.kv_spec import MHA, KVSpec
+
+
+@dataclass(frozen=True)
+class PoolOptions:
+    """Sizing knobs of the pools that have any (ServerArgs' memory group)."""
+
+    swa_full_tokens_ratio: float = 0.8  # window pools: window slots per full slot
 
 
 class ReqToTokenPool:
@@ -50,12 +62,32 @@ class KVPool(ABC):
     K/V in a second, smaller slot space; `free_window(idx)` gives up only that
     part of slots whose tokens left every window that reads them (the slots stay
     allocated for the full-attention layers), and `layer_slot_map(layer)` is how
-    a backend finds a window layer's rows."""
+    a backend finds a window layer's rows.
+
+    Registry contract (pool_registry.py): `accepts(spec, dtype)` says whether this
+    class holds that layout in that dtype (exactly one registered class may);
+    `bytes_per_slot` is what one slot costs, so the memory plan can size
+    the pool before it exists; `create` builds it with `size` usable slots."""
 
     size: int
+    dtype: torch.dtype
     # The largest sliding window of the layers whose out-of-window KV this pool
     # frees; None: a plain pool (every slot holds every layer's KV).
     window: int | None = None
+
+    @classmethod
+    def accepts(cls, spec: KVSpec, dtype: torch.dtype) -> bool:
+        return False
+
+    @classmethod
+    def bytes_per_slot(cls, spec: KVSpec, dtype: torch.dtype,
+                             options: PoolOptions) -> float:
+        raise NotImplementedError
+
+    @classmethod
+    def create(cls, spec: KVSpec, dtype: torch.dtype, size: int, device: torch.device,
+               options: PoolOptions) -> KVPool:
+        raise NotImplementedError
 
     @abstractmethod
     def alloc(self, n: int) -> torch.Tensor | None: ...
@@ -102,22 +134,45 @@ def row_kv_buffers(pool: KVPool, layer_id: int,
 
 
 class MHATokenToKVPool(KVPool):
+    """Per-head K [slots, kv_heads, head_dim] and V [slots, kv_heads, v_head_dim]
+    per layer (`v_head_dim` defaults to `head_dim`)."""
+
     def __init__(self, size: int, dtype: torch.dtype, num_kv_heads: int, head_dim: int,
-                 num_layers: int, device: torch.device | str) -> None:
+                 num_layers: int, device: torch.device | str,
+                 v_head_dim: int | None = None) -> None:
         self.size = size
         self.dtype = dtype
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
+        self.v_head_dim = v_head_dim or head_dim
         self.num_layers = num_layers
         self.device = torch.device(device)
         self._allocate_buffers()
         self.clear()
 
+    @classmethod
+    def accepts(cls, spec: KVSpec, dtype: torch.dtype) -> bool:
+        return spec.kind == MHA and not spec.windows and dtype.is_floating_point
+
+    @classmethod
+    def bytes_per_slot(cls, spec: KVSpec, dtype: torch.dtype,
+                             options: PoolOptions) -> float:
+        return spec.num_layers * spec.layer_bytes(dtype)
+
+    @classmethod
+    def create(cls, spec: KVSpec, dtype: torch.dtype, size: int, device: torch.device,
+               options: PoolOptions) -> KVPool:
+        return cls(size, dtype, spec.num_kv_heads, spec.k_head_dim, spec.num_layers, device,
+                   v_head_dim=spec.v_head_dim)
+
+    def _buffer(self, rows: int, head_dim: int) -> torch.Tensor:
+        return torch.zeros((rows, self.num_kv_heads, head_dim), dtype=self.dtype,
+                           device=self.device)
+
     def _allocate_buffers(self) -> None:
-        shape = (self.size + 1, self.num_kv_heads, self.head_dim)
-        self.k_buffer = [torch.zeros(shape, dtype=self.dtype, device=self.device)
+        self.k_buffer = [self._buffer(self.size + 1, self.head_dim)
                          for _ in range(self.num_layers)]
-        self.v_buffer = [torch.zeros(shape, dtype=self.dtype, device=self.device)
+        self.v_buffer = [self._buffer(self.size + 1, self.v_head_dim)
                          for _ in range(self.num_layers)]
 
     def release_buffers(self) -> None:
@@ -126,11 +181,6 @@ class MHATokenToKVPool(KVPool):
 
     def restore_buffers(self) -> None:
         self._allocate_buffers()
-
-    @staticmethod
-    def bytes_per_token(num_kv_heads: int, head_dim: int, num_layers: int,
-                        dtype: torch.dtype) -> int:
-        return 2 * num_kv_heads * head_dim * num_layers * dtype.itemsize
 
     def clear(self) -> None:
         # Kept on the CPU: allocation is bookkeeping, the indices travel with the batch.
@@ -160,4 +210,4 @@ class MHATokenToKVPool(KVPool):
         if slot_map is not None:  # a window pool's window layer: rows at its window slots
             loc = slot_map[loc]
         self.k_buffer[layer_id][loc] = k.view(-1, self.num_kv_heads, self.head_dim)
-        self.v_buffer[layer_id][loc] = v.view(-1, self.num_kv_heads, self.head_dim)
+        self.v_buffer[layer_id][loc] = v.view(-1, self.num_kv_heads, self.v_head_dim)

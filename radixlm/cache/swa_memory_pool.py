@@ -25,7 +25,8 @@ from __future__ import annotations
 
 import torch
 
-from radixlm.cache.memory_pool import MHATokenToKVPool
+from radixlm.cache.kv_spec import MHA, KVSpec
+from radixlm.cache.memory_pool import KVPool, MHATokenToKVPool, PoolOptions
 from radixlm.utils import to_device
 
 
@@ -36,7 +37,7 @@ class SWAKVPool(MHATokenToKVPool):
 
     def __init__(self, size: int, window_size: int, dtype: torch.dtype, num_kv_heads: int,
                  head_dim: int, num_layers: int, layer_windows: dict[int, int],
-                 device: torch.device | str) -> None:
+                 device: torch.device | str, v_head_dim: int | None = None) -> None:
         if not layer_windows:
             raise ValueError("SWAKVPool needs at least one sliding-window layer")
         if not all(0 <= i < num_layers for i in layer_windows):
@@ -48,26 +49,43 @@ class SWAKVPool(MHATokenToKVPool):
         self.window = max(layer_windows.values())
         self.device = torch.device(device)
         self.slot_map = torch.zeros(size + 1, dtype=torch.int64, device=self.device)
-        super().__init__(size, dtype, num_kv_heads, head_dim, num_layers, device)
+        super().__init__(size, dtype, num_kv_heads, head_dim, num_layers, device, v_head_dim)
 
-    @staticmethod
-    def bytes_per_full_token(num_kv_heads: int, head_dim: int, num_full_layers: int,
-                             num_window_layers: int, window_ratio: float,
-                             dtype: torch.dtype) -> float:
-        """Bytes per full slot when each brings `window_ratio` window slots."""
-        layer = 2 * num_kv_heads * head_dim * dtype.itemsize
-        return layer * (num_full_layers + window_ratio * num_window_layers)
+    @classmethod
+    def accepts(cls, spec: KVSpec, dtype: torch.dtype) -> bool:
+        return spec.kind == MHA and bool(spec.window_layers) and dtype.is_floating_point
+
+    @classmethod
+    def bytes_per_slot(cls, spec: KVSpec, dtype: torch.dtype, options: PoolOptions) -> float:
+        """Bytes per full slot when each brings `swa_full_tokens_ratio` window slots."""
+        windowed = len(spec.window_layers)
+        full = spec.num_layers - windowed
+        return spec.layer_bytes(dtype) * (full + options.swa_full_tokens_ratio * windowed)
+
+    @classmethod
+    def create(cls, spec: KVSpec, dtype: torch.dtype, size: int, device: torch.device,
+               options: PoolOptions) -> KVPool:
+        ratio = options.swa_full_tokens_ratio
+        window_size = max(1, int(size * ratio))
+        window = max(spec.window_layers.values())
+        if window_size < 2 * window:
+            # A running request holds up to two windows of window slots (the last
+            # W - 1 of its cached prefix, and its own last W tokens).
+            raise ValueError(
+                f"swa_full_tokens_ratio={ratio} gives {window_size} window-layer KV slots for "
+                f"{size} tokens, fewer than the {2 * window} one request needs with window "
+                f"{window}: raise it (or the KV memory), or pass --disable-hybrid-swa-memory")
+        return cls(size, window_size, dtype, spec.num_kv_heads, spec.k_head_dim,
+                   spec.num_layers, spec.window_layers, device, v_head_dim=spec.v_head_dim)
 
     def _rows(self, layer_id: int) -> int:
         return (self.window_size if layer_id in self.layer_windows else self.size) + 1
 
     def _allocate_buffers(self) -> None:
-        def buf(layer_id: int) -> torch.Tensor:
-            return torch.zeros((self._rows(layer_id), self.num_kv_heads, self.head_dim),
-                               dtype=self.dtype, device=self.device)
-
-        self.k_buffer = [buf(i) for i in range(self.num_layers)]
-        self.v_buffer = [buf(i) for i in range(self.num_layers)]
+        self.k_buffer = [self._buffer(self._rows(i), self.head_dim)
+                         for i in range(self.num_layers)]
+        self.v_buffer = [self._buffer(self._rows(i), self.v_head_dim)
+                         for i in range(self.num_layers)]
 
     def clear(self) -> None:
         super().clear()

@@ -28,6 +28,7 @@ import torch
 from torch import nn
 from transformers import PretrainedConfig
 
+from radixlm.cache.kv_spec import MHA, KVSpec
 from radixlm.layers.activation import GATED_ACTIVATIONS
 from radixlm.layers.attention.radix_attention import RadixAttention
 from radixlm.layers.embedding import ParallelLMHead, VocabParallelEmbedding
@@ -305,12 +306,17 @@ class DecoderForCausalLM(nn.Module):
         self.lm_head = ParallelLMHead(spec.vocab_size, spec.hidden_size, tied_to=tied_to,
                                       quant_config=quant_config, prefix="lm_head")
         self.final_logit_softcap = spec.final_logit_softcap
-        attn = self.model.layers[0].self_attn.attn
-        # What a KV pool for this rank needs.
-        self.num_layers = spec.num_layers
-        self.num_kv_heads = attn.num_kv_heads
-        self.head_dim = attn.head_dim
-        self.sliding_windows = tuple(spec.window(i) for i in range(spec.num_layers))
+
+    def kv_spec(self) -> KVSpec:
+        """What this rank's attention layers keep per token (their share of the
+        KV heads under tensor parallelism): what the KV pool is built for."""
+        layers = [m for m in self.modules() if isinstance(m, RadixAttention)]
+        first = layers[0]
+        if any((a.num_kv_heads, a.head_dim) != (first.num_kv_heads, first.head_dim)
+               for a in layers):
+            raise ValueError("layers with different KV shapes need a per-layer pool")
+        return KVSpec(MHA, len(layers), first.num_kv_heads, first.head_dim, first.head_dim,
+                      tuple(a.sliding_window for a in layers))
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, fb: ForwardBatch,
                 input_embeds: torch.Tensor | None = None) -> torch.Tensor:
@@ -321,7 +327,7 @@ class DecoderForCausalLM(nn.Module):
         if rows is None:
             rows = fb.extend_start_loc + fb.extend_seq_lens - 1
         # Prefill: the last layer's o_proj and MLP only for the logit rows (~3%).
-        every_row = fb.mode.is_decode() or rows.numel() == fb.num_tokens
+        every_row = fb.mode.is_decode_like() or rows.numel() == fb.num_tokens
         hidden = self.model(input_ids, positions, fb, last_rows=None if every_row else rows,
                             input_embeds=input_embeds)
         if every_row:

@@ -1,7 +1,10 @@
 """Decode forwards replayed from CUDA graphs (seed 001: ModelRunner's cuda graphs).
 
 One graph per captured batch size; a batch is padded up to the next captured
-size. Padded rows have sequence length 0 (the decode kernel writes zeros for
+size. A verify batch (k + 1 rows per request) replays the graph of its row
+count: each of its rows is a decode step of its own
+(`ForwardBatch.verify_decode_view`), so the decode graphs serve it as they
+are. Padded rows have sequence length 0 (the decode kernel writes zeros for
 them) and write their K/V to slot 0, which the pool never hands out.
 
 With `--disable-cuda-graph` the same padded static batches run eagerly: the
@@ -95,9 +98,13 @@ class CudaGraphRunner:
                     time.perf_counter() - t0)
 
     def can_run(self, fb: ForwardBatch) -> bool:
-        return fb.mode.is_decode() and fb.batch_size <= self.max_bs
+        return fb.mode.is_decode_like() and fb.num_tokens <= self.max_bs \
+            and fb.input_embeds is None
 
     def replay(self, fb: ForwardBatch) -> torch.Tensor:
+        groups = fb.prefix_groups
+        if fb.mode.is_verify():
+            fb = fb.verify_decode_view()
         bs = fb.batch_size
         padded = self.sizes[bisect.bisect_left(self.sizes, bs)]
         if padded > bs:
@@ -112,7 +119,7 @@ class CudaGraphRunner:
         self.out_cache_loc[:bs].copy_(fb.out_cache_loc, non_blocking=True)
         self.runner.attn_backend.init_forward_metadata_cuda_graph(
             padded, self.req_pool_indices[:padded], self.seq_lens[:padded],
-            prefix_groups=fb.prefix_groups if self.cascade else None)
+            prefix_groups=groups if self.cascade else None)
         if not self.use_graphs:
             return self.runner.model(self.input_ids[:padded], self.positions[:padded],
                                      self._batch(padded))[:bs]

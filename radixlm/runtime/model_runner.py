@@ -1,54 +1,34 @@
-"""Owns the model, the KV pools and the attention backend; runs one forward."""
+"""Owns one model, its attention backend and CUDA graphs; runs one forward.
+
+Built in two steps: the constructor loads the weights; `attach_pools` then
+takes the KV pools the memory plan sized from the memory those weights left
+(`runtime/memory_plan.py`) and builds the attention backend and the graphs
+over them. The runner declares what its pool must hold (`kv_request`: the
+model's `kv_spec()` in the KV dtype, windows dropped where the backend cannot
+read a window pool); it never sizes or builds a pool itself.
+"""
 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
 from pathlib import Path
 
 import psutil
 import torch
 
-from radixlm import distributed as tp
-from radixlm.cache.memory_pool import KVPool, MHATokenToKVPool, ReqToTokenPool
-from radixlm.cache.swa_memory_pool import SWAKVPool
+from radixlm.cache.kv_spec import KVSpec
+from radixlm.cache.memory_pool import KVPool, ReqToTokenPool
 from radixlm.config import ServerArgs
 from radixlm.forward_batch import ForwardBatch
-from radixlm.layers.attention.base import AttentionBackend
+from radixlm.layers.attention.base import AttentionBackend, AttentionShape
 from radixlm.layers.attention.radix_attention import RadixAttention
+from radixlm.layers.attention.registry import attention_backend_class
 from radixlm.layers.quantization import QuantizationConfig, get_quantization_config
+from radixlm.runtime.memory_plan import KVPools, KVRequest
 
 logger = logging.getLogger(__name__)
 
-# On the CPU the KV pool comes out of host RAM, which other processes share:
-# take a modest slice by default, and never more than this many tokens.
-CPU_KV_FRACTION = 0.1
-CPU_MAX_DEFAULT_TOKENS = 65536
-
-
-@dataclass(frozen=True)
-class ModelShape:
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    vocab_size: int
-    context_len: int
-
-    @classmethod
-    def from_config(cls, config, context_length: int | None, tp_size: int = 1,
-                    tp_rank: int = 0) -> ModelShape:
-        """Sizes as one tensor-parallel rank sees them (its share of the heads)."""
-        from radixlm.layers.sharding import head_partition
-
-        heads = config.num_attention_heads
-        kv_heads = getattr(config, "num_key_value_heads", None) or heads
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-        ctx = context_length or getattr(config, "max_position_embeddings", 4096)
-        _, local_heads, _, local_kv = head_partition(heads, kv_heads, tp_size, tp_rank)
-        return cls(num_layers=config.num_hidden_layers, num_heads=local_heads,
-                   num_kv_heads=local_kv, head_dim=head_dim,
-                   vocab_size=config.vocab_size, context_len=ctx)
+_KV_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def resolve_device(name: str, gpu_id: int | None = None) -> torch.device:
@@ -59,6 +39,16 @@ def resolve_device(name: str, gpu_id: int | None = None) -> torch.device:
     if device.type == "cuda" and gpu_id is not None:
         device = torch.device("cuda", gpu_id)
     return device
+
+
+def resolve_kv_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
+    """--kv-cache-dtype: auto is the model's dtype."""
+    if name == "auto":
+        return model_dtype
+    if name not in _KV_DTYPES:
+        raise ValueError(f"kv_cache_dtype={name!r}: expected auto or one of "
+                         f"{', '.join(_KV_DTYPES)}")
+    return _KV_DTYPES[name]
 
 
 def gguf_file(args: ServerArgs) -> Path | None:
@@ -74,7 +64,9 @@ class ModelRunner:
     def __init__(self, args: ServerArgs, model_dir: str, config,
                  gpu_id: int | None = None) -> None:
         from radixlm.models.loader import load_model, resolve_dtype
+        from radixlm.models.registry import get_model_class
 
+        get_model_class(config)  # an unknown architecture is refused before its config is read
         self.args = args
         self.device = resolve_device(args.device, gpu_id)
         if self.device.type == "cpu":
@@ -89,29 +81,24 @@ class ModelRunner:
             from radixlm.models.gguf_packed import record_stored_dtype
             record_stored_dtype(config, gguf)  # for dtype auto
         self.dtype = resolve_dtype(args.dtype, config, self.device)
+        self.kv_dtype = resolve_kv_dtype(args.kv_cache_dtype, self.dtype)
         self.config = config
-        self.shape = ModelShape.from_config(config, args.context_length, args.tp_size,
-                                            tp.get_tp_rank())
+        self.context_len = args.context_length or getattr(config, "max_position_embeddings",
+                                                          4096)
+        self.vocab_size = config.vocab_size
         self.model = load_model(model_dir, config, args.load_format, self.dtype, self.device,
                                 seed=args.random_seed, quant_config=self._quant_config())
-        self.layer_windows = self._pooled_windows()
-        self.max_total_tokens = self._kv_capacity()
-        self.max_running_requests = min(
-            args.max_running_requests or (256 if self.device.type == "cuda" else 128),
-            self.max_total_tokens)
-        self.req_to_token_pool = ReqToTokenPool(self.max_running_requests,
-                                                self.shape.context_len + 8, self.device)
-        self.kv_pool = self._make_kv_pool()
-        self.attn_backend = self._make_attn_backend()
-        for module in self.model.modules():
-            if isinstance(module, RadixAttention):
-                self.attn_backend.check_layer(module)  # refuse what it cannot compute
+        self.layers = sorted((m for m in self.model.modules() if isinstance(m, RadixAttention)),
+                             key=lambda m: m.layer_id)
+        spec = self.model.kv_spec()
+        self.backend_class = attention_backend_class(args.attention_backend, self.device,
+                                                     spec.k_head_dim)
+        self.kv_spec = self._pooled_spec(spec)
+        self.req_to_token_pool: ReqToTokenPool | None = None
+        self.kv_pool: KVPool | None = None
+        self.attn_backend: AttentionBackend | None = None
         self.graph_runner = None
-        if self.device.type == "cuda" and self.attn_backend.supports_cuda_graph:
-            from radixlm.runtime.cuda_graph_runner import CudaGraphRunner
-            self.graph_runner = CudaGraphRunner(
-                self, min(args.cuda_graph_max_bs, self.max_running_requests),
-                use_graphs=not args.disable_cuda_graph)
+        self.max_running_requests = 0
 
     def _set_cpu_threads(self) -> None:
         if self.args.num_threads:
@@ -134,117 +121,48 @@ class ModelRunner:
                                 **fast)
         return get_quantization_config(self.config, args.quantization, **fast)
 
-
-    # ---- sizing ------------------------------------------------------------
-    def _kv_capacity(self) -> int:
-        tokens = self._local_kv_capacity()
-        sync = tp.get_tp_sync()
-        # Every rank must admit the same requests: all take the smallest capacity.
-        return sync.min_int(tokens) if sync is not None else tokens
-
-    def _pooled_windows(self) -> dict[int, int]:
-        """{layer: window} of the sliding-window layers whose KV gets a window pool
-        (SWAKVPool): empty without such layers, with --disable-hybrid-swa-memory, or
-        for a backend that cannot read one."""
-        windows = {m.layer_id: m.sliding_window for m in self.model.modules()
-                   if isinstance(m, RadixAttention) and m.sliding_window is not None}
-        if not windows or self.args.disable_hybrid_swa_memory:
-            return {}
-        if not self._backend_class().supports_window_pool:
+    # ---- memory ------------------------------------------------------------
+    def _pooled_spec(self, spec: KVSpec) -> KVSpec:
+        """The model's layout as the pool will hold it: window layers keep only
+        their window's KV (a window pool) unless --disable-hybrid-swa-memory or a
+        backend that cannot read a window pool."""
+        if not spec.window_layers or self.args.disable_hybrid_swa_memory:
+            return spec.without_windows()
+        if not self.backend_class.supports_window_pool:
             logger.info("attention backend %s keeps window layers' KV for every token",
-                        self._backend_name())
-            return {}
-        return windows
+                        self.backend_class.__name__)
+            return spec.without_windows()
+        return spec
 
-    def _make_kv_pool(self) -> KVPool:
-        s = self.shape
-        if not self.layer_windows:
-            return MHATokenToKVPool(self.max_total_tokens, self.dtype, s.num_kv_heads,
-                                    s.head_dim, s.num_layers, self.device)
-        window_size = max(1, int(self.max_total_tokens * self.args.swa_full_tokens_ratio))
-        window = max(self.layer_windows.values())
-        if window_size < 2 * window:
-            # A running request holds up to two windows of window slots (the last
-            # W - 1 of its cached prefix, and its own last W tokens).
-            raise ValueError(
-                f"swa_full_tokens_ratio={self.args.swa_full_tokens_ratio} gives {window_size} "
-                f"window-layer KV slots for {self.max_total_tokens} tokens, fewer than the "
-                f"{2 * window} one request needs with window {window}: raise it (or the "
-                f"KV memory), or pass --disable-hybrid-swa-memory")
-        logger.info("window pool: %d full-layer slots, %d window-layer slots (%d of %d layers "
-                    "windowed, largest window %d)", self.max_total_tokens, window_size,
-                    len(self.layer_windows), s.num_layers, window)
-        return SWAKVPool(self.max_total_tokens, window_size, self.dtype, s.num_kv_heads,
-                         s.head_dim, s.num_layers, self.layer_windows, self.device)
+    def kv_request(self, name: str = "target") -> KVRequest:
+        """What this runner's KV pool must hold, for the memory plan."""
+        return KVRequest(name, self.kv_spec, self.kv_dtype)
 
-    def kv_bytes_per_token(self) -> float:
-        """KV bytes per pool slot (a window pool's: with its share of window slots)."""
-        s = self.shape
-        if self.layer_windows:
-            n_win = len(self.layer_windows)
-            return SWAKVPool.bytes_per_full_token(s.num_kv_heads, s.head_dim,
-                                                  s.num_layers - n_win, n_win,
-                                                  self.args.swa_full_tokens_ratio, self.dtype)
-        return MHATokenToKVPool.bytes_per_token(s.num_kv_heads, s.head_dim, s.num_layers,
-                                                self.dtype)
-
-    def _local_kv_capacity(self) -> int:
-        if self.args.max_total_tokens:
-            return self.args.max_total_tokens
-        per_token = self.kv_bytes_per_token()
-        if self.device.type == "cuda":
-            free, total = torch.cuda.mem_get_info(self.device)
-            budget = free - total * (1 - self.args.mem_fraction_static)
-        else:
-            budget = psutil.virtual_memory().available * CPU_KV_FRACTION
-        tokens = int(budget // per_token)
-        if self.device.type == "cpu":
-            tokens = min(tokens, CPU_MAX_DEFAULT_TOKENS)
-        if tokens < 16:
-            raise RuntimeError(f"not enough memory for the KV cache ({budget / 2**20:.0f} MiB "
-                               f"left); lower --mem-fraction-static or set --max-total-tokens")
-        return tokens
-
-    def _backend_name(self) -> str:
-        from radixlm.layers.attention.cpu_backend import CpuAttentionBackend
-
-        name = self.args.attention_backend
-        if name != "auto":
-            return name
-        if self.device.type == "cpu":
-            return "cpu" if CpuAttentionBackend.supports(self.shape.head_dim) else "torch_native"
-        return "triton"
-
-    def _backend_class(self) -> type[AttentionBackend]:
-        name = self._backend_name()
-        if name == "triton":
-            from radixlm.layers.attention.triton_backend import TritonAttentionBackend
-            return TritonAttentionBackend
-        if name == "cpu":
-            from radixlm.layers.attention.cpu_backend import CpuAttentionBackend
-            return CpuAttentionBackend
-        from radixlm.layers.attention.torch_native import TorchNativeBackend
-        return TorchNativeBackend
-
-    def _make_attn_backend(self) -> AttentionBackend:
-        from radixlm.layers.attention.cpu_backend import CpuAttentionBackend
-
-        name = self._backend_name()
-        on_cpu = self.device.type == "cpu"
-        if name == "cpu":
-            if not on_cpu or not CpuAttentionBackend.supports(self.shape.head_dim):
-                raise ValueError("attention_backend='cpu' needs the CPU device, a C++ compiler "
-                                 "(see the log) and a head dim that is a multiple of 16")
-            return CpuAttentionBackend()
-        if name == "triton":
-            from radixlm.layers.attention.triton_backend import TritonAttentionBackend
-            s = self.shape
-            return TritonAttentionBackend(s.num_heads, s.num_kv_heads, s.head_dim, self.device,
-                                          self.req_to_token_pool.max_context_len)
-        from radixlm.layers.attention.torch_native import TorchNativeBackend
-        return TorchNativeBackend()
+    def attach_pools(self, pools: KVPools, name: str = "target") -> None:
+        """Take the memory plan's pools (this runner's is `pools.pools[name]`) and build
+        the attention backend and CUDA graphs over them."""
+        self.req_to_token_pool = pools.req_to_token_pool
+        self.kv_pool = pools.pools[name]
+        self.max_running_requests = pools.max_running_requests
+        first = self.layers[0]
+        self.attn_backend = self.backend_class.create(AttentionShape(
+            first.num_heads, first.num_kv_heads, first.head_dim, self.device,
+            self.req_to_token_pool.max_context_len))
+        self.attn_backend.check_kv_dtype(self.dtype, self.kv_dtype)
+        for layer in self.layers:
+            self.attn_backend.check_layer(layer)  # refuse what it cannot compute
+        if self.device.type == "cuda" and self.attn_backend.supports_cuda_graph:
+            from radixlm.runtime.cuda_graph_runner import CudaGraphRunner
+            self.graph_runner = CudaGraphRunner(
+                self, min(self.args.cuda_graph_max_bs, self.max_running_requests),
+                use_graphs=not self.args.disable_cuda_graph)
 
     # ---- execution -----------------------------------------------------------
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The model's input embeddings of `input_ids` (what `input_embeds` holds
+        for ordinary tokens)."""
+        return self.model.model.embed(input_ids)
+
     @torch.inference_mode()
     def forward(self, fb: ForwardBatch) -> torch.Tensor:
         """Logits [len(fb.logit_rows), vocab] in float32. From a CUDA graph they live
@@ -252,5 +170,11 @@ class ModelRunner:
         if self.graph_runner is not None and self.graph_runner.can_run(fb):
             return self.graph_runner.replay(fb)
         fb.attn_backend.begin_forward(fb)
-        return self.model(fb.input_ids, fb.positions, fb).float()
+        return self.model(fb.input_ids, fb.positions, fb, input_embeds=fb.input_embeds).float()
 
+    @torch.inference_mode()
+    def forward_hidden(self, fb: ForwardBatch) -> torch.Tensor:
+        """Final-normed hidden states of every token (embedding requests)."""
+        fb.attn_backend.begin_forward(fb)
+        return self.model.forward_hidden(fb.input_ids, fb.positions, fb,
+                                         input_embeds=fb.input_embeds)

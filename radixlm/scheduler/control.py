@@ -25,6 +25,7 @@ prefix cache is flushed (its KV came from the old weights).
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 from radixlm.config import LOG_LEVELS, WEIGHT_UPDATE_GROUP
@@ -37,11 +38,26 @@ from radixlm.runtime.weight_updater import (
 )
 
 
+@dataclass(frozen=True)
+class RuntimeControls:
+    """The model-touching parts of control, one set per model runner: built by the
+    model worker (`Worker.runtime_controls`), driven from here."""
+
+    weights: WeightUpdater
+    memory: MemoryOccupation
+    profiler: Profiler
+
+    @classmethod
+    def for_runner(cls, runner: Any, model_path: str | None) -> RuntimeControls:
+        return cls(WeightUpdater(runner.model, runner.config, runner.device, model_path),
+                   MemoryOccupation(runner), Profiler(runner.device))
+
+
 class Controlled(Protocol):
     """What the control component needs of its scheduler."""
 
     args: Any  # ServerArgs
-    runner: Any  # the ModelRunner: model, config, device
+    worker: Any  # its model worker (`Worker`): the runtime controls
     reqs: dict[str, Any]
     sessions: Any  # SessionController
 
@@ -79,15 +95,14 @@ def _fail(message: str, **extra: Any) -> dict[str, Any]:
 
 class SchedulerControl:
     """Constructed by the scheduler it controls, with the runtime-control parts of
-    its model runner (weight updater, memory occupation, profiler)."""
+    its model worker (weight updater, memory occupation, profiler)."""
 
     def __init__(self, scheduler: Controlled) -> None:
         self.scheduler = scheduler
-        runner = scheduler.runner
-        self.weights = WeightUpdater(runner.model, runner.config, runner.device,
-                                     scheduler.args.model_path)
-        self.memory = MemoryOccupation(runner)
-        self.profiler = Profiler(runner.device)
+        controls = scheduler.worker.runtime_controls()
+        self.weights = controls.weights
+        self.memory = controls.memory
+        self.profiler = controls.profiler
 
     def call(self, method: str, **args: Any) -> Any:
         """Run the control method `method`; raises KeyError for an unknown name and

@@ -12,7 +12,7 @@ so far, and resume later by prefilling prompt + output again.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from radixlm.config import ServerArgs
 from radixlm.scheduler.kv_manager import KVManager
@@ -31,13 +31,14 @@ RETRACT_HEADROOM_STEPS = 8
 
 class DecodeManager:
     def __init__(self, args: ServerArgs, kv: KVManager, stats: Stats,
-                 requeue: Callable[[Req], None]) -> None:
+                 requeue: Callable[[Req], None], context_len: int) -> None:
         """`requeue(req)` takes a retracted request back into the waiting queue."""
         self.kv = kv
         self.stats = stats
         self.requeue = requeue
         self.running: list[Req] = []
         self.new_token_ratio = INIT_NEW_TOKEN_RATIO * args.schedule_conservativeness
+        self.context_len = context_len
 
     def reserve(self) -> int:
         """KV slots admission must leave for the running requests' future tokens."""
@@ -49,12 +50,18 @@ class DecodeManager:
             self.running.remove(req)
 
     # ---- one decode step ------------------------------------------------------------
-    def schedule(self) -> tuple[list[Req], ScheduleBatch | None]:
+    def schedule(self, drafts: dict[str, list[int]] | None = None
+                 ) -> tuple[list[Req], ScheduleBatch | None]:
         """KV for the next step of every running request: (requests that must first
         catch up on tokens without KV, admitted as extends; the decode batch of the
-        rest). Retracts first if the step would not fit."""
-        self._ensure_memory()
+        rest). Retracts first if the step would not fit. `drafts` (by rid, from a
+        drafter): those requests verify them, which takes a KV slot per draft too,
+        and the batch is a verify batch (the others verify no draft)."""
         behind = [r for r in self.running if r.kv_behind > 0]
+        # Catch-up extends and a verify do not share a forward: no drafts this step.
+        drafts = {} if behind or not drafts else drafts
+        self._ensure_memory(drafts)
+        behind = [r for r in self.running if r.kv_behind > 0]  # retraction may drop some
         batch = [r for r in self.running if r.kv_behind <= 0] if behind else list(self.running)
         for req in behind:  # a step accepted several tokens without their KV
             req.extend_input_len = req.kv_behind + 1
@@ -62,20 +69,31 @@ class DecodeManager:
             assert slots is not None, "decode memory was checked"
         if not batch:
             return behind, None
-        locs = self.kv.alloc(len(batch))
+        proposed = [self._fit(r, drafts.get(r.rid, ())) for r in batch]
+        counts = [len(d) + 1 for d in proposed]
+        locs = self.kv.alloc(sum(counts))
         assert locs is not None, "decode memory was checked"
         prefix_lens = [r.kv_len for r in batch]
-        self.kv.extend_decode(batch, locs)
+        self.kv.extend_decode(batch, locs, counts)
         self.new_token_ratio = max(MIN_NEW_TOKEN_RATIO,
                                    self.new_token_ratio - NEW_TOKEN_RATIO_DECAY)
+        if any(proposed):
+            return behind, ScheduleBatch.verify(batch, prefix_lens, proposed, locs)
         return behind, ScheduleBatch.decode(batch, prefix_lens, locs)
 
-    def _ensure_memory(self) -> None:
+    def _fit(self, req: Req, drafts: Sequence[int]) -> list[int]:
+        """The drafts worth verifying: no more than the request may still generate
+        after the target's own token, nor past its context."""
+        room = min(req.remaining_new_tokens() - 1, self.context_len - req.kv_len - 1)
+        return list(drafts[:max(room, 0)])
+
+    def _ensure_memory(self, drafts: dict[str, list[int]]) -> None:
         """Retract requests until one decode step fits with some headroom."""
         def need() -> int:
             steps = sum(min(r.remaining_new_tokens(), RETRACT_HEADROOM_STEPS)
                         for r in self.running)
-            return max(steps, sum(max(r.kv_behind, 0) + 1 for r in self.running))
+            return max(steps, sum(max(r.kv_behind, 0) + 1 + len(drafts.get(r.rid, ()))
+                                  for r in self.running))
 
         if self.kv.available() >= need():
             return

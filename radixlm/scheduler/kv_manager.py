@@ -48,7 +48,7 @@ class KVManager:
         """Find the cached prefix of the request's tokens (not yet locked)."""
         fill = req.fill_ids
         # Keep at least one token to compute: its logits give the next token.
-        limit = len(fill) - 1
+        limit = len(fill) - 1 if req.shares_kv else 0
         if req.wants_input_logprobs:
             limit = min(limit, req.first_logprob_row)
         match = self.cache.match_prefix(fill[:limit], req.namespace)
@@ -79,18 +79,25 @@ class KVManager:
         req.kv_len += extend_len
         return slots
 
-    def extend_decode(self, reqs: list[Req], slots: torch.Tensor) -> None:
-        """One new slot per request at its next position: a single scatter, not one
-        small host-to-device copy per request."""
+    def extend_decode(self, reqs: list[Req], slots: torch.Tensor,
+                      counts: list[int] | None = None) -> None:
+        """`counts[i]` (default 1) new slots per request at its next positions (a
+        verify step's newest token and drafts): a single scatter, not one small
+        host-to-device copy per request."""
+        counts = counts or [1] * len(reqs)
         table = self.req_to_token_pool.req_to_token
-        rows = torch.tensor([r.req_pool_idx for r in reqs], dtype=torch.int64)
-        cols = torch.tensor([r.kv_len for r in reqs], dtype=torch.int64)
+        rows = torch.tensor([r.req_pool_idx for r, n in zip(reqs, counts) for _ in range(n)],
+                            dtype=torch.int64)
+        cols = torch.tensor([r.kv_len + j for r, n in zip(reqs, counts) for j in range(n)],
+                            dtype=torch.int64)
         dev = table.device
         table[to_device(rows, dev), to_device(cols, dev)] = to_device(slots, dev, torch.int32)
         gone = [self._window_gone(r, r.kv_len) for r in reqs] if self.kv_pool.window else []
-        for r, slot in zip(reqs, slots.tolist()):
-            r.slots.append(slot)
-            r.kv_len += 1
+        flat, at = slots.tolist(), 0
+        for r, n in zip(reqs, counts):
+            r.slots += flat[at:at + n]
+            r.kv_len += n
+            at += n
         if any(gone):
             self.kv_pool.free_window(torch.tensor([s for g in gone for s in g],
                                                   dtype=torch.int64))
@@ -143,13 +150,21 @@ class KVManager:
         return torch.tensor(req.slots[start:end], dtype=torch.int64)
 
     # ---- hand-over to the prefix cache ----------------------------------------
-    def cache_unfinished(self, req: Req) -> None:
-        """Insert the request's KV into the cache and re-point it at the cache's slots,
-        so others can share it while this request keeps running."""
+    def _insert(self, req: Req) -> list[int]:
+        """Hand the request's computed KV to the cache, freeing the slots it
+        allocated for a prefix the cache already held; returns the tokens."""
         tokens = req.fill_ids[:req.kv_len]
         slots = self.table_slots(req, 0, req.kv_len)
         dup = self.cache.insert(tokens, slots, req.namespace)
         self.kv_pool.free(slots[len(req.prefix_indices):dup])
+        return tokens
+
+    def cache_unfinished(self, req: Req) -> None:
+        """Insert the request's KV into the cache and re-point it at the cache's slots,
+        so others can share it while this request keeps running."""
+        if not req.shares_kv:
+            return
+        tokens = self._insert(req)
         match = self.cache.match_prefix(tokens, req.namespace)
         assert len(match.indices) == req.kv_len, "inserted prefix must match in full"
         self._write_table(req, 0, match.indices)
@@ -162,10 +177,10 @@ class KVManager:
         cache keeps it, the no-sharing cache reports it all as duplicates to free)."""
         if req.req_pool_idx is None:
             return
-        tokens = req.fill_ids[:req.kv_len]
-        slots = self.table_slots(req, 0, req.kv_len)
-        dup = self.cache.insert(tokens, slots, req.namespace)
-        self.kv_pool.free(slots[len(req.prefix_indices):dup])
+        if req.shares_kv:
+            self._insert(req)
+        else:  # placeholder ids key nothing: its KV goes back to the pool
+            self.kv_pool.free(self.table_slots(req, len(req.prefix_indices), req.kv_len))
         self.cache.unlock(req.last_node)
         self.req_to_token_pool.free(req.req_pool_idx)
         self._window_front.pop(req.req_pool_idx, None)

@@ -3,36 +3,57 @@
 token ids).
 
 Between the scheduler (which requests, which KV slots) and the model runner
-(the model, the pools, the attention backend, CUDA graphs). `forward(batch)`
-builds the device `ForwardBatch`, runs the model, computes the prompt
-logprobs asked for, samples the requests that sample, and returns a
-`PendingResult` whose `wait()` gives the `BatchResult`.
+(the model, the attention backend, CUDA graphs). The worker loads the model,
+has the memory plan size its KV pools (`runtime/memory_plan.py`) and hands
+them to the runner; the scheduler reaches everything through the `Worker`
+protocol below, never through the runner. `forward(batch)` builds the device
+`ForwardBatch`, runs the model, computes the prompt logprobs asked for,
+samples the rows that sample, and returns a `PendingResult` whose `wait()`
+gives the `BatchResult`.
 
 Results are lists of tokens per request (0..k): a prefill chunk yields none,
-a decode step one, a speculative verify step (a later worker) up to k. The
-scheduler applies them token by token, in order.
+a decode step one, a verify step 1..k + 1: the drafts the target agrees with
+(its own token at each position equals the draft's, sampled with that
+position's seed, so the output is the target's whatever the drafter
+proposed), then the target's own next token.
 
-Overlap (CUDA): the sampled ids stay on the device in `future_ids` (indexed by
-request slot), where the next decode batch reads its input tokens, and their
-host copies travel asynchronously; `wait()` is the one synchronization. The
-scheduler may therefore launch batch N+1 before it reads batch N's result.
+Overlap (CUDA): sampled ids stay on the device in a token table indexed by
+(request slot, position) (`token_table.py`), where the next decode or verify
+batch reads its input tokens, and their host copies travel asynchronously;
+`wait()` is the one synchronization. The scheduler may therefore launch batch
+N + 1 before it reads batch N's result, also when N gives a request several
+tokens.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
 from radixlm import distributed as tp
+from radixlm.cache.memory_pool import KVPool, ReqToTokenPool
 from radixlm.config import ServerArgs
 from radixlm.forward_batch import ForwardBatch, SharedPrefixTracker, cascade_attention_wanted
 from radixlm.layers.sampler import Sampler, SamplingBatchInfo
+from radixlm.runtime.memory_plan import MemoryPlan
 from radixlm.runtime.model_runner import ModelRunner
 from radixlm.scheduler.req import Req
 from radixlm.scheduler.schedule_batch import ScheduleBatch
+from radixlm.scheduler.token_table import TokenTable
 from radixlm.utils import to_device
+
+
+@dataclass(frozen=True)
+class WorkerLimits:
+    """What the scheduler admits against (the same on every tensor-parallel rank)."""
+
+    max_total_tokens: int  # KV slots
+    max_running_requests: int
+    context_len: int
+    vocab_size: int
+    hidden_size: int  # of `input_embeds` rows
 
 
 @dataclass
@@ -56,14 +77,19 @@ class BatchResult:
 
 class PendingResult:
     """A launched batch's result; `wait()` blocks until its tokens are on the host.
-    Also made already complete (`PendingResult.done(result)`)."""
+    Also made already complete (`PendingResult.done(result)`).
+
+    `host`: sampled ids [rows] [, their logprobs [rows] [, top values, top ids
+    [rows, k]]], rows in batch order, `batch.sample_rows(i)` per request; and
+    `counts`: for a verify batch, how many of each sampling request's rows it keeps."""
 
     def __init__(self, batch: ScheduleBatch, host: list[torch.Tensor] | None = None,
                  event: torch.cuda.Event | None = None,
                  prompt: tuple[list[Any], list[Any]] | None = None,
-                 done: BatchResult | None = None) -> None:
+                 done: BatchResult | None = None, counts: torch.Tensor | None = None) -> None:
         self.batch = batch
-        self._host = host  # sampled ids [, logprobs [, top values, top ids]]
+        self._host = host
+        self._counts = counts
         self._event = event
         self._prompt = prompt
         self._result = done
@@ -81,23 +107,59 @@ class PendingResult:
         if self._event is not None:
             self._event.synchronize()  # the one wait on the device per step
         lists = [t.tolist() for t in self._host or []]
+        counts = self._counts.tolist() if self._counts is not None else None
         batch = self.batch
         n = batch.batch_size
         tokens: list[list[int]] = [[] for _ in range(n)]
         logprobs = [[] for _ in range(n)] if len(lists) > 1 else None
         tops = [[] for _ in range(n)] if len(lists) > 3 else None
-        rows = range(n) if all(batch.sample) else [i for i in range(n) if batch.sample[i]]
-        for j, i in enumerate(rows):
-            tokens[i].append(lists[0][j])
+        row = j = 0
+        for i in range(n):
+            m = batch.sample_rows(i)
+            if not m:
+                continue
+            keep = counts[j] if counts is not None else m
+            tokens[i] = lists[0][row:row + keep]
             if logprobs is not None:
-                logprobs[i].append(lists[1][j])
+                logprobs[i] = lists[1][row:row + keep]
             if tops is not None:
                 k = batch.reqs[i].top_logprobs_num
-                tops[i].append([[v, t] for v, t in zip(lists[2][j][:k], lists[3][j][:k])])
+                tops[i] = [[[v, t] for v, t in zip(lists[2][r][:k], lists[3][r][:k])]
+                           for r in range(row, row + keep)]
+            row += m
+            j += 1
         result = BatchResult(tokens, logprobs, tops)
         if self._prompt is not None:
             result.prompt_logprobs, result.prompt_top_logprobs = self._prompt
         return result
+
+
+class Worker(Protocol):
+    """What the scheduler needs of a model worker (`ModelWorker`; tests script one).
+
+    - `limits`, `device`, `tp_sync` (None: one rank), `supports_overlap` (the
+      scheduler may launch a batch before reading the previous one's result).
+    - `req_to_token_pool`, `kv_pool`: the pools the worker computes over; the
+      scheduler's KV manager hands out their slots.
+    - `forward(batch)`: returns at once with a `PendingResult`; a sampling
+      request gets 1..k tokens. `forward_embedding(batch)`: final-normed hidden
+      rows per request (embedding servers).
+    - `runtime_controls()`: the weight updater, memory occupation and profiler
+      the control component drives (`scheduler/control.py`).
+    """
+
+    limits: WorkerLimits
+    device: torch.device
+    tp_sync: Any
+    supports_overlap: bool
+    req_to_token_pool: ReqToTokenPool
+    kv_pool: KVPool
+
+    def forward(self, batch: ScheduleBatch) -> PendingResult: ...
+
+    def forward_embedding(self, batch: ScheduleBatch) -> PendingResult: ...
+
+    def runtime_controls(self) -> Any: ...
 
 
 def _to_host(t: torch.Tensor) -> torch.Tensor:
@@ -116,31 +178,42 @@ def _record_event(device: torch.device) -> torch.cuda.Event | None:
     return event
 
 
-def min_tokens_ban(req: Req) -> set[int]:
-    """Tokens that would stop the request, banned while it is below min_new_tokens."""
+def min_tokens_ban(req: Req, ahead: int = 0) -> set[int]:
+    """Tokens that would stop the request, banned while it is below min_new_tokens
+    (`ahead`: tokens it will have before this row, a verify row's drafts)."""
     p = req.sampling_params
-    if len(req.output_ids) >= p.min_new_tokens:
+    if len(req.output_ids) + ahead >= p.min_new_tokens:
         return set()
     stops = set(p.stop_token_ids)
     return stops if p.ignore_eos else stops | req.eos_token_ids
 
 
 class ModelWorker:
-    """Owns the model runner and the sampler of one (tensor-parallel) rank."""
+    """Owns the model runner, the sampler and the token table of one (tensor-parallel) rank."""
 
     def __init__(self, args: ServerArgs, model_dir: str, config: Any,
                  gpu_id: int | None = None) -> None:
+        self.args = args
         self.runner = ModelRunner(args, model_dir, config, gpu_id)
-        self.device = self.runner.device
-        self.vocab_size = self.runner.shape.vocab_size
+        r = self.runner
+        self.device = r.device
+        pools = MemoryPlan(args, self.device, r.context_len, [r.kv_request()]).build()
+        r.attach_pools(pools)
+        self.req_to_token_pool, self.kv_pool = pools.req_to_token_pool, pools.target
+        self.limits = WorkerLimits(pools.max_total_tokens, pools.max_running_requests,
+                                   r.context_len, r.vocab_size, config.hidden_size)
+        self.supports_overlap = self.device.type == "cuda"
         self.sampler = Sampler()
         self.tp_sync = tp.get_tp_sync()
-        # future_ids[req_pool_idx]: the request's newest sampled token, on the device.
-        self.future_ids = torch.zeros(self.runner.req_to_token_pool.size, dtype=torch.int64,
-                                      device=self.device)
+        self.tokens = TokenTable(pools.req_to_token_pool.size,
+                                 pools.req_to_token_pool.max_context_len, self.device)
         # Decode batches' shared prefixes, for backends with cascade attention.
         self.prefix_groups = SharedPrefixTracker() if cascade_attention_wanted(args) and \
-            self.runner.attn_backend.supports_cascade_decode else None
+            r.attn_backend.supports_cascade_decode else None
+
+    def runtime_controls(self) -> Any:
+        from radixlm.scheduler.control import RuntimeControls
+        return RuntimeControls.for_runner(self.runner, self.args.model_path)
 
     # ---- generation ------------------------------------------------------------------
     def forward(self, batch: ScheduleBatch) -> PendingResult:
@@ -152,9 +225,9 @@ class ModelWorker:
             if prompt is not None:
                 empty.prompt_logprobs, empty.prompt_top_logprobs = prompt
             return PendingResult.done(batch, empty)
-        if not batch.mode.is_decode():  # decode: one row per request, all sampling
+        if not batch.mode.is_decode_like():  # else every row is sampled
             logits = logits[[row for row, s in zip(last_rows, batch.sample) if s]]
-        return self._sample(batch, logits, prompt)
+        return self._sample(batch, fb, logits, prompt)
 
     def _forward_batch(self, batch: ScheduleBatch) -> tuple[ForwardBatch, list[int]]:
         """The device batch, and each request's last row among the logit rows."""
@@ -162,51 +235,116 @@ class ModelWorker:
         if batch.mode.is_decode():  # the hot path: one row per request
             rows = last_rows = list(range(batch.batch_size))
             input_ids = [0] * num_device
+        elif batch.mode.is_verify():
+            input_ids = [t for d in batch.drafts for t in [0, *d]]
+            rows = list(range(len(input_ids)))
+            last_rows = list(_last_rows(batch.extend_lens))
         else:
             input_ids, rows, last_rows = _host_rows(batch)
             input_ids += [0] * num_device
-        r = self.runner
         fb = ForwardBatch.build(
             batch.mode, input_ids, [q.req_pool_idx for q in batch.reqs], batch.prefix_lens,
-            batch.extend_lens, batch.out_cache_loc, r.req_to_token_pool, r.kv_pool,
-            r.attn_backend, self.device, logit_rows=rows, num_extend=batch.num_extend)
+            batch.extend_lens, batch.out_cache_loc, self.req_to_token_pool, self.kv_pool,
+            self.runner.attn_backend, self.device, logit_rows=rows, num_extend=batch.num_extend)
         if num_device:
-            # The newest token of each decoding request, wherever it was sampled.
-            pool_idx = fb.req_pool_indices[batch.num_extend:]
-            if batch.mode.is_decode():
-                fb.input_ids = self.future_ids[pool_idx]
-            else:
-                fb.input_ids[fb.num_tokens - num_device:] = self.future_ids[pool_idx]
+            self._device_inputs(batch, fb, num_device)
         if batch.mode.is_decode() and self.prefix_groups is not None:
             fb.prefix_groups = self.prefix_groups.find(batch.reqs)
+        if any(r.input_embeds is not None for r in batch.reqs[:batch.num_extend]):
+            fb.input_embeds = self._input_embeds(batch, fb)
         return fb, last_rows
 
-    def _sample(self, batch: ScheduleBatch, logits: torch.Tensor,
+    def _device_inputs(self, batch: ScheduleBatch, fb: ForwardBatch, num_device: int) -> None:
+        """The newest token of each decoding (or verifying) request, from the token
+        table, wherever it was sampled."""
+        slots = fb.req_pool_indices[batch.num_extend:]
+        newest = self.tokens.read(slots, fb.extend_prefix_lens[batch.num_extend:])
+        if batch.mode.is_decode():
+            fb.input_ids = newest
+        elif batch.mode.is_verify():
+            fb.input_ids[fb.extend_start_loc] = newest
+        else:
+            fb.input_ids[fb.num_tokens - num_device:] = newest
+
+    def _input_embeds(self, batch: ScheduleBatch, fb: ForwardBatch) -> torch.Tensor:
+        """Every row's token embedding, with the rows of prompt positions of requests
+        that came with `input_embeds` replaced by theirs."""
+        embeds = self.runner.embed(fb.input_ids)
+        rows, given = [], []
+        offset = 0
+        for i, req in enumerate(batch.reqs[:batch.num_extend]):
+            start, ext = batch.prefix_lens[i], batch.extend_lens[i]
+            if req.input_embeds is not None:
+                end = min(start + ext, len(req.input_embeds))
+                if end > start:
+                    rows += range(offset, offset + end - start)
+                    given.append(req.input_embeds[start:end])
+            offset += ext
+        if rows:
+            index = to_device(torch.tensor(rows, dtype=torch.int64), self.device)
+            embeds[index] = to_device(torch.cat(given), self.device, embeds.dtype)
+        return embeds
+
+    def _sample(self, batch: ScheduleBatch, fb: ForwardBatch, logits: torch.Tensor,
                 prompt: tuple[list[Any], list[Any]] | None) -> PendingResult:
-        """Sample one token per sampling request on the device and start copying the
-        results to the host."""
+        """Sample every sampling row on the device, keep a verify's agreed drafts,
+        record the tokens in the token table and start copying them to the host."""
         reqs = batch.sampling_reqs
-        info = SamplingBatchInfo.build(
-            [r.sampling_params for r in reqs], [r.seed for r in reqs],
-            [r.sampled_len for r in reqs], [r.origin_input_ids for r in reqs],
-            [r.output_ids for r in reqs], [min_tokens_ban(r) for r in reqs],
-            self.vocab_size, self.device)
+        info = self._sampling_info(batch)
         want_lp = any(r.return_logprob for r in reqs)
         top_k = max((r.top_logprobs_num for r in reqs if r.return_logprob), default=0)
         if batch.mask_logits is not None:
+            if batch.mode.is_verify():
+                raise NotImplementedError("grammar-constrained requests in a verify step")
             logits = batch.mask_logits(reqs, logits)
         out = self.sampler(logits, info, want_lp, top_k)
         if self.tp_sync is not None:  # every rank continues with rank 0's tokens
             tp.tensor_model_parallel_broadcast(out.next_token_ids)
-        pool_idx = torch.tensor([r.req_pool_idx for r in reqs], dtype=torch.int64)
-        self.future_ids[to_device(pool_idx, self.device)] = out.next_token_ids
+        counts = self._record_tokens(batch, fb, out.next_token_ids)
         tensors = [out.next_token_ids]
         if want_lp and out.logprobs is not None:
             tensors.append(out.logprobs)
             if top_k and out.top_logprobs is not None:
                 tensors += list(out.top_logprobs)
         return PendingResult(batch, [_to_host(t) for t in tensors], _record_event(self.device),
-                             prompt)
+                             prompt, counts=None if counts is None else _to_host(counts))
+
+    def _sampling_info(self, batch: ScheduleBatch) -> SamplingBatchInfo:
+        """One row per sampled logit row: a verify request's row j is its output
+        index first_out + j (the seed's step), after its drafts 0..j - 1."""
+        params, seeds, steps, prompts, outputs, bans = [], [], [], [], [], []
+        for i, req in enumerate(batch.reqs):
+            first = batch.first_out(i)
+            for j in range(batch.sample_rows(i)):
+                drafted = batch.drafts[i][:j] if j else []
+                params.append(req.sampling_params)
+                seeds.append(req.seed)
+                steps.append(first + j)
+                prompts.append(req.origin_input_ids)
+                outputs.append(req.output_ids + drafted if drafted else req.output_ids)
+                bans.append(min_tokens_ban(req, j))
+        return SamplingBatchInfo.build(params, seeds, steps, prompts, outputs, bans,
+                                       self.limits.vocab_size, self.device)
+
+    def _record_tokens(self, batch: ScheduleBatch, fb: ForwardBatch,
+                       sampled: torch.Tensor) -> torch.Tensor | None:
+        """Write the sampled tokens into the token table; for a verify batch return
+        how many rows each request keeps (on the device)."""
+        idx = [i for i in range(batch.batch_size) if batch.sample[i]]
+        sel = to_device(torch.tensor(idx, dtype=torch.int64), self.device)
+        slots = fb.req_pool_indices[sel]
+        if batch.mode.is_verify():
+            tokens, counts = _accept_drafts(batch, sampled, self.device)
+            self.tokens.write_steps(slots, fb.extend_prefix_lens[sel], tokens, counts)
+            return counts
+        n_ext = sum(1 for i in idx if i < batch.num_extend)
+        if n_ext:  # prefill rows: the token after each request's last input
+            last = (fb.extend_prefix_lens + fb.extend_seq_lens)[sel[:n_ext]]
+            self.tokens.write_extend(slots[:n_ext], last, sampled[:n_ext])
+        if n_ext < len(idx):  # decode rows
+            self.tokens.write_steps(slots[n_ext:], fb.extend_prefix_lens[sel[n_ext:]],
+                                    sampled[n_ext:, None])
+        return None
 
     def _prompt_logprobs(self, batch: ScheduleBatch, logits: torch.Tensor
                          ) -> tuple[list[Any], list[Any]]:
@@ -234,10 +372,38 @@ class ModelWorker:
         """A prefill round of embedding requests: final-normed hidden states, per
         request, for the scheduler to pool; no logits, no sampling."""
         fb, _ = self._forward_batch(batch)
-        fb.attn_backend.begin_forward(fb)
-        hidden = self.runner.model.forward_hidden(fb.input_ids, fb.positions, fb)
+        hidden = self.runner.forward_hidden(fb)
         rows = list(hidden.split(batch.extend_lens))
         return PendingResult.done(batch, BatchResult([[] for _ in batch.reqs], hidden=rows))
+
+
+def _last_rows(lens: list[int]) -> list[int]:
+    """Each request's last row of a flat layout with these row counts."""
+    out, acc = [], 0
+    for n in lens:
+        acc += n
+        out.append(acc - 1)
+    return out
+
+
+def _accept_drafts(batch: ScheduleBatch, sampled: torch.Tensor, device: torch.device
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(sampled tokens [n, K + 1] per verify request, padded; how many to keep [n]).
+    Row j's token is the target's at the position after draft j; draft j + 1 is
+    kept while it equals row j's token, then the target's own token ends the run."""
+    lens = [len(d) for d in batch.drafts]
+    width = max(lens) + 1
+    index, padded, offset = [], [], 0
+    for k, drafts in zip(lens, batch.drafts):
+        index.append([offset + min(j, k) for j in range(width)])
+        padded.append(drafts + [-1] * (width - 1 - k))  # -1 never matches
+        offset += k + 1
+    index_t = to_device(torch.tensor(index, dtype=torch.int64), device)
+    drafts_t = to_device(torch.tensor(padded, dtype=torch.int64).view(len(lens), width - 1),
+                         device)
+    tokens = sampled[index_t]
+    agree = (tokens[:, :-1] == drafts_t).to(torch.int64).cumprod(dim=1).sum(dim=1)
+    return tokens, agree + 1
 
 
 def _host_rows(batch: ScheduleBatch) -> tuple[list[int], list[int], list[int]]:

@@ -25,9 +25,11 @@ class Req:
     # Prefix-cache namespace (cache/base.py): equal tokens share KV only within one.
     namespace: int = 0
     priority: int = 0  # higher first, under --enable-priority-scheduling
+    # The prompt as embeddings [prompt len, hidden] (CPU) instead of token ids; its
+    # `origin_input_ids` are placeholders then, and it never shares KV.
+    input_embeds: torch.Tensor | None = None
 
     output_ids: list[int] = field(default_factory=list)
-    sampled_len: int = 0  # tokens sampled on the device (output_ids lags it in overlap mode)
     finished_reason: dict[str, Any] | None = None
 
     # KV ownership. Tokens fill_ids[:kv_len] have KV at req_to_token[req_pool_idx, :kv_len].
@@ -79,6 +81,12 @@ class Req:
         """Tokens before the newest whose KV is not computed yet: 0 in steady
         decoding; more when a step accepted several tokens without their KV."""
         return self.seq_len - 1 - self.kv_len
+
+    @property
+    def shares_kv(self) -> bool:
+        """Whether its KV may go into the prefix cache: not for a prompt given as
+        embeddings (its token ids are placeholders)."""
+        return self.input_embeds is None
 
     @property
     def own_kv_len(self) -> int:

@@ -13,6 +13,18 @@ last one's logits sample the next token when `sample[i]`; positions
 prompt tokens lo + 1 .. hi. `finish_after[i]`: the request is complete once this
 forward is (the last chunk of a prefill-only request), decided here because
 in overlap mode the result is read after the next round was scheduled.
+
+Per-request extras: in a verify batch `drafts[i]` are the k draft tokens the
+request's newest token is followed by; its k + 1 rows are all sampled
+(`sample_rows`) and the worker keeps the drafts the target agrees with, plus
+one token of its own.
+
+`first_out(i)`: the output index request i's first sampled token will have,
+from the positions the batch was scheduled at (which count every token the
+steps before it may give: a verify's KV slots are allocated for all its
+rows). When the result is read, a request with fewer tokens than that is
+stale (an earlier step kept fewer drafts than this one was launched after):
+its tokens are dropped, as the device's token table drops them.
 """
 
 from __future__ import annotations
@@ -49,6 +61,20 @@ class ScheduleBatch:
     prompt_logprobs: list[tuple[int, int] | None]
     finish_after: list[bool]
     mask_logits: MaskLogits | None = None
+    drafts: list[list[int]] | None = None  # verify mode: each request's draft tokens
+
+    def sample_rows(self, i: int) -> int:
+        """How many of request i's last logit rows are sampled: 0, 1, or k + 1 (verify)."""
+        if not self.sample[i]:
+            return 0
+        return len(self.drafts[i]) + 1 if self.drafts is not None else 1
+
+    def first_out(self, i: int) -> int:
+        """Output index of request i's first sampled token (the position after the
+        input of its first sampled row, less its prompt)."""
+        last_input = self.prefix_lens[i] + (self.extend_lens[i] - 1 if i < self.num_extend
+                                            else 0)
+        return last_input + 1 - len(self.reqs[i].origin_input_ids)
 
     @property
     def batch_size(self) -> int:
@@ -99,6 +125,17 @@ class ScheduleBatch:
         n = len(reqs)
         return cls(ForwardMode.DECODE, list(reqs), list(prefix_lens), [1] * n, out_cache_loc,
                    0, [True] * n, list(prefix_lens), [None] * n, [False] * n)
+
+    @classmethod
+    def verify(cls, reqs: list[Req], prefix_lens: list[int], drafts: list[list[int]],
+               out_cache_loc: torch.Tensor) -> ScheduleBatch:
+        """Each request's newest token (at position `prefix_lens[i]`, its input on the
+        device) and its drafts after it, every row sampled; `out_cache_loc` holds
+        k + 1 new slots per request."""
+        n = len(reqs)
+        return cls(ForwardMode.VERIFY, list(reqs), list(prefix_lens),
+                   [len(d) + 1 for d in drafts], out_cache_loc, 0, [True] * n,
+                   list(prefix_lens), [None] * n, [False] * n, drafts=[list(d) for d in drafts])
 
     def mix(self, decode: ScheduleBatch) -> ScheduleBatch:
         """This prefill batch and a decode batch in one forward (mixed chunked prefill)."""

@@ -29,8 +29,9 @@ from radixlm.request_input import check_input
 from radixlm.sampling_params import SamplingParams
 from radixlm.scheduler.control import SchedulerControl
 from radixlm.scheduler.decode import DecodeManager
+from radixlm.scheduler.drafter import Drafter
 from radixlm.scheduler.kv_manager import KVManager
-from radixlm.scheduler.model_worker import ModelWorker, PendingResult
+from radixlm.scheduler.model_worker import BatchResult, ModelWorker, PendingResult, Worker
 from radixlm.scheduler.output import OutputProcessor
 from radixlm.scheduler.prefill import PrefillManager
 from radixlm.scheduler.req import Req
@@ -46,25 +47,28 @@ GRAMMAR_WAIT_S = 0.05
 
 class Scheduler:
     def __init__(self, args: ServerArgs, model_dir: str, config: Any, tokenizer: Any,
-                 gpu_id: int | None = None, worker: Any = None) -> None:
+                 gpu_id: int | None = None, worker: Worker | None = None,
+                 drafter: Drafter | None = None) -> None:
         """`worker`: a model worker to use instead of building one (tests drive the
-        scheduler with scripted workers); it offers ModelWorker's members."""
+        scheduler with scripted workers). `drafter`: proposes draft tokens that
+        decode steps verify (speculative decoding; `scheduler/drafter.py`)."""
         if args.is_embedding:
             # Pooling needs the hidden state of every pooled position, and a prefix-cache
             # hit skips computing those (only K/V are cached): no sharing for embeddings.
             args = args.replace(disable_radix_cache=True)
         self.args = args
         self.tokenizer = tokenizer
-        self.worker = worker or ModelWorker(args, model_dir, config, gpu_id)
-        self.runner = self.worker.runner
+        self.worker: Worker = worker or ModelWorker(args, model_dir, config, gpu_id)
         self.tp_sync = self.worker.tp_sync  # ranks run this scheduler in lockstep
         self.device = self.worker.device
-        self.vocab_size = self.worker.vocab_size
-        self.context_len = self.runner.shape.context_len
-        self.max_total_tokens = self.runner.max_total_tokens
-        self.max_running_requests = self.runner.max_running_requests
+        limits = self.worker.limits
+        self.vocab_size = limits.vocab_size
+        self.hidden_size = limits.hidden_size
+        self.context_len = limits.context_len
+        self.max_total_tokens = limits.max_total_tokens
+        self.max_running_requests = limits.max_running_requests
         self.cache = self._make_cache()
-        self.kv = KVManager(self.runner.req_to_token_pool, self.runner.kv_pool, self.cache)
+        self.kv = KVManager(self.worker.req_to_token_pool, self.worker.kv_pool, self.cache)
         self.stats = Stats()
         self.eos_token_ids = _eos_ids(config, tokenizer)
         self.rng = random.Random(args.random_seed)
@@ -72,13 +76,15 @@ class Scheduler:
         self.grammars = create_grammar_manager(args.grammar_backend, tokenizer, self.vocab_size,
                                                self.eos_token_ids, self.max_running_requests)
         self.prefill = PrefillManager(args, self.kv, self.stats, self.max_running_requests)
-        self.decode = DecodeManager(args, self.kv, self.stats, self.prefill.requeue)
+        self.decode = DecodeManager(args, self.kv, self.stats, self.prefill.requeue,
+                                    self.context_len)
+        self.drafter = drafter
         self.output = OutputProcessor(tokenizer, self.grammars, args.stream_interval,
                                       self.stats,
                                       args.embedding_pooling if args.is_embedding else None)
         self.controls = SchedulerControl(self)
         self.reqs: dict[str, Req] = {}
-        self.overlap = self.device.type == "cuda" and not args.disable_overlap_schedule
+        self.overlap = self.worker.supports_overlap and not args.disable_overlap_schedule
         self.in_flight: PendingResult | None = None
         self.forward_ct = 0
 
@@ -87,7 +93,7 @@ class Scheduler:
             from radixlm.cache.no_prefix_cache import NoPrefixCache
             return NoPrefixCache()
         from radixlm.cache.radix_cache import RadixCache
-        return RadixCache(self.runner.kv_pool)
+        return RadixCache(self.worker.kv_pool)
 
     # The queues, as the managers hold them.
     @property
@@ -183,7 +189,7 @@ class Scheduler:
         if batch is not None:
             launched = self._launch(*batch)
         if self.in_flight is not None:
-            self._process(self.in_flight)
+            self._process(self.in_flight, launched)
         self.in_flight = launched
         if self.in_flight is not None and not self.overlap:
             self._process(self.in_flight)
@@ -192,6 +198,8 @@ class Scheduler:
         return self.output.drain()
 
     def _needs_sync(self) -> bool:
+        if self.drafter is not None and self.drafter.needs_host_tokens and self.running:
+            return True
         return any(r.needs_host_tokens for r in self.running)
 
     def _admit_compiled_grammars(self) -> None:
@@ -224,7 +232,8 @@ class Scheduler:
             return ScheduleBatch.prefill(admitted, self.kv), admitted
         if not self.running:
             return None
-        behind, decode = self.decode.schedule()
+        drafts = self.drafter.propose(self.running) if self.drafter is not None else None
+        behind, decode = self.decode.schedule(drafts)
         return self._compose(behind, decode), []
 
     def _compose(self, extend: list[Req], decode: ScheduleBatch | None) -> ScheduleBatch:
@@ -242,8 +251,6 @@ class Scheduler:
                 batch.mask_logits = self.grammars.mask_logits
             pending = self.worker.forward(batch)
         self.forward_ct += 1
-        for req in batch.sampling_reqs:
-            req.sampled_len += 1
         # The admitted requests lead the batch.
         for req, samples in zip(admitted, batch.sample):
             self.stats.num_prompt_tokens += req.extend_input_len
@@ -257,21 +264,34 @@ class Scheduler:
                 self.kv.cache_unfinished(req)
         return pending
 
-    def _process(self, pending: PendingResult) -> None:
-        """Read back a launched batch's result and advance its requests."""
+    def _process(self, pending: PendingResult, launched: PendingResult | None = None) -> None:
+        """Read back a launched batch's result and advance its requests; `launched`:
+        the batch launched after it, still in flight (overlap)."""
         batch, result = pending.batch, pending.wait()
+        self.stats.num_stale_results += _drop_stale(batch, result)
+        if batch.drafts is not None:
+            self._count_drafts(batch, result)
         self.output.process(batch, result, self._finish)
+        ahead = _valid_rows_ahead(launched.batch) if launched is not None else {}
         for i, req in enumerate(batch.reqs):
-            if batch.sample[i] and len(result.tokens[i]) > 1 and not req.finished:
-                self._reconcile_kv(req)
+            if batch.sample[i] and not req.finished:
+                self._reconcile_kv(req, ahead.get(id(req), 0))
 
-    def _reconcile_kv(self, req: Req) -> None:
-        """After a step that gave a request several tokens (a speculative verify):
-        free the KV slots of rejected draft tokens (its own, just allocated);
-        tokens accepted without their KV get it computed next step."""
-        assert not self.overlap, "multi-token steps run without overlap"
-        if req.kv_behind < 0:
-            self.kv.truncate(req, -req.kv_behind)
+    def _count_drafts(self, batch: ScheduleBatch, result: BatchResult) -> None:
+        for drafts, tokens in zip(batch.drafts, result.tokens):
+            if tokens:  # not stale
+                self.stats.num_draft_tokens += len(drafts)
+                self.stats.num_accepted_drafts += len(tokens) - 1
+
+    def _reconcile_kv(self, req: Req, ahead: int) -> None:
+        """After a step that gave a request fewer tokens than it had KV slots for (a
+        verify keeping k' < k drafts): free the slots past its newest token (the
+        rejected drafts', and those of a step launched meanwhile, which is then
+        stale), but not the `ahead` slots of a launched step that is still valid.
+        Tokens accepted without their KV get it computed in the next step."""
+        excess = -req.kv_behind - ahead
+        if excess > 0:
+            self.kv.truncate(req, excess)
 
     def _finish(self, req: Req) -> None:
         """Free the request's resources and report its last message. Idempotent."""
@@ -291,8 +311,8 @@ class Scheduler:
             return False, (f"cannot flush the cache while {len(self.reqs)} request(s) are "
                            f"running or queued")
         self.cache.reset()
-        self.runner.kv_pool.clear()
-        self.runner.req_to_token_pool.clear()
+        self.worker.kv_pool.clear()
+        self.worker.req_to_token_pool.clear()
         self.kv.check_invariants([])
         return True, "cache flushed"
 
@@ -304,7 +324,7 @@ class Scheduler:
         prompt = st.num_prompt_tokens + st.num_cached_tokens
         return {
             "kv_tokens_total": self.max_total_tokens,
-            "kv_tokens_free": self.runner.kv_pool.available_size(),
+            "kv_tokens_free": self.worker.kv_pool.available_size(),
             "kv_tokens_cached": self.cache.evictable_size(),
             "kv_tokens_in_use": in_use,
             "cache_hit_rate": st.num_cached_tokens / prompt if prompt else 0.0,
@@ -321,6 +341,25 @@ class Scheduler:
 
     def check_invariants(self) -> None:
         self.kv.check_invariants(list(self.reqs.values()))
+
+
+def _drop_stale(batch: ScheduleBatch, result: BatchResult) -> int:
+    """Drop the tokens of requests this batch was launched too early for (an
+    earlier step gave them another number of tokens than the batch's positions
+    assumed, `ScheduleBatch.first_out`); returns how many."""
+    dropped = 0
+    for i, req in enumerate(batch.reqs):
+        if result.tokens[i] and not req.finished and batch.first_out(i) != len(req.output_ids):
+            result.tokens[i] = []
+            dropped += 1
+    return dropped
+
+
+def _valid_rows_ahead(batch: ScheduleBatch) -> dict[int, int]:
+    """{id(request): KV slots it holds in this in-flight batch}, for the requests
+    the batch is not stale for (their token count now is what it was launched on)."""
+    return {id(r): batch.extend_lens[i] for i, r in enumerate(batch.reqs)
+            if batch.sample[i] and batch.first_out(i) == len(r.output_ids)}
 
 
 def _eos_ids(config: Any, tokenizer: Any) -> frozenset[int]:

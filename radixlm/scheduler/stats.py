@@ -13,3 +13,8 @@ class Stats:
     num_retractions: int = 0
     num_preemptions: int = 0  # retractions in favour of a higher-priority request
     num_finished: int = 0
+    # Request results dropped as stale (launched before a multi-token step was read).
+    num_stale_results: int = 0
+    # Verify steps: draft tokens proposed, and how many the target kept.
+    num_draft_tokens: int = 0
+    num_accepted_drafts: int = 0

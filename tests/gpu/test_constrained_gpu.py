@@ -55,7 +55,7 @@ def test_constrained_outputs_on_gpu(model_dir, overlap):
     with radixlm.Engine(model_dir, max_total_tokens=4096,
                         disable_overlap_schedule=not overlap) as e:
         assert e.scheduler.device.type == "cuda"
-        assert e.scheduler.runner.graph_runner is not None
+        assert e.scheduler.worker.runner.graph_runner is not None
         outs = e.generate(prompts, params)
     for out in (outs[0], outs[3]):
         assert out["meta_info"]["finish_reason"]["type"] == "stop", out

@@ -76,13 +76,13 @@ def test_logprobs_and_greedy_vs_hf(model_dir, prompts, dtype, tol, mean_tol, min
 def test_cuda_graph_on_off_identical(model_dir, prompts):
     sp = {"max_new_tokens": NEW, "temperature": 0}
     with _engine(model_dir, "bfloat16") as e:
-        assert e.scheduler.runner.graph_runner is not None
+        assert e.scheduler.worker.runner.graph_runner is not None
         with_graph = [o["output_ids"] for o in e.generate(input_ids=prompts, sampling_params=sp)]
         sampled = e.generate(input_ids=prompts, sampling_params={**sp, "temperature": 0.8,
                                                                  "seed": 3})
         e.scheduler.check_invariants()
     with _engine(model_dir, "bfloat16", disable_cuda_graph=True) as e:
-        assert not e.scheduler.runner.graph_runner.use_graphs
+        assert not e.scheduler.worker.runner.graph_runner.use_graphs
         without = [o["output_ids"] for o in e.generate(input_ids=prompts, sampling_params=sp)]
         sampled2 = e.generate(input_ids=prompts, sampling_params={**sp, "temperature": 0.8,
                                                                   "seed": 3})

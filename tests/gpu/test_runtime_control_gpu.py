@@ -50,7 +50,7 @@ def greedy(engine) -> list[list[int]]:
 
 def test_release_frees_memory_and_resume_recaptures_graphs(engine):
     before = greedy(engine)
-    runner = engine.scheduler.runner
+    runner = engine.scheduler.worker.runner
     assert runner.graph_runner is not None and runner.graph_runner.graphs
     torch.cuda.synchronize()
     held = torch.cuda.memory_allocated()

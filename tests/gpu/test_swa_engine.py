@@ -76,7 +76,7 @@ def _run(model_dir: str, new_tokens: int | None = None, **kw):
     with radixlm.Engine(model_dir, dtype="float32", skip_tokenizer_init=True,
                         attention_backend="triton", chunked_prefill_size=6,
                         max_running_requests=4, **kw) as e:
-        pool = e.scheduler.runner.kv_pool
+        pool = e.scheduler.worker.runner.kv_pool
         outs = e.generate(input_ids=prompts, sampling_params=sp, return_logprob=True)
         e.scheduler.kv.check_invariants([])
         retractions = e.scheduler.stats.num_retractions

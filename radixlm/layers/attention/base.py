@@ -8,6 +8,7 @@ tokens' K/V into their slots (`out_cache_loc`).
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -17,8 +18,22 @@ if TYPE_CHECKING:
     from radixlm.layers.attention.radix_attention import RadixAttention, Rope
 
 
+@dataclass(frozen=True)
+class AttentionShape:
+    """What a backend is built for: one rank's attention heads (every layer's)."""
+
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    device: torch.device
+    max_context_len: int
+
+
 class AttentionBackend(ABC):
     """Contract:
+    - Construction: `create(shape)` from the runner (the attention backend
+      registry, `registry.py`, picks the class); `unusable(device, head_dim)`
+      says beforehand why a class cannot run (None: it can).
     - `init_forward_metadata(fb)` is called once per forward before any layer
       runs (through `begin_forward`); per-layer calls may reuse what it computed.
       It only ever sees EXTEND or DECODE batches.
@@ -27,6 +42,12 @@ class AttentionBackend(ABC):
       both of `fb.mixed_parts()`, and `forward` runs the extend part through
       `forward_extend` and the decode part through `forward_decode`. Metadata of
       the two modes must therefore live side by side (set by separate calls).
+    - Verify batches (`fb.mode.is_verify()`: k + 1 rows per request, row j
+      attending to the request's KV and its rows 0..j) are handled here too: as
+      the decode batch `fb.verify_decode_view()`, one row per token, so a
+      verify row computes exactly what a decode step over the same tokens
+      computes. A tree of drafts (`fb.tree_mask`) needs a backend with
+      `supports_tree_mask`.
     - `forward(q, k, v, layer, fb, rope=None)`: q is [num_tokens, num_heads *
       head_dim], k and v are [num_tokens, num_kv_heads * head_dim] for the new
       tokens. With `rope` = (rotary embedding, positions), q and k are not
@@ -45,7 +66,8 @@ class AttentionBackend(ABC):
       each scaled score s by c * tanh(s / c) before the mask and the softmax.
       `check_layer(layer)` is called for every layer at start-up and raises
       ValueError, naming the feature, for a variant the backend cannot
-      compute: never ignore one.
+      compute: never ignore one. Likewise `check_kv_dtype(model, kv)` for a
+      KV pool whose dtype differs from the model's (`--kv-cache-dtype`).
     - CUDA-graph hooks: state sized once for `max_bs`, then metadata for a
       padded batch is written into that state in place, so a captured graph
       replays with new inputs. Backends without graph support keep the
@@ -68,6 +90,27 @@ class AttentionBackend(ABC):
     # the model runner gives other backends a plain pool.
     supports_window_pool = False
 
+    supports_tree_mask = False
+    # Reads a KV pool in another float dtype than the model computes in.
+    supports_kv_dtype_cast = False
+
+    @classmethod
+    def unusable(cls, device: torch.device, head_dim: int) -> str | None:
+        """Why this backend cannot run on `device` for heads of `head_dim` (None: it can)."""
+        return None
+
+    @classmethod
+    def create(cls, shape: AttentionShape) -> AttentionBackend:
+        return cls()
+
+    def check_kv_dtype(self, model_dtype: torch.dtype, kv_dtype: torch.dtype) -> None:
+        """ValueError if this backend cannot attend a pool of `kv_dtype` from
+        activations of `model_dtype`."""
+        if kv_dtype != model_dtype and not self.supports_kv_dtype_cast:
+            raise ValueError(f"the {type(self).__name__} needs the KV cache in the model's dtype "
+                             f"({str(model_dtype).removeprefix('torch.')}); got "
+                             f"--kv-cache-dtype {str(kv_dtype).removeprefix('torch.')}")
+
     def check_layer(self, layer: RadixAttention) -> None:
         """ValueError if `layer` needs something this backend does not compute."""
         name = type(self).__name__
@@ -83,6 +126,8 @@ class AttentionBackend(ABC):
         if fb.mode.is_mixed():
             for part in fb.mixed_parts():
                 self.init_forward_metadata(part)
+        elif fb.mode.is_verify():
+            self.init_forward_metadata(fb.verify_decode_view())
         else:
             self.init_forward_metadata(fb)
 
@@ -93,9 +138,20 @@ class AttentionBackend(ABC):
             q, k = rope[0](rope[1], q, k)
         if fb.mode.is_mixed():
             return self.forward_mixed(q, k, v, layer, fb)
+        if fb.mode.is_verify():
+            return self.forward_verify(q, k, v, layer, fb)
         if fb.mode.is_decode():
             return self.forward_decode(q, k, v, layer, fb)
         return self.forward_extend(q, k, v, layer, fb)
+
+    def forward_verify(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                       layer: RadixAttention, fb: ForwardBatch, **kw: bool) -> torch.Tensor:
+        """A chain of drafts: the decode path over one row per token; `kw` as in
+        `forward_mixed`."""
+        if fb.tree_mask is not None:
+            raise NotImplementedError(f"the {type(self).__name__} verifies chains of drafts "
+                                      "only, not trees")
+        return self.forward_decode(q, k, v, layer, fb.verify_decode_view(), **kw)
 
     def forward_mixed(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                       layer: RadixAttention, fb: ForwardBatch, **kw: bool) -> torch.Tensor:

@@ -47,6 +47,15 @@ class CpuAttentionBackend(TorchNativeBackend):
     def supports(head_dim: int) -> bool:
         return head_dim % 16 == 0 and cpu_ops.load()
 
+    @classmethod
+    def unusable(cls, device: torch.device, head_dim: int) -> str | None:
+        if device.type != "cpu":
+            return "it runs on the CPU device only"
+        if not cls.supports(head_dim):
+            return ("it needs a C++ compiler (see the log) and a head dim that is a multiple "
+                    f"of 16 (got {head_dim})")
+        return None
+
     def _store(self, k: torch.Tensor, v: torch.Tensor, layer: RadixAttention,
                fb: ForwardBatch) -> None:
         # One memcpy per row instead of the pool's two index_put ops.
@@ -97,8 +106,10 @@ class CpuAttentionBackend(TorchNativeBackend):
 
     def forward_decode(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                        layer: RadixAttention, fb: ForwardBatch) -> torch.Tensor:
-        self._store(k, v, layer, fb)
         k_buf, v_buf = fb.token_to_kv_pool.get_kv_buffer(layer.layer_id)
+        if k_buf.dtype != q.dtype:  # the kernel reads one dtype: --kv-cache-dtype differs
+            return super().forward_decode(q, k, v, layer, fb)
+        self._store(k, v, layer, fb)
         bs = fb.batch_size
         q = q.reshape(bs, layer.num_heads, layer.head_dim)
         out = torch.empty_like(q)

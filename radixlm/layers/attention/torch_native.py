@@ -63,6 +63,7 @@ def softcapped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 class TorchNativeBackend(AttentionBackend):
     supports_sliding_window = True
     supports_logit_softcap = True
+    supports_kv_dtype_cast = True  # pool rows are cast to the queries' dtype when read
 
     def init_forward_metadata(self, fb: ForwardBatch) -> None:
         if fb.mode.is_decode():
@@ -132,8 +133,9 @@ class TorchNativeBackend(AttentionBackend):
         window, total = layer.sliding_window, pre + ext
         first = 0 if window is None else max(0, pre - window + 1)
         slots = fb.req_to_token_pool.req_to_token[fb.req_pool_indices[i], first:total].long()
-        keys = k_buf[slots].transpose(0, 1).unsqueeze(0)  # [1, kvh, total - first, d]
-        values = v_buf[slots].transpose(0, 1).unsqueeze(0)
+        # [1, kvh, total - first, d]
+        keys = k_buf[slots].to(q.dtype).transpose(0, 1).unsqueeze(0)
+        values = v_buf[slots].to(q.dtype).transpose(0, 1).unsqueeze(0)
         mask = band_mask(pre, ext, first, total - first, window, q.device)
         oi = self._sdpa(q.transpose(0, 1).unsqueeze(0), keys, values, layer, mask)
         return oi[0].transpose(0, 1)
@@ -162,6 +164,7 @@ class TorchNativeBackend(AttentionBackend):
         keys = k_buf[kv_index].transpose(1, 2)  # [bs, kvh, n, d]
         values = v_buf[kv_index].transpose(1, 2)
         dtype = q.dtype
+        keys, values = keys.to(dtype), values.to(dtype)  # no-ops unless --kv-cache-dtype
         if q.device.type == "cpu" and dtype != torch.float32:
             # CPU SDPA's half-precision path for one query row is several times slower
             # than its float32 path (measured 33 vs 14 ms per layer for bf16 at 64 x 320

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from radixlm.cache.memory_pool import row_kv_buffers
-from radixlm.layers.attention.base import AttentionBackend
+from radixlm.layers.attention.base import AttentionBackend, AttentionShape
 from radixlm.layers.attention.triton_ops.cascade_decode import (
     MAX_PREFIX_SPLITS,
     SPLIT_ALIGN,
@@ -161,6 +161,17 @@ class TritonAttentionBackend(AttentionBackend):
         # forward's new tokens.
         self._window_loc: tuple[torch.Tensor, torch.Tensor, bool] | None = None
 
+    @classmethod
+    def create(cls, shape: AttentionShape) -> TritonAttentionBackend:
+        return cls(shape.num_heads, shape.num_kv_heads, shape.head_dim, shape.device,
+                   shape.max_context_len)
+
+    @classmethod
+    def unusable(cls, device: torch.device, head_dim: int) -> str | None:
+        if head_dim & (head_dim - 1) or head_dim > 256:
+            return f"head_dim {head_dim} is not a power of 2 <= 256"
+        return None
+
     def num_kv_splits(self, bs: int) -> int:
         target = self.programs_per_sm * self.num_sms
         pairs = max(1, bs * self.num_kv_heads)
@@ -287,6 +298,8 @@ class TritonAttentionBackend(AttentionBackend):
                 q, k = emb(positions, q, k)
         if fb.mode.is_mixed():
             return self.forward_mixed(q, k, v, layer, fb, kv_stored=stored)
+        if fb.mode.is_verify():
+            return self.forward_verify(q, k, v, layer, fb, kv_stored=stored)
         if fb.mode.is_decode():
             return self.forward_decode(q, k, v, layer, fb, kv_stored=stored)
         return self.forward_extend(q, k, v, layer, fb, kv_stored=stored)
