@@ -20,7 +20,7 @@ from typing import Any
 from radixlm.config import WEIGHT_UPDATE_GROUP, ServerArgs
 from radixlm.outputs import SeqOutput
 from radixlm.protocol import GenerateReq
-from radixlm.request_input import GenerateInput, Limits, native_jobs, prompt_ids
+from radixlm.request_input import GenerateInput, Limits, native_jobs, prompt_ids, prompt_inputs
 from radixlm.runtime.detokenize import Detokenizer
 
 logger = logging.getLogger(__name__)
@@ -59,6 +59,7 @@ class Engine:
                  logprob_start_len: int | None = None, rid: str | list[str] | None = None,
                  session_params: dict[str, Any] | list[dict[str, Any]] | None = None,
                  priority: int | list[int] | None = None,
+                 input_embeds: Any = None,
                  ) -> dict[str, Any] | list[dict[str, Any]] | Iterator[dict[str, Any]]:
         """One input gives one dict (or, with n > 1, a list of n); a list of inputs
         gives a flat list (input-major, each result carrying its `index`,
@@ -69,12 +70,19 @@ class Engine:
         radixlm/scheduler/session.py. A refused session request raises ValueError.
         `priority` (an integer, or one per input): higher runs first when the engine
         runs with enable_priority_scheduling.
+        `input_embeds` instead of a prompt: one vector (the model's hidden size:
+        what its embedding layer would give) per position, as nested lists, a
+        tensor or an array; or a list of those, one per input. Such prompts share no
+        cached KV (they have no token ids) and decode, sample and stream as any.
         Bad input raises ValueError naming the parameter (radixlm/request_input.py)."""
         if self.server_args.is_embedding:
             raise ValueError("this engine serves embeddings (is_embedding=True): use encode()")
-        inputs, single = self._prompt_ids(prompt, input_ids)
+        encode = self.tokenizer.encode if self.tokenizer is not None else None
+        inputs, embeds, single = prompt_inputs(prompt, input_ids, _as_lists(input_embeds),
+                                               encode, text_name="prompt")
         gid, jobs = native_jobs(inputs, sampling_params=sampling_params, rid=rid,
-                                session_params=session_params, priority=priority)
+                                session_params=session_params, priority=priority,
+                                input_embeds=embeds)
         call = GenerateInput(gid, jobs, stream=stream, return_logprob=return_logprob,
                              top_logprobs_num=top_logprobs_num,
                              logprob_start_len=-1 if logprob_start_len is None
@@ -254,8 +262,9 @@ class Engine:
     def _submit(self, call: GenerateInput) -> list[GenerateReq]:
         """Warm shared prompts (n > 1), then queue the call's requests; the call
         fails whole (e.g. a refused session request) and leaves nothing queued."""
-        self._warm_up(call.warmups(radix_cache=not self.server_args.disable_radix_cache))
-        reqs = call.requests()
+        *warmups, reqs = call.stages(radix_cache=not self.server_args.disable_radix_cache)
+        for stage in warmups:
+            self._warm_up(stage)
         added = []
         try:
             for msg in reqs:
@@ -318,3 +327,8 @@ class Engine:
         processes check their own, in a quiet moment of their loop)."""
         if self._in_process and not self.scheduler.has_work:
             self.scheduler.check_invariants()
+
+
+def _as_lists(embeds: Any) -> Any:
+    """A tensor or an array of embeddings as nested lists (what the wire checks)."""
+    return embeds.tolist() if hasattr(embeds, "tolist") else embeds

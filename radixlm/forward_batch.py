@@ -6,7 +6,7 @@ from __future__ import annotations
 import operator
 from collections import defaultdict
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import Enum, auto
 from typing import TYPE_CHECKING, Any
 
@@ -43,6 +43,21 @@ class ForwardMode(Enum):
     def is_decode_like(self) -> bool:
         """Every row is one decode step (decode, verify): one logit row per token."""
         return self in (ForwardMode.DECODE, ForwardMode.VERIFY)
+
+
+@dataclass(frozen=True)
+class HiddenCapture:
+    """Hidden states a forward returns beside its logits (what an EAGLE drafter
+    reads): the residual stream after each layer in `layers` (HF's
+    `hidden_states[i + 1]`) and, with `final`, the final-normed state the LM
+    head reads; every token's row, in the order of `layers`, then the final one."""
+
+    layers: tuple[int, ...] = ()
+    final: bool = False
+
+    @property
+    def count(self) -> int:
+        return len(self.layers) + int(self.final)
 
 
 @dataclass
@@ -91,6 +106,10 @@ class ForwardBatch:
     # Verify mode: a tree of drafts instead of a chain (a backend with
     # `supports_tree_mask` reads it); None: each row sees the rows before it.
     tree_mask: torch.Tensor | None = None
+    # What hidden states to keep; the model appends them to `captured`
+    # ([num_tokens, hidden] each, `HiddenCapture`'s order).
+    capture: HiddenCapture | None = None
+    captured: list[torch.Tensor] = field(default_factory=list)
     _parts: tuple[ForwardBatch, ForwardBatch] | None = None
     _verify_view: ForwardBatch | None = None
 

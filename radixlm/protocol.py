@@ -34,6 +34,9 @@ class GenerateReq(msgspec.Struct, tag=True):
     namespace: int = 0
     # Stamp this request's way to its first output (TokenOut.timing).
     return_timing: bool = False
+    # The prompt as embeddings instead of tokens (SGLang's `input_embeds`): float32
+    # little-endian, row-major [len(input_ids), hidden]; `input_ids` are placeholders.
+    input_embeds: bytes | None = None
 
 
 class AbortReq(msgspec.Struct, tag=True):

@@ -10,8 +10,8 @@ ZMQ and awaits.
     jobs = native_jobs(prompt_ids(text, input_ids, tokenizer.encode), ...)
     call = GenerateInput(gid, jobs, stream=..., return_logprob=...)
     call.validate(limits, check_grammar)      # once: every ValueError names its parameter
-    call.warmups(radix_cache=...)             # n > 1: prefill each shared prompt first
-    call.requests()                           # the GenerateReqs, n expanded, input-major
+    *warmups, reqs = call.stages(radix_cache=...)  # n > 1: prefill shared prompts first,
+                                                   # then the GenerateReqs, input-major
 
 Validated here, before anything reaches a scheduler: the shapes (text or
 token ids, one or a batch; per-input sampling params, rids, session params and
@@ -34,6 +34,9 @@ and its queue limit.
 
 from __future__ import annotations
 
+import array
+import math
+import sys
 import uuid
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -66,6 +69,7 @@ class Limits:
     context_len: int
     max_total_tokens: int
     max_running_requests: int
+    hidden_size: int = 0  # the length of an `input_embeds` row (0: unknown)
 
     @property
     def max_seq_len(self) -> int:
@@ -74,12 +78,12 @@ class Limits:
     @classmethod
     def of(cls, sizes: Any) -> Limits:
         return cls(sizes.vocab_size, sizes.context_len, sizes.max_total_tokens,
-                   sizes.max_running_requests)
+                   sizes.max_running_requests, sizes.hidden_size)
 
     @classmethod
     def from_info(cls, info: dict[str, Any]) -> Limits:
         return cls(info["vocab_size"], info["context_len"], info["max_total_tokens"],
-                   info["max_running_requests"])
+                   info["max_running_requests"], info["hidden_size"])
 
 
 def check_input(sizes: Any, input_ids: list[int], max_new_tokens: int) -> None:
@@ -147,7 +151,8 @@ def prompt_ids(text: str | list[str] | None, input_ids: list[int] | list[list[in
     `encode` None: no tokenizer (text is refused). `text_name`: what the caller
     calls the text parameter (the Engine's is `prompt`)."""
     if (text is None) == (input_ids is None):
-        raise InputError(f"pass exactly one of {text_name} or input_ids", text_name)
+        raise InputError(f"pass exactly one of {text_name}, input_ids or input_embeds",
+                         text_name)
     if text is not None:
         if encode is None:
             raise InputError(f"this engine has no tokenizer (skip_tokenizer_init): pass "
@@ -166,6 +171,55 @@ def prompt_ids(text: str | list[str] | None, input_ids: list[int] | list[list[in
         raise InputError("input_ids must be a list of token ids or a list of such lists",
                          "input_ids")
     return [list(ids) for ids in batch], single
+
+
+def prompt_inputs(text: Any, input_ids: Any, input_embeds: Any,
+                  encode: Callable[[str], list[int]] | None, text_name: str = "text"
+                  ) -> tuple[list[list[int]], list[list[list[float]]] | None, bool]:
+    """`prompt_ids`, or a prompt given as embeddings: (placeholder token ids per
+    input, one vector per position per input, single). `input_embeds` is one
+    prompt (a list of vectors) or a batch of them; its shape is checked by
+    `GenerateInput.validate` against the model's hidden size."""
+    if input_embeds is None:
+        ids, single = prompt_ids(text, input_ids, encode, text_name)
+        return ids, None, single
+    if text is not None or input_ids is not None:
+        raise InputError(f"pass exactly one of {text_name}, input_ids or input_embeds",
+                         "input_embeds")
+    if not isinstance(input_embeds, list) or not input_embeds:
+        raise InputError("input_embeds must be a non-empty list of vectors (or a list of "
+                         "such lists, one per input)", "input_embeds")
+    single = not (isinstance(input_embeds[0], list) and input_embeds[0]
+                  and isinstance(input_embeds[0][0], list))
+    batch = [input_embeds] if single else input_embeds
+    return [[0] * len(e) if isinstance(e, list) else [] for e in batch], batch, single
+
+
+def check_embeds(embeds: Any, hidden_size: int, max_positions: int) -> bytes:
+    """One prompt's `input_embeds` (a list of `hidden_size` finite floats per
+    position) as the wire's float32 bytes; InputError naming what is wrong."""
+    if not hidden_size:
+        raise InputError("this server does not take input_embeds", "input_embeds")
+    if not isinstance(embeds, list) or not embeds:
+        raise InputError("input_embeds of a prompt must be a non-empty list of vectors",
+                         "input_embeds")
+    if len(embeds) >= max_positions:
+        raise InputError(f"input_embeds has {len(embeds)} positions, but this model accepts "
+                         f"at most {max_positions - 1} input positions", "input_embeds")
+    flat = array.array("f")
+    for i, row in enumerate(embeds):
+        if not isinstance(row, list) or len(row) != hidden_size:
+            got = len(row) if isinstance(row, list) else type(row).__name__
+            raise InputError(f"input_embeds[{i}] must be a list of {hidden_size} floats (the "
+                             f"model's hidden size), got {got}", "input_embeds")
+        if not all(isinstance(x, (int, float)) and not isinstance(x, bool)
+                   and math.isfinite(x) for x in row):
+            raise InputError(f"input_embeds[{i}] holds a value that is not a finite number",
+                             "input_embeds")
+        flat.extend(row)
+    if sys.byteorder != "little":
+        flat.byteswap()
+    return flat.tobytes()
 
 
 def per_input(value: Any, n: int, name: str) -> list[Any]:
@@ -221,6 +275,9 @@ class PromptJob:
     params: SamplingParams
     session_params: dict[str, Any] | None = None  # the scheduler prepends the session context
     priority: int = 0  # as the caller sent it until GenerateInput.validate checks it
+    # The prompt as one vector per position (`input_ids` then are placeholders);
+    # after GenerateInput.validate, the wire's float32 bytes.
+    input_embeds: list[list[float]] | bytes | None = None
 
     def samples(self) -> list[tuple[str, dict[str, Any]]]:
         """(rid, wire sampling params) per sample: `{rid}-{j}` with n > 1, and seeded
@@ -238,10 +295,13 @@ class PromptJob:
 
 
 def native_jobs(inputs: list[list[int]], *, sampling_params: Any = None, rid: Any = None,
-                session_params: Any = None, priority: Any = None) -> tuple[str, list[PromptJob]]:
+                session_params: Any = None, priority: Any = None,
+                input_embeds: list[list[list[float]]] | None = None
+                ) -> tuple[str, list[PromptJob]]:
     """SGLang's native call shape (/generate, Engine.generate): each of `sampling_params`,
     `rid`, `session_params` and `priority` is one value for every input or a list
-    of one per input. Returns the call's id and its prompts."""
+    of one per input; `input_embeds` (from `prompt_inputs`) one prompt's vectors per
+    input. Returns the call's id and its prompts."""
     n = len(inputs)
     params = sampling_params_per_input(sampling_params, n)
     gid, rids = rids_per_input(rid, n)
@@ -251,8 +311,9 @@ def native_jobs(inputs: list[list[int]], *, sampling_params: Any = None, rid: An
             raise InputError(f"session_params must be an object, got {type(s).__name__}",
                              "session_params")
     priorities = per_input(priority, n, "priority")  # checked by GenerateInput.validate
-    return gid, [PromptJob(r, ids, p, s, pr) for r, ids, p, s, pr
-                 in zip(rids, inputs, params, sessions, priorities, strict=True)]
+    embeds = input_embeds if input_embeds is not None else [None] * n
+    return gid, [PromptJob(r, ids, p, s, pr, e) for r, ids, p, s, pr, e
+                 in zip(rids, inputs, params, sessions, priorities, embeds, strict=True)]
 
 
 @dataclass
@@ -278,11 +339,25 @@ class GenerateInput:
         cannot be served; `priority_scheduling` False refuses non-zero priorities."""
         check_logprob_args(self.top_logprobs_num, self.logprob_start_len, max_top_logprobs)
         for job in self.jobs:
+            if job.input_embeds is not None:
+                self._check_embeds(job, limits)
             check_input(limits, job.input_ids, job.params.max_new_tokens)
             job.params.check_token_ids(limits.vocab_size)
             check_grammar(job.params)
             job.priority = check_priority(job.priority, priority_scheduling)
         self.members()
+
+    def _check_embeds(self, job: PromptJob, limits: Any) -> None:
+        if isinstance(job.input_embeds, bytes):
+            return  # validated already
+        if job.session_params is not None:
+            raise InputError("input_embeds cannot continue a session (session_params): a "
+                             "session continues token ids", "input_embeds")
+        if self.return_logprob and self.logprob_start_len >= 0:
+            raise InputError("input_embeds has no prompt tokens to report logprobs of: "
+                             "logprob_start_len must be -1", "logprob_start_len")
+        job.input_embeds = check_embeds(job.input_embeds, limits.hidden_size,
+                                        limits.max_seq_len)
 
     @property
     def num_seqs(self) -> int:
@@ -299,9 +374,17 @@ class GenerateInput:
                             logprob_start_len=self.logprob_start_len
                             if self.return_logprob else -1,
                             session_params=job.session_params, priority=job.priority,
-                            return_timing=self.return_timing)
+                            return_timing=self.return_timing, input_embeds=job.input_embeds)
                 for job, samples in zip(self.jobs, self.samples(), strict=True)
                 for rid, sp in samples]
+
+    def stages(self, radix_cache: bool = True) -> list[list[GenerateReq]]:
+        """What a front end sends, in order: every stage but the last runs to
+        completion before the next is sent (the n > 1 warm-ups, `warmups`); the
+        last is the call's requests (`requests`). The one sequencing of the
+        offline Engine and the server's TokenizerManager."""
+        warmups = self.warmups(radix_cache)
+        return [warmups, self.requests()] if warmups else [self.requests()]
 
     def warmups(self, radix_cache: bool = True) -> list[GenerateReq]:
         """The n > 1 warm-up plan: a prefill-only request (max_new_tokens 0) per
@@ -315,7 +398,8 @@ class GenerateInput:
         prefill_only = SamplingParams(max_new_tokens=0).to_dict()
         return [GenerateReq(rid=new_id("warm-"), input_ids=job.input_ids,
                             sampling_params=prefill_only, priority=job.priority)
-                for job in self.jobs if job.params.n > 1 and job.session_params is None]
+                for job in self.jobs if job.params.n > 1 and job.session_params is None
+                and job.input_embeds is None]  # embeddings share no cached KV
 
     def members(self) -> dict[str, list[int]]:
         """Which sequence indices each id of the call covers (the call's id, each

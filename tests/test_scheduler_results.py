@@ -39,15 +39,15 @@ class ScriptedWorker:
     (`ScheduleBatch.first_out`), as the device's token table would."""
 
     def __init__(self, scripts: dict[str, list[int]], sizes: list[int], vocab_size: int,
-                 overlap: bool = False) -> None:
+                 overlap: bool = False, device: str = "cpu") -> None:
         self.scripts = scripts
         self.sizes = sizes
         self.steps: dict[str, int] = {}
-        self.device = torch.device("cpu")
+        self.device = torch.device(device)
         self.tp_sync = None
         self.supports_overlap = overlap
-        self.req_to_token_pool = ReqToTokenPool(8, 256, "cpu")
-        self.kv_pool = MHATokenToKVPool(1024, torch.float32, 1, 1, 1, "cpu")
+        self.req_to_token_pool = ReqToTokenPool(8, 256, device)
+        self.kv_pool = MHATokenToKVPool(1024, torch.float32, 1, 1, 1, device)
         self.limits = WorkerLimits(max_total_tokens=1024, max_running_requests=8,
                                    context_len=256, vocab_size=vocab_size, hidden_size=1)
         self.vocab_size = vocab_size
@@ -121,11 +121,11 @@ def _requests(tok: Any) -> tuple[list[GenerateReq], dict[str, list[int]]]:
     return reqs, {rid: script for rid, (_, script) in specs.items()}
 
 
-def _run(tok: Any, sizes: list[int], overlap: bool = False
+def _run(tok: Any, sizes: list[int], overlap: bool = False, device: str = "cpu"
          ) -> tuple[dict[str, list[TokenOut]], ScriptedWorker]:
     reqs, scripts = _requests(tok)
-    worker = ScriptedWorker(scripts, sizes, len(tok), overlap)
-    args = ServerArgs(device="cpu", enable_mixed_chunk=True, chunked_prefill_size=8)
+    worker = ScriptedWorker(scripts, sizes, len(tok), overlap, device)
+    args = ServerArgs(device=device, enable_mixed_chunk=True, chunked_prefill_size=8)
     sched = Scheduler(args, "", SimpleNamespace(eos_token_id=tok.eos_token_id), tok,
                       worker=worker)
     outs: dict[str, list[TokenOut]] = {r.rid: [] for r in reqs}
@@ -162,12 +162,14 @@ def _summary(tok: Any, msgs: list[TokenOut]) -> dict[str, Any]:
 
 
 @pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlap"])
-def test_multi_token_steps_match_one_token_steps(tokenizer: Any, overlap: bool) -> None:
+def test_multi_token_steps_match_one_token_steps(tokenizer: Any, overlap: bool,
+                                                 device: str = "cpu") -> None:
     """With overlap the scheduler launches each step before it reads the previous
     one, so a step after a 3-token step was launched for one token: its result is
-    stale and dropped, and the outputs must still be the same."""
-    single, _ = _run(tokenizer, [1])
-    multi, worker = _run(tokenizer, [1, 3], overlap)
+    stale and dropped, and the outputs must still be the same. (tests/gpu runs it
+    with the pools on CUDA.)"""
+    single, _ = _run(tokenizer, [1], device=device)
+    multi, worker = _run(tokenizer, [1, 3], overlap, device)
     assert {0, 1, 3} in worker.step_sizes  # one step: a chunk, a decode, a 3-token step
     # Overlap launched steps on state a 3-token step then outdated (their tokens dropped).
     assert (worker.stale_results > 0) == overlap

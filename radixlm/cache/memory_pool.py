@@ -209,5 +209,7 @@ class MHATokenToKVPool(KVPool):
         slot_map = self.layer_slot_map(layer_id)
         if slot_map is not None:  # a window pool's window layer: rows at its window slots
             loc = slot_map[loc]
-        self.k_buffer[layer_id][loc] = k.view(-1, self.num_kv_heads, self.head_dim)
-        self.v_buffer[layer_id][loc] = v.view(-1, self.num_kv_heads, self.v_head_dim)
+        # .to(): a no-op unless --kv-cache-dtype differs from the model's dtype.
+        self.k_buffer[layer_id][loc] = k.view(-1, self.num_kv_heads, self.head_dim).to(self.dtype)
+        self.v_buffer[layer_id][loc] = v.view(-1, self.num_kv_heads,
+                                              self.v_head_dim).to(self.dtype)

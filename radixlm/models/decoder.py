@@ -28,6 +28,7 @@ import torch
 from torch import nn
 from transformers import PretrainedConfig
 
+from radixlm import distributed as tp
 from radixlm.cache.kv_spec import MHA, KVSpec
 from radixlm.layers.activation import GATED_ACTIVATIONS
 from radixlm.layers.attention.radix_attention import RadixAttention
@@ -272,13 +273,26 @@ class DecoderModel(nn.Module):
         residual = None
         last = len(self.layers) - 1
         pending = None
+        capture = fb.capture.layers if fb.capture is not None else ()
         for i, layer in enumerate(self.layers):
             hidden, residual = layer(positions, hidden, residual, fb,
                                      last_rows if i == last else None, pending)
             pending = layer.output_norm
+            if i in capture:
+                fb.captured.append(_layer_output(hidden, residual, pending))
         # Under tensor parallelism this norm all-reduces the last MLP's partial
         # sums in place (in the buffer the MLP wrote), so rows are picked after it.
         return self.norm(hidden, residual, reduce=True, pre_norm=pending)[0]
+
+
+def _layer_output(hidden: torch.Tensor, residual: torch.Tensor,
+                  output_norm: RMSNorm | None) -> torch.Tensor:
+    """The residual stream after a layer (HF's hidden state of it), computed aside:
+    the layer's output stays a per-rank partial sum for the next norm to reduce."""
+    out = tp.tensor_model_parallel_all_reduce(hidden.clone())
+    if output_norm is not None:
+        out = output_norm(out)
+    return out + residual
 
 
 class DecoderForCausalLM(nn.Module):
@@ -326,10 +340,14 @@ class DecoderForCausalLM(nn.Module):
         rows = fb.logit_rows
         if rows is None:
             rows = fb.extend_start_loc + fb.extend_seq_lens - 1
-        # Prefill: the last layer's o_proj and MLP only for the logit rows (~3%).
-        every_row = fb.mode.is_decode_like() or rows.numel() == fb.num_tokens
+        # Prefill: the last layer's o_proj and MLP only for the logit rows (~3%),
+        # unless every row's hidden states are captured.
+        every_row = (fb.mode.is_decode_like() or rows.numel() == fb.num_tokens
+                     or fb.capture is not None)
         hidden = self.model(input_ids, positions, fb, last_rows=None if every_row else rows,
                             input_embeds=input_embeds)
+        if fb.capture is not None and fb.capture.final:
+            fb.captured.append(hidden)
         if every_row:
             hidden = hidden[rows]
         return self.compute_logits(hidden)

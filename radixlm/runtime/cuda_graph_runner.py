@@ -72,7 +72,8 @@ class CudaGraphRunner:
             extend_seq_lens=ones, extend_prefix_lens=self.seq_lens[:bs] - 1,
             extend_start_loc=self.rows[:bs], seq_lens_cpu=[1] * bs, extend_seq_lens_cpu=[1] * bs,
             extend_prefix_lens_cpu=[0] * bs, req_to_token_pool=r.req_to_token_pool,
-            token_to_kv_pool=r.kv_pool, attn_backend=r.attn_backend, logit_rows=self.rows[:bs])
+            token_to_kv_pool=r.kv_pool, attn_backend=r.attn_backend, logit_rows=self.rows[:bs],
+            capture=r.capture)
 
     @torch.inference_mode()
     def _capture_all(self) -> None:
@@ -90,9 +91,10 @@ class CudaGraphRunner:
                     self.runner.model(fb.input_ids, fb.positions, fb)
             torch.cuda.current_stream().wait_stream(stream)
             graph = torch.cuda.CUDAGraph()
+            fb.captured.clear()
             with torch.cuda.graph(graph, pool=pool, stream=stream):
                 out = self.runner.model(fb.input_ids, fb.positions, fb)
-            self.graphs[bs], self.outputs[bs] = graph, out
+            self.graphs[bs], self.outputs[bs] = graph, (out, list(fb.captured))
         torch.cuda.synchronize()
         logger.info("captured CUDA graphs for decode batch sizes %s in %.1f s", self.sizes,
                     time.perf_counter() - t0)
@@ -102,7 +104,9 @@ class CudaGraphRunner:
             and fb.input_embeds is None
 
     def replay(self, fb: ForwardBatch) -> torch.Tensor:
-        groups = fb.prefix_groups
+        """Logits of `fb`'s rows; captured hidden states (a `HiddenCapture`) land in
+        `fb.captured`, like the logits views into the graph's buffers."""
+        groups, caller = fb.prefix_groups, fb
         if fb.mode.is_verify():
             fb = fb.verify_decode_view()
         bs = fb.batch_size
@@ -121,7 +125,11 @@ class CudaGraphRunner:
             padded, self.req_pool_indices[:padded], self.seq_lens[:padded],
             prefix_groups=groups if self.cascade else None)
         if not self.use_graphs:
-            return self.runner.model(self.input_ids[:padded], self.positions[:padded],
-                                     self._batch(padded))[:bs]
+            static = self._batch(padded)
+            logits = self.runner.model(self.input_ids[:padded], self.positions[:padded], static)
+            caller.captured = [t[:bs] for t in static.captured]
+            return logits[:bs]
         self.graphs[padded].replay()
-        return self.outputs[padded][:bs]
+        logits, captured = self.outputs[padded]
+        caller.captured = [t[:bs] for t in captured]
+        return logits[:bs]

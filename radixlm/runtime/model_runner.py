@@ -19,7 +19,7 @@ import torch
 from radixlm.cache.kv_spec import KVSpec
 from radixlm.cache.memory_pool import KVPool, ReqToTokenPool
 from radixlm.config import ServerArgs
-from radixlm.forward_batch import ForwardBatch
+from radixlm.forward_batch import ForwardBatch, HiddenCapture
 from radixlm.layers.attention.base import AttentionBackend, AttentionShape
 from radixlm.layers.attention.radix_attention import RadixAttention
 from radixlm.layers.attention.registry import attention_backend_class
@@ -99,6 +99,7 @@ class ModelRunner:
         self.attn_backend: AttentionBackend | None = None
         self.graph_runner = None
         self.max_running_requests = 0
+        self.capture: HiddenCapture | None = None  # hidden states every forward keeps
 
     def _set_cpu_threads(self) -> None:
         if self.args.num_threads:

@@ -35,7 +35,12 @@ import torch
 from radixlm import distributed as tp
 from radixlm.cache.memory_pool import KVPool, ReqToTokenPool
 from radixlm.config import ServerArgs
-from radixlm.forward_batch import ForwardBatch, SharedPrefixTracker, cascade_attention_wanted
+from radixlm.forward_batch import (
+    ForwardBatch,
+    HiddenCapture,
+    SharedPrefixTracker,
+    cascade_attention_wanted,
+)
 from radixlm.layers.sampler import Sampler, SamplingBatchInfo
 from radixlm.runtime.memory_plan import MemoryPlan
 from radixlm.runtime.model_runner import ModelRunner
@@ -73,6 +78,9 @@ class BatchResult:
     prompt_top_logprobs: list[list[list[list[Any]]] | None] | None = None
     # Embedding batches: each request's new rows of final-normed hidden states.
     hidden: list[torch.Tensor] | None = None
+    # With a `HiddenCapture` (ModelWorker's `capture`): on the device, one tensor per
+    # captured state, [num_tokens, hidden], rows in the batch's flat token order.
+    hidden_states: list[torch.Tensor] | None = None
 
 
 class PendingResult:
@@ -86,8 +94,10 @@ class PendingResult:
     def __init__(self, batch: ScheduleBatch, host: list[torch.Tensor] | None = None,
                  event: torch.cuda.Event | None = None,
                  prompt: tuple[list[Any], list[Any]] | None = None,
-                 done: BatchResult | None = None, counts: torch.Tensor | None = None) -> None:
+                 done: BatchResult | None = None, counts: torch.Tensor | None = None,
+                 hidden_states: list[torch.Tensor] | None = None) -> None:
         self.batch = batch
+        self.hidden_states = hidden_states
         self._host = host
         self._counts = counts
         self._event = event
@@ -128,7 +138,7 @@ class PendingResult:
                            for r in range(row, row + keep)]
             row += m
             j += 1
-        result = BatchResult(tokens, logprobs, tops)
+        result = BatchResult(tokens, logprobs, tops, hidden_states=self.hidden_states)
         if self._prompt is not None:
             result.prompt_logprobs, result.prompt_top_logprobs = self._prompt
         return result
@@ -192,10 +202,13 @@ class ModelWorker:
     """Owns the model runner, the sampler and the token table of one (tensor-parallel) rank."""
 
     def __init__(self, args: ServerArgs, model_dir: str, config: Any,
-                 gpu_id: int | None = None) -> None:
+                 gpu_id: int | None = None, capture: HiddenCapture | None = None) -> None:
+        """`capture`: hidden states every forward also returns (`BatchResult.hidden_states`;
+        fixed before the CUDA graphs are captured)."""
         self.args = args
         self.runner = ModelRunner(args, model_dir, config, gpu_id)
         r = self.runner
+        r.capture = capture
         self.device = r.device
         pools = MemoryPlan(args, self.device, r.context_len, [r.kv_request()]).build()
         r.attach_pools(pools)
@@ -221,7 +234,7 @@ class ModelWorker:
         logits = self.runner.forward(fb)
         prompt = self._prompt_logprobs(batch, logits) if any(batch.prompt_logprobs) else None
         if not any(batch.sample):
-            empty = BatchResult([[] for _ in batch.reqs])
+            empty = BatchResult([[] for _ in batch.reqs], hidden_states=fb.captured or None)
             if prompt is not None:
                 empty.prompt_logprobs, empty.prompt_top_logprobs = prompt
             return PendingResult.done(batch, empty)
@@ -246,6 +259,7 @@ class ModelWorker:
             batch.mode, input_ids, [q.req_pool_idx for q in batch.reqs], batch.prefix_lens,
             batch.extend_lens, batch.out_cache_loc, self.req_to_token_pool, self.kv_pool,
             self.runner.attn_backend, self.device, logit_rows=rows, num_extend=batch.num_extend)
+        fb.capture = self.runner.capture
         if num_device:
             self._device_inputs(batch, fb, num_device)
         if batch.mode.is_decode() and self.prefix_groups is not None:
@@ -307,7 +321,8 @@ class ModelWorker:
             if top_k and out.top_logprobs is not None:
                 tensors += list(out.top_logprobs)
         return PendingResult(batch, [_to_host(t) for t in tensors], _record_event(self.device),
-                             prompt, counts=None if counts is None else _to_host(counts))
+                             prompt, counts=None if counts is None else _to_host(counts),
+                             hidden_states=fb.captured or None)
 
     def _sampling_info(self, batch: ScheduleBatch) -> SamplingBatchInfo:
         """One row per sampled logit row: a verify request's row j is its output

@@ -21,6 +21,8 @@ import logging
 import random
 from typing import Any
 
+import torch
+
 from radixlm.cache.base import PrefixCache
 from radixlm.config import ServerArgs
 from radixlm.constrained.manager import create_grammar_manager
@@ -133,6 +135,7 @@ class Scheduler:
             input_ids = session.input_ids
             self.validate_input(input_ids, params.max_new_tokens)
         self.grammars.check_servable(params)
+        embeds = self._input_embeds(msg) if msg.input_embeds is not None else None
         seed = params.seed if params.seed is not None else self.rng.getrandbits(62)
         req = Req(rid=msg.rid, origin_input_ids=input_ids, sampling_params=params,
                   seed=seed, stream=msg.stream, return_logprob=msg.return_logprob,
@@ -140,12 +143,22 @@ class Scheduler:
                   logprob_start_len=msg.logprob_start_len if msg.return_logprob else -1,
                   eos_token_ids=self.eos_token_ids,
                   stop_str_max_len=max((len(s) for s in params.stop), default=0),
-                  namespace=msg.namespace, priority=msg.priority)
+                  namespace=msg.namespace, priority=msg.priority, input_embeds=embeds)
         self.reqs[req.rid] = req
         if session is not None:
             self.sessions.commit(session, req, self.abort)
         if not self.grammars.submit(req):  # else it waits for its grammar to compile
             self.prefill.add(req)
+
+    def _input_embeds(self, msg: GenerateReq) -> torch.Tensor:
+        """The prompt's embeddings [positions, hidden] from the wire's float32 bytes."""
+        if msg.session_params is not None:
+            raise ValueError("input_embeds cannot continue a session (session_params)")
+        rows = torch.frombuffer(bytearray(msg.input_embeds), dtype=torch.float32)
+        if rows.numel() != len(msg.input_ids) * self.hidden_size:
+            raise ValueError(f"input_embeds holds {rows.numel()} values for "
+                             f"{len(msg.input_ids)} positions of hidden size {self.hidden_size}")
+        return rows.view(len(msg.input_ids), self.hidden_size)
 
     def validate_input(self, input_ids: list[int], max_new_tokens: int) -> None:
         check_input(self, input_ids, max_new_tokens)

@@ -1,7 +1,9 @@
 """SGLang's native API: /generate, /tokenize, /detokenize, /abort_request,
 /open_session, /close_session.
 
-/generate takes `text` or `input_ids`, one or a batch; `sampling_params` one
+/generate takes `text`, `input_ids` or `input_embeds` (one vector of the model's
+hidden size per prompt position: such a prompt shares no cached KV), one or a
+batch; `sampling_params` one
 dict or one per input; `rid` likewise. The answer mirrors the offline
 Engine: one dict for one input (a list of n with n > 1), a flat input-major
 list for a batch. Stream chunks carry the cumulative `text` and `output_ids`
@@ -25,7 +27,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
 from radixlm.protocol import StrOut
-from radixlm.request_input import native_jobs, prompt_ids, rids_per_input
+from radixlm.request_input import native_jobs, prompt_ids, prompt_inputs, rids_per_input
 from radixlm.server.errors import APIError, from_value_error
 from radixlm.server.openai_api import OpenAIServing
 from radixlm.server.openai_protocol import (
@@ -74,12 +76,21 @@ class NativeServing:
 
     async def generate(self, req: GenerateRequest, raw_request: Request) -> Response:
         received = time.monotonic()
-        inputs, single = await self.prompts(req)
+        embeds = None
+        if req.input_embeds is not None:
+            try:
+                inputs, embeds, single = prompt_inputs(req.text, req.input_ids,
+                                                       req.input_embeds, None)
+            except ValueError as e:
+                raise from_value_error(e) from None
+        else:
+            inputs, single = await self.prompts(req)
         timing = {"received": received, "tokenized": time.monotonic()} \
             if req.return_timing else None
         try:
             gid, jobs = native_jobs(inputs, sampling_params=req.sampling_params, rid=req.rid,
-                                    session_params=req.session_params, priority=req.priority)
+                                    session_params=req.session_params, priority=req.priority,
+                                    input_embeds=embeds)
         except ValueError as e:
             raise from_value_error(e, SAMPLING_NAMES) from None
         group = await self.tm.submit(

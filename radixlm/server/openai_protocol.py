@@ -148,6 +148,9 @@ class GenerateRequest(_Lenient):
     # refuses bools and floats, which a typed field would coerce.
     priority: Any = None
     return_timing: bool = False  # meta_info.timing: stamps per hop (bench ttft)
+    # One vector (hidden size) per prompt position, or one such list per input:
+    # shapes are checked by request_input, which names what is wrong.
+    input_embeds: Any = None
 
 
 class TokenizeRequest(_Lenient):

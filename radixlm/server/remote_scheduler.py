@@ -85,6 +85,7 @@ class RemoteScheduler:
         self.context_len: int = info["context_len"]
         self.max_total_tokens: int = info["max_total_tokens"]
         self.max_running_requests: int = info["max_running_requests"]
+        self.hidden_size: int = info["hidden_size"]
 
     def _wait_ready(self) -> dict[str, Any]:
         deadline = time.monotonic() + READY_TIMEOUT_S

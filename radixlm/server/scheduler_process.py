@@ -277,7 +277,7 @@ def ready_info(scheduler: Any, dp_rank: int = 0) -> dict[str, Any]:
     return {"max_total_tokens": scheduler.max_total_tokens,
             "max_running_requests": scheduler.max_running_requests,
             "context_len": scheduler.context_len, "vocab_size": scheduler.vocab_size,
-            "dp_rank": dp_rank}
+            "hidden_size": scheduler.hidden_size, "dp_rank": dp_rank}
 
 
 def init_tp_rank(args: ServerArgs, placement: Placement) -> None:

@@ -271,13 +271,12 @@ class TokenizerManager:
         except ValueError as e:
             raise from_value_error(e, SAMPLING_NAMES) from None
         members = call.members()
-        reqs = call.requests()
+        *warmups, reqs = call.stages(radix_cache=not self.args.disable_radix_cache)
         frames = [encode_request(r) for r in reqs]  # may refuse: nothing is registered yet
         self._admit(list(members), len(reqs))
         await self.update_gate.wait_open()  # a weight update is running: wait for it
-        warmups = call.warmups(radix_cache=not self.args.disable_radix_cache)
-        if warmups:
-            await self._warm_up(warmups)
+        for stage in warmups:
+            await self._warm_up(stage)
             # Again: other calls ran during the warm-up. Without the second admission
             # check, calls admitted meanwhile overfill the queue, and the scheduler
             # refuses some samples of a call whose stream has already started.

@@ -42,6 +42,7 @@ class CpuAttentionBackend(TorchNativeBackend):
         # fresh-prompt kernel, and (request, start, prefix, length) of the others.
         self.fresh_starts = self.fresh_lens = torch.empty(0, dtype=torch.int64)
         self.cached: list[tuple[int, int, int, int]] = []
+        self.cast_kv = False  # the pool's dtype is not the model's: decode on the torch path
 
     @staticmethod
     def supports(head_dim: int) -> bool:
@@ -55,6 +56,10 @@ class CpuAttentionBackend(TorchNativeBackend):
             return ("it needs a C++ compiler (see the log) and a head dim that is a multiple "
                     f"of 16 (got {head_dim})")
         return None
+
+    def check_kv_dtype(self, model_dtype: torch.dtype, kv_dtype: torch.dtype) -> None:
+        # The decode kernel reads K/V in the queries' dtype only.
+        self.cast_kv = kv_dtype != model_dtype
 
     def _store(self, k: torch.Tensor, v: torch.Tensor, layer: RadixAttention,
                fb: ForwardBatch) -> None:
@@ -79,6 +84,8 @@ class CpuAttentionBackend(TorchNativeBackend):
             self.fresh_starts, self.fresh_lens = rows[:, 0].contiguous(), rows[:, 1].contiguous()
             return
         self.decode_batch_size, self.longest = fb.batch_size, max(fb.seq_lens_cpu)
+        if self.cast_kv:
+            super().init_forward_metadata(fb)
 
     def _num_splits(self, window: int | None) -> int:
         """Few requests leave threads idle: split each over the threads instead."""
@@ -106,10 +113,10 @@ class CpuAttentionBackend(TorchNativeBackend):
 
     def forward_decode(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                        layer: RadixAttention, fb: ForwardBatch) -> torch.Tensor:
-        k_buf, v_buf = fb.token_to_kv_pool.get_kv_buffer(layer.layer_id)
-        if k_buf.dtype != q.dtype:  # the kernel reads one dtype: --kv-cache-dtype differs
+        if self.cast_kv:
             return super().forward_decode(q, k, v, layer, fb)
         self._store(k, v, layer, fb)
+        k_buf, v_buf = fb.token_to_kv_pool.get_kv_buffer(layer.layer_id)
         bs = fb.batch_size
         q = q.reshape(bs, layer.num_heads, layer.head_dim)
         out = torch.empty_like(q)
