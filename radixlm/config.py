@@ -15,8 +15,8 @@ from typing import Any, Literal, get_args, get_origin
 SCHEDULE_POLICIES = ("fcfs", "lpm", "dfs-weight")
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
-# The KV cache's own dtype; auto: the model's.
-KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16")
+# The KV cache's own dtype; auto: the model's. fp8: scaled per layer (cache/fp8_pool.py).
+KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16", "fp8_e4m3", "fp8_e5m2")
 ATTENTION_BACKENDS = ("auto", "torch_native", "cpu", "triton")
 EMBEDDING_POOLINGS = ("last", "mean")
 LOAD_BALANCE_METHODS = ("round_robin", "shortest_queue", "cache_aware")
@@ -75,6 +75,10 @@ class ServerArgs:
     kv_cache_dtype: str = _opt(
         "memory", "dtype of the KV cache (auto: the model's dtype); a smaller one holds more "
         "tokens", KV_CACHE_DTYPES, default="auto")
+    quantization_param_path: str | None = _opt(
+        "memory", "JSON of per-layer KV cache scales for an FP8 KV cache (vLLM's and SGLang's "
+        "kv_cache.scaling_factor layout); a checkpoint's own k_scale/v_scale tensors come "
+        "first", default=None)
     swa_full_tokens_ratio: float = _opt(
         "memory", "Models with sliding-window layers: window-layer KV slots per full slot "
         "(window layers drop the KV that left every window, so long contexts need few)",

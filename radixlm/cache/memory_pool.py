@@ -21,6 +21,9 @@ import torch
 
 from radixlm.cache.kv_spec import MHA, KVSpec
 
+# Dtypes a pool stores K/V in as they are computed (FP8 pools scale them: fp8_pool.py).
+FLOAT_KV_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+
 
 @dataclass(frozen=True)
 class PoolOptions:
@@ -113,6 +116,11 @@ class KVPool(ABC):
         smaller of its two spaces')."""
         return self.available_size()
 
+    def layer_scales(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(key scale, value scale) a reader multiplies this layer's stored K and V by
+        (a quantized cache); None: they are stored as computed."""
+        return None
+
     def layer_slot_map(self, layer_id: int) -> torch.Tensor | None:
         """None where `get_kv_buffer(layer_id)`'s rows are the slots `alloc` hands
         out; for a window pool's window layer, the device int64 map from those
@@ -152,7 +160,7 @@ class MHATokenToKVPool(KVPool):
 
     @classmethod
     def accepts(cls, spec: KVSpec, dtype: torch.dtype) -> bool:
-        return spec.kind == MHA and not spec.windows and dtype.is_floating_point
+        return spec.kind == MHA and not spec.windows and dtype in FLOAT_KV_DTYPES
 
     @classmethod
     def bytes_per_slot(cls, spec: KVSpec, dtype: torch.dtype,

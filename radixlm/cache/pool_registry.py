@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import torch
 
+from radixlm.cache.fp8_pool import FP8TokenToKVPool
 from radixlm.cache.kv_spec import KVSpec
 from radixlm.cache.memory_pool import KVPool, MHATokenToKVPool
 from radixlm.cache.swa_memory_pool import SWAKVPool
 
-_POOLS: list[type[KVPool]] = [MHATokenToKVPool, SWAKVPool]
+_POOLS: list[type[KVPool]] = [MHATokenToKVPool, SWAKVPool, FP8TokenToKVPool]
 
 
 def register_kv_pool(cls: type[KVPool]) -> type[KVPool]:

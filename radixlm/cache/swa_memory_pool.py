@@ -26,7 +26,7 @@ from __future__ import annotations
 import torch
 
 from radixlm.cache.kv_spec import MHA, KVSpec
-from radixlm.cache.memory_pool import KVPool, MHATokenToKVPool, PoolOptions
+from radixlm.cache.memory_pool import FLOAT_KV_DTYPES, KVPool, MHATokenToKVPool, PoolOptions
 from radixlm.utils import to_device
 
 
@@ -53,7 +53,7 @@ class SWAKVPool(MHATokenToKVPool):
 
     @classmethod
     def accepts(cls, spec: KVSpec, dtype: torch.dtype) -> bool:
-        return spec.kind == MHA and bool(spec.window_layers) and dtype.is_floating_point
+        return spec.kind == MHA and bool(spec.window_layers) and dtype in FLOAT_KV_DTYPES
 
     @classmethod
     def bytes_per_slot(cls, spec: KVSpec, dtype: torch.dtype, options: PoolOptions) -> float:

@@ -16,6 +16,8 @@ from pathlib import Path
 import psutil
 import torch
 
+from radixlm import distributed as tp
+from radixlm.cache.fp8_pool import FP8_DTYPES, FP8TokenToKVPool, kv_scales
 from radixlm.cache.kv_spec import KVSpec
 from radixlm.cache.memory_pool import KVPool, ReqToTokenPool
 from radixlm.config import ServerArgs
@@ -28,7 +30,8 @@ from radixlm.runtime.memory_plan import KVPools, KVRequest
 
 logger = logging.getLogger(__name__)
 
-_KV_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_KV_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
+              "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
 
 
 def resolve_device(name: str, gpu_id: int | None = None) -> torch.device:
@@ -129,6 +132,9 @@ class ModelRunner:
         backend that cannot read a window pool."""
         if not spec.window_layers or self.args.disable_hybrid_swa_memory:
             return spec.without_windows()
+        if self.kv_dtype in FP8_DTYPES:
+            logger.info("an FP8 KV pool keeps window layers' KV for every token")
+            return spec.without_windows()
         if not self.backend_class.supports_window_pool:
             logger.info("attention backend %s keeps window layers' KV for every token",
                         self.backend_class.__name__)
@@ -150,6 +156,8 @@ class ModelRunner:
             first.num_heads, first.num_kv_heads, first.head_dim, self.device,
             self.req_to_token_pool.max_context_len))
         self.attn_backend.check_kv_dtype(self.dtype, self.kv_dtype)
+        if isinstance(self.kv_pool, FP8TokenToKVPool):
+            self._set_kv_scales(self.kv_pool)
         for layer in self.layers:
             self.attn_backend.check_layer(layer)  # refuse what it cannot compute
         if self.device.type == "cuda" and self.attn_backend.supports_cuda_graph:
@@ -157,6 +165,16 @@ class ModelRunner:
             self.graph_runner = CudaGraphRunner(
                 self, min(self.args.cuda_graph_max_bs, self.max_running_requests),
                 use_graphs=not self.args.disable_cuda_graph)
+
+    def _set_kv_scales(self, pool: FP8TokenToKVPool) -> None:
+        ks, vs, source = kv_scales(self.layers, tp.get_tp_rank(),
+                                   self.args.quantization_param_path)
+        pool.set_scales(ks, vs)
+        if source.startswith("none"):
+            logger.warning("FP8 KV cache without scales (no k_scale/v_scale in the checkpoint, "
+                           "no --quantization-param-path): using 1.0, which may cost accuracy")
+        else:
+            logger.info("FP8 KV cache scales from %s", source)
 
     # ---- execution -----------------------------------------------------------
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
