@@ -1,11 +1,13 @@
 """What tests/test_clients.py shows through the server, piece by piece and
 without one: the tool prompt for templates that do not render tools (probed
 once per template, merged into the system message, each parser's own format),
-which grammars go with a forced call, the finish order of `Req.check_finished`,
-and the access-log middleware with its switch."""
+earlier calls written in the parser's markup, which grammars go with a forced
+call, the finish order of `Req.check_finished`, and the access-log middleware
+with its switch."""
 
 from __future__ import annotations
 
+import json
 import logging
 from typing import Any
 
@@ -17,10 +19,11 @@ from starlette.routing import Route
 
 from radixlm.sampling_params import SamplingParams
 from radixlm.scheduler.req import Req
+from radixlm.server.chat_output import ChatParsers
 from radixlm.server.errors import APIError
-from radixlm.server.function_call import PARSERS, make_parser, tools_prompt
+from radixlm.server.function_call import PARSERS, calls_text, make_parser, tools_prompt
 from radixlm.server.http_server import AccessLogMiddleware
-from radixlm.server.openai_api import CHAT_GRAMMARS, check_grammars
+from radixlm.server.openai_api import CHAT_GRAMMARS, OpenAIServing, check_grammars
 from radixlm.server.openai_protocol import ChatCompletionRequest, ChatTool
 from radixlm.server.responses_api import RESPONSES_GRAMMARS
 from radixlm.server.tool_calls import plan_tools
@@ -112,6 +115,41 @@ def test_every_parser_has_its_own_tools_prompt(name: str) -> None:
     (call,) = make_parser(name, TOOLS).parse(ANSWERS[name], final=True).calls
     assert (call.name, call.arguments, call.complete) == ("get_weather", '{"city": "Paris"}',
                                                           True)
+
+
+EARLIER = [{"name": "get_weather", "arguments": {"city": "Paris", "days": 2, "metric": True}},
+           {"name": "get_time", "arguments": {}}]
+
+
+@pytest.mark.parametrize("name", sorted(PARSERS))
+def test_earlier_calls_are_written_as_the_parser_reads_them(name: str) -> None:
+    parsed = make_parser(name, TOOLS).parse(calls_text(name, EARLIER), final=True)
+    assert parsed.content == ""
+    assert [(c.name, json.loads(c.arguments)) for c in parsed.calls] == [
+        (c["name"], c["arguments"]) for c in EARLIER]
+
+
+class DropsCalls:
+    """A tokenizer whose template (like SmolLM2's) ignores tools and earlier calls."""
+
+    chat_template = "{{ messages }}"
+
+    def apply_chat_template(self, messages: list[dict[str, Any]], **kw: Any) -> str:
+        return "|".join(f"{m['role']}:{m['content']}" for m in messages)
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> str:
+        return text
+
+
+def test_history_shows_earlier_calls_in_the_parsers_markup() -> None:
+    api = OpenAIServing(None, DropsCalls(), "m", None, ChatParsers("hermes"))  # type: ignore
+    req = ChatCompletionRequest(messages=[*ASK, {"role": "assistant", "tool_calls": [
+        {"id": "call_1", "function": {"name": "get_time", "arguments": "{}"}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "noon"}], tools=TOOLS)
+    text = api.render_chat(req, _plan("auto"))
+    assert text.startswith("system:" + tools_prompt("hermes", TOOLS) + "|user:Weather")
+    assert text.endswith('|assistant:<tool_call>\n{"name": "get_time", "arguments": {}}\n'
+                         '</tool_call>|tool:noon')
 
 
 # ---- grammars with a forced call ------------------------------------------------------------

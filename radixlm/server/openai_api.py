@@ -384,7 +384,8 @@ class OpenAIServing:
         if "tool_calls" not in str(template):
             # This template ignores earlier calls and would drop them silently
             # (SmolLM2's does): show them to the model as text instead.
-            messages = calls_as_text(messages, results_too=False)
+            messages = calls_as_text(messages, results_too=False,
+                                     write=self.tool_prompt.calls_text)
         messages = self.tool_prompt.messages(messages, plan.tools, template,
                                              self.tokenizer.apply_chat_template)
         # The tools go to templates that render them; others ignore the argument.
@@ -410,7 +411,8 @@ class OpenAIServing:
     def _text_fallback(self, req: ChatCompletionRequest, messages: list[dict[str, Any]],
                        kwargs: dict[str, Any]) -> str:
         try:
-            return self._apply_template(req, calls_as_text(messages, results_too=True), kwargs)
+            return self._apply_template(req, calls_as_text(
+                messages, results_too=True, write=self.tool_prompt.calls_text), kwargs)
         except Exception as e:
             raise APIError(400, f"the chat template failed on these messages (tool calls "
                                 f"and results also as text): {e}", "messages") from None

@@ -9,6 +9,8 @@ does not, the tool definitions go into the system message in the configured
 tool-call parser's own format (`ToolParser.tools_prompt`), so what the model is
 asked to write is what the parser reads. Without a parser there is no format
 to ask for: nothing is added (forced calls need none; "auto" is refused then).
+An assistant's earlier calls, which such templates drop too, are written into
+its content in the same markup (`ToolParser.calls_text`).
 """
 
 from __future__ import annotations
@@ -17,7 +19,8 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-from radixlm.server.function_call import tools_prompt
+from radixlm.server.function_call import calls_text, tools_prompt
+from radixlm.server.tool_calls import json_calls
 
 logger = logging.getLogger("radixlm.server")
 
@@ -65,6 +68,13 @@ class ToolPrompt:
             content = f"{first['content']}\n\n{text}" if first["content"] else text
             return [{**first, "content": content}, *messages[1:]]
         return [{"role": "system", "content": text}, *messages]
+
+
+    def calls_text(self, calls: list[dict[str, Any]]) -> str:
+        """An assistant's earlier calls as text, for a template that drops
+        `tool_calls`: in the parser's markup (what the model is asked to write and
+        what is read back), else a JSON list."""
+        return calls_text(self.parser, calls) if self.parser else json_calls(calls)
 
 
 def _probe(render: Render) -> bool:

@@ -80,6 +80,14 @@ class ToolParser(ABC):
         does not render them, and asks for calls in this format, markup included,
         so that `parse` can read them; the server puts it into the system message."""
 
+    @classmethod
+    @abstractmethod
+    def calls_text(cls, calls: list[dict[str, Any]]) -> str:
+        """Earlier calls (`{"name", "arguments"}` each, arguments a JSON value) as
+        this format writes them, for templates that drop an assistant's
+        `tool_calls`: `parse` reads the calls back, so the model sees its own
+        earlier calls in the markup it is asked to write."""
+
     @abstractmethod
     def parse_section(self, section: str, final: bool) -> list[str | Draft]:
         """Read `section`, which starts at a marker, into its calls and the text

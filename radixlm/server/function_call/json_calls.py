@@ -14,6 +14,7 @@ llama3 (Llama 3.1 / 3.2 / 3.3 JSON tool calling: the output is the call, a
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from radixlm.server.function_call.base import Draft, ToolParser, read_call_object, tool_lines
@@ -59,6 +60,10 @@ class MistralParser(ToolParser):
                 "write [TOOL_CALLS] followed by a JSON list of calls: [TOOL_CALLS] "
                 "[{\"name\": <function-name>, \"arguments\": <args-json-object>}]")
 
+    @classmethod
+    def calls_text(cls, calls: list[dict[str, Any]]) -> str:
+        return "[TOOL_CALLS] " + json.dumps(calls, ensure_ascii=False)
+
     def parse_section(self, section: str, final: bool) -> list[str | Draft]:
         body = section[len(self.markers[0]):].lstrip()
         if not body.startswith("["):
@@ -81,6 +86,11 @@ class Llama3Parser(ToolParser):
                 "<a dictionary of argument names and their values>}, nothing else; to call "
                 "several, separate the objects with \";\". Do not use variables.\n\n"
                 + tool_lines(tools))
+
+    @classmethod
+    def calls_text(cls, calls: list[dict[str, Any]]) -> str:
+        return "; ".join(json.dumps({"name": c["name"], "parameters": c["arguments"]},
+                                    ensure_ascii=False) for c in calls)
 
     def section_start(self, text: str) -> int | None:
         stripped = text.lstrip()

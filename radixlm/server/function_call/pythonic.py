@@ -37,6 +37,15 @@ class PythonicParser(ToolParser):
                 "[func_name1(param1=value1, param2=value2), func_name2(param=value)], and "
                 "no other text.\n\n" + listed)
 
+    @classmethod
+    def calls_text(cls, calls: list[dict[str, Any]]) -> str:
+        # repr() of the JSON values is Python literal syntax, as the format is.
+        def call(c: dict[str, Any]) -> str:
+            args = c["arguments"] if isinstance(c["arguments"], dict) else {}
+            return f"{c['name']}(" + ", ".join(f"{k}={v!r}" for k, v in args.items()) + ")"
+
+        return "[" + ", ".join(call(c) for c in calls) + "]"
+
     def section_start(self, text: str) -> int | None:
         stripped = text.lstrip()
         if stripped.startswith("["):

@@ -89,6 +89,11 @@ class HermesParser(TaggedParser):
                 "<tool_call>\n{\"name\": <function-name>, \"arguments\": "
                 "<args-json-object>}\n</tool_call>")
 
+    @classmethod
+    def calls_text(cls, calls: list[dict[str, Any]]) -> str:
+        return "\n".join(f"<tool_call>\n{json.dumps(c, ensure_ascii=False)}\n</tool_call>"
+                         for c in calls)
+
 
 class Qwen25Parser(HermesParser):
     """Qwen2.5's template asks for Hermes' markup, word for word."""
@@ -121,6 +126,13 @@ class DeepSeekV3Parser(TaggedParser):
                 + _CALLS_BEGIN + " and " + _CALLS_END + ", each as " + _CALL_BEGIN
                 + "function" + _SEP + "<function-name>\n```json\n<args-json-object>\n```"
                 + _CALL_END)
+
+    @classmethod
+    def calls_text(cls, calls: list[dict[str, Any]]) -> str:
+        return _CALLS_BEGIN + "".join(
+            f"{_CALL_BEGIN}function{_SEP}{c['name']}\n```json\n"
+            f"{json.dumps(c['arguments'], ensure_ascii=False)}\n```{_CALL_END}"
+            for c in calls) + _CALLS_END
 
     def read_body(self, body: str, final: bool) -> ObjectRead:
         m = _DEEPSEEK_HEADER.match(body)
