@@ -161,6 +161,9 @@ class ServerArgs:
     port: int = _opt("server", "HTTP port", default=30000)
     api_key: str | None = _opt("server", "Require this bearer token", default=None)
     log_level: str = _opt("server", "Logging level", default="info")
+    disable_uvicorn_access_log: bool = _opt(
+        "server", "No access log line per HTTP request (method, path, status, latency, "
+        "request id)", default=False)
     dump_requests_folder: str | None = _opt(
         "server", "Append finished requests to a JSON-lines file in this folder", default=None)
     dump_requests_threshold: int = _opt(

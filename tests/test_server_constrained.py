@@ -73,7 +73,8 @@ def test_completions_regex_extension(server):
     ({"regex": "(a"}, "regex is invalid: Regex parsing error"),
     ({"json_schema": '{"type": "strin"}'}, 'json_schema is invalid: Unsupported type'),
     ({"json_schema": "{not json"}, "json_schema is not valid JSON"),
-    ({"regex": "a", "ebnf": 'root ::= "a"'}, "only one of json_schema, regex, ebnf"),
+    ({"regex": "a", "ebnf": 'root ::= "a"'}, "only one of response_format, json_schema, regex, "
+                                              "ebnf"),
     ({"response_format": {"type": "yaml"}}, "response_format.type must be"),
     ({"response_format": {"type": "json_object"}, "regex": "a"}, "only one of"),
 ])

@@ -25,8 +25,9 @@ LONG = {**FAST, "max_tokens": 160}
 
 @pytest.fixture(scope="module")
 def server() -> Any:
-    with ServerProcess([*DEFAULT_ARGS, "--tool-call-parser", "hermes",
-                        "--reasoning-parser", "qwen3"]) as s:
+    # The template ignores tools, so their definitions join the prompt: a longer context.
+    with ServerProcess([*DEFAULT_ARGS, "--context-length", "1024", "--tool-call-parser",
+                        "hermes", "--reasoning-parser", "qwen3"]) as s:
         yield s
 
 

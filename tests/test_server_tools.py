@@ -198,9 +198,9 @@ BAD = [
     ({"tools": TOOLS[:1] + [{"type": "function", "function": {
         "name": "g", "parameters": {"type": "strin"}}}], "tool_choice": "required"},
      "tools", "json_schema is invalid"),
-    ({"tools": TOOLS, "tool_choice": "required",
-      "response_format": {"type": "json_object"}}, "response_format", "cannot be combined"),
     ({"tools": TOOLS, "tool_choice": NAMED, "regex": "a+"}, "regex", "cannot be combined"),
+    ({"tools": TOOLS, "tool_choice": "required", "json_schema": {"type": "object"}},
+     "json_schema", "cannot be combined"),
     ({"tools": [{"type": "retrieval", "function": {"name": "f"}}], "tool_choice": "required"},
      "tools.0.type", "function"),
 ]

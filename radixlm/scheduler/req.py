@@ -119,13 +119,12 @@ class Req:
         return max(0, self.sampling_params.max_new_tokens - len(self.output_ids))
 
     def check_finished(self, tokenizer: Any) -> None:
-        """Set finished_reason after a new token was appended (stop tokens, strings, length)."""
+        """Set finished_reason after a new token was appended: stop tokens, then stop
+        strings, then the length limit. A stop that lands on the last allowed token
+        is still a stop (the model finished: OpenAI and vLLM say "stop" there)."""
         if self.finished:
             return
         params = self.sampling_params
-        if len(self.output_ids) >= params.max_new_tokens:
-            self.finished_reason = {"type": "length", "length": params.max_new_tokens}
-            return
         last = self.output_ids[-1]
         if len(self.output_ids) > params.min_new_tokens:  # the sampler masked stops before
             if last in params.stop_token_ids or (
@@ -134,6 +133,10 @@ class Req:
                 return
             if params.stop and tokenizer is not None:
                 self._check_stop_strings(tokenizer)
+                if self.finished:
+                    return
+        if len(self.output_ids) >= params.max_new_tokens:
+            self.finished_reason = {"type": "length", "length": params.max_new_tokens}
 
     def _check_stop_strings(self, tokenizer: Any) -> None:
         # A stop string of c characters spans at most c tokens; one more token covers

@@ -7,6 +7,8 @@ and the OpenAI routes answer alike. Validation errors are 400, never 422
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Mapping
 from http import HTTPStatus
 from typing import Any
 
@@ -24,6 +26,8 @@ _TYPES = {
     500: "InternalServerError",
     503: "ServiceUnavailableError",
 }
+
+logger = logging.getLogger("radixlm.server")
 
 # Sampling-parameter names as the OpenAI API spells them.
 OPENAI_PARAM_NAMES = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens"}
@@ -87,17 +91,38 @@ def validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     return f"{where}{err.get('msg', 'invalid value')}", param
 
 
-async def api_error_handler(_: Request, exc: Exception) -> JSONResponse:
+def request_id(scope: Mapping[str, Any]) -> str | None:
+    """The id the access log gave this request (http_server.AccessLogMiddleware)."""
+    state = scope.get("state")
+    return state.get("request_id") if isinstance(state, Mapping) else None
+
+
+def log_refusal(scope: Mapping[str, Any], status: int, message: str,
+                param: str | None = None) -> None:
+    """Why a request got an error status, with its id, so an operator can see
+    why a client fails (the client gets the same message)."""
+    where = f" (param {param})" if param else ""
+    # A 500 is the server's fault, not the client's: it is an error.
+    logger.log(logging.ERROR if status == 500 else logging.INFO, "request %s refused with "
+               "%d%s: %s", request_id(scope) or "-", status, where, message)
+
+
+def refusal(request: Request, err: APIError) -> JSONResponse:
+    log_refusal(request.scope, err.status, err.message, err.param)
+    return err.response()
+
+
+async def api_error_handler(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, APIError)
-    return exc.response()
+    return refusal(request, exc)
 
 
-async def request_validation_handler(_: Request, exc: Exception) -> JSONResponse:
+async def request_validation_handler(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, RequestValidationError)
     message, param = validation_message(exc)
-    return APIError(400, message, param).response()
+    return refusal(request, APIError(400, message, param))
 
 
-async def value_error_handler(_: Request, exc: Exception) -> JSONResponse:
-    return from_value_error(exc if isinstance(exc, ValueError) else ValueError(str(exc))
-                            ).response()
+async def value_error_handler(request: Request, exc: Exception) -> JSONResponse:
+    return refusal(request, from_value_error(
+        exc if isinstance(exc, ValueError) else ValueError(str(exc))))

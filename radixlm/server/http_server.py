@@ -1,9 +1,10 @@
-"""The FastAPI app: routes, the request guard (API key, body size), error mapping.
+"""The FastAPI app: routes, the access log, the request guard (API key, body
+size), error mapping.
 
 Generation routes run under `with_cancellation`, so a client that goes away
-cancels its handler and the request is aborted in the scheduler. The guard is
-plain ASGI middleware (not BaseHTTPMiddleware), which would buffer streaming
-responses and hide client disconnects.
+cancels its handler and the request is aborted in the scheduler. The access log
+and the guard are plain ASGI middleware (not BaseHTTPMiddleware), which would
+buffer streaming responses and hide client disconnects.
 """
 
 from __future__ import annotations
@@ -11,7 +12,12 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import hmac
+import logging
+import re
+import time
+import uuid
 from dataclasses import dataclass
+from http import HTTPStatus
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -36,6 +42,8 @@ from radixlm.server.errors import (
     APIError,
     api_error_handler,
     error_body,
+    log_refusal,
+    refusal,
     request_validation_handler,
 )
 from radixlm.server.io import dumps, with_cancellation
@@ -63,6 +71,9 @@ MAX_HEADER_BYTES = 64 << 10
 # Reachable without the API key: probes, and load figures (the dashboard's are /metrics').
 OPEN_PATHS = frozenset({"/health", "/metrics", "/dashboard", "/dashboard/data"})
 HEALTH_GENERATE_TIMEOUT = 30.0
+# A client's own X-Request-Id is kept when it is this plain (it goes into log lines).
+_CLIENT_REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
+access_logger = logging.getLogger("radixlm.access")
 
 
 @dataclass
@@ -86,6 +97,66 @@ class ServerState:
         return None if self.ready else "the server is starting"
 
 
+# ---- the access log --------------------------------------------------------------------
+class AccessLogMiddleware:
+    """Gives every HTTP request an id (the client's X-Request-Id when it sends a
+    plain one, else a new one), returns it in the X-Request-Id response header,
+    and, when `enabled`, logs one line per request once its response is complete,
+    as uvicorn's access log does, with the latency and the id added:
+
+        127.0.0.1:50312 - "POST /v1/chat/completions HTTP/1.1" 400 Bad Request 3.1 ms req-1f...
+
+    A stream's latency is its whole duration. The id is `scope["state"]["request_id"]`,
+    which the error handlers log a refusal's reason with (errors.log_refusal)."""
+
+    def __init__(self, app: ASGIApp, enabled: bool = True) -> None:
+        self.app = app
+        self.enabled = enabled
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        given = _header(scope, b"x-request-id")
+        rid = given if given and _CLIENT_REQUEST_ID.fullmatch(given) \
+            else f"req-{uuid.uuid4().hex[:24]}"
+        scope.setdefault("state", {})["request_id"] = rid
+        t0 = time.monotonic()
+        status: int | None = None
+
+        async def send_with_id(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+                message = {**message, "headers": [*message.get("headers", ()),
+                                                  (b"x-request-id", rid.encode())]}
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_with_id)
+        except BaseException:
+            if status is None:
+                status = 500  # Starlette's outermost handler answers it
+            raise
+        finally:
+            if self.enabled:
+                self._log(scope, status, time.monotonic() - t0, rid)
+
+    @staticmethod
+    def _log(scope: Scope, status: int | None, seconds: float, rid: str) -> None:
+        client = scope.get("client")
+        addr = f"{client[0]}:{client[1]}" if client else "-"
+        path = scope.get("raw_path", b"").decode("latin-1") or scope["path"]
+        if scope.get("query_string") and "?" not in path:
+            path += "?" + scope["query_string"].decode("latin-1")
+        try:
+            shown = f"{status} {HTTPStatus(status).phrase}" if status else "- (no response)"
+        except ValueError:
+            shown = str(status)
+        access_logger.info('%s - "%s %s HTTP/%s" %s %.1f ms %s', addr, scope["method"], path,
+                           scope.get("http_version", "1.1"), shown, seconds * 1e3, rid)
+
+
 # ---- the guard -----------------------------------------------------------------------
 class GuardMiddleware:
     """Header size limit, API key (constant-time compare) and request-body size
@@ -102,22 +173,22 @@ class GuardMiddleware:
             return
         header_bytes = sum(len(k) + len(v) for k, v in scope.get("headers", ()))
         if header_bytes > MAX_HEADER_BYTES:
-            await _send_error(send, 431, f"the request headers ({header_bytes} bytes) exceed "
-                                         f"the limit of {MAX_HEADER_BYTES} bytes")
+            await _send_error(scope, send, 431, f"the request headers ({header_bytes} bytes) "
+                                                f"exceed the limit of {MAX_HEADER_BYTES} bytes")
             return
         if self.api_key and scope["path"] not in OPEN_PATHS and not self._authorized(scope):
-            await _send_error(send, 401, "invalid or missing API key (send the header "
-                                         "'Authorization: Bearer <key>')")
+            await _send_error(scope, send, 401, "invalid or missing API key (send the header "
+                                                "'Authorization: Bearer <key>')")
             return
         declared = _header(scope, b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > self.max_body:
-            await _send_error(send, 413, self._too_large(int(declared)))
+            await _send_error(scope, send, 413, self._too_large(int(declared)))
             return
         body = await self._read_body(receive)
         if body is None:
             return  # the client left before sending its body
         if len(body) > self.max_body:
-            await _send_error(send, 413, self._too_large(len(body)))
+            await _send_error(scope, send, 413, self._too_large(len(body)))
             return
         await self.app(scope, _replay(body, receive), send)
 
@@ -166,7 +237,8 @@ def _replay(body: bytes, receive: Receive) -> Receive:
     return replay
 
 
-async def _send_error(send: Send, status: int, message: str) -> None:
+async def _send_error(scope: Scope, send: Send, status: int, message: str) -> None:
+    log_refusal(scope, status, message)
     body = dumps(error_body(status, message))
     headers = [(b"content-type", b"application/json"),
                (b"content-length", str(len(body)).encode())]
@@ -176,9 +248,9 @@ async def _send_error(send: Send, status: int, message: str) -> None:
     await send({"type": "http.response.body", "body": body})
 
 
-async def _http_exception_handler(_: Request, exc: Exception) -> JSONResponse:
+async def _http_exception_handler(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, StarletteHTTPException)
-    return APIError(exc.status_code, _body_error_detail(exc)).response()
+    return refusal(request, APIError(exc.status_code, _body_error_detail(exc)))
 
 
 def _body_error_detail(exc: StarletteHTTPException) -> str:
@@ -194,14 +266,17 @@ def _body_error_detail(exc: StarletteHTTPException) -> str:
     return str(exc.detail)
 
 
-async def _internal_error_handler(_: Request, exc: Exception) -> JSONResponse:
-    return APIError(500, f"internal error: {type(exc).__name__}: {exc}").response()
+async def _internal_error_handler(request: Request, exc: Exception) -> JSONResponse:
+    # Starlette raises the exception on after this answer: uvicorn logs its traceback.
+    return refusal(request, APIError(500, f"internal error: {type(exc).__name__}: {exc}"))
 
 
 # ---- the app -------------------------------------------------------------------------
 def build_app(state: ServerState) -> FastAPI:
     app = FastAPI(title="radixlm", version=__version__)
     app.add_middleware(GuardMiddleware, api_key=state.args.api_key)
+    # Added last, so it is outermost: the guard's refusals get their line too.
+    app.add_middleware(AccessLogMiddleware, enabled=not state.args.disable_uvicorn_access_log)
     app.add_exception_handler(APIError, api_error_handler)
     app.add_exception_handler(RequestValidationError, request_validation_handler)
     app.add_exception_handler(StarletteHTTPException, _http_exception_handler)

@@ -145,7 +145,7 @@ class Launcher:
         # chunked. A limit well above MAX_HEADER_BYTES leaves the refusal to the guard.
         config = uvicorn.Config(app, host=self.args.host, port=self.args.port,
                                 log_level=self.args.log_level.lower(), lifespan="off",
-                                access_log=self.args.log_level.lower() == "debug",
+                                access_log=False,  # ours: http_server.AccessLogMiddleware
                                 timeout_keep_alive=5, timeout_graceful_shutdown=5,
                                 h11_max_incomplete_event_size=4 * MAX_HEADER_BYTES)
         server = _Uvicorn(config)

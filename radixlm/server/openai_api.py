@@ -52,6 +52,7 @@ from radixlm.server.tool_calls import (
     read_calls,
     schema_error,
 )
+from radixlm.server.tool_prompt import ToolPrompt
 
 EventIter = AsyncIterator[tuple[int, StrOut]]
 
@@ -62,9 +63,12 @@ def finish_reason(fr: dict[str, Any] | None) -> str | None:
     return fr["type"] if fr["type"] in ("stop", "length") else "abort"
 
 
-def response_format_schema(rf: dict[str, Any] | None) -> str | dict[str, Any] | None:
+def response_format_schema(rf: dict[str, Any] | None,
+                           names: dict[str, str] | None = None) -> str | dict[str, Any] | None:
     """OpenAI's response_format as a json_schema sampling parameter: "json_object"
-    is any JSON object, "json_schema" carries its schema in json_schema.schema."""
+    is any JSON object, "json_schema" carries its schema in json_schema.schema.
+    `names`: the endpoint's names for the fields (errors name what the client sent)."""
+    name = (names or CHAT_GRAMMARS)["response_format"]
     kind = (rf or {}).get("type", "text")
     if kind == "text":
         return None
@@ -73,11 +77,50 @@ def response_format_schema(rf: dict[str, Any] | None) -> str | dict[str, Any] | 
     if kind == "json_schema":
         schema = ((rf or {}).get("json_schema") or {}).get("schema")
         if not isinstance(schema, dict):
-            raise APIError(400, "response_format.json_schema.schema must be a JSON schema "
-                                "object", "response_format")
+            where = "json_schema.schema" if name == "response_format" else "schema"
+            raise APIError(400, f"{name}.{where} must be a JSON schema object", name)
         return schema
-    raise APIError(400, f"response_format.type must be text, json_object or json_schema, "
-                        f"got {kind!r}", "response_format")
+    raise APIError(400, f"{name}.type must be text, json_object or json_schema, "
+                        f"got {kind!r}", name)
+
+
+# The chat fields that constrain the output, by the chat endpoint's own names.
+CHAT_GRAMMARS = {"response_format": "response_format", "json_schema": "json_schema",
+                 "regex": "regex", "ebnf": "ebnf"}
+
+
+def check_grammars(req: ChatCompletionRequest, plan: ToolPlan, names: dict[str, str]) -> None:
+    """At most one grammar constrains the output. A response format constrains
+    the assistant's message content, and a turn forced into a tool call has none:
+    the call's own grammar is the only one that applies, so the two go together
+    (as OpenAI accepts them). A raw-output grammar (json_schema, regex, ebnf) would
+    have to hold for the call's text too, which contradicts the call's grammar."""
+    given = {"response_format": response_format_schema(req.response_format, names) is not None,
+             "json_schema": req.json_schema is not None, "regex": req.regex is not None,
+             "ebnf": req.ebnf is not None}
+    asked = [names.get(k, k) for k, v in given.items() if v]
+    if len(asked) > 1:
+        raise APIError(400, f"only one of {', '.join(names.values())} may be set, got "
+                            f"{' and '.join(asked)}", asked[1])
+    raw = [names.get(k, k) for k in ("json_schema", "regex", "ebnf") if given[k]]
+    if plan.forcing and raw:
+        raise APIError(400, f"{raw[0]} cannot be combined with a tool_choice that forces a "
+                            f"tool call: the call's own grammar constrains the whole output",
+                       raw[0])
+
+
+def grammar_error(e: APIError, req: ChatCompletionRequest, plan: ToolPlan,
+                  names: dict[str, str] = CHAT_GRAMMARS) -> APIError:
+    """A json_schema error (the schema did not compile) reworded to name the
+    field the schema came from: the tools of a forced call, or the response
+    format by the endpoint's name; the client sent no json_schema there."""
+    if plan.forcing:
+        return schema_error(e, plan)
+    if e.status != 400 or not e.message.startswith("json_schema ") \
+            or req.json_schema is not None or req.response_format is None:
+        return e
+    name = names["response_format"]
+    return APIError(400, name + e.message[len("json_schema"):], name)
 
 
 def stop_reason(fr: dict[str, Any] | None) -> str | None:
@@ -138,6 +181,7 @@ class OpenAIServing:
         self.model_path = model_path
         self.created = int(time.time())
         self._token_text: dict[int, str] = {}
+        self.tool_prompt = ToolPrompt(self.parsers.tool_parser)
 
     # ---- models -----------------------------------------------------------------------
     def check_model(self, model: str | None) -> None:
@@ -314,19 +358,15 @@ class OpenAIServing:
                 "text_offset": offsets}, offset
 
     # ---- /v1/chat/completions -----------------------------------------------------------------
-    def _check_chat(self, req: ChatCompletionRequest) -> ToolPlan:
+    def _check_chat(self, req: ChatCompletionRequest,
+                    names: dict[str, str] = CHAT_GRAMMARS) -> ToolPlan:
+        """`names`: the endpoint's own names of the chat fields that constrain the
+        output (the Responses API calls response_format `text.format`)."""
         self.check_model(req.model)
         self.check_stream_options(req)
-        has_format = response_format_schema(req.response_format) is not None  # 400 if unknown
         plan = plan_tools(req.tools, req.tool_choice, req.parallel_tool_calls,
                           can_parse=self.parsers.tool_parser is not None)
-        if plan.forcing:
-            # A forced call is itself a grammar; a second one cannot apply too.
-            for name, given in (("response_format", has_format), ("json_schema", req.json_schema),
-                                ("regex", req.regex), ("ebnf", req.ebnf)):
-                if given:
-                    raise APIError(400, f"{name} cannot be combined with a tool_choice that "
-                                        f"forces a tool call", name)
+        check_grammars(req, plan, names)
         if req.top_logprobs is not None:
             if not req.logprobs:
                 raise APIError(400, "top_logprobs requires logprobs to be true", "top_logprobs")
@@ -344,7 +384,10 @@ class OpenAIServing:
         if "tool_calls" not in str(template):
             # This template ignores earlier calls and would drop them silently
             # (SmolLM2's does): show them to the model as text instead.
-            messages = calls_as_text(messages, results_too=False)
+            messages = calls_as_text(messages, results_too=False,
+                                     write=self.tool_prompt.calls_text)
+        messages = self.tool_prompt.messages(messages, plan.tools, template,
+                                             self.tokenizer.apply_chat_template)
         # The tools go to templates that render them; others ignore the argument.
         kwargs = {**({"tools": plan.tools} if plan.tools else {}),
                   **(req.chat_template_kwargs or {})}
@@ -368,7 +411,8 @@ class OpenAIServing:
     def _text_fallback(self, req: ChatCompletionRequest, messages: list[dict[str, Any]],
                        kwargs: dict[str, Any]) -> str:
         try:
-            return self._apply_template(req, calls_as_text(messages, results_too=True), kwargs)
+            return self._apply_template(req, calls_as_text(
+                messages, results_too=True, write=self.tool_prompt.calls_text), kwargs)
         except Exception as e:
             raise APIError(400, f"the chat template failed on these messages (tool calls "
                                 f"and results also as text): {e}", "messages") from None
@@ -405,7 +449,7 @@ class OpenAIServing:
         try:
             return await self._chat_response(req, plan, call, job)
         except APIError as e:
-            raise schema_error(e, plan) from None
+            raise grammar_error(e, req, plan) from None
 
     async def _chat_response(self, req: ChatCompletionRequest, plan: ToolPlan, call: Call,
                              job: PromptJob) -> Response:

@@ -33,13 +33,20 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from radixlm.server.chat_output import OutputParser, OutputStream
 from radixlm.server.errors import APIError
 from radixlm.server.io import dumps, with_cancellation
-from radixlm.server.openai_api import OpenAIServing, finish_reason, first_event
+from radixlm.server.openai_api import (
+    OpenAIServing,
+    finish_reason,
+    first_event,
+    grammar_error,
+)
 from radixlm.server.openai_protocol import ChatCompletionRequest
 from radixlm.server.responses_protocol import ResponsesRequest, to_chat_request
 from radixlm.server.tokenizer_manager import PromptJob
-from radixlm.server.tool_calls import ToolCallReader, ToolPlan, schema_error
+from radixlm.server.tool_calls import ToolCallReader, ToolPlan
 
 MAX_STORED = 1024
+# The chat fields that constrain the output, by this endpoint's names (it has no json_schema).
+RESPONSES_GRAMMARS = {"response_format": "text.format", "regex": "regex", "ebnf": "ebnf"}
 
 
 def new_id(prefix: str) -> str:
@@ -207,19 +214,21 @@ class ResponsesServing:
             if req.previous_response_id else []
         chat, conversation = to_chat_request(req, history)
         api = self.openai
-        plan = api._check_chat(chat)
+        plan = api._check_chat(chat, RESPONSES_GRAMMARS)
         ids = await api.tm.tokenize(api.render_chat, chat, plan)
         max_new = req.max_output_tokens if req.max_output_tokens is not None \
             else api.default_max_tokens(len(ids))
         job = Job(req, chat, plan, conversation, self._skeleton(req))
-        rid = job.response["id"]
         try:
-            group = await api.tm.submit(
-                [PromptJob(rid, ids, api.sampling_params(chat, max_new, plan.schema()))],
-                gid=rid, stream=req.stream)
-        except APIError as e:
-            raise schema_error(e, plan) from None
-        deltas = ChatDeltas(plan, api.parsers.for_plan(plan))
+            return await self._respond(job, api.sampling_params(chat, max_new, plan.schema()),
+                                       ids)
+        except APIError as e:  # a grammar that did not compile names the request's field
+            raise grammar_error(e, chat, plan, RESPONSES_GRAMMARS) from None
+
+    async def _respond(self, job: Job, params: Any, ids: list[int]) -> Response:
+        api, req, rid = self.openai, job.req, job.response["id"]
+        group = await api.tm.submit([PromptJob(rid, ids, params)], gid=rid, stream=req.stream)
+        deltas = ChatDeltas(job.plan, api.parsers.for_plan(job.plan))
         if req.stream:
             # The first message decides the HTTP status (a refused request is a 4xx).
             events, first = await first_event(group)

@@ -26,6 +26,7 @@ from __future__ import annotations
 import json
 import re
 import secrets
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -185,19 +186,28 @@ def _arguments(args: str | dict[str, Any]) -> Any:
     return args
 
 
-def calls_as_text(messages: list[dict[str, Any]], results_too: bool) -> list[dict[str, Any]]:
+CallsWriter = Callable[[list[dict[str, Any]]], str]
+
+
+def json_calls(calls: list[dict[str, Any]]) -> str:
+    return json.dumps(calls, ensure_ascii=False)
+
+
+def calls_as_text(messages: list[dict[str, Any]], results_too: bool,
+                  write: CallsWriter = json_calls) -> list[dict[str, Any]]:
     """The text fallback for templates that know nothing of tools: an assistant's
-    calls become JSON in its content (templates that ignore `tool_calls` would
-    otherwise drop them silently) and, with `results_too` (for templates that
-    refuse the "tool" role), tool results become user messages that say so."""
+    calls (`{"name", "arguments"}` each) become text in its content, written by
+    `write` (a tool-call parser's own markup, else a JSON list), since templates
+    that ignore `tool_calls` would otherwise drop them silently; with
+    `results_too` (for templates that refuse the "tool" role), tool results
+    become user messages that say so."""
     out = []
     for m in messages:
         m = dict(m)
         calls = m.pop("tool_calls", None)
         if calls:
-            text = json.dumps([{"name": c["function"]["name"],
-                                "arguments": c["function"]["arguments"]} for c in calls],
-                              ensure_ascii=False)
+            text = write([{"name": c["function"]["name"], "arguments": c["function"]["arguments"]}
+                          for c in calls])
             m["content"] = f"{m['content']}\n{text}" if m["content"] else text
         if results_too and m["role"] == "tool":
             call_id = m.pop("tool_call_id", None)

@@ -35,6 +35,16 @@ def make_parser(name: str, tools: list[dict[str, Any]]) -> ToolParser:
     return PARSERS[name](tools)
 
 
+def tools_prompt(name: str, tools: list[dict[str, Any]]) -> str:
+    """The system-message text that shows `tools` in parser `name`'s format."""
+    return PARSERS[name].tools_prompt(tools)
+
+
+def calls_text(name: str, calls: list[dict[str, Any]]) -> str:
+    """Earlier calls written in parser `name`'s markup."""
+    return PARSERS[name].calls_text(calls)
+
+
 def detect_parser(chat_template: str | None) -> str | None:
     """The parser a chat template's own markup asks for, when exactly one fits
     (Qwen2.5's ChatML template is Hermes' markup too: qwen25 wins there)."""
@@ -49,4 +59,5 @@ def detect_parser(chat_template: str | None) -> str | None:
     return hits[0] if len(hits) == 1 else None
 
 
-__all__ = ["PARSERS", "Draft", "Parsed", "ToolParser", "detect_parser", "make_parser"]
+__all__ = ["PARSERS", "Draft", "Parsed", "ToolParser", "calls_text", "detect_parser",
+           "make_parser", "tools_prompt"]

@@ -73,11 +73,31 @@ class ToolParser(ABC):
     def held_back(self, text: str) -> int:
         return max((partial_suffix(text, m) for m in self.markers), default=0)
 
+    @classmethod
+    @abstractmethod
+    def tools_prompt(cls, tools: list[dict[str, Any]]) -> str:
+        """The text that shows `tools` (OpenAI's shape) to a model whose chat template
+        does not render them, and asks for calls in this format, markup included,
+        so that `parse` can read them; the server puts it into the system message."""
+
+    @classmethod
+    @abstractmethod
+    def calls_text(cls, calls: list[dict[str, Any]]) -> str:
+        """Earlier calls (`{"name", "arguments"}` each, arguments a JSON value) as
+        this format writes them, for templates that drop an assistant's
+        `tool_calls`: `parse` reads the calls back, so the model sees its own
+        earlier calls in the markup it is asked to write."""
+
     @abstractmethod
     def parse_section(self, section: str, final: bool) -> list[str | Draft]:
         """Read `section`, which starts at a marker, into its calls and the text
         between them that holds none (verbatim), in order. Text whose fate is
         not decided yet (a call still being written) is left out."""
+
+
+def tool_lines(tools: list[dict[str, Any]]) -> str:
+    """The tool definitions as prompts show them: one JSON object per line."""
+    return "\n".join(json.dumps(t, ensure_ascii=False) for t in tools)
 
 
 def assemble(pieces: list[str | Draft], final: bool, markers: tuple[str, ...]) -> Parsed:

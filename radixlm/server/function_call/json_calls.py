@@ -14,7 +14,10 @@ llama3 (Llama 3.1 / 3.2 / 3.3 JSON tool calling: the output is the call, a
 
 from __future__ import annotations
 
-from radixlm.server.function_call.base import Draft, ToolParser, read_call_object
+import json
+from typing import Any
+
+from radixlm.server.function_call.base import Draft, ToolParser, read_call_object, tool_lines
 
 
 def read_objects(text: str, names: frozenset[str], final: bool, separator: str,
@@ -49,6 +52,18 @@ def read_objects(text: str, names: frozenset[str], final: bool, separator: str,
 class MistralParser(ToolParser):
     markers = ("[TOOL_CALLS]",)
 
+    @classmethod
+    def tools_prompt(cls, tools: list[dict[str, Any]]) -> str:
+        # Mistral's templates list the tools between [AVAILABLE_TOOLS] markers.
+        return ("[AVAILABLE_TOOLS] [" + ", ".join(tool_lines(tools).splitlines())
+                + "][/AVAILABLE_TOOLS]\nYou may call the functions above. To call them, "
+                "write [TOOL_CALLS] followed by a JSON list of calls: [TOOL_CALLS] "
+                "[{\"name\": <function-name>, \"arguments\": <args-json-object>}]")
+
+    @classmethod
+    def calls_text(cls, calls: list[dict[str, Any]]) -> str:
+        return "[TOOL_CALLS] " + json.dumps(calls, ensure_ascii=False)
+
     def parse_section(self, section: str, final: bool) -> list[str | Draft]:
         body = section[len(self.markers[0]):].lstrip()
         if not body.startswith("["):
@@ -62,6 +77,20 @@ class MistralParser(ToolParser):
 
 class Llama3Parser(ToolParser):
     markers = ("<|python_tag|>",)
+
+    @classmethod
+    def tools_prompt(cls, tools: list[dict[str, Any]]) -> str:
+        # Llama 3.1's JSON tool calling: the answer is the call, with "parameters".
+        return ("You have access to the functions below. To call one, answer with only a "
+                "JSON object of the form {\"name\": <function-name>, \"parameters\": "
+                "<a dictionary of argument names and their values>}, nothing else; to call "
+                "several, separate the objects with \";\". Do not use variables.\n\n"
+                + tool_lines(tools))
+
+    @classmethod
+    def calls_text(cls, calls: list[dict[str, Any]]) -> str:
+        return "; ".join(json.dumps({"name": c["name"], "parameters": c["arguments"]},
+                                    ensure_ascii=False) for c in calls)
 
     def section_start(self, text: str) -> int | None:
         stripped = text.lstrip()

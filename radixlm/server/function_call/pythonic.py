@@ -15,6 +15,7 @@ from __future__ import annotations
 import ast
 import json
 import re
+from typing import Any
 
 from radixlm.server.function_call.base import Draft, ToolParser
 
@@ -26,6 +27,24 @@ _LEAD = re.compile(r"\s*\[\s*([A-Za-z_]\w*)?")
 class PythonicParser(ToolParser):
     markers = (_START,)
     held = (_END,)
+
+    @classmethod
+    def tools_prompt(cls, tools: list[dict[str, Any]]) -> str:
+        # Llama 3.2's pythonic templates: a list of calls with keyword arguments.
+        listed = json.dumps([t["function"] for t in tools], ensure_ascii=False, indent=2)
+        return ("You can call the functions described below (a JSON list). To call them, "
+                "answer with only a Python list of calls with keyword arguments, "
+                "[func_name1(param1=value1, param2=value2), func_name2(param=value)], and "
+                "no other text.\n\n" + listed)
+
+    @classmethod
+    def calls_text(cls, calls: list[dict[str, Any]]) -> str:
+        # repr() of the JSON values is Python literal syntax, as the format is.
+        def call(c: dict[str, Any]) -> str:
+            args = c["arguments"] if isinstance(c["arguments"], dict) else {}
+            return f"{c['name']}(" + ", ".join(f"{k}={v!r}" for k, v in args.items()) + ")"
+
+        return "[" + ", ".join(call(c) for c in calls) + "]"
 
     def section_start(self, text: str) -> int | None:
         stripped = text.lstrip()

@@ -18,13 +18,16 @@ full-width U+FF5C and U+2581 of its special tokens):
 
 from __future__ import annotations
 
+import json
 import re
+from typing import Any
 
 from radixlm.server.function_call.base import (
     Draft,
     ObjectRead,
     ToolParser,
     read_call_object,
+    tool_lines,
 )
 from radixlm.server.function_call.json_prefix import JsonPrefix
 
@@ -74,6 +77,23 @@ class HermesParser(TaggedParser):
     open_tag = "<tool_call>"
     close_tag = "</tool_call>"
 
+    @classmethod
+    def tools_prompt(cls, tools: list[dict[str, Any]]) -> str:
+        # The <tools> block and the <tool_call> instruction that Hermes 2 Pro,
+        # Qwen2.5 / Qwen3 and SmolLM2 were trained on.
+        return ("# Tools\n\nYou may call one or more functions to answer the user. The "
+                "functions you can call are described, one JSON object per line, between "
+                "<tools> and </tools>:\n<tools>\n" + tool_lines(tools) + "\n</tools>\n\n"
+                "To call a function, write a JSON object with its name and its arguments "
+                "between <tool_call> and </tool_call> tags, one block per call:\n"
+                "<tool_call>\n{\"name\": <function-name>, \"arguments\": "
+                "<args-json-object>}\n</tool_call>")
+
+    @classmethod
+    def calls_text(cls, calls: list[dict[str, Any]]) -> str:
+        return "\n".join(f"<tool_call>\n{json.dumps(c, ensure_ascii=False)}\n</tool_call>"
+                         for c in calls)
+
 
 class Qwen25Parser(HermesParser):
     """Qwen2.5's template asks for Hermes' markup, word for word."""
@@ -94,6 +114,25 @@ class DeepSeekV3Parser(TaggedParser):
     close_tag = _CALL_END
     frame = (_CALLS_BEGIN, _CALLS_END)
     held = (_CALLS_END,)
+
+    @classmethod
+    def tools_prompt(cls, tools: list[dict[str, Any]]) -> str:
+        # DeepSeek-V3's template lists each function with its parameters in a json fence.
+        listed = "\n".join(f"- `{t['function']['name']}`: {t['function'].get('description', '')}"
+                           f"\n```json\n{json.dumps(t['function'].get('parameters') or {})}"
+                           f"\n```" for t in tools)
+        return ("## Tools\n\n### Function\n\nYou have the following functions available:\n\n"
+                + listed + "\n\nTo call functions, write them one after another between "
+                + _CALLS_BEGIN + " and " + _CALLS_END + ", each as " + _CALL_BEGIN
+                + "function" + _SEP + "<function-name>\n```json\n<args-json-object>\n```"
+                + _CALL_END)
+
+    @classmethod
+    def calls_text(cls, calls: list[dict[str, Any]]) -> str:
+        return _CALLS_BEGIN + "".join(
+            f"{_CALL_BEGIN}function{_SEP}{c['name']}\n```json\n"
+            f"{json.dumps(c['arguments'], ensure_ascii=False)}\n```{_CALL_END}"
+            for c in calls) + _CALLS_END
 
     def read_body(self, body: str, final: bool) -> ObjectRead:
         m = _DEEPSEEK_HEADER.match(body)
