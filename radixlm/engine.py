@@ -28,7 +28,8 @@ logger = logging.getLogger(__name__)
 
 class Engine:
     def __init__(self, model_path: str | None = None, **kwargs: Any) -> None:
-        from radixlm.models.loader import load_config, prepare_model_dir
+        from radixlm.models.loader import load_config
+        from radixlm.models.model_source import prepare_model_dir
         from radixlm.scheduler.scheduler import Scheduler
         from radixlm.tokenizer import get_tokenizer
 

@@ -9,9 +9,10 @@ import os
 import sys
 import types
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:  # torch stays out of the API process, which imports this module
+    import torch
 
 
 def cache_root() -> Path:
@@ -72,6 +73,8 @@ def to_device(t: torch.Tensor, device: torch.device | str,
     stream first; staging through pinned memory keeps the copy asynchronous,
     which is what lets the host prepare batch N+1 while the GPU runs batch N.
     """
+    import torch
+
     device = torch.device(device)
     if dtype is not None and t.dtype != dtype:
         t = t.to(dtype)

@@ -5,6 +5,8 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -16,7 +18,7 @@ from gguf_blocks import add_hparams
 from transformers import AutoModelForCausalLM, LlamaConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-from radixlm.models import loader
+from radixlm.models import loader, model_source
 from radixlm.models.loader import (
     default_model_path,
     family_config,
@@ -223,6 +225,35 @@ def test_synthetic_gguf_logits_match_hf(tiny_gguf, cache_dir):
         check_close(logits, hf(ids[None]).logits[0])
 
 
+_CONVERT_WITHOUT_TORCH = """
+import json, sys
+from radixlm.models.model_source import prepare_model_dir
+
+model_dir = prepare_model_dir(sys.argv[1])
+print(json.dumps({"model_dir": model_dir, "torch": "torch" in sys.modules}))
+"""
+
+
+def test_a_process_without_torch_converts_in_a_child(tiny_gguf, cache_dir, tmp_path,
+                                                      monkeypatch):
+    """The API process converts a GGUF file in a child process and never loads
+    torch; what the child writes is what an in-process conversion writes."""
+    path = tiny_gguf[0]
+    env = {**os.environ, "RADIXLM_CACHE_DIR": str(tmp_path / "child-cache")}
+    proc = subprocess.run([sys.executable, "-c", _CONVERT_WITHOUT_TORCH, str(path)], env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["torch"] is False
+    child, here = Path(result["model_dir"]), Path(prepare_model_dir(str(path)))
+    assert child.parent == tmp_path / "child-cache" and here.parent == cache_dir
+    assert child.name == here.name
+    files = sorted(p.name for p in here.iterdir())
+    assert sorted(p.name for p in child.iterdir()) == files and "model.safetensors" in files
+    for name in files:
+        assert (child / name).read_bytes() == (here / name).read_bytes(), name
+
+
 def test_unpermute_inverts_llamacpp_permutation():
     w = np.arange(8 * 4 * 3, dtype=np.float32).reshape(8 * 4, 3)
     for heads in (1, 2, 4):
@@ -251,18 +282,18 @@ def test_stale_temp_dirs_of_dead_converters_are_removed(tmp_path):
     for d, pid in ((dead, 2 ** 22 + 7), (alive, os.getpid())):  # beyond pid_max: never alive
         d.mkdir()
         (d / "owner.pid").write_text(str(pid))
-    loader._remove_stale_temp_dirs(tmp_path)
+    model_source._remove_stale_temp_dirs(tmp_path)
     assert not dead.exists() and alive.exists()
 
 
 def test_content_digest_is_remembered(tmp_path):
     f = tmp_path / "m.gguf"
     f.write_bytes(b"abc" * 1000)
-    first = loader._content_digest(f, tmp_path)
-    assert loader._content_digest(f, tmp_path) == first
+    first = model_source._content_digest(f, tmp_path)
+    assert model_source._content_digest(f, tmp_path) == first
     f.write_bytes(b"abd" * 1000)
     os.utime(f, ns=(1, 1))
-    assert loader._content_digest(f, tmp_path) != first
+    assert model_source._content_digest(f, tmp_path) != first
     assert len(json.loads((tmp_path / "digests.json").read_text())) == 2
 
 

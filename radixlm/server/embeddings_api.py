@@ -82,9 +82,9 @@ class EmbeddingServing:
     def hidden_size(self) -> int:
         """The embedding dimension (read once from the model's config)."""
         if self._hidden_size is None:
-            from radixlm.models.loader import load_config
+            from radixlm.models.model_source import config_dict
 
-            self._hidden_size = int(load_config(self.model_dir, None).hidden_size)
+            self._hidden_size = int(config_dict(self.model_dir)["hidden_size"])
         return self._hidden_size
 
     async def embed(self, inputs: list[list[int]],

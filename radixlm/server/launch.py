@@ -1,7 +1,9 @@
 """`radixlm serve`: start the scheduler and detokenizer processes, then the
 HTTP server, and watch over them until a signal or a dead child ends it.
 
-Startup: convert/locate the model and load the tokenizer, spawn the children
+Startup: locate the model (converting a GGUF file in a child process on first
+use), refuse an architecture we do not implement, load the tokenizer; this
+process imports neither torch nor transformers' model code. Spawn the children
 (the scheduler loads the weights), wait for both to report ready, log the KV
 capacity, start uvicorn, run one warm-up request, log "ready". Shutdown on
 SIGTERM/SIGINT: refuse new work (503), let running requests finish for up to
@@ -30,6 +32,7 @@ from typing import Any
 import uvicorn
 
 from radixlm.config import ServerArgs
+from radixlm.models.model_source import prepare_model_dir
 from radixlm.sampling_params import SamplingParams
 from radixlm.server.detokenizer_process import run_detokenizer_process
 from radixlm.server.http_server import MAX_HEADER_BYTES, ServerState, build_app
@@ -98,11 +101,9 @@ class Launcher:
         if self.args.node_rank > 0:
             return await self._run_follower_node()
         check_port_free(self.args.host, self.args.port)
-        from radixlm.models.loader import prepare_model_dir
         from radixlm.tokenizer import get_tokenizer
 
-        model_dir = await asyncio.to_thread(prepare_model_dir, self.args.model_path,
-                                            self.args.load_format)
+        model_dir = await asyncio.to_thread(prepare_model, self.args)
         tokenizer_path = self.args.tokenizer_path or model_dir
         tokenizer = await asyncio.to_thread(get_tokenizer, tokenizer_path)
         name = served_model_name(self.args)
@@ -124,10 +125,7 @@ class Launcher:
     async def _run_follower_node(self) -> int:
         """Nodes other than 0 run tensor-parallel followers only: rank 0, on node 0,
         talks to the front end and leads them through the collectives."""
-        from radixlm.models.loader import prepare_model_dir
-
-        model_dir = await asyncio.to_thread(prepare_model_dir, self.args.model_path,
-                                            self.args.load_format)
+        model_dir = await asyncio.to_thread(prepare_model, self.args)
         self.children.update(spawn_schedulers(self.args, model_dir, self.paths))
         logger.info("node %d: started %d scheduler rank(s); following node 0 at %s",
                     self.args.node_rank, len(self.children), self.args.dist_init_addr)
@@ -300,6 +298,17 @@ class Launcher:
                 proc.kill()
         self.paths.cleanup()
         os._exit(code)
+
+
+def prepare_model(args: ServerArgs) -> str:
+    """The model's HF-style directory (a GGUF file converted on first use, in a
+    child process: this one never loads torch). A model we cannot serve (an
+    unsupported architecture, a bad path) ends the server with its reason,
+    before any child is spawned."""
+    try:
+        return prepare_model_dir(args.model_path, args.load_format)
+    except (ValueError, FileNotFoundError) as e:
+        raise SystemExit(f"cannot serve {args.model_path or 'the embedded model'}: {e}") from None
 
 
 def check_port_free(host: str, port: int) -> None:
