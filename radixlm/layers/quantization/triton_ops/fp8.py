@@ -66,9 +66,10 @@ class GemmConfig(NamedTuple):
 
 def pick_gemv_config(m: int, n: int, k: int, block_k: int) -> GemvConfig:
     """bf16's `pick_config` at the same bytes per step (twice the features: one
-    byte each); the tensor-core variant steps one scale block at a time."""
+    byte each; 4 warps, so the [4, 2048] fp32 products stay in 64 registers a
+    thread); the tensor-core variant steps one scale block at a time."""
     if m == 1:
-        return GemvConfig("fma", 4, 2048, 2 if 3072 < n <= 4096 else 4, 1)
+        return GemvConfig("fma", 4, 2048, 4, 1)
     bk = block_k or 256
     if n <= 4096:
         return GemvConfig("mma", 32 if k > 2048 else 64, bk, 4, 6)
@@ -169,23 +170,28 @@ def quantize_activations(x: torch.Tensor, block_k: int = 0,
                          ) -> tuple[torch.Tensor, torch.Tensor]:
     """x [M, K] -> (FP8 [M, K], fp32 scales): [M, cdiv(K, block_k)] per token and
     group (block_k > 0), [M, 1] per token, or `static_scale` [1] expanded to
-    [M, 1] (stride 0)."""
+    that shape (strides 0)."""
     m, k = x.shape
     q = torch.empty((m, k), dtype=FP8, device=x.device)
     if m == 0:
         return q, torch.empty((0, 1), dtype=torch.float32, device=x.device)
-    if static_scale is not None:
-        s = static_scale.reshape(1, 1).expand(m, 1)
-        groups, group = 1, triton.cdiv(k, 1024) * 1024
-    elif block_k:
-        groups, group = triton.cdiv(k, block_k), block_k
+    if block_k and static_scale is None:
+        # Programs of 1024 features (8 groups of 128): one per group would be
+        # ~450k tiny programs for a 4096-token prefill of Llama-8B's down_proj.
+        groups = triton.cdiv(k, block_k)
         s = torch.empty((m, groups), dtype=torch.float32, device=x.device)
+        per = max(1, 1024 // block_k)
+        _quant_groups_kernel[(m, triton.cdiv(groups, per))](
+            x, q, s, k, groups, x.stride(0), q.stride(0), s.stride(0), GROUP=block_k,
+            GROUPS=per, num_warps=4)
+        return q, s
+    if static_scale is not None:
+        s = static_scale.reshape(1, 1).expand(m, triton.cdiv(k, block_k) if block_k else 1)
     else:
-        groups, group = 1, triton.cdiv(k, 1024) * 1024
         s = torch.empty((m, 1), dtype=torch.float32, device=x.device)
-    _quant_kernel[(m, groups)](x, q, s, k, x.stride(0), q.stride(0), s.stride(0),
-                               GROUP=group, BLOCK=min(group, 1024),
-                               STATIC=static_scale is not None, num_warps=4)
+    _quant_rows_kernel[(m,)](x, q, s, k, x.stride(0), q.stride(0), s.stride(0),
+                             STEPS=triton.cdiv(k, 1024), BLOCK=1024,
+                             STATIC=static_scale is not None, num_warps=4)
     return q, s
 
 
@@ -219,28 +225,43 @@ def fp8_gemm(xq: torch.Tensor, xs: torch.Tensor, weight: torch.Tensor, scales: t
 
 
 @triton.jit
-def _quant_kernel(x_ptr, q_ptr, s_ptr, K, stride_xm, stride_qm, stride_sm,
-                  GROUP: tl.constexpr, BLOCK: tl.constexpr, STATIC: tl.constexpr):
-    """Program (row, group): the group's scale (max |x| / 448, or the static one),
-    then its FP8 codes, round to nearest even."""
+def _quant_rows_kernel(x_ptr, q_ptr, s_ptr, K, stride_xm, stride_qm, stride_sm,
+                       STEPS: tl.constexpr, BLOCK: tl.constexpr, STATIC: tl.constexpr):
+    """Program per row: the row's scale (max |x| / 448, or the static one), then its
+    FP8 codes, round to nearest even."""
     m = tl.program_id(0).to(tl.int64)
-    k0 = tl.program_id(1) * GROUP
     offs = tl.arange(0, BLOCK)
     x_row = x_ptr + m * stride_xm
     if STATIC:
         s = tl.load(s_ptr)
     else:
         amax = tl.zeros([BLOCK], dtype=tl.float32)
-        for k in range(k0, k0 + GROUP, BLOCK):
-            v = tl.load(x_row + k + offs, mask=k + offs < K, other=0.0).to(tl.float32)
+        for i in range(STEPS):
+            k = i * BLOCK + offs
+            v = tl.load(x_row + k, mask=k < K, other=0.0).to(tl.float32)
             amax = tl.maximum(amax, tl.abs(v))
-        s = tl.maximum(tl.max(amax, 0), 1e-12) / 448.0
-        tl.store(s_ptr + m * stride_sm + tl.program_id(1), s)
-    for k in range(k0, k0 + GROUP, BLOCK):
-        ok = k + offs < K
-        v = tl.load(x_row + k + offs, mask=ok, other=0.0).to(tl.float32)
+        s = tl.div_rn(tl.maximum(tl.max(amax, 0), 1e-12), 448.0)
+        tl.store(s_ptr + m * stride_sm, s)
+    for i in range(STEPS):
+        k = i * BLOCK + offs
+        v = tl.load(x_row + k, mask=k < K, other=0.0).to(tl.float32)
         q = _round_e4m3(tl.clamp(tl.div_rn(v, s), -448.0, 448.0))
-        tl.store(q_ptr + m * stride_qm + k + offs, q.to(q_ptr.dtype.element_ty), mask=ok)
+        tl.store(q_ptr + m * stride_qm + k, q.to(q_ptr.dtype.element_ty), mask=k < K)
+
+
+@triton.jit
+def _quant_groups_kernel(x_ptr, q_ptr, s_ptr, K, NUM_GROUPS, stride_xm, stride_qm, stride_sm,
+                         GROUP: tl.constexpr, GROUPS: tl.constexpr):
+    """Program (row, GROUPS consecutive groups): each group's scale and codes."""
+    m = tl.program_id(0).to(tl.int64)
+    g = tl.program_id(1) * GROUPS + tl.arange(0, GROUPS)
+    k = g[:, None] * GROUP + tl.arange(0, GROUP)[None, :]
+    ok = k < K
+    v = tl.load(x_ptr + m * stride_xm + k, mask=ok, other=0.0).to(tl.float32)
+    s = tl.div_rn(tl.maximum(tl.max(tl.abs(v), 1), 1e-12), 448.0)
+    tl.store(s_ptr + m * stride_sm + g, s, mask=g < NUM_GROUPS)
+    q = _round_e4m3(tl.clamp(tl.div_rn(v, s[:, None]), -448.0, 448.0))
+    tl.store(q_ptr + m * stride_qm + k, q.to(q_ptr.dtype.element_ty), mask=ok)
 
 
 @triton.jit
@@ -251,7 +272,7 @@ def _round_e4m3(v):
     bits (a carry moves into the exponent); below 2^-6 the fixed step 2^-9."""
     bits = v.to(tl.int32, bitcast=True)
     normal = ((bits + 0x7FFFF + ((bits >> 20) & 1)) & -0x100000).to(tl.float32, bitcast=True)
-    subnormal = (v + 16384.0) - 16384.0  # fp32's step at 2^14 is 2^-9
+    subnormal = (v + 24576.0) - 24576.0  # fp32's step in [2^14, 2^15) is 2^-9
     return tl.where(tl.abs(v) < 0.015625, subnormal, normal)
 
 

@@ -5,11 +5,12 @@ N]; w = (q - z) * s, the group of feature k being k // group, or `g_idx[k]`
 for act-order checkpoints.
 
 - One row (`int4_gemv`): each program owns BN output columns and walks all of
-  K; a step reads [BK / 8, BN] words (a row of words is BN * 4 contiguous
-  bytes), unpacks them in registers (a shift and a mask per weight, the
-  integer turned float by OR-ing it into the mantissa of 2^23) and sums
-  q * x per group, so the zero point and the scale are applied once per group
-  and column: y += s (sum_k q x - z sum_k x). fp32 throughout.
+  K; an iteration reads several [ROWS, BN] tiles of words (a row of words is
+  BN * 4 contiguous bytes), each inside one group, unpacks them nibble by
+  nibble in registers (a shift and a mask per weight, the integer turned
+  float by OR-ing it into the mantissa of 2^23) and sums q * x per group, so
+  the zero point and the scale are applied once per group and column:
+  y += s (sum_k q x - z sum_k x). fp32 throughout.
 - More rows (`int4_gemm`, also the prefill): tiles of the weight dequantized
   to x's dtype in registers, then tl.dot on the tensor cores, fp32
   accumulation.
@@ -89,21 +90,16 @@ def int4_gemv(x: torch.Tensor, qweight: torch.Tensor, zeros: torch.Tensor,
     k, n = x.shape[1], qweight.shape[1]
     assert x.shape[0] == 1 and x.stride(1) == 1 and k == 8 * qweight.shape[0]
     cfg = config or pick_gemv_config(n, k, group)
-    # A step is whole groups, or lies in one (act-order: any features).
-    bk, step_groups = cfg.bk, 1
-    if g_idx is None:
-        if group <= cfg.bk and cfg.bk % group == 0:
-            step_groups = cfg.bk // group
-        else:
-            bk = _pow2_divisor(group, cfg.bk)
-    assert bk >= 8
+    # A sub-step is 8 * rows features inside one group (act-order: any features);
+    # an iteration unrolls enough of them for cfg.bk features.
+    rows = _pow2_divisor(group // 8, 16) if g_idx is None else 16
     y = _out(x, n, out)
     dummy = scales
     _int4_gemv_kernel[(triton.cdiv(n, cfg.bn),)](
         x, qweight, zeros, scales, g_idx if g_idx is not None else dummy,
-        bias if bias is not None else dummy, y, n, k, qweight.stride(0), zeros.stride(0),
-        scales.stride(0), BN=cfg.bn, BK=bk, GROUP=group,
-        STEP_GROUPS=step_groups, ACT_ORDER=g_idx is not None,
+        bias if bias is not None else dummy, y, n, k, scales.shape[0], qweight.stride(0),
+        zeros.stride(0), scales.stride(0), BN=cfg.bn, ROWS=rows, GROUP=group,
+        SUB_STEPS=max(1, cfg.bk // (8 * rows)), ACT_ORDER=g_idx is not None,
         HAS_BIAS=bias is not None, num_warps=cfg.warps, num_stages=cfg.stages,
         **pdl.launch_args())
     return y
@@ -146,56 +142,86 @@ def _unpack(words, BK: tl.constexpr, BN: tl.constexpr):
 
 
 @triton.jit
-def _gemv_step(words, x_ptr, z_ptr, s_ptr, g_ptr, k, cols, K, stride_z, stride_s,
-               BN: tl.constexpr, BK: tl.constexpr, GROUP: tl.constexpr,
-               STEP_GROUPS: tl.constexpr, ACT_ORDER: tl.constexpr):
-    """This step's contribution to the program's BN outputs."""
-    q = _unpack(words, BK, BN)
-    offs_k = k + tl.arange(0, BK)
-    k_ok = offs_k < K
-    xk = tl.load(x_ptr + offs_k, mask=k_ok, other=0.0).to(tl.float32)
-    if ACT_ORDER:
-        g = tl.load(g_ptr + offs_k, mask=k_ok, other=0)
-        s = tl.load(s_ptr + g[:, None] * stride_s + cols[None, :]).to(tl.float32)
-        z = tl.load(z_ptr + g[:, None] * stride_z + cols[None, :]).to(tl.float32)
-        return tl.sum((q - z) * s * xk[:, None], axis=0)
-    LEN: tl.constexpr = BK // STEP_GROUPS
-    q3 = tl.reshape(q, [STEP_GROUPS, LEN, BN])
-    x3 = tl.reshape(xk, [STEP_GROUPS, LEN])
-    t = tl.sum(q3 * x3[:, :, None], axis=1)  # [groups, BN]: sum_k q x
-    x_sum = tl.sum(x3, axis=1)
-    offs_g = tl.arange(0, STEP_GROUPS)
-    gi = k // GROUP + offs_g
-    g_ok = (k + offs_g * LEN < K)[:, None]
-    s = tl.load(s_ptr + gi[:, None] * stride_s + cols[None, :], mask=g_ok, other=0.0)
-    z = tl.load(z_ptr + gi[:, None] * stride_z + cols[None, :], mask=g_ok, other=0)
-    return tl.sum(s.to(tl.float32) * (t - z.to(tl.float32) * x_sum[:, None]), axis=0)
+def _nibbles(words, i: tl.constexpr):
+    """Nibble i of each word as fp32: OR-ed into 2^23's mantissa, minus 2^23."""
+    return (((words >> (4 * i)) & 0xF) | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
 
 
 @triton.jit
-def _int4_gemv_kernel(x_ptr, qw_ptr, z_ptr, s_ptr, g_ptr, b_ptr, y_ptr, N, K,
+def _gemv_sub_step(words, x_ptr, z_ptr, s_ptr, g_ptr, k, offs_r, cols, K, NUM_GROUPS,
+                   stride_z, stride_s, BN: tl.constexpr, ROWS: tl.constexpr,
+                   GROUP: tl.constexpr, ACT_ORDER: tl.constexpr):
+    """The contribution of features [k, k + 8 ROWS) ([ROWS, BN] words: feature
+    k + 8 r + i in nibble i of row r) to the program's BN outputs. Plain 2-D
+    tiles throughout: no reshapes, so no layout conversions."""
+    acc = tl.zeros([ROWS, BN], dtype=tl.float32)
+    x_sum = tl.zeros([ROWS], dtype=tl.float32)
+    for i in tl.static_range(8):
+        kk = k + offs_r * 8 + i
+        xi = tl.load(x_ptr + kk, mask=kk < K, other=0.0).to(tl.float32)
+        q = _nibbles(words, i)
+        if ACT_ORDER:  # each feature's own group
+            g = tl.load(g_ptr + kk, mask=kk < K, other=0)
+            s = tl.load(s_ptr + g[:, None] * stride_s + cols[None, :]).to(tl.float32)
+            z = tl.load(z_ptr + g[:, None] * stride_z + cols[None, :]).to(tl.float32)
+            acc += (q - z) * s * xi[:, None]
+        else:
+            acc += q * xi[:, None]
+            x_sum += xi
+    if ACT_ORDER:
+        return tl.sum(acc, axis=0)
+    # One group: y += s (sum_k q x - z sum_k x), the scale and zero once per column.
+    # (Past K the sums are 0: any group's scale will do.)
+    g = tl.minimum(k // GROUP, NUM_GROUPS - 1)
+    s = tl.load(s_ptr + g * stride_s + cols).to(tl.float32)
+    z = tl.load(z_ptr + g * stride_z + cols).to(tl.float32)
+    return s * (tl.sum(acc, axis=0) - z * tl.sum(x_sum, axis=0))
+
+
+@triton.jit
+def _gemv_step(acc, first, k0, qw_ptrs, x_ptr, z_ptr, s_ptr, g_ptr, offs_r, cols, K,
+               NUM_GROUPS, stride_qw, stride_z, stride_s, BN: tl.constexpr, ROWS: tl.constexpr,
+               GROUP: tl.constexpr, SUB_STEPS: tl.constexpr, ACT_ORDER: tl.constexpr,
+               FIRST: tl.constexpr):
+    """SUB_STEPS sub-steps from feature k0 (their loads independent, so in flight
+    together); with FIRST the first sub-step's words are `first`, loaded earlier."""
+    word_rows = K // 8
+    for j in tl.static_range(SUB_STEPS):
+        k = k0 + j * 8 * ROWS
+        if FIRST and j == 0:
+            words = first
+        else:
+            words = tl.load(qw_ptrs + (k // 8) * stride_qw,
+                            mask=(k // 8 + offs_r)[:, None] < word_rows, other=0,
+                            eviction_policy="evict_first")
+        acc += _gemv_sub_step(words, x_ptr, z_ptr, s_ptr, g_ptr, k, offs_r, cols, K,
+                              NUM_GROUPS, stride_z, stride_s, BN, ROWS, GROUP, ACT_ORDER)
+    return acc
+
+
+@triton.jit
+def _int4_gemv_kernel(x_ptr, qw_ptr, z_ptr, s_ptr, g_ptr, b_ptr, y_ptr, N, K, NUM_GROUPS,
                       stride_qw, stride_z, stride_s,
-                      BN: tl.constexpr, BK: tl.constexpr, GROUP: tl.constexpr,
-                      STEP_GROUPS: tl.constexpr, ACT_ORDER: tl.constexpr,
+                      BN: tl.constexpr, ROWS: tl.constexpr, GROUP: tl.constexpr,
+                      SUB_STEPS: tl.constexpr, ACT_ORDER: tl.constexpr,
                       HAS_BIAS: tl.constexpr, PDL: tl.constexpr):
     offs_n = tl.program_id(0) * BN + tl.arange(0, BN)
     cols = tl.minimum(offs_n, N - 1)  # clamped: loads need no column mask
-    offs_r = tl.arange(0, BK // 8)
+    offs_r = tl.arange(0, ROWS)
     qw_ptrs = qw_ptr + offs_r[:, None].to(tl.int64) * stride_qw + cols[None, :]
-    word_rows = K // 8
-    # The first weight tile before the PDL wait: weights are constant.
-    words = tl.load(qw_ptrs, mask=offs_r[:, None] < word_rows, other=0,
+    # The first words before the PDL wait: weights are constant.
+    first = tl.load(qw_ptrs, mask=offs_r[:, None] < K // 8, other=0,
                     eviction_policy="evict_first")
     pdl_wait(PDL)
     pdl_trigger(PDL)
-    acc = _gemv_step(words, x_ptr, z_ptr, s_ptr, g_ptr, 0, cols, K, stride_z, stride_s,
-                     BN, BK, GROUP, STEP_GROUPS, ACT_ORDER)
-    for k in range(BK, K, BK):
-        words = tl.load(qw_ptrs + (k // 8) * stride_qw,
-                        mask=(k // 8 + offs_r)[:, None] < word_rows, other=0,
-                        eviction_policy="evict_first")
-        acc += _gemv_step(words, x_ptr, z_ptr, s_ptr, g_ptr, k, cols, K, stride_z, stride_s,
-                          BN, BK, GROUP, STEP_GROUPS, ACT_ORDER)
+    STEP: tl.constexpr = 8 * ROWS * SUB_STEPS
+    acc = _gemv_step(tl.zeros([BN], dtype=tl.float32), first, 0, qw_ptrs, x_ptr, z_ptr, s_ptr,
+                     g_ptr, offs_r, cols, K, NUM_GROUPS, stride_qw, stride_z, stride_s, BN,
+                     ROWS, GROUP, SUB_STEPS, ACT_ORDER, True)
+    for k0 in range(STEP, K, STEP):
+        acc = _gemv_step(acc, first, k0, qw_ptrs, x_ptr, z_ptr, s_ptr, g_ptr, offs_r, cols, K,
+                         NUM_GROUPS, stride_qw, stride_z, stride_s, BN, ROWS, GROUP, SUB_STEPS,
+                         ACT_ORDER, False)
     if HAS_BIAS:
         acc += tl.load(b_ptr + cols).to(tl.float32)
     tl.store(y_ptr + offs_n, acc.to(y_ptr.dtype.element_ty), mask=offs_n < N)
