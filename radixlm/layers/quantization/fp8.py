@@ -27,6 +27,7 @@ copy is kept, the memory stays one byte per weight.
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 from collections import Counter
@@ -65,11 +66,16 @@ def quantize_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return (w / scales[:, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8), scales
 
 
+@functools.cache
+def _triton() -> bool:
+    return triton_installed()
+
+
 def kernels_run(x: torch.Tensor) -> bool:
     """Whether products on `x` go through our Triton kernels: CUDA (or the Triton
     interpreter, for tests) in bf16/fp16. Float32 activations dequantize instead
     (the tensor cores would round them to tf32)."""
-    if x.dtype not in (torch.bfloat16, torch.float16) or not triton_installed():
+    if x.dtype not in (torch.bfloat16, torch.float16) or not _triton():
         return False
     return x.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"
 
