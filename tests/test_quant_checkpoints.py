@@ -13,7 +13,6 @@ the whole; what the formats can hold but radixlm cannot run is refused.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
@@ -410,4 +409,19 @@ def test_awq_on_a_float_checkpoint_is_refused_and_dummy_awq_runs(aligned, root):
         assert methods(model)["model.layers.0.mlp.gate_up_proj"] is kind
         out = logits(model)[0]
         assert torch.isfinite(out).all() and out.std() > 0
-    assert json.loads((Path(path) / "config.json").read_text()).get("quantization_config") is None
+
+
+def test_our_int4_packers_write_what_the_tools_write():
+    """The packers behind dummy weights and bench quant-perplexity, against the
+    tools' loops (tests/quant_checkpoints.py); unpacking inverts packing."""
+    from radixlm.layers.quantization import int4 as I
+
+    w = torch.randn(64, 256, generator=torch.Generator().manual_seed(3)) * 0.1
+    for ours, tools in ((I.awq_tensors(w, 64), awq(64)("x.weight", w)[0]),
+                        (I.gptq_tensors(w, 64), gptq(64)("x.weight", w)[0])):
+        assert ours.keys() == tools.keys()
+        for key, tensor in tools.items():
+            assert torch.equal(ours[key], tensor), key
+    q = torch.randint(0, 16, (40, 24), generator=torch.Generator().manual_seed(4))
+    assert torch.equal(I.unpack_cols(I.pack_cols(q, I.AWQ_ORDER), I.AWQ_ORDER), q)
+    assert torch.equal(I.unpack_rows(I.pack_rows(q)), q)
