@@ -280,3 +280,19 @@ def test_kernels_replay_in_a_cuda_graph(m):
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(captured, eager)
+
+
+@pytest.mark.parametrize("act_order", [False, True])
+def test_int4_gemv_silu_mul(act_order):
+    """The fused gate/up GEMV equals the GEMV followed by silu(gate) * up on its
+    rounded outputs; more rows return None (the caller runs the activation)."""
+    d, k = 96, 256
+    w = int4_weight(2 * d, k, 64, act_order, seed=13)
+    x = randn(1, k, seed=14, dtype=DTYPES[0])
+    fused = T.int4_linear(x, w.qweight, w.zeros, w.scales, 64, w.g_idx, silu_mul=True)
+    plain = T.int4_linear(x, w.qweight, w.zeros, w.scales, 64, w.g_idx)
+    gate, up = plain.float().split(d, -1)
+    torch.testing.assert_close(fused.float(), torch.nn.functional.silu(gate) * up,
+                               rtol=2e-2, atol=2e-2)
+    x2 = randn(2, k, seed=15, dtype=DTYPES[0])
+    assert T.int4_linear(x2, w.qweight, w.zeros, w.scales, 64, w.g_idx, silu_mul=True) is None

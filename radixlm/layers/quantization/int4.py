@@ -22,8 +22,9 @@ tensor parallelism (a rank's features may belong to any group): every rank
 holds them whole and looks groups up through its piece of `g_idx`.
 
 Products: on CUDA in bf16/fp16 our Triton kernels (one row: a GEMV in fp32
-registers; more rows: the weights dequantized tile by tile to x's dtype on
-the tensor cores); elsewhere the weight is dequantized at matmul time (fp32
+registers, fused with the MLP's silu(gate) * up on a merged gate/up layer;
+more rows: the weights dequantized tile by tile to x's dtype on the tensor
+cores); elsewhere the weight is dequantized at matmul time (fp32
 [N, K] for the one product, then freed: the memory stays half a byte per
 weight).
 """
@@ -353,6 +354,14 @@ class Int4LinearMethod(LinearMethod):
             return _ops.int4_linear(x, w.qweight, w.zeros, w.scales, w.group, w.g_idx, bias,
                                     out=out)
         return plain_linear(x, w.dequantize().to(x.dtype), bias, out)
+
+    def apply_silu_mul(self, layer: LinearBase, x: torch.Tensor) -> torch.Tensor | None:
+        w: Int4Weight | None = getattr(layer, "int4", None)
+        assert w is not None, "process_weights_after_loading has not run on this layer"
+        if layer.bias is not None or not kernels_run(x):
+            return None
+        return _ops.int4_linear(x, w.qweight, w.zeros, w.scales, w.group, w.g_idx,
+                                silu_mul=True)
 
 
 # ---- the configs -----------------------------------------------------------------------------

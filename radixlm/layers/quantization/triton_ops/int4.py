@@ -10,7 +10,9 @@ for act-order checkpoints.
   nibble in registers (a shift and a mask per weight, the integer turned
   float by OR-ing it into the mantissa of 2^23) and sums q * x per group, so
   the zero point and the scale are applied once per group and column:
-  y += s (sum_k q x - z sum_k x). fp32 throughout.
+  y += s (sum_k q x - z sum_k x). fp32 throughout. With `silu_mul` a
+  program streams matching gate and up columns of a merged [gate; up] layer
+  and applies silu(gate) * up in registers (one launch for the MLP's input).
 - More rows (`int4_gemm`, also the prefill): tiles of the weight dequantized
   to x's dtype in registers, then tl.dot on the tensor cores, fp32
   accumulation.
@@ -27,6 +29,7 @@ import triton
 import triton.language as tl
 
 from radixlm.layers import pdl
+from radixlm.layers.gemv import _silu_mul
 from radixlm.layers.pdl import pdl_trigger, pdl_wait
 
 
@@ -62,18 +65,26 @@ def pick_gemm_config(m: int, n: int, group: int) -> Int4Config:
 
 def int4_linear(x: torch.Tensor, qweight: torch.Tensor, zeros: torch.Tensor,
                 scales: torch.Tensor, group: int, g_idx: torch.Tensor | None,
-                bias: torch.Tensor | None = None, *, out: torch.Tensor | None = None
-                ) -> torch.Tensor:
-    """x @ W^T (+ bias) for x [..., K] bf16/fp16: [..., N] in x's dtype."""
+                bias: torch.Tensor | None = None, *, out: torch.Tensor | None = None,
+                silu_mul: bool = False) -> torch.Tensor | None:
+    """x @ W^T (+ bias) for x [..., K] bf16/fp16: [..., N] in x's dtype. With
+    `silu_mul` (W a merged [gate; up], no bias): silu(gate) * up [..., N / 2] at
+    one row, None otherwise (only the GEMV fuses it)."""
     k, n = x.shape[-1], qweight.shape[1]
     assert qweight.stride(1) == zeros.stride(1) == scales.stride(1) == 1
     x2 = x.reshape(-1, k)
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
+    m = x2.shape[0]
+    if silu_mul:
+        if m != 1:
+            return None
+        y = int4_gemv(x2, qweight, zeros, scales, group, g_idx, silu_mul=True)
+        return y.view(*x.shape[:-1], n // 2)
     if out is not None:
-        assert out.is_contiguous() and out.dtype == x.dtype and out.numel() == x2.shape[0] * n
-        out = out.view(x2.shape[0], n)
-    fn = int4_gemv if x2.shape[0] == 1 else int4_gemm
+        assert out.is_contiguous() and out.dtype == x.dtype and out.numel() == m * n
+        out = out.view(m, n)
+    fn = int4_gemv if m == 1 else int4_gemm
     y = fn(x2, qweight, zeros, scales, group, g_idx, bias, out=out)
     return y.view(*x.shape[:-1], n)
 
@@ -85,11 +96,14 @@ def _out(x: torch.Tensor, n: int, out: torch.Tensor | None) -> torch.Tensor:
 def int4_gemv(x: torch.Tensor, qweight: torch.Tensor, zeros: torch.Tensor,
               scales: torch.Tensor, group: int, g_idx: torch.Tensor | None,
               bias: torch.Tensor | None = None, config: Int4Config | None = None,
-              out: torch.Tensor | None = None) -> torch.Tensor:
-    """One row: x [1, K] times the int4 weight, [1, N]."""
+              out: torch.Tensor | None = None, silu_mul: bool = False) -> torch.Tensor:
+    """One row: x [1, K] times the int4 weight, [1, N] (`silu_mul`: [1, N / 2])."""
     k, n = x.shape[1], qweight.shape[1]
     assert x.shape[0] == 1 and x.stride(1) == 1 and k == 8 * qweight.shape[0]
     cfg = config or pick_gemv_config(n, k, group)
+    if silu_mul:  # each program streams matching gate and up columns
+        assert bias is None and n % 2 == 0
+        n //= 2
     # A sub-step is 8 * rows features inside one group (act-order: any features);
     # an iteration unrolls enough of them for cfg.bk features.
     rows = _pow2_divisor(group // 8, 16) if g_idx is None else 16
@@ -100,8 +114,8 @@ def int4_gemv(x: torch.Tensor, qweight: torch.Tensor, zeros: torch.Tensor,
         bias if bias is not None else dummy, y, n, k, scales.shape[0], qweight.stride(0),
         zeros.stride(0), scales.stride(0), BN=cfg.bn, ROWS=rows, GROUP=group,
         SUB_STEPS=max(1, cfg.bk // (8 * rows)), ACT_ORDER=g_idx is not None,
-        HAS_BIAS=bias is not None, num_warps=cfg.warps, num_stages=cfg.stages,
-        **pdl.launch_args())
+        HAS_BIAS=bias is not None, SILU_MUL=silu_mul, num_warps=cfg.warps,
+        num_stages=cfg.stages, **pdl.launch_args())
     return y
 
 
@@ -204,26 +218,43 @@ def _int4_gemv_kernel(x_ptr, qw_ptr, z_ptr, s_ptr, g_ptr, b_ptr, y_ptr, N, K, NU
                       stride_qw, stride_z, stride_s,
                       BN: tl.constexpr, ROWS: tl.constexpr, GROUP: tl.constexpr,
                       SUB_STEPS: tl.constexpr, ACT_ORDER: tl.constexpr,
-                      HAS_BIAS: tl.constexpr, PDL: tl.constexpr):
+                      HAS_BIAS: tl.constexpr, SILU_MUL: tl.constexpr, PDL: tl.constexpr):
     offs_n = tl.program_id(0) * BN + tl.arange(0, BN)
     cols = tl.minimum(offs_n, N - 1)  # clamped: loads need no column mask
+    cols_up = cols + N  # SILU_MUL: the up columns, N right of the gate columns
     offs_r = tl.arange(0, ROWS)
     qw_ptrs = qw_ptr + offs_r[:, None].to(tl.int64) * stride_qw + cols[None, :]
+    up_ptrs = qw_ptrs + N
     # The first words before the PDL wait: weights are constant.
     first = tl.load(qw_ptrs, mask=offs_r[:, None] < K // 8, other=0,
                     eviction_policy="evict_first")
+    first_up = first
+    if SILU_MUL:
+        first_up = tl.load(up_ptrs, mask=offs_r[:, None] < K // 8, other=0,
+                           eviction_policy="evict_first")
     pdl_wait(PDL)
     pdl_trigger(PDL)
     STEP: tl.constexpr = 8 * ROWS * SUB_STEPS
     acc = _gemv_step(tl.zeros([BN], dtype=tl.float32), first, 0, qw_ptrs, x_ptr, z_ptr, s_ptr,
                      g_ptr, offs_r, cols, K, NUM_GROUPS, stride_qw, stride_z, stride_s, BN,
                      ROWS, GROUP, SUB_STEPS, ACT_ORDER, True)
+    acc_up = acc
+    if SILU_MUL:
+        acc_up = _gemv_step(tl.zeros([BN], dtype=tl.float32), first_up, 0, up_ptrs, x_ptr,
+                            z_ptr, s_ptr, g_ptr, offs_r, cols_up, K, NUM_GROUPS, stride_qw,
+                            stride_z, stride_s, BN, ROWS, GROUP, SUB_STEPS, ACT_ORDER, True)
     for k0 in range(STEP, K, STEP):
         acc = _gemv_step(acc, first, k0, qw_ptrs, x_ptr, z_ptr, s_ptr, g_ptr, offs_r, cols, K,
                          NUM_GROUPS, stride_qw, stride_z, stride_s, BN, ROWS, GROUP, SUB_STEPS,
                          ACT_ORDER, False)
+        if SILU_MUL:
+            acc_up = _gemv_step(acc_up, first_up, k0, up_ptrs, x_ptr, z_ptr, s_ptr, g_ptr,
+                                offs_r, cols_up, K, NUM_GROUPS, stride_qw, stride_z, stride_s,
+                                BN, ROWS, GROUP, SUB_STEPS, ACT_ORDER, False)
     if HAS_BIAS:
         acc += tl.load(b_ptr + cols).to(tl.float32)
+    if SILU_MUL:
+        acc = _silu_mul(acc, acc_up, y_ptr.dtype.element_ty)
     tl.store(y_ptr + offs_n, acc.to(y_ptr.dtype.element_ty), mask=offs_n < N)
 
 
