@@ -286,10 +286,10 @@ class Int4LinearMethod(LinearMethod):
         f, k, n = self.fmt, input_size_per_partition, sum(output_partition_sizes)
         total_k = layer.input_piece().total
         g = f.group(total_k)
-        if total_k % g or k % 8:
+        if total_k % g or k % 8 or g % 16:
             raise ValueError(f"{layer.prefix}: {total_k} input features ({k} on this rank) are "
-                             f"not whole groups of {g} (group_size {f.group_size}) and "
-                             "multiples of 8")
+                             f"not whole groups of {g} (group_size {f.group_size}), multiples "
+                             "of 16, on whole int32 words")
         act_order = f.desc_act
         groups = total_k // g if act_order else k // g
         if f.kind == "awq":
@@ -435,9 +435,9 @@ def _check_bits_and_group(method: str, bits: Any, group: Any) -> int:
         raise ValueError(f"{method} quantization_config bits={bits!r}: radixlm reads 4-bit "
                          "weights only")
     group = int(group)
-    if group != -1 and (group < 8 or group % 8):
+    if group != -1 and (group < 16 or group % 16):
         raise ValueError(f"{method} quantization_config group_size={group}: expected -1 or a "
-                         "multiple of 8")
+                         "multiple of 16 (the kernels step 16 features of a group at a time)")
     return group
 
 
