@@ -296,3 +296,65 @@ def test_int4_gemv_silu_mul(act_order):
                                rtol=2e-2, atol=2e-2)
     x2 = randn(2, k, seed=15, dtype=DTYPES[0])
     assert T.int4_linear(x2, w.qweight, w.zeros, w.scales, 64, w.g_idx, silu_mul=True) is None
+
+
+# ---- the methods on the kernels -------------------------------------------------------------
+@pytest.mark.parametrize("fmt", ["fp8-online", "fp8-block", "awq", "gptq-act-order"])
+@pytest.mark.parametrize("m", [1, 3, 12])
+def test_layers_run_the_kernels_on_their_weights(fmt, m):
+    """A fused layer built in fp16 on the kernels' device: its products (and the
+    fused SiLU of a gate/up layer) equal the dequantized weights' up to rounding."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from quant_checkpoints import (
+        HF_FP8_BLOCK_CONFIG,
+        awq,
+        awq_config,
+        gptq,
+        gptq_config,
+        hf_fp8_block,
+        tiny_llama,
+    )
+
+    from radixlm.layers.linear import MergedColumnParallelLinear
+    from radixlm.layers.quantization import get_quantization_config
+
+    qconfig, make = {
+        "fp8-online": (None, lambda name, w: ({"weight": w}, w)),
+        "fp8-block": (HF_FP8_BLOCK_CONFIG, hf_fp8_block()),
+        "awq": (awq_config(64), awq(64)),
+        "gptq-act-order": (gptq_config(64, desc_act=True), gptq(64, desc_act=True)),
+    }[fmt]
+    config = tiny_llama(quantization_config=qconfig) if qconfig else tiny_llama()
+    quant = get_quantization_config(config, "fp8" if qconfig is None else None)
+    with torch.device(DEV):
+        layer = MergedColumnParallelLinear(256, [256, 256], params_dtype=torch.float16,
+                                           fused_silu_mul=True, quant_config=quant,
+                                           prefix="model.layers.0.mlp.gate_up_proj")
+    dequantized = []
+    for shard, name in ((0, "gate_proj"), (1, "up_proj")):
+        w = randn(256, 256, seed=20 + shard, scale=0.1).cpu()
+        tensors, deq = make(f"model.layers.0.mlp.{name}.weight", w)
+        for key, t in tensors.items():
+            p = getattr(layer, key)
+            p.weight_loader(p, t.to(DEV), shard)
+        dequantized.append(deq)
+    layer.quant_method.process_weights_after_loading(layer)
+    x = randn(m, 256, seed=m, dtype=torch.float16)
+    if fmt == "fp8-online":
+        dequantized = [fp8_weight_of(d) for d in dequantized]
+    w = torch.cat(dequantized).double().to(DEV)
+    want = x.double() @ w.T
+    got = layer.quant_method.apply(layer, x)
+    torch.testing.assert_close(got.double(), want, rtol=3e-2, atol=3e-2 * want.abs().max().item())
+    gate, up = want.split(256, -1)
+    act = torch.nn.functional.silu(gate) * up
+    torch.testing.assert_close(layer(x).double(), act, rtol=5e-2,
+                               atol=5e-2 * act.abs().max().item())
+
+
+def fp8_weight_of(w: torch.Tensor) -> torch.Tensor:
+    q, s = quantize_rows(w)
+    return q.float() * s[:, None]
