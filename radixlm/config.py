@@ -25,7 +25,7 @@ REASONING_PARSERS = ("deepseek-r1", "qwen3")
 # --quantization choices: "auto" (what the checkpoint is; the default, None, means the
 # same), "none" (float weights; a .gguf file dequantized at load). A weight method adds its
 # name here and in layers/quantization/__init__.py.
-QUANTIZATIONS = ("auto", "none", "gguf", "int8")
+QUANTIZATIONS = ("auto", "none", "gguf", "int8", "fp8", "awq", "gptq", "compressed-tensors")
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 # SGLang's default name of the group over which a trainer broadcasts new weights.
 WEIGHT_UPDATE_GROUP = "weight_update_group"
@@ -52,7 +52,10 @@ class ServerArgs:
         "config.json's quantization_config; a .gguf file keeps its blocks on the CPU where "
         "that is the faster path, see the start-up log); none: float weights (a .gguf file "
         "dequantized); gguf: a .gguf file's blocks in our CPU kernels; int8: per-channel "
-        "int8 of a float checkpoint, CPU", QUANTIZATIONS,
+        "int8 of a float checkpoint, CPU; fp8: an FP8 checkpoint (block or per-tensor "
+        "scales), or a float checkpoint quantized to FP8 per channel at load; awq, gptq, "
+        "compressed-tensors: checkpoints in those formats (awq/gptq on a float config: "
+        "random int4 weights with --load-format dummy)", QUANTIZATIONS,
         default=None)
     context_length: int | None = _opt("model", "Override the model's context length", default=None)
     skip_tokenizer_init: bool = _opt(

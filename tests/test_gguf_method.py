@@ -322,7 +322,7 @@ def test_refusals(tiny, tmp_path):
     floats = gguf_packed.quant_config(tiny.config, path, "auto", torch.device("cuda"))
     assert not isinstance(floats, GGUFConfig)
     with pytest.raises(ValueError, match="expected one of auto, none, gguf, int8"):
-        get_quantization_config(tiny.config, "awq")
+        get_quantization_config(tiny.config, "marlin")
 
 
 def test_an_update_from_floats_is_refused_naming_the_dtype(tiny, models):

@@ -117,6 +117,9 @@ def gather_pieces(local: torch.Tensor, start: int, dim: int, total: int) -> torc
     world = tp.get_tp_size()
     if world == 1:
         return local
+    if local.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):  # collectives move bytes
+        whole = gather_pieces(local.view(torch.uint8), start, dim, total)
+        return whole.view(local.dtype)
     rows = local.movedim(dim, 0)
     meta = torch.tensor([start, rows.shape[0]], dtype=torch.int64, device=local.device)
     metas = tp.tensor_model_parallel_all_gather(meta, 0).view(world, 2).tolist()
@@ -181,19 +184,22 @@ class AxisSpec(WeightSpec):
     and `input_dim` along its input features (None: neither), split as the
     layer's pieces say. `input_packing` (logical, stored): along the input dim,
     `logical` features are stored in `stored` elements (8 int4 values in one
-    int32: (8, 1); a GGUF Q4_0 block of 32 weights in 18 bytes: (32, 18));
-    pieces along it must then fall on whole groups."""
+    int32: (8, 1); a GGUF Q4_0 block of 32 weights in 18 bytes: (32, 18); one
+    scale per group of 128: (128, 1)); pieces along it must then fall on whole
+    groups. `output_packing`: the same along the output dim (AWQ's qweight and
+    the int4 formats' qzeros hold 8 output features per int32)."""
 
     output_dim: int | None = 0
     input_dim: int | None = 1
     input_packing: tuple[int, int] | None = None
     checkpoint_dtypes: frozenset[torch.dtype] = FLOAT_DTYPES
+    output_packing: tuple[int, int] | None = None
 
     def hf_shape(self, layer: Sharded, param: nn.Parameter,
                  shard_id: ShardId) -> tuple[int, ...]:
         shape = list(param.shape)
         if self.output_dim is not None:
-            shape[self.output_dim] = sum(layer.output_piece(s).total
+            shape[self.output_dim] = sum(self._output_piece(layer, s).total
                                          for s in self._shards(layer, shard_id))
         if self.input_dim is not None:
             shape[self.input_dim] = self._input_piece(layer).total
@@ -206,7 +212,7 @@ class AxisSpec(WeightSpec):
              shard_id: ShardId) -> None:
         shards = self._shards(layer, shard_id)
         if len(shards) > 1:  # the checkpoint stores the fused tensor whole
-            totals = [layer.output_piece(s).total for s in shards]
+            totals = [self._output_piece(layer, s).total for s in shards]
             _check_length(loaded, self.output_dim, sum(totals), shard_id)
             for s, part in zip(shards, loaded.split(totals, self.output_dim), strict=True):
                 self.load(layer, param, part, s)
@@ -243,22 +249,29 @@ class AxisSpec(WeightSpec):
     def _pieces(self, layer: Sharded, shard_id: ShardId) -> list[tuple[int, Piece]]:
         pieces = []
         if self.output_dim is not None:
-            pieces.append((self.output_dim, layer.output_piece(shard_id)))
+            pieces.append((self.output_dim, self._output_piece(layer, shard_id)))
         if self.input_dim is not None:
             pieces.append((self.input_dim, self._input_piece(layer)))
         return pieces
 
     def _input_piece(self, layer: Sharded) -> Piece:
-        piece = layer.input_piece()
-        if self.input_packing is None:
-            return piece
-        logical, stored = self.input_packing
-        for n in (piece.total, piece.start, piece.size, piece.offset):
-            if n % logical:
-                raise ValueError(f"input features {piece} do not fall on whole groups of "
-                                 f"{logical} packed values")
-        return Piece(*(n // logical * stored for n in (piece.total, piece.start, piece.size,
-                                                       piece.offset)))
+        return _packed_piece(layer.input_piece(), self.input_packing, "input")
+
+    def _output_piece(self, layer: Sharded, shard_id: ShardId) -> Piece:
+        return _packed_piece(layer.output_piece(shard_id), self.output_packing, "output")
+
+
+def _packed_piece(piece: Piece, packing: tuple[int, int] | None, axis: str) -> Piece:
+    """`piece` in stored elements of a packed axis (itself when unpacked)."""
+    if packing is None:
+        return piece
+    logical, stored = packing
+    for n in (piece.total, piece.start, piece.size, piece.offset):
+        if n % logical:
+            raise ValueError(f"{axis} features {piece} do not fall on whole groups of "
+                             f"{logical} packed values")
+    return Piece(*(n // logical * stored for n in (piece.total, piece.start, piece.size,
+                                                   piece.offset)))
 
 
 def _check_length(t: torch.Tensor, dim: int | None, expected: int, shard_id: ShardId) -> None:
@@ -289,8 +302,9 @@ def check_checkpoint_dtype(name: str, param: nn.Parameter, dtype: torch.dtype | 
     message = (f"checkpoint tensor {name} has dtype {dtype_name(dtype)}, {why} (expected one "
                f"of {want})")
     if floats_only and dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
-        message += ("; an FP8 checkpoint needs a quantization method for FP8 weights, which "
-                    "radixlm does not have")
+        message += ("; FP8 weights load through an FP8 method, which a checkpoint declares in "
+                    "its config.json's quantization_config (fp8 or compressed-tensors), and "
+                    "this layer has none")
     raise ValueError(message)
 
 

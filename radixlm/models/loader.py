@@ -414,8 +414,7 @@ def load_model(model_dir: str, config: PretrainedConfig, load_format: str = "aut
                seed: int = 0, quant_config: QuantizationConfig | None = None) -> nn.Module:
     """Build the model for `config` on `device` in `dtype` and fill its weights.
     `quant_config` picks each linear layer's weight method (default: from
-    the config, with every fast path on; a quantization_config in it is
-    refused, as no method reads one yet)."""
+    the config and its quantization_config, with every fast path on)."""
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"load_format={load_format!r}: expected one of {', '.join(LOAD_FORMATS)}")
     start = time.perf_counter()
@@ -425,7 +424,8 @@ def load_model(model_dir: str, config: PretrainedConfig, load_format: str = "aut
     with _building_on(dtype, device):
         model = model_cls(config, quant_config=quant_config)
     if load_format == "dummy":
-        _load_weights(model, dummy_weights(config, seed, device, model), "dummy weights")
+        weights = quant_config.dummy_weights(dummy_weights(config, seed, device, model), model)
+        _load_weights(model, weights, "dummy weights")
     else:
         weights = quant_config.checkpoint_weights(model_dir) or iter_safetensors(model_dir)
         _load_weights(model, weights, f"checkpoint {model_dir}")

@@ -22,8 +22,15 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from radixlm.layers.attention.radix_attention import RadixAttention
 from radixlm.layers.linear import default_weight_loader
 from radixlm.layers.sharding import ShardId, check_checkpoint_dtype, weight_spec
+
+# A layer's KV-cache scales as checkpoints name them (on the attention module:
+# ModelOpt, newer compressed-tensors, HF FP8; on k_proj / v_proj: older
+# compressed-tensors) -> the parameter of our attention layer that holds them.
+KV_SCALE_NAMES = (("k_scale", "k_scale"), ("v_scale", "v_scale"),
+                  ("k_proj.output_scale", "k_scale"), ("v_proj.output_scale", "v_scale"))
 
 
 @dataclass(frozen=True)
@@ -89,7 +96,7 @@ class WeightMap:
     def resolve(self, name: str) -> WeightSlot | None:
         """The slot of checkpoint tensor `name`; None when the model has no
         parameter for it (skipped buffers included)."""
-        parts = name.split(".")
+        parts = (self._kv_scale(name) or name).split(".")
         shard_id = None
         if len(parts) >= 2 and parts[-2] in self.mapping.fused:
             parts[-2], shard_id = self.mapping.fused[parts[-2]]
@@ -103,6 +110,22 @@ class WeightMap:
         ours = ".".join(parts)
         canonical = self.param_names[id(param)]
         return WeightSlot(name, canonical, param, shard_id, module, alias=canonical != ours)
+
+    def _kv_scale(self, name: str) -> str | None:
+        """Our name for a checkpoint's k/v cache scale: the `RadixAttention` inside
+        the module that carries it (or inside k_proj's / v_proj's parent)."""
+        for suffix, ours in KV_SCALE_NAMES:
+            if not name.endswith("." + suffix):
+                continue
+            owner = name[:-len(suffix) - 1]
+            try:
+                module = self.model.get_submodule(owner)
+            except AttributeError:
+                return None
+            for child, sub in module.named_children():
+                if isinstance(sub, RadixAttention):
+                    return f"{owner}.{child}.{ours}"
+        return None
 
     def slots(self) -> Iterator[WeightSlot]:
         """One slot per parameter, under its own name (shard None: all of it)."""

@@ -7,6 +7,9 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from radixlm.layers.quantization.specs import OPTIONAL_SCALAR
+from radixlm.layers.sharding import register_weight, weight_spec
+
 if TYPE_CHECKING:
     from radixlm.forward_batch import ForwardBatch
     from radixlm.layers.rotary import QKNormRotary, RotaryEmbedding
@@ -19,7 +22,12 @@ class RadixAttention(nn.Module):
     """One layer's attention shape and variant. `sliding_window` W (None: full
     context): a query attends only to the last W positions up to its own (HF's
     convention; backends/base.py pins it). `logit_softcap` c (None: off): scores
-    become c * tanh(scores / c) before the softmax (Gemma 2)."""
+    become c * tanh(scores / c) before the softmax (Gemma 2).
+
+    `k_scale` / `v_scale` (fp32 [1] parameters, 1.0 unless the checkpoint has
+    them: FP8 checkpoints calibrated for an FP8 KV cache carry them): what an
+    FP8 KV pool scales this layer's keys and values by. Nothing reads them
+    while the cache is in the model's dtype."""
 
     def __init__(self, layer_id: int, num_heads: int, num_kv_heads: int, head_dim: int,
                  scaling: float, sliding_window: int | None = None,
@@ -36,6 +44,12 @@ class RadixAttention(nn.Module):
         self.scaling = scaling
         self.sliding_window = sliding_window
         self.logit_softcap = logit_softcap
+        for name in ("k_scale", "v_scale"):
+            register_weight(self, name, torch.ones(1, dtype=torch.float32), OPTIONAL_SCALAR)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor,
+                      shard_id: object = None) -> None:
+        weight_spec(param).load(self, param, loaded, shard_id)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 fb: ForwardBatch, rope: Rope | None = None) -> torch.Tensor:

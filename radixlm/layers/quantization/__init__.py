@@ -13,15 +13,27 @@ from typing import Any
 from torch import nn
 
 from radixlm.layers.quantization.base import EmbeddingMethod, LinearMethod, QuantizationConfig
+from radixlm.layers.quantization.compressed_tensors import CompressedTensorsConfig
+from radixlm.layers.quantization.fp8 import Fp8Config
 from radixlm.layers.quantization.gguf import GGUFConfig
+from radixlm.layers.quantization.int4 import AWQConfig, GPTQConfig, default_format
 from radixlm.layers.quantization.int8 import Int8Config
+from radixlm.layers.quantization.selection import fused_projections
 from radixlm.layers.quantization.unquantized import UnquantizedConfig
 
 # --quantization name (= the checkpoint's quantization_config "quant_method") -> config.
 # Besides these, "auto" (what the checkpoint is) and "none" (float weights: a .gguf
 # file dequantized at load).
-QUANTIZATION_METHODS: dict[str, type[QuantizationConfig]] = {"gguf": GGUFConfig,
-                                                              "int8": Int8Config}
+QUANTIZATION_METHODS: dict[str, type[QuantizationConfig]] = {
+    "gguf": GGUFConfig, "int8": Int8Config, "fp8": Fp8Config, "awq": AWQConfig,
+    "gptq": GPTQConfig, "compressed-tensors": CompressedTensorsConfig}
+# Methods that quantize a float checkpoint (the others only read what a checkpoint holds).
+_FROM_FLOATS = {"int8": lambda floats: Int8Config(fallback=floats),
+                "fp8": lambda floats: Fp8Config(fallback=floats)}
+# Methods that only serve --load-format dummy on a float config (random quantized weights).
+_DUMMY_ONLY = {"awq": AWQConfig, "gptq": GPTQConfig}
+# A checkpoint in the key format may be confirmed by these --quantization names too.
+_CONFIRMS = {"compressed-tensors": {"fp8"}}
 
 __all__ = ["QUANTIZATION_METHODS", "EmbeddingMethod", "LinearMethod", "QuantizationConfig",
            "UnquantizedConfig",
@@ -42,26 +54,37 @@ def get_quantization_config(hf_config: Any, quantization: str | None = None, *,
         raise ValueError(f"quantization={quantization!r}: expected one of {known}")
     floats = UnquantizedConfig(prepack=prepack, gemv=gemv)
     if declared is None:
-        if quantization in (None, "auto", "none"):
-            return floats
-        if quantization == GGUFConfig.name:
-            raise ValueError("quantization='gguf' keeps the blocks of a .gguf model file; "
-                             "this model is an HF checkpoint directory (use int8 to quantize "
-                             "its float weights)")
-        if quantization == Int8Config.name:
-            return Int8Config(fallback=floats)
-        return QUANTIZATION_METHODS[quantization]()
+        return _for_floats(quantization, floats)
     declared = declared if isinstance(declared, dict) else declared.to_dict()
     method = declared.get("quant_method")
-    if method not in QUANTIZATION_METHODS:
-        have = ", ".join(QUANTIZATION_METHODS) or "none yet"
+    if method not in QUANTIZATION_METHODS or method in ("gguf", "int8"):
+        have = ", ".join(m for m in QUANTIZATION_METHODS if m not in ("gguf", "int8"))
         raise ValueError(f"the checkpoint's config.json has a quantization_config "
                          f"(quant_method={method!r}), a quantized format radixlm cannot load "
-                         f"(quantization methods: {have}); use an unquantized checkpoint")
-    if quantization not in (None, "auto", method):
+                         f"(checkpoint formats: {have}); use an unquantized checkpoint")
+    if quantization not in (None, "auto", method, *_CONFIRMS.get(method, ())):
         raise ValueError(f"quantization={quantization!r} contradicts the checkpoint's "
-                         f"quantization_config (quant_method={method!r})")
-    return QUANTIZATION_METHODS[method].from_hf_config(declared)
+                         f"quantization_config (quant_method={method!r}): --quantization may "
+                         f"only confirm what the checkpoint is (auto or {method!r})")
+    return QUANTIZATION_METHODS[method].from_hf_config(
+        declared, fused=fused_projections(hf_config), fallback=floats)
+
+
+def _for_floats(quantization: str | None, floats: UnquantizedConfig) -> QuantizationConfig:
+    """The config of a checkpoint that declares no quantization."""
+    if quantization in (None, "auto", "none"):
+        return floats
+    if quantization in _FROM_FLOATS:
+        return _FROM_FLOATS[quantization](floats)
+    if quantization in _DUMMY_ONLY:
+        return _DUMMY_ONLY[quantization](default_format(quantization), fallback=floats,
+                                         from_checkpoint=False)
+    if quantization == GGUFConfig.name:
+        raise ValueError("quantization='gguf' keeps the blocks of a .gguf model file; "
+                         "this model is an HF checkpoint directory (use int8 or fp8 to "
+                         "quantize its float weights)")
+    raise ValueError(f"quantization={quantization!r} reads checkpoints in that format; this "
+                     "checkpoint is unquantized (--quantization fp8 quantizes it at load)")
 
 
 def process_weights_after_loading(model: nn.Module) -> None:

@@ -173,6 +173,15 @@ class QuantizationConfig(ABC):
         model is built, so it may depend on what the layers chose."""
         return None
 
+    def dummy_weights(self, weights: Iterator[tuple[str, torch.Tensor]], model: Any
+                      ) -> Iterator[tuple[str, torch.Tensor]]:
+        """`--load-format dummy`: the checkpoint tensors to load for the random float
+        tensors `weights` (HF names, as a float checkpoint has them), once the model
+        is built. Default: those tensors (a method that quantizes floats at load
+        takes them as they are); a format whose checkpoint holds other tensors
+        (packed int4) makes random ones of those."""
+        return weights
+
     def describe(self) -> str | None:
         """One line for the start-up log: what the layers chose and why (None: nothing to say)."""
         return None

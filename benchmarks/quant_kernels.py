@@ -1,0 +1,178 @@
+"""Our FP8 and int4 kernels beside torch._scaled_mm and bf16 cuBLAS, on the
+Llama-3.1-8B projection shapes (tp 1), at 1, 8, 64 and 4096 rows.
+
+    python benchmarks/quant_kernels.py                 # the table (~1 min on an H200)
+    python benchmarks/quant_kernels.py --rows 1,8      # fewer rows
+    python benchmarks/quant_kernels.py --sweep         # GEMV configs at one row (~2 min)
+
+Each variant runs 64 back-to-back calls in one CUDA graph, replayed 10 times
+(median, time / 64), with weights rotating through copies of >= 256 MiB so
+every call reads them from HBM, not L2, as a decode step does. Columns:
+microseconds per call, weight bytes read / time (TB/s), 2MNK / time (TFLOP/s).
+
+- bf16 cuBLAS: F.linear on bf16 weights; bf16 GEMV: ours (`layers/gemv.py`, 1-8 rows).
+- scaled_mm: torch._scaled_mm with FP8 activations and row-wise scales (the
+  activations quantized beforehand, outside the timing: the peer's best case).
+- fp8 chan / fp8 block: ours (`triton_ops/fp8.py`) per-channel and 128x128
+  block scales, end to end: at 1-8 rows the GEMV, above the activation
+  quantization kernel plus the W8A8 GEMM, both timed.
+- int4: ours (`triton_ops/int4.py`), group 128.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import statistics
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+from radixlm.layers.gemv import gemv
+from radixlm.layers.quantization import int4 as I
+from radixlm.layers.quantization.fp8 import block_table, quantize_rows
+from radixlm.layers.quantization.triton_ops import fp8 as F8
+from radixlm.layers.quantization.triton_ops import int4 as T4
+
+SHAPES = [("qkv", 4096, 6144), ("o", 4096, 4096), ("gate_up", 4096, 28672),
+          ("down", 14336, 4096)]
+DEV = torch.device("cuda")
+FP8 = torch.float8_e4m3fn
+Call = Callable[[torch.Tensor, object], torch.Tensor]
+
+
+def copies(make: Callable[[], object], nbytes: int) -> list[object]:
+    return [make() for _ in range(max(2, math.ceil((256 << 20) / nbytes)))]
+
+
+def time_graph(fn: Call, x: torch.Tensor, ws: list[object], calls: int = 64,
+               reps: int = 10) -> float:
+    fn(x, ws[0])  # compile / pick the cuBLAS kernel outside capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(calls):
+            fn(x, ws[i % len(ws)])
+    graph.replay()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e-3 / calls)
+    del graph
+    return statistics.median(times)
+
+
+def fp8_weights(n: int, k: int, block: bool) -> tuple[torch.Tensor, torch.Tensor, int, int]:
+    w = torch.randn(n, k, device=DEV) * 0.02
+    q, s = quantize_rows(w)
+    if not block:
+        return q, s, 0, 1
+    grid = torch.rand(n // 128, k // 128, device=DEV) * 1e-3 + 1e-4
+    table, rows = block_table(grid, [n], 128)
+    return q, table, 128, rows
+
+
+def int4_weights(n: int, k: int) -> tuple[torch.Tensor, ...]:
+    q = torch.randint(0, 16, (k, n), device=DEV, dtype=torch.int32)
+    zeros = torch.randint(6, 10, (k // 128, n), device=DEV, dtype=torch.uint8)
+    scales = (torch.rand(k // 128, n, device=DEV) * 1e-3 + 1e-4).half()
+    return I.pack_rows(q), zeros, scales
+
+
+def variants(m: int, n: int, k: int) -> dict[str, tuple[Call, Callable[[], object], int]]:
+    """name -> (call, weight maker, weight bytes read per call)."""
+    out: dict[str, tuple[Call, Callable[[], object], int]] = {}
+    out["bf16 cuBLAS"] = (lambda x, w: F.linear(x, w),
+                          lambda: (torch.randn(n, k, device=DEV) * 0.02).bfloat16(), 2 * n * k)
+    if m <= 8:
+        out["bf16 GEMV"] = (lambda x, w: gemv(x, w), out["bf16 cuBLAS"][1], 2 * n * k)
+
+    def scaled_mm(x, w):
+        xq, xs, wq, ws = w[0], w[1], w[2], w[3]
+        return torch._scaled_mm(xq, wq.t(), scale_a=xs, scale_b=ws, out_dtype=torch.bfloat16)
+
+    def make_scaled():
+        q, s = quantize_rows(torch.randn(n, k, device=DEV) * 0.02)
+        xq, xs = F8.quantize_activations(torch.randn(m, k, device=DEV).bfloat16())
+        return xq, xs, q, s.view(1, n)
+    out["scaled_mm"] = (scaled_mm, make_scaled, n * k)
+    for block in (False, True):
+        def call(x, w, block=block):
+            q, s, bk, rows = w
+            return F8.fp8_linear(x, q, s, bk, rows, None)
+        out["fp8 block" if block else "fp8 chan"] = (
+            call, lambda block=block: fp8_weights(n, k, block), n * k)
+
+    def int4(x, w):
+        return T4.int4_linear(x, w[0], w[1], w[2], 128, None)
+    out["int4 g128"] = (int4, lambda: int4_weights(n, k), n * k // 2 + 3 * n * k // 128)
+    return out
+
+
+def table(rows: list[int]) -> None:
+    print(f"\n{'shape':<8}{'M':>6}  {'variant':<12}{'us':>8}{'TB/s':>7}{'TF/s':>7}"
+          f"{'vs bf16':>9}{'vs scaled_mm':>14}")
+    for name, k, n in SHAPES:
+        for m in rows:
+            x = torch.randn(m, k, device=DEV).bfloat16()
+            times = {}
+            for label, (fn, make, nbytes) in variants(m, n, k).items():
+                try:
+                    times[label] = (time_graph(fn, x, copies(make, nbytes)), nbytes)
+                except (RuntimeError, ValueError) as e:  # a peer that cannot take the shape
+                    print(f"{name:<8}{m:>6}  {label:<12} n/a ({str(e).splitlines()[0][:60]})")
+                torch.cuda.empty_cache()
+            base = times.get("bf16 cuBLAS", (None,))[0]
+            peer = times.get("scaled_mm", (None,))[0]
+            for label, (t, nbytes) in times.items():
+                vs_bf16 = f"{base / t:.2f}x" if base else "-"
+                vs_peer = f"{peer / t:.2f}x" if peer else "-"
+                print(f"{name:<8}{m:>6}  {label:<12}{t * 1e6:>8.1f}{nbytes / t / 1e12:>7.2f}"
+                      f"{2 * m * n * k / t / 1e12:>7.0f}{vs_bf16:>9}{vs_peer:>14}")
+
+
+def sweep() -> None:
+    """Graph time of GEMV configs at one row, per shape: what pick_*_config should say."""
+    fp8_cands = [F8.GemvConfig("fma", bn, bk, w, 1) for bn, bk, w in
+                 [(4, 2048, 4), (4, 2048, 2), (8, 1024, 4), (4, 4096, 4), (2, 4096, 2),
+                  (8, 2048, 8), (4, 1024, 2)]]
+    int4_cands = [T4.Int4Config(1, bn, bk, w, st) for bn, bk, w, st in
+                  [(16, 512, 4, 3), (32, 512, 4, 3), (16, 1024, 4, 2), (32, 256, 4, 4),
+                   (64, 256, 4, 3), (16, 256, 2, 4), (32, 1024, 8, 2), (8, 1024, 2, 3)]]
+    for name, k, n in SHAPES:
+        x = torch.randn(1, k, device=DEV).bfloat16()
+        ws = copies(lambda n=n, k=k: fp8_weights(n, k, False), n * k)
+        res = sorted((time_graph(lambda x, w, c=c: F8.fp8_gemv(x, w[0], w[1], 0, 1, config=c),
+                                 x, ws), c) for c in fp8_cands)
+        print(f"fp8  {name:<8} best {res[0][1]} {n * k / res[0][0] / 1e12:.2f} TB/s; "
+              f"default {F8.pick_gemv_config(1, n, k, 0)}")
+        del ws
+        ws = copies(lambda n=n, k=k: int4_weights(n, k), n * k // 2)
+        res = sorted((time_graph(lambda x, w, c=c: T4.int4_gemv(x, w[0], w[1], w[2], 128, None,
+                                                                config=c), x, ws), c)
+                     for c in int4_cands)
+        print(f"int4 {name:<8} best {res[0][1]} {n * k / 2 / res[0][0] / 1e12:.2f} TB/s; "
+              f"default {T4.pick_gemv_config(n, k, 128)}")
+        del ws
+        torch.cuda.empty_cache()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rows", default="1,8,64,4096")
+    parser.add_argument("--sweep", action="store_true")
+    args = parser.parse_args()
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}")
+    if args.sweep:
+        sweep()
+    else:
+        table([int(r) for r in args.rows.split(",")])
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,432 @@
+"""FP8 (e4m3) weight products in Triton: the decode GEMV, the W8A8 GEMM and the
+activation quantization that feeds it.
+
+Why our own: at one row a decode step reads every weight once, and
+`torch._scaled_mm` (cuBLAS) streams FP8 weights at 2.0-2.5 TB/s on an H200,
+barely faster than a bf16 GEMV in time per token. The GEMV here reads them
+like our bf16 GEMV (`layers/gemv.py`): 16-byte loads, the same bytes in flight
+per program, the first weight tile loaded before the PDL wait.
+
+Weights: `w` [N, K] FP8 (row stride may exceed K) with either one fp32 scale
+per row (`block_k` 0: `scales` [N]) or block scales (`scales` [N /
+scale_rows, cdiv(K, block_k)]: row r of the weight, features of block j,
+scale `scales[r // scale_rows, j]`). w_true = w * scale.
+
+- `fp8_gemv` (1-8 rows, x bf16/fp16): y = x (w * s)^T at the activations'
+  precision, fp32 sums. M == 1: products and sums in fp32 registers, one
+  reduction at the end; block scales multiply x's features instead of the
+  weights (a program's rows share their scale row), so the loop stays loads
+  and FMAs. M 2-8: the weight tile widened to x's dtype (exact: e4m3 fits
+  bf16 and fp16) on the tensor cores against x^T padded to 16 rows, one
+  block of K per step, its partial sum scaled by the program's block scale.
+  `silu_mul` fuses a merged [gate; up] product with silu(gate) * up.
+- `quantize_activations`: x -> (FP8, fp32 scales) per token (one scale per
+  row), per token and group of `block_k` features, or by a given static
+  scale; scale = max |x| / 448 over the group.
+- `fp8_gemm` (any rows): the quantized activations times the weight on the
+  FP8 tensor cores, fp32 accumulation: per-row scales applied once at the
+  end, block scales per K block (DeepSeek-V3's recipe).
+No host sync and no allocation but the outputs (CUDA graphs capture these);
+configs come from fixed heuristics, so the only warm-up is Triton's compile.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+from radixlm.layers import pdl
+from radixlm.layers.gemv import _load_w, _load_x, _silu_mul
+from radixlm.layers.pdl import pdl_trigger, pdl_wait
+
+FP8 = torch.float8_e4m3fn
+FP8_MAX = 448.0
+MAX_GEMV_ROWS = 8
+
+
+class GemvConfig(NamedTuple):
+    kernel: str  # "fma" (one row) or "mma"
+    bn: int  # weight rows per program
+    bk: int  # features per loop step
+    warps: int
+    stages: int
+
+
+class GemmConfig(NamedTuple):
+    bm: int
+    bn: int
+    bk: int
+    warps: int
+    stages: int
+    group_m: int = 8
+
+
+def pick_gemv_config(m: int, n: int, k: int, block_k: int) -> GemvConfig:
+    """bf16's `pick_config` at the same bytes per step (twice the features: one
+    byte each; 4 warps, so the [4, 2048] fp32 products stay in 64 registers a
+    thread); the tensor-core variant steps one scale block at a time."""
+    if m == 1:
+        return GemvConfig("fma", 4, 2048, 4, 1)
+    bk = block_k or 256
+    if n <= 4096:
+        return GemvConfig("mma", 32 if k > 2048 else 64, bk, 4, 6)
+    return GemvConfig("mma", 64, bk, 4, 4)
+
+
+def pick_gemm_config(m: int, n: int, block_k: int) -> GemmConfig:
+    bk = block_k or 128
+    if m <= 64:
+        return GemmConfig(64, 64, bk, 4, 4)
+    if m <= 128 or n <= 4096:
+        return GemmConfig(64, 128, bk, 4, 4)
+    return GemmConfig(128, 128, bk, 8, 4)
+
+
+def _pow2_divisor(n: int, cap: int) -> int:
+    d = 1
+    while d < cap and n % (2 * d) == 0:
+        d *= 2
+    return d
+
+
+def gemv_fits(m: int, block_k: int, scale_rows: int) -> bool:
+    """Whether the GEMV takes this shape: 1-8 rows, and with block scales a
+    program's rows (4 at one row, >= 16 on the tensor cores) in one scale row."""
+    if not 1 <= m <= MAX_GEMV_ROWS:
+        return False
+    return not block_k or scale_rows % (4 if m == 1 else 16) == 0
+
+
+def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, block_k: int,
+               scale_rows: int, input_scale: torch.Tensor | None,
+               bias: torch.Tensor | None = None, *, out: torch.Tensor | None = None,
+               silu_mul: bool = False, weight_only: bool = False) -> torch.Tensor | None:
+    """x @ (weight * scales)^T (+ bias), through the GEMV or the W8A8 GEMM
+    (`weight_only`: x stays in its dtype, the weight tiles widened to it); with
+    `silu_mul` (weight [2 D, K], no bias) silu(gate) * up, or None where only
+    the GEMV fuses it. Returns [..., N] in x's dtype (into `out` if given)."""
+    n, k = weight.shape
+    x2 = x.reshape(-1, k)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    m = x2.shape[0]
+    if gemv_fits(m, block_k, scale_rows):
+        y = fp8_gemv(x2, weight, scales, block_k, scale_rows, bias, out=out, silu_mul=silu_mul)
+        return y.view(*x.shape[:-1], y.shape[-1])
+    if silu_mul:
+        return None
+    if weight_only:
+        xq, xs = x2, scales  # (no activation scales: a dummy pointer)
+    else:
+        xq, xs = quantize_activations(x2, block_k, input_scale)
+    y = fp8_gemm(xq, xs, weight, scales, block_k, scale_rows, bias, x.dtype, out=out)
+    return y.view(*x.shape[:-1], n)
+
+
+def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, block_k: int,
+             scale_rows: int, bias: torch.Tensor | None = None,
+             config: GemvConfig | None = None, out: torch.Tensor | None = None,
+             silu_mul: bool = False) -> torch.Tensor:
+    """[M, K] x (1-8 rows, bf16/fp16, rows contiguous) times the FP8 weight: [M, N]
+    (N / 2 with `silu_mul`)."""
+    n, k = weight.shape
+    m = x.shape[0]
+    assert gemv_fits(m, block_k, scale_rows) and x.stride(1) == 1 and weight.stride(1) == 1
+    cfg = config or pick_gemv_config(m, n, k, block_k)
+    if block_k:
+        cfg = cfg._replace(bk=block_k) if cfg.kernel == "mma" else cfg
+        cfg = cfg._replace(bn=min(cfg.bn, _pow2_divisor(scale_rows, cfg.bn)))
+    if silu_mul:
+        assert bias is None and n % 2 == 0
+        n //= 2
+        if config is None and cfg.bn >= (32 if cfg.kernel == "mma" else 2):
+            cfg = cfg._replace(bn=cfg.bn // 2)  # gate and up tiles: the registers of one
+    if out is None:
+        y = torch.empty((m, n), device=x.device, dtype=x.dtype)
+    else:
+        assert out.is_contiguous() and out.dtype == x.dtype and out.numel() == m * n
+        y = out.view(m, n)
+    b = bias if bias is not None else scales  # a dummy pointer without bias
+    stride_s = scales.stride(0) if block_k else 0
+    common = dict(BN=cfg.bn, BK=cfg.bk, BLOCK_K=block_k, SCALE_ROWS=scale_rows,
+                  HAS_BIAS=bias is not None, EVEN_K=k % cfg.bk == 0, SILU_MUL=silu_mul,
+                  num_warps=cfg.warps, num_stages=cfg.stages, **pdl.launch_args())
+    grid = (triton.cdiv(n, cfg.bn),)
+    if cfg.kernel == "fma":
+        assert m == 1
+        _fp8_gemv_fma_kernel[grid](x, weight, scales, b, y, n, k, weight.stride(0), stride_s,
+                                   **common)
+    else:
+        _fp8_gemv_mma_kernel[grid](x, weight, scales, b, y, m, n, k, x.stride(0), y.stride(0),
+                                   weight.stride(0), stride_s, BM=16, **common)
+    return y
+
+
+def quantize_activations(x: torch.Tensor, block_k: int = 0,
+                         static_scale: torch.Tensor | None = None
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] -> (FP8 [M, K], fp32 scales): [M, cdiv(K, block_k)] per token and
+    group (block_k > 0), [M, 1] per token, or `static_scale` [1] expanded to
+    that shape (strides 0)."""
+    m, k = x.shape
+    q = torch.empty((m, k), dtype=FP8, device=x.device)
+    if m == 0:
+        return q, torch.empty((0, 1), dtype=torch.float32, device=x.device)
+    if block_k and static_scale is None:
+        # Programs of 1024 features (8 groups of 128): one per group would be
+        # ~450k tiny programs for a 4096-token prefill of Llama-8B's down_proj.
+        groups = triton.cdiv(k, block_k)
+        s = torch.empty((m, groups), dtype=torch.float32, device=x.device)
+        per = max(1, 1024 // block_k)
+        _quant_groups_kernel[(m, triton.cdiv(groups, per))](
+            x, q, s, k, groups, x.stride(0), q.stride(0), s.stride(0), GROUP=block_k,
+            GROUPS=per, num_warps=4)
+        return q, s
+    if static_scale is not None:
+        s = static_scale.reshape(1, 1).expand(m, triton.cdiv(k, block_k) if block_k else 1)
+    else:
+        s = torch.empty((m, 1), dtype=torch.float32, device=x.device)
+    _quant_rows_kernel[(m,)](x, q, s, k, x.stride(0), q.stride(0), s.stride(0),
+                             STEPS=triton.cdiv(k, 1024), BLOCK=1024,
+                             STATIC=static_scale is not None, num_warps=4)
+    return q, s
+
+
+def fp8_gemm(xq: torch.Tensor, xs: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor,
+             block_k: int, scale_rows: int, bias: torch.Tensor | None, out_dtype: torch.dtype,
+             config: GemmConfig | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+    """(xq * xs) @ (weight * scales)^T (+ bias) in `out_dtype`, [M, N]. An xq in
+    bf16/fp16 rather than FP8 has no scales (`xs` is ignored): weight-only."""
+    m, k = xq.shape
+    n = weight.shape[0]
+    cfg = config or pick_gemm_config(m, n, block_k)
+    if block_k:
+        cfg = cfg._replace(bk=block_k)  # one K block per step: its scales are two vectors
+    if out is None:
+        y = torch.empty((m, n), device=xq.device, dtype=out_dtype)
+    else:
+        assert out.is_contiguous() and out.dtype == out_dtype and out.numel() == m * n
+        y = out.view(m, n)
+    if m == 0:
+        return y
+    b = bias if bias is not None else scales
+    grid = (triton.cdiv(m, cfg.bm) * triton.cdiv(n, cfg.bn),)
+    _fp8_gemm_kernel[grid](xq, xs, weight, scales, b, y, m, n, k, xq.stride(0), xs.stride(0),
+                           xs.stride(1) if xs.dim() == 2 else 0, weight.stride(0),
+                           scales.stride(0) if block_k else 0, y.stride(0),
+                           BM=cfg.bm, BN=cfg.bn, BK=cfg.bk, GROUP_M=cfg.group_m,
+                           BLOCK_K=block_k, SCALE_ROWS=scale_rows, HAS_BIAS=bias is not None,
+                           EVEN_K=k % cfg.bk == 0, A_FP8=xq.dtype == FP8, num_warps=cfg.warps,
+                           num_stages=cfg.stages)
+    return y
+
+
+@triton.jit
+def _quant_rows_kernel(x_ptr, q_ptr, s_ptr, K, stride_xm, stride_qm, stride_sm,
+                       STEPS: tl.constexpr, BLOCK: tl.constexpr, STATIC: tl.constexpr):
+    """Program per row: the row's scale (max |x| / 448, or the static one), then its
+    FP8 codes, round to nearest even."""
+    m = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    x_row = x_ptr + m * stride_xm
+    if STATIC:
+        s = tl.load(s_ptr)
+    else:
+        amax = tl.zeros([BLOCK], dtype=tl.float32)
+        for i in range(STEPS):
+            k = i * BLOCK + offs
+            v = tl.load(x_row + k, mask=k < K, other=0.0).to(tl.float32)
+            amax = tl.maximum(amax, tl.abs(v))
+        s = tl.div_rn(tl.maximum(tl.max(amax, 0), 1e-12), 448.0)
+        tl.store(s_ptr + m * stride_sm, s)
+    for i in range(STEPS):
+        k = i * BLOCK + offs
+        v = tl.load(x_row + k, mask=k < K, other=0.0).to(tl.float32)
+        q = _round_e4m3(tl.clamp(tl.div_rn(v, s), -448.0, 448.0))
+        tl.store(q_ptr + m * stride_qm + k, q.to(q_ptr.dtype.element_ty), mask=k < K)
+
+
+@triton.jit
+def _quant_groups_kernel(x_ptr, q_ptr, s_ptr, K, NUM_GROUPS, stride_xm, stride_qm, stride_sm,
+                         GROUP: tl.constexpr, GROUPS: tl.constexpr):
+    """Program (row, GROUPS consecutive groups): each group's scale and codes."""
+    m = tl.program_id(0).to(tl.int64)
+    g = tl.program_id(1) * GROUPS + tl.arange(0, GROUPS)
+    k = g[:, None] * GROUP + tl.arange(0, GROUP)[None, :]
+    ok = k < K
+    v = tl.load(x_ptr + m * stride_xm + k, mask=ok, other=0.0).to(tl.float32)
+    s = tl.div_rn(tl.maximum(tl.max(tl.abs(v), 1), 1e-12), 448.0)
+    tl.store(s_ptr + m * stride_sm + g, s, mask=g < NUM_GROUPS)
+    q = _round_e4m3(tl.clamp(tl.div_rn(v, s[:, None]), -448.0, 448.0))
+    tl.store(q_ptr + m * stride_qm + k, q.to(q_ptr.dtype.element_ty), mask=ok)
+
+
+@triton.jit
+def _round_e4m3(v):
+    """v (fp32, |v| <= 448) rounded to the nearest e4m3 value, ties to even, still in
+    fp32, so that the cast to FP8 is exact on every backend (the Triton interpreter's
+    own cast mis-rounds at binade edges). Normal range: round fp32's mantissa to 3
+    bits (a carry moves into the exponent); below 2^-6 the fixed step 2^-9."""
+    bits = v.to(tl.int32, bitcast=True)
+    normal = ((bits + 0x7FFFF + ((bits >> 20) & 1)) & -0x100000).to(tl.float32, bitcast=True)
+    subnormal = (v + 24576.0) - 24576.0  # fp32's step in [2^14, 2^15) is 2^-9
+    return tl.where(tl.abs(v) < 0.015625, subnormal, normal)
+
+
+@triton.jit
+def _block_scaled(xk, s_row_ptr, k, offs_k, K, BLOCK_K: tl.constexpr):
+    """x's features k + offs_k times the block scale of each (this program's row
+    of the scale table); unchanged without block scales."""
+    if BLOCK_K:
+        s = tl.load(s_row_ptr + (k + offs_k) // BLOCK_K, mask=k + offs_k < K, other=0.0)
+        return xk * s
+    return xk
+
+
+@triton.jit
+def _fp8_gemv_fma_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, N, K, stride_wn, stride_sn,
+                         BN: tl.constexpr, BK: tl.constexpr, BLOCK_K: tl.constexpr,
+                         SCALE_ROWS: tl.constexpr, HAS_BIAS: tl.constexpr,
+                         EVEN_K: tl.constexpr, SILU_MUL: tl.constexpr, PDL: tl.constexpr):
+    pid = tl.program_id(0)
+    offs_n = pid * BN + tl.arange(0, BN)
+    rows = tl.minimum(offs_n, N - 1).to(tl.int64)  # clamped: loads need no row mask
+    offs_k = tl.arange(0, BK)
+    w_ptrs = w_ptr + rows[:, None] * stride_wn + offs_k[None, :]
+    up_ptrs = w_ptrs + N * stride_wn  # SILU_MUL: the up rows, N below the gate rows
+    # BN divides SCALE_ROWS: the program's rows (gate, and up) share a scale row.
+    s_row = s_ptr + ((pid * BN) // SCALE_ROWS) * stride_sn
+    s_row_up = s_ptr + ((pid * BN + N) // SCALE_ROWS) * stride_sn
+    # The first weight tile before the PDL wait: weights are constant.
+    w, wu = _load_w(w_ptrs, up_ptrs, 0, offs_k, K, EVEN_K, SILU_MUL)
+    pdl_wait(PDL)
+    pdl_trigger(PDL)
+    xk = _load_x(x_ptr, 0, offs_k, K, EVEN_K).to(tl.float32)
+    acc = w.to(tl.float32) * _block_scaled(xk, s_row, 0, offs_k, K, BLOCK_K)[None, :]
+    if SILU_MUL:
+        acc_up = wu.to(tl.float32) * _block_scaled(xk, s_row_up, 0, offs_k, K, BLOCK_K)[None, :]
+    else:
+        acc_up = acc
+    for k in range(BK, K, BK):
+        w, wu = _load_w(w_ptrs, up_ptrs, k, offs_k, K, EVEN_K, SILU_MUL)
+        xk = _load_x(x_ptr, k, offs_k, K, EVEN_K).to(tl.float32)
+        acc += w.to(tl.float32) * _block_scaled(xk, s_row, k, offs_k, K, BLOCK_K)[None, :]
+        if SILU_MUL:
+            acc_up += wu.to(tl.float32) * _block_scaled(xk, s_row_up, k, offs_k, K,
+                                                        BLOCK_K)[None, :]
+    y = tl.sum(acc, axis=1)
+    y_up = tl.sum(acc_up, axis=1)
+    if not BLOCK_K:
+        y *= tl.load(s_ptr + rows)
+        if SILU_MUL:
+            y_up *= tl.load(s_ptr + rows + N)
+    if HAS_BIAS:
+        y += tl.load(b_ptr + rows).to(tl.float32)
+    if SILU_MUL:
+        y = _silu_mul(y, y_up, y_ptr.dtype.element_ty)
+    tl.store(y_ptr + offs_n, y.to(y_ptr.dtype.element_ty), mask=offs_n < N)
+
+
+@triton.jit
+def _fp8_gemv_mma_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_ym,
+                         stride_wn, stride_sn,
+                         BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                         BLOCK_K: tl.constexpr, SCALE_ROWS: tl.constexpr,
+                         HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, SILU_MUL: tl.constexpr,
+                         PDL: tl.constexpr):
+    # Waits first: the loop is software-pipelined over num_stages weight tiles.
+    pdl_wait(PDL)
+    pdl_trigger(PDL)
+    pid = tl.program_id(0)
+    offs_n = pid * BN + tl.arange(0, BN)
+    rows = tl.minimum(offs_n, N - 1).to(tl.int64)
+    offs_m = tl.arange(0, BM)
+    offs_k = tl.arange(0, BK)
+    w_ptrs = w_ptr + rows[:, None] * stride_wn + offs_k[None, :]
+    up_ptrs = w_ptrs + N * stride_wn
+    s_row = s_ptr + ((pid * BN) // SCALE_ROWS) * stride_sn
+    s_row_up = s_ptr + ((pid * BN + N) // SCALE_ROWS) * stride_sn
+    xt_ptrs = x_ptr + offs_m[None, :] * stride_xm + offs_k[:, None]  # x^T tile [BK, BM]
+    m_ok = offs_m[None, :] < M
+    acc = tl.zeros([BN, BM], dtype=tl.float32)
+    acc_up = tl.zeros([BN, BM], dtype=tl.float32)
+    for k in range(0, K, BK):
+        w, wu = _load_w(w_ptrs, up_ptrs, k, offs_k, K, EVEN_K, SILU_MUL)
+        if EVEN_K:
+            xt = tl.load(xt_ptrs + k, mask=m_ok, other=0.0)
+        else:
+            xt = tl.load(xt_ptrs + k, mask=m_ok & (k + offs_k < K)[:, None], other=0.0)
+        if BLOCK_K:  # BK == BLOCK_K: one scale per step for the program's rows
+            acc += tl.dot(w.to(xt.dtype), xt) * tl.load(s_row + k // BLOCK_K)
+            if SILU_MUL:
+                acc_up += tl.dot(wu.to(xt.dtype), xt) * tl.load(s_row_up + k // BLOCK_K)
+        else:
+            acc = tl.dot(w.to(xt.dtype), xt, acc)
+            if SILU_MUL:
+                acc_up = tl.dot(wu.to(xt.dtype), xt, acc_up)
+    if not BLOCK_K:
+        acc *= tl.load(s_ptr + rows)[:, None]
+        if SILU_MUL:
+            acc_up *= tl.load(s_ptr + rows + N)[:, None]
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + rows).to(tl.float32)[:, None]
+    if SILU_MUL:
+        acc = _silu_mul(acc, acc_up, y_ptr.dtype.element_ty)
+    y_ptrs = y_ptr + offs_m[None, :] * stride_ym + offs_n[:, None]
+    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=m_ok & (offs_n[:, None] < N))
+
+
+@triton.jit
+def _fp8_gemm_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, bias_ptr, c_ptr, M, N, K,
+                     stride_am, stride_asm, stride_ask, stride_bn, stride_bsn, stride_cm,
+                     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                     GROUP_M: tl.constexpr, BLOCK_K: tl.constexpr, SCALE_ROWS: tl.constexpr,
+                     HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, A_FP8: tl.constexpr):
+    # Tiles in groups of GROUP_M row blocks, so neighbouring programs share weight tiles in L2.
+    pid = tl.program_id(0)
+    num_m = tl.cdiv(M, BM)
+    num_n = tl.cdiv(N, BN)
+    in_group = GROUP_M * num_n
+    first_m = (pid // in_group) * GROUP_M
+    size_m = tl.minimum(num_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % in_group) % size_m
+    pid_n = (pid % in_group) // size_m
+    offs_m = pid_m * BM + tl.arange(0, BM)
+    offs_n = pid_n * BN + tl.arange(0, BN)
+    rm = tl.minimum(offs_m, M - 1).to(tl.int64)
+    rn = tl.minimum(offs_n, N - 1).to(tl.int64)
+    offs_k = tl.arange(0, BK)
+    a_ptrs = a_ptr + rm[:, None] * stride_am + offs_k[None, :]
+    b_ptrs = b_ptr + rn[None, :] * stride_bn + offs_k[:, None]  # [BK, BN], K contiguous
+    acc = tl.zeros([BM, BN], dtype=tl.float32)
+    for k in range(0, K, BK):
+        if EVEN_K:
+            a = tl.load(a_ptrs + k)
+            b = tl.load(b_ptrs + k)
+        else:
+            k_ok = k + offs_k < K
+            a = tl.load(a_ptrs + k, mask=k_ok[None, :], other=0.0)
+            b = tl.load(b_ptrs + k, mask=k_ok[:, None], other=0.0)
+        if not A_FP8:  # weight-only: the FP8 tile widened to x's dtype (exact)
+            b = b.to(a.dtype)
+        if BLOCK_K:  # BK == BLOCK_K
+            b_s = tl.load(bs_ptr + (rn // SCALE_ROWS) * stride_bsn + k // BLOCK_K)
+            if A_FP8:
+                a_s = tl.load(as_ptr + rm * stride_asm + (k // BLOCK_K) * stride_ask)
+                acc += tl.dot(a, b) * a_s[:, None] * b_s[None, :]
+            else:
+                acc += tl.dot(a, b) * b_s[None, :]
+        else:
+            acc = tl.dot(a, b, acc)
+    if not BLOCK_K:
+        acc *= tl.load(bs_ptr + rn)[None, :]
+        if A_FP8:
+            acc *= tl.load(as_ptr + rm * stride_asm)[:, None]
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + rn).to(tl.float32)[None, :]
+    c_ptrs = c_ptr + offs_m[:, None].to(tl.int64) * stride_cm + offs_n[None, :]
+    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty),
+             mask=(offs_m[:, None] < M) & (offs_n[None, :] < N))

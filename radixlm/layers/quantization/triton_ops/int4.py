@@ -1,0 +1,307 @@
+"""int4 weight-only products in Triton, on AWQ / GPTQ weights in our layout
+(`layers/quantization/int4.py`): `qweight` int32 [K / 8, N], nibble i of row r
+the weight of input feature 8 r + i; `zeros` uint8 and `scales` fp16 [groups,
+N]; w = (q - z) * s, the group of feature k being k // group, or `g_idx[k]`
+for act-order checkpoints.
+
+- One row (`int4_gemv`): each program owns BN output columns and walks all of
+  K; an iteration reads several [ROWS, BN] tiles of words (a row of words is
+  BN * 4 contiguous bytes), each inside one group, unpacks them nibble by
+  nibble in registers (a shift and a mask per weight, the integer turned
+  float by OR-ing it into the mantissa of 2^23) and sums q * x per group, so
+  the zero point and the scale are applied once per group and column:
+  y += s (sum_k q x - z sum_k x). fp32 throughout. With `silu_mul` a
+  program streams matching gate and up columns of a merged [gate; up] layer
+  and applies silu(gate) * up in registers (one launch for the MLP's input).
+- More rows (`int4_gemm`, also the prefill): tiles of the weight dequantized
+  to x's dtype in registers, then tl.dot on the tensor cores, fp32
+  accumulation.
+No host sync and no allocation but the output (CUDA graphs capture these);
+configs from fixed heuristics (no autotune).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+from radixlm.layers import pdl
+from radixlm.layers.gemv import _silu_mul
+from radixlm.layers.pdl import pdl_trigger, pdl_wait
+
+
+class Int4Config(NamedTuple):
+    bm: int  # rows per program (GEMM)
+    bn: int  # output columns per program
+    bk: int  # input features per loop step
+    warps: int
+    stages: int
+
+
+def _pow2_divisor(n: int, cap: int) -> int:
+    d = 1
+    while d < cap and n % (2 * d) == 0:
+        d *= 2
+    return d
+
+
+def pick_gemv_config(n: int, k: int, group: int) -> Int4Config:
+    """Enough programs to fill an H200's 132 SMs at the Llama-8B shapes, 4-8 KB of
+    words per step in flight."""
+    bn = 32 if n > 8192 else 16
+    return Int4Config(1, bn, 512, 4, 3)
+
+
+def pick_gemm_config(m: int, n: int, group: int) -> Int4Config:
+    if m <= 16:
+        return Int4Config(16, 32 if n <= 8192 else 64, 128, 4, 3)
+    if m <= 64:
+        return Int4Config(64, 64, 64, 4, 3)
+    return Int4Config(128, 128, 64, 8, 3)
+
+
+def int4_linear(x: torch.Tensor, qweight: torch.Tensor, zeros: torch.Tensor,
+                scales: torch.Tensor, group: int, g_idx: torch.Tensor | None,
+                bias: torch.Tensor | None = None, *, out: torch.Tensor | None = None,
+                silu_mul: bool = False) -> torch.Tensor | None:
+    """x @ W^T (+ bias) for x [..., K] bf16/fp16: [..., N] in x's dtype. With
+    `silu_mul` (W a merged [gate; up], no bias): silu(gate) * up [..., N / 2] at
+    one row, None otherwise (only the GEMV fuses it)."""
+    k, n = x.shape[-1], qweight.shape[1]
+    assert qweight.stride(1) == zeros.stride(1) == scales.stride(1) == 1
+    x2 = x.reshape(-1, k)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    m = x2.shape[0]
+    if silu_mul:
+        if m != 1:
+            return None
+        y = int4_gemv(x2, qweight, zeros, scales, group, g_idx, silu_mul=True)
+        return y.view(*x.shape[:-1], n // 2)
+    if out is not None:
+        assert out.is_contiguous() and out.dtype == x.dtype and out.numel() == m * n
+        out = out.view(m, n)
+    fn = int4_gemv if m == 1 else int4_gemm
+    y = fn(x2, qweight, zeros, scales, group, g_idx, bias, out=out)
+    return y.view(*x.shape[:-1], n)
+
+
+def _out(x: torch.Tensor, n: int, out: torch.Tensor | None) -> torch.Tensor:
+    return torch.empty((x.shape[0], n), device=x.device, dtype=x.dtype) if out is None else out
+
+
+def int4_gemv(x: torch.Tensor, qweight: torch.Tensor, zeros: torch.Tensor,
+              scales: torch.Tensor, group: int, g_idx: torch.Tensor | None,
+              bias: torch.Tensor | None = None, config: Int4Config | None = None,
+              out: torch.Tensor | None = None, silu_mul: bool = False) -> torch.Tensor:
+    """One row: x [1, K] times the int4 weight, [1, N] (`silu_mul`: [1, N / 2])."""
+    k, n = x.shape[1], qweight.shape[1]
+    assert x.shape[0] == 1 and x.stride(1) == 1 and k == 8 * qweight.shape[0]
+    cfg = config or pick_gemv_config(n, k, group)
+    if silu_mul:  # each program streams matching gate and up columns
+        assert bias is None and n % 2 == 0
+        n //= 2
+    # A sub-step is 8 * rows features inside one group (act-order: any features);
+    # an iteration unrolls enough of them for cfg.bk features.
+    rows = _pow2_divisor(group // 8, 16) if g_idx is None else 16
+    y = _out(x, n, out)
+    dummy = scales
+    _int4_gemv_kernel[(triton.cdiv(n, cfg.bn),)](
+        x, qweight, zeros, scales, g_idx if g_idx is not None else dummy,
+        bias if bias is not None else dummy, y, n, k, scales.shape[0], qweight.stride(0),
+        zeros.stride(0), scales.stride(0), BN=cfg.bn, ROWS=rows, GROUP=group,
+        SUB_STEPS=max(1, cfg.bk // (8 * rows)), ACT_ORDER=g_idx is not None,
+        HAS_BIAS=bias is not None, SILU_MUL=silu_mul, num_warps=cfg.warps,
+        num_stages=cfg.stages, **pdl.launch_args())
+    return y
+
+
+def int4_gemm(x: torch.Tensor, qweight: torch.Tensor, zeros: torch.Tensor,
+              scales: torch.Tensor, group: int, g_idx: torch.Tensor | None,
+              bias: torch.Tensor | None = None, config: Int4Config | None = None,
+              out: torch.Tensor | None = None) -> torch.Tensor:
+    """x [M, K] times the int4 weight, [M, N]."""
+    m, k = x.shape
+    n = qweight.shape[1]
+    assert x.stride(1) == 1 and k == 8 * qweight.shape[0]
+    cfg = config or pick_gemm_config(m, n, group)
+    bk = _pow2_divisor(group, cfg.bk)  # one group per step (or part of one)
+    assert bk >= 16, f"group {group}: the tensor cores need 16 features per step"
+    y = _out(x, n, out)
+    if m == 0:
+        return y
+    dummy = scales
+    grid = (triton.cdiv(m, cfg.bm) * triton.cdiv(n, cfg.bn),)
+    _int4_gemm_kernel[grid](
+        x, qweight, zeros, scales, g_idx if g_idx is not None else dummy,
+        bias if bias is not None else dummy, y, m, n, k, x.stride(0), y.stride(0),
+        qweight.stride(0), zeros.stride(0), scales.stride(0),
+        BM=cfg.bm, BN=cfg.bn, BK=bk, GROUP=group, GROUP_M=8, ACT_ORDER=g_idx is not None,
+        HAS_BIAS=bias is not None, num_warps=cfg.warps, num_stages=cfg.stages)
+    return y
+
+
+@triton.jit
+def _unpack(words, BK: tl.constexpr, BN: tl.constexpr):
+    """[BK / 8, BN] int32 words -> [BK, BN] fp32 nibbles, feature 8 r + i from
+    nibble i of row r. OR-ing a nibble into 2^23's mantissa and subtracting
+    2^23 makes it a float without a conversion instruction."""
+    shifts = tl.arange(0, 8) * 4
+    q = (words[:, None, :] >> shifts[None, :, None]) & 0xF
+    q = tl.reshape(q, [BK, BN])
+    return (q | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
+
+
+@triton.jit
+def _nibbles(words, i: tl.constexpr):
+    """Nibble i of each word as fp32: OR-ed into 2^23's mantissa, minus 2^23."""
+    return (((words >> (4 * i)) & 0xF) | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
+
+
+@triton.jit
+def _gemv_sub_step(words, x_ptr, z_ptr, s_ptr, g_ptr, k, offs_r, cols, K, NUM_GROUPS,
+                   stride_z, stride_s, BN: tl.constexpr, ROWS: tl.constexpr,
+                   GROUP: tl.constexpr, ACT_ORDER: tl.constexpr):
+    """The contribution of features [k, k + 8 ROWS) ([ROWS, BN] words: feature
+    k + 8 r + i in nibble i of row r) to the program's BN outputs. Plain 2-D
+    tiles throughout: no reshapes, so no layout conversions."""
+    acc = tl.zeros([ROWS, BN], dtype=tl.float32)
+    x_sum = tl.zeros([ROWS], dtype=tl.float32)
+    for i in tl.static_range(8):
+        kk = k + offs_r * 8 + i
+        xi = tl.load(x_ptr + kk, mask=kk < K, other=0.0).to(tl.float32)
+        q = _nibbles(words, i)
+        if ACT_ORDER:  # each feature's own group
+            g = tl.load(g_ptr + kk, mask=kk < K, other=0)
+            s = tl.load(s_ptr + g[:, None] * stride_s + cols[None, :]).to(tl.float32)
+            z = tl.load(z_ptr + g[:, None] * stride_z + cols[None, :]).to(tl.float32)
+            acc += (q - z) * s * xi[:, None]
+        else:
+            acc += q * xi[:, None]
+            x_sum += xi
+    if ACT_ORDER:
+        return tl.sum(acc, axis=0)
+    # One group: y += s (sum_k q x - z sum_k x), the scale and zero once per column.
+    # (Past K the sums are 0: any group's scale will do.)
+    g = tl.minimum(k // GROUP, NUM_GROUPS - 1)
+    s = tl.load(s_ptr + g * stride_s + cols).to(tl.float32)
+    z = tl.load(z_ptr + g * stride_z + cols).to(tl.float32)
+    return s * (tl.sum(acc, axis=0) - z * tl.sum(x_sum, axis=0))
+
+
+@triton.jit
+def _gemv_step(acc, first, k0, qw_ptrs, x_ptr, z_ptr, s_ptr, g_ptr, offs_r, cols, K,
+               NUM_GROUPS, stride_qw, stride_z, stride_s, BN: tl.constexpr, ROWS: tl.constexpr,
+               GROUP: tl.constexpr, SUB_STEPS: tl.constexpr, ACT_ORDER: tl.constexpr,
+               FIRST: tl.constexpr):
+    """SUB_STEPS sub-steps from feature k0 (their loads independent, so in flight
+    together); with FIRST the first sub-step's words are `first`, loaded earlier."""
+    word_rows = K // 8
+    for j in tl.static_range(SUB_STEPS):
+        k = k0 + j * 8 * ROWS
+        if FIRST and j == 0:
+            words = first
+        else:
+            words = tl.load(qw_ptrs + (k // 8) * stride_qw,
+                            mask=(k // 8 + offs_r)[:, None] < word_rows, other=0,
+                            eviction_policy="evict_first")
+        acc += _gemv_sub_step(words, x_ptr, z_ptr, s_ptr, g_ptr, k, offs_r, cols, K,
+                              NUM_GROUPS, stride_z, stride_s, BN, ROWS, GROUP, ACT_ORDER)
+    return acc
+
+
+@triton.jit
+def _int4_gemv_kernel(x_ptr, qw_ptr, z_ptr, s_ptr, g_ptr, b_ptr, y_ptr, N, K, NUM_GROUPS,
+                      stride_qw, stride_z, stride_s,
+                      BN: tl.constexpr, ROWS: tl.constexpr, GROUP: tl.constexpr,
+                      SUB_STEPS: tl.constexpr, ACT_ORDER: tl.constexpr,
+                      HAS_BIAS: tl.constexpr, SILU_MUL: tl.constexpr, PDL: tl.constexpr):
+    offs_n = tl.program_id(0) * BN + tl.arange(0, BN)
+    cols = tl.minimum(offs_n, N - 1)  # clamped: loads need no column mask
+    cols_up = cols + N  # SILU_MUL: the up columns, N right of the gate columns
+    offs_r = tl.arange(0, ROWS)
+    qw_ptrs = qw_ptr + offs_r[:, None].to(tl.int64) * stride_qw + cols[None, :]
+    up_ptrs = qw_ptrs + N
+    # The first words before the PDL wait: weights are constant.
+    first = tl.load(qw_ptrs, mask=offs_r[:, None] < K // 8, other=0,
+                    eviction_policy="evict_first")
+    first_up = first
+    if SILU_MUL:
+        first_up = tl.load(up_ptrs, mask=offs_r[:, None] < K // 8, other=0,
+                           eviction_policy="evict_first")
+    pdl_wait(PDL)
+    pdl_trigger(PDL)
+    STEP: tl.constexpr = 8 * ROWS * SUB_STEPS
+    acc = _gemv_step(tl.zeros([BN], dtype=tl.float32), first, 0, qw_ptrs, x_ptr, z_ptr, s_ptr,
+                     g_ptr, offs_r, cols, K, NUM_GROUPS, stride_qw, stride_z, stride_s, BN,
+                     ROWS, GROUP, SUB_STEPS, ACT_ORDER, True)
+    acc_up = acc
+    if SILU_MUL:
+        acc_up = _gemv_step(tl.zeros([BN], dtype=tl.float32), first_up, 0, up_ptrs, x_ptr,
+                            z_ptr, s_ptr, g_ptr, offs_r, cols_up, K, NUM_GROUPS, stride_qw,
+                            stride_z, stride_s, BN, ROWS, GROUP, SUB_STEPS, ACT_ORDER, True)
+    for k0 in range(STEP, K, STEP):
+        acc = _gemv_step(acc, first, k0, qw_ptrs, x_ptr, z_ptr, s_ptr, g_ptr, offs_r, cols, K,
+                         NUM_GROUPS, stride_qw, stride_z, stride_s, BN, ROWS, GROUP, SUB_STEPS,
+                         ACT_ORDER, False)
+        if SILU_MUL:
+            acc_up = _gemv_step(acc_up, first_up, k0, up_ptrs, x_ptr, z_ptr, s_ptr, g_ptr,
+                                offs_r, cols_up, K, NUM_GROUPS, stride_qw, stride_z, stride_s,
+                                BN, ROWS, GROUP, SUB_STEPS, ACT_ORDER, False)
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + cols).to(tl.float32)
+    if SILU_MUL:
+        acc = _silu_mul(acc, acc_up, y_ptr.dtype.element_ty)
+    tl.store(y_ptr + offs_n, acc.to(y_ptr.dtype.element_ty), mask=offs_n < N)
+
+
+@triton.jit
+def _int4_gemm_kernel(x_ptr, qw_ptr, z_ptr, s_ptr, g_ptr, b_ptr, y_ptr, M, N, K,
+                      stride_xm, stride_ym, stride_qw, stride_z, stride_s,
+                      BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                      GROUP: tl.constexpr, GROUP_M: tl.constexpr, ACT_ORDER: tl.constexpr,
+                      HAS_BIAS: tl.constexpr):
+    # Tiles in groups of GROUP_M row blocks, so neighbouring programs share weight tiles in L2.
+    pid = tl.program_id(0)
+    num_m = tl.cdiv(M, BM)
+    num_n = tl.cdiv(N, BN)
+    in_group = GROUP_M * num_n
+    first_m = (pid // in_group) * GROUP_M
+    size_m = tl.minimum(num_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % in_group) % size_m
+    pid_n = (pid % in_group) // size_m
+    offs_m = pid_m * BM + tl.arange(0, BM)
+    offs_n = pid_n * BN + tl.arange(0, BN)
+    rm = tl.minimum(offs_m, M - 1).to(tl.int64)
+    cols = tl.minimum(offs_n, N - 1)
+    offs_k = tl.arange(0, BK)
+    offs_r = tl.arange(0, BK // 8)
+    x_ptrs = x_ptr + rm[:, None] * stride_xm + offs_k[None, :]
+    qw_ptrs = qw_ptr + offs_r[:, None].to(tl.int64) * stride_qw + cols[None, :]
+    word_rows = K // 8
+    acc = tl.zeros([BM, BN], dtype=tl.float32)
+    for k in range(0, K, BK):
+        words = tl.load(qw_ptrs + (k // 8) * stride_qw,
+                        mask=(k // 8 + offs_r)[:, None] < word_rows, other=0)
+        q = _unpack(words, BK, BN)
+        k_ok = k + offs_k < K
+        xa = tl.load(x_ptrs + k, mask=k_ok[None, :], other=0.0)
+        if ACT_ORDER:
+            g = tl.load(g_ptr + k + offs_k, mask=k_ok, other=0)
+            s = tl.load(s_ptr + g[:, None] * stride_s + cols[None, :]).to(tl.float32)
+            z = tl.load(z_ptr + g[:, None] * stride_z + cols[None, :]).to(tl.float32)
+            w = (q - z) * s
+        else:  # GROUP % BK == 0: the step lies in one group
+            g = k // GROUP
+            s = tl.load(s_ptr + g * stride_s + cols).to(tl.float32)
+            z = tl.load(z_ptr + g * stride_z + cols).to(tl.float32)
+            w = (q - z[None, :]) * s[None, :]
+        acc = tl.dot(xa, w.to(xa.dtype), acc)
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + cols).to(tl.float32)[None, :]
+    y_ptrs = y_ptr + offs_m[:, None].to(tl.int64) * stride_ym + offs_n[None, :]
+    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty),
+             mask=(offs_m[:, None] < M) & (offs_n[None, :] < N))

@@ -1,0 +1,360 @@
+"""Our FP8 and int4 Triton kernels (layers/quantization/triton_ops/) against float64
+references, each kernel and shape class: one row (FMA GEMV), 2-8 rows (tensor-core
+GEMV), many rows (GEMM); per-row and block scales with ragged edges; static and
+weight-only activations; fused SiLU; bias; an output buffer; act-order int4.
+
+Needs CUDA, or the Triton interpreter on the CPU (`TRITON_INTERPRET=1`, small
+shapes). The interpreter's bf16 arithmetic is not the GPU's (its tl.dot in bf16
+is wrong and its casts to bf16 truncate), so there the tensor-core paths run in
+fp16; on CUDA every case runs in bf16 and fp16. The Llama-8B shapes and CUDA-graph
+capture run on CUDA only.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.gpu
+HAS_CUDA = torch.cuda.is_available()
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+if not (HAS_CUDA or INTERPRET):
+    pytest.skip("needs CUDA (or TRITON_INTERPRET=1)", allow_module_level=True)
+pytest.importorskip("triton")
+
+from radixlm.layers.quantization import int4 as I  # noqa: E402
+from radixlm.layers.quantization.fp8 import Fp8Weight, block_table, quantize_rows  # noqa: E402
+from radixlm.layers.quantization.triton_ops import fp8 as F  # noqa: E402
+from radixlm.layers.quantization.triton_ops import int4 as T  # noqa: E402
+
+DEV = torch.device("cuda" if HAS_CUDA else "cpu")
+FP8 = torch.float8_e4m3fn
+DTYPES = [torch.bfloat16, torch.float16] if HAS_CUDA else [torch.float16]
+needs_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
+
+
+def gen(seed: int) -> torch.Generator:
+    return torch.Generator(device=DEV).manual_seed(seed)
+
+
+def randn(*shape, seed: int = 0, scale: float = 1.0, dtype=torch.float32) -> torch.Tensor:
+    return (torch.randn(*shape, generator=gen(seed), device=DEV) * scale).to(dtype)
+
+
+def check(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype, k: int) -> None:
+    """Within one rounding to `dtype` of the output plus fp32 summation over k terms."""
+    assert out.dtype == dtype and out.shape == ref.shape and torch.isfinite(out).all()
+    eps = 2.0 ** -8 if dtype == torch.bfloat16 else 2.0 ** -11
+    bound = eps * ref.abs() + (k * 2.0 ** -23 + 1e-3 * eps) * ref.abs().max()
+    err = (out.double() - ref).abs()
+    assert (err <= bound).all(), f"max excess {(err - bound).max().item():.3g}"
+
+
+def fp8_ref_quant(x: torch.Tensor, group: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per token (group None) or per token and group: (FP8 codes, fp32 scales), RNE."""
+    m, k = x.shape
+    g = group or k
+    xf = x.float()
+    scales = torch.stack([xf[:, j:j + g].abs().amax(1) for j in range(0, k, g)], 1)
+    scales = scales.clamp(min=1e-12) / 448.0
+    full = scales.repeat_interleave(g, 1)[:, :k]
+    return (xf / full).clamp(-448, 448).to(FP8), scales
+
+
+# ---- activation quantization -----------------------------------------------------------------
+@pytest.mark.parametrize("m,k", [(1, 200), (5, 256), (33, 1000), (2, 4104)])
+@pytest.mark.parametrize("group", [None, 128, 64])
+def test_activation_quantization_matches_round_to_nearest_even(m, k, group):
+    x = randn(m, k, seed=k, dtype=torch.bfloat16) * 3
+    x[0, 7] = 0.0001  # a subnormal code
+    q, s = F.quantize_activations(x, group or 0)
+    want_q, want_s = fp8_ref_quant(x, group)
+    assert torch.equal(s, want_s)
+    assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8))
+    full = s.repeat_interleave(group or k, 1)[:, :k]
+    # 3 mantissa bits; below 2^-6 (in scale units) a fixed step of 2^-9
+    assert ((q.float() * full - x.float()).abs() <= x.float().abs() / 16 + full * 2 ** -10).all()
+
+
+def test_static_activation_scale_and_saturation():
+    x = randn(4, 300, seed=3, dtype=torch.float16) * 4
+    scale = torch.tensor([0.005], device=DEV)
+    q, s = F.quantize_activations(x, 0, scale)
+    assert s.shape == (4, 1) and s.stride(0) == 0
+    want = (x.float() / 0.005).clamp(-448, 448).to(FP8)
+    assert torch.equal(q.view(torch.uint8), want.view(torch.uint8))
+    assert q.float().abs().max() == 448  # the static scale saturates
+
+
+# ---- FP8 products -----------------------------------------------------------------------------
+def fp8_weight(n: int, k: int, block: tuple[int, int] | None, parts: list[int] | None = None,
+               seed: int = 0) -> Fp8Weight:
+    w = randn(n, k, seed=seed, scale=0.05)
+    if block is None:
+        q, s = quantize_rows(w)
+        return Fp8Weight(q, s)
+    bn, bk = block
+    parts = parts or [n]
+    grids, codes = [], []
+    for i, rows in enumerate(parts):
+        start = sum(parts[:i])
+        g = torch.rand(-(-rows // bn), -(-k // bk), generator=gen(seed + i), device=DEV) + 0.5
+        full = g.repeat_interleave(bn, 0)[:rows].repeat_interleave(bk, 1)[:, :k] * 1e-3
+        codes.append((w[start:start + rows] / full).clamp(-448, 448).to(FP8))
+        grids.append(g * 1e-3)
+    table, rows_per = block_table(torch.cat(grids), parts, bn)
+    return Fp8Weight(torch.cat(codes), table, bk, rows_per)
+
+
+CASES = {  # name -> (n, k, block, parts)
+    "channel": (96, 256, None, None),
+    "channel-ragged": (100, 300, None, None),
+    "block": (256, 384, (128, 128), None),
+    "block-ragged": (200, 300, (128, 128), None),
+    "block-fused-parts": (320, 256, (128, 128), [192, 64, 64]),  # k/v of 64 rows: ragged
+    "block-64x64": (128, 200, (64, 64), None),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+@pytest.mark.parametrize("m", [1, 2, 5, 8])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_fp8_gemv(case, m, dtype):
+    n, k, block, parts = CASES[case]
+    w = fp8_weight(n, k, block, parts)
+    x = randn(m, k, seed=m, dtype=dtype)
+    bias = randn(n, seed=9, dtype=dtype)
+    out = F.fp8_linear(x, w.weight, w.scales, w.block_k, w.scale_rows, None, bias)
+    ref = x.double() @ w.dequantize().double().T + bias.double()
+    if F.gemv_fits(m, w.block_k, w.scale_rows):
+        check(out, ref, dtype, k)
+    else:  # a scale row narrower than the tensor-core tile: the W8A8 GEMM took it
+        xq, xs = fp8_ref_quant(x, w.block_k or None)
+        xd = xq.double() * xs.double().repeat_interleave(w.block_k or k, 1)[:, :k]
+        check(out, xd @ w.dequantize().double().T + bias.double(), dtype, k)
+
+
+@pytest.mark.parametrize("m", [1, 3, 8])
+@pytest.mark.parametrize("block", [None, (128, 128)])
+def test_fp8_gemv_silu_mul_and_out_buffer(m, block):
+    dtype = DTYPES[0]
+    d, k = 128, 256
+    w = fp8_weight(2 * d, k, block, [d, d] if block else None, seed=4)
+    x = randn(m, k, seed=5, dtype=dtype)
+    fused = F.fp8_linear(x, w.weight, w.scales, w.block_k, w.scale_rows, None, silu_mul=True)
+    plain = F.fp8_linear(x, w.weight, w.scales, w.block_k, w.scale_rows, None)
+    gate, up = plain.float().split(d, -1)
+    torch.testing.assert_close(fused.float(), torch.nn.functional.silu(gate) * up,
+                               rtol=2e-2, atol=2e-2)
+    buf = torch.empty(m, 2 * d, device=DEV, dtype=dtype)
+    got = F.fp8_linear(x, w.weight, w.scales, w.block_k, w.scale_rows, None, out=buf)
+    assert got.data_ptr() == buf.data_ptr() and torch.equal(buf, plain)
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+@pytest.mark.parametrize("m", [9, 40, 130])
+def test_fp8_gemm_w8a8(case, m):
+    n, k, block, parts = CASES[case]
+    dtype = DTYPES[0]
+    w = fp8_weight(n, k, block, parts, seed=2)
+    x = randn(m, k, seed=m, dtype=dtype)
+    bias = randn(n, seed=8, dtype=dtype)
+    out = F.fp8_linear(x, w.weight, w.scales, w.block_k, w.scale_rows, None, bias)
+    xq, xs = fp8_ref_quant(x, w.block_k or None)
+    xd = xq.double() * xs.double().repeat_interleave(w.block_k or k, 1)[:, :k]
+    check(out, xd @ w.dequantize().double().T + bias.double(), dtype, k)
+
+
+@pytest.mark.parametrize("case", ["channel-ragged", "block-ragged"])
+def test_fp8_gemm_static_and_weight_only(case):
+    n, k, block, parts = CASES[case]
+    dtype = DTYPES[0]
+    w = fp8_weight(n, k, block, parts, seed=6)
+    x = randn(20, k, seed=7, dtype=dtype)
+    scale = torch.tensor([0.01], device=DEV)
+    out = F.fp8_linear(x, w.weight, w.scales, w.block_k, w.scale_rows, scale)
+    xd = (x.float() / 0.01).clamp(-448, 448).to(FP8).double() * 0.01
+    check(out, xd @ w.dequantize().double().T, dtype, k)
+    out = F.fp8_linear(x, w.weight, w.scales, w.block_k, w.scale_rows, None, weight_only=True)
+    check(out, x.double() @ w.dequantize().double().T, dtype, k)
+
+
+# ---- int4 products ------------------------------------------------------------------------------
+def int4_weight(n: int, k: int, group: int, act_order: bool, seed: int = 0) -> I.Int4Weight:
+    w = randn(n, k, seed=seed, scale=0.05).cpu()
+    q, z, s = I.quantize_int4(w, group)
+    g_idx = None
+    if act_order:  # features of each group scattered: quantized as if permuted
+        perm = torch.randperm(k, generator=torch.Generator().manual_seed(seed))
+        g_idx = (torch.argsort(perm) // group).to(torch.int32).to(DEV)
+    return I.Int4Weight(I.pack_rows(q).to(DEV), z.to(torch.uint8).to(DEV), s.to(DEV), group,
+                        g_idx)
+
+
+INT4_CASES = {  # name -> (n, k, group)
+    "g128": (96, 512, 128),
+    "g64-ragged-n": (100, 384, 64),
+    "g32": (64, 256, 32),
+    "per-column": (72, 576, 576),  # group_size -1
+}
+
+
+@pytest.mark.parametrize("case", sorted(INT4_CASES))
+@pytest.mark.parametrize("m", [1, 2, 8, 40])
+@pytest.mark.parametrize("act_order", [False, True])
+def test_int4_products(case, m, act_order):
+    n, k, group = INT4_CASES[case]
+    dtype = DTYPES[-1] if m > 1 else DTYPES[0]
+    w = int4_weight(n, k, group, act_order)
+    x = randn(m, k, seed=m, dtype=dtype)
+    bias = randn(n, seed=3, dtype=dtype)
+    out = T.int4_linear(x, w.qweight, w.zeros, w.scales, w.group, w.g_idx, bias)
+    ref = x.double() @ w.dequantize().double().T + bias.double()
+    if m == 1:
+        check(out, ref, dtype, k)
+    else:  # the dequantized tile is rounded to x's dtype before the tensor cores
+        eps = 2.0 ** -8 if dtype == torch.bfloat16 else 2.0 ** -11
+        tile = eps * (x.double().abs() @ w.dequantize().double().abs().T)
+        err = (out.double() - ref).abs()
+        assert (err <= tile + 2 * eps * ref.abs() + 1e-6 * ref.abs().max()).all()
+
+
+def test_int4_out_buffer_and_awq_repacking():
+    """An AWQ checkpoint's qweight repacked at load gives the same products as the
+    GPTQ-packed words of the same values."""
+    w = randn(64, 256, seed=11, scale=0.05).cpu()
+    awq = I.awq_tensors(w, 64)
+    ours = I.AwqQweightSpec().to_ours(awq["qweight"])
+    zeros = I.ZerosSpec(order=I.AWQ_ORDER).to_ours(awq["qzeros"]).to(torch.uint8)
+    q, z, s = I.quantize_int4(w, 64)
+    assert torch.equal(ours, I.pack_rows(q)) and torch.equal(zeros, z.to(torch.uint8))
+    x = randn(1, 256, seed=12, dtype=DTYPES[0])
+    buf = torch.empty(1, 64, device=DEV, dtype=x.dtype)
+    got = T.int4_linear(x, ours.to(DEV), zeros.to(DEV), s.to(DEV), 64, None, out=buf)
+    assert got.data_ptr() == buf.data_ptr()
+
+
+# ---- CUDA: the Llama-8B shapes, graphs ------------------------------------------------------
+LLAMA = [(4096, 6144), (4096, 4096), (4096, 28672), (14336, 4096)]  # (K, N) at tp 1
+
+
+@needs_cuda
+@pytest.mark.parametrize("k,n", LLAMA)
+@pytest.mark.parametrize("m", [1, 8, 64])
+def test_llama_shapes_on_cuda(k, n, m):
+    x = randn(m, k, seed=1, dtype=torch.bfloat16)
+    for block in (None, (128, 128)):
+        w = fp8_weight(n, k, block, seed=2)
+        out = F.fp8_linear(x, w.weight, w.scales, w.block_k, w.scale_rows, None)
+        if m <= 8:
+            check(out, x.double() @ w.dequantize().double().T, torch.bfloat16, k)
+        else:
+            xq, xs = fp8_ref_quant(x, w.block_k or None)
+            xd = xq.double() * xs.double().repeat_interleave(w.block_k or k, 1)[:, :k]
+            check(out, xd @ w.dequantize().double().T, torch.bfloat16, k)
+    w4 = int4_weight(n, k, 128, False, seed=3)
+    out = T.int4_linear(x, w4.qweight, w4.zeros, w4.scales, 128, None)
+    ref = x.double() @ w4.dequantize().double().T
+    torch.testing.assert_close(out.double(), ref, rtol=2e-2, atol=2e-2 * ref.abs().max().item())
+    torch.cuda.empty_cache()
+
+
+@needs_cuda
+@pytest.mark.parametrize("m", [1, 4, 8])
+def test_kernels_replay_in_a_cuda_graph(m):
+    x = randn(m, 4096, seed=1, dtype=torch.bfloat16)
+    w8 = fp8_weight(4096, 4096, (128, 128), seed=4)
+    w4 = int4_weight(4096, 4096, 128, False, seed=5)
+
+    def step():
+        a = F.fp8_linear(x, w8.weight, w8.scales, w8.block_k, w8.scale_rows, None)
+        return T.int4_linear(a, w4.qweight, w4.zeros, w4.scales, 128, None)
+
+    eager = step()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = step()
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(captured, eager)
+
+
+@pytest.mark.parametrize("act_order", [False, True])
+def test_int4_gemv_silu_mul(act_order):
+    """The fused gate/up GEMV equals the GEMV followed by silu(gate) * up on its
+    rounded outputs; more rows return None (the caller runs the activation)."""
+    d, k = 96, 256
+    w = int4_weight(2 * d, k, 64, act_order, seed=13)
+    x = randn(1, k, seed=14, dtype=DTYPES[0])
+    fused = T.int4_linear(x, w.qweight, w.zeros, w.scales, 64, w.g_idx, silu_mul=True)
+    plain = T.int4_linear(x, w.qweight, w.zeros, w.scales, 64, w.g_idx)
+    gate, up = plain.float().split(d, -1)
+    torch.testing.assert_close(fused.float(), torch.nn.functional.silu(gate) * up,
+                               rtol=2e-2, atol=2e-2)
+    x2 = randn(2, k, seed=15, dtype=DTYPES[0])
+    assert T.int4_linear(x2, w.qweight, w.zeros, w.scales, 64, w.g_idx, silu_mul=True) is None
+
+
+# ---- the methods on the kernels -------------------------------------------------------------
+@pytest.mark.parametrize("fmt", ["fp8-online", "fp8-block", "awq", "gptq-act-order"])
+@pytest.mark.parametrize("m", [1, 3, 12])
+def test_layers_run_the_kernels_on_their_weights(fmt, m):
+    """A fused layer built in fp16 on the kernels' device: its products (and the
+    fused SiLU of a gate/up layer) equal the dequantized weights' up to rounding."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from quant_checkpoints import (
+        HF_FP8_BLOCK_CONFIG,
+        awq,
+        awq_config,
+        gptq,
+        gptq_config,
+        hf_fp8_block,
+        tiny_llama,
+    )
+
+    from radixlm.layers.linear import MergedColumnParallelLinear
+    from radixlm.layers.quantization import get_quantization_config
+
+    qconfig, make = {
+        "fp8-online": (None, lambda name, w: ({"weight": w}, w)),
+        "fp8-block": (HF_FP8_BLOCK_CONFIG, hf_fp8_block()),
+        "awq": (awq_config(64), awq(64)),
+        "gptq-act-order": (gptq_config(64, desc_act=True), gptq(64, desc_act=True)),
+    }[fmt]
+    config = tiny_llama(quantization_config=qconfig) if qconfig else tiny_llama()
+    quant = get_quantization_config(config, "fp8" if qconfig is None else None)
+    with torch.device(DEV):
+        layer = MergedColumnParallelLinear(256, [256, 256], params_dtype=torch.float16,
+                                           fused_silu_mul=True, quant_config=quant,
+                                           prefix="model.layers.0.mlp.gate_up_proj")
+    dequantized = []
+    for shard, name in ((0, "gate_proj"), (1, "up_proj")):
+        w = randn(256, 256, seed=20 + shard, scale=0.1).cpu()
+        tensors, deq = make(f"model.layers.0.mlp.{name}.weight", w)
+        for key, t in tensors.items():
+            p = getattr(layer, key)
+            p.weight_loader(p, t.to(DEV), shard)
+        dequantized.append(deq)
+    layer.quant_method.process_weights_after_loading(layer)
+    x = randn(m, 256, seed=m, dtype=torch.float16)
+    if fmt == "fp8-online":
+        dequantized = [fp8_weight_of(d) for d in dequantized]
+    w = torch.cat(dequantized).double().to(DEV)
+    want = x.double() @ w.T
+    got = layer.quant_method.apply(layer, x)
+    torch.testing.assert_close(got.double(), want, rtol=3e-2, atol=3e-2 * want.abs().max().item())
+    gate, up = want.split(256, -1)
+    act = torch.nn.functional.silu(gate) * up
+    torch.testing.assert_close(layer(x).double(), act, rtol=5e-2,
+                               atol=5e-2 * act.abs().max().item())
+
+
+def fp8_weight_of(w: torch.Tensor) -> torch.Tensor:
+    q, s = quantize_rows(w)
+    return q.float() * s[:, None]
