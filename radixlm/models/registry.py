@@ -8,8 +8,12 @@ from transformers import PretrainedConfig
 from radixlm.models.gemma2 import Gemma2ForCausalLM
 from radixlm.models.gemma3 import Gemma3ForCausalLM
 from radixlm.models.llama import LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM
+from radixlm.models.mixtral import MixtralForCausalLM
+from radixlm.models.olmoe import OlmoeForCausalLM
 from radixlm.models.phi3 import Phi3ForCausalLM
+from radixlm.models.qwen2_moe import Qwen2MoeForCausalLM
 from radixlm.models.qwen3 import Qwen3ForCausalLM
+from radixlm.models.qwen3_moe import Qwen3MoeForCausalLM
 
 _MODELS: dict[str, type[nn.Module]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
@@ -20,6 +24,10 @@ _MODELS: dict[str, type[nn.Module]] = {
     "Gemma2ForCausalLM": Gemma2ForCausalLM,
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
     "Phi3ForCausalLM": Phi3ForCausalLM,
+    "MixtralForCausalLM": MixtralForCausalLM,
+    "Qwen2MoeForCausalLM": Qwen2MoeForCausalLM,
+    "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
+    "OlmoeForCausalLM": OlmoeForCausalLM,
 }
 
 
