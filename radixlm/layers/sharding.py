@@ -365,6 +365,11 @@ class ExpertSpec(WeightSpec):
                                 for e in range(self.partition.experts.total)])
         return self._gather_one(param, expert, part)
 
+    def knows(self, shard_id: ShardId) -> bool:
+        """Whether `shard_id` names one of the model's experts (any rank's)."""
+        expert, _ = self._split(shard_id)
+        return expert is None or 0 <= expert < self.partition.experts.total
+
     def holds(self, shard_id: ShardId) -> bool:
         """Whether this rank holds any of the checkpoint tensor `shard_id`."""
         expert, _ = self._split(shard_id)

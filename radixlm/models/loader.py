@@ -585,7 +585,9 @@ def load_model(model_dir: str, config: PretrainedConfig, load_format: str = "aut
     if load_format == "dummy":
         _load_weights(model, dummy_weights(config, seed, device, model), "dummy weights")
     else:
-        weights = quant_config.checkpoint_weights(model_dir) or iter_safetensors(model_dir)
+        # Another expert-parallel group's experts are not read.
+        weights = quant_config.checkpoint_weights(model_dir) or iter_safetensors(
+            model_dir, skip=WeightMap(model).held_elsewhere())
         _load_weights(model, weights, f"checkpoint {model_dir}")
     process_weights_after_loading(model)
     if (chosen := quant_config.describe()) is not None:

@@ -122,6 +122,9 @@ class WeightMap:
         param = getattr(module, parts[-1], None)
         if not isinstance(param, nn.Parameter):
             return None
+        knows = getattr(weight_spec(param), "knows", None)
+        if knows is not None and not knows(shard_id):
+            return None  # an expert index past the model's experts
         ours = ".".join(parts)
         canonical = self.param_names[id(param)]
         return WeightSlot(name, canonical, param, shard_id, module, alias=canonical != ours)

@@ -61,12 +61,12 @@ class FusedMoE(nn.Module):
         self.intermediate_per_partition = size = intermediate_size // par.tp_size
         self._partitions = self._make_partitions(par, size)
         # Global expert id -> this rank's index of it, -1 where another rank holds it.
-        self.local_ids = None
+        ids = None
         if self.num_local_experts != num_experts:
             ids = torch.full((num_experts,), -1, dtype=torch.int32)
             ids[self.expert_start:self.expert_start + self.num_local_experts] = torch.arange(
                 self.num_local_experts, dtype=torch.int32)
-            self.register_buffer("local_ids", ids, persistent=False)
+        self.register_buffer("local_ids", ids, persistent=False)
         self.quant_method = (quant_config or UnquantizedConfig()).get_moe_method(self, prefix)
         self.quant_method.create_weights(self, self.params_dtype)
 

@@ -43,4 +43,5 @@ class UnquantizedFusedMoEMethod(FusedMoEMethod):
                                   topk_ids, activation=layer.activation)
 
     def describe(self, layer: FusedMoE) -> str:
-        return f"{layer.params_dtype} experts on the {self.backend.name} backend"
+        return (f"{str(layer.params_dtype).removeprefix('torch.')} experts on the "
+                f"{self.backend.name} backend")
