@@ -102,6 +102,14 @@ class MoeSpec:
     shared_expert_gate: bool = False  # the shared expert scaled by sigmoid(x w^T)
 
 
+def num_experts(config: PretrainedConfig) -> int:
+    """The config's expert count: transformers keeps Qwen's and OLMoE's
+    `num_experts` as `num_local_experts` (Mixtral's name), which is what a plain
+    config read back from its config.json has."""
+    count = getattr(config, "num_experts", None)
+    return count if count is not None else getattr(config, "num_local_experts", 0) or 0
+
+
 # One layer's part, built by the decoder layer: (spec, layer id, quant config, prefix)
 # for an MLP, and with the layer's rotary embedding for an attention block.
 MlpFactory = Callable[["DecoderSpec", int, "QuantizationConfig | None", str], nn.Module]

@@ -214,7 +214,7 @@ def _write_hf_dir(gguf_path: Path, out: Path) -> None:
 
     reader = gguf.GGUFReader(gguf_path)
     arch = gguf_field(reader, "general.architecture")
-    spec = arch_spec(arch)
+    spec = arch_spec(arch, (t.name for t in reader.tensors))
     config = _gguf_config(reader, arch)
     config.save_pretrained(out)
     record = {"source": gguf_path.name, "architecture": arch,
@@ -248,7 +248,7 @@ def _gguf_config(reader: Any, arch: str) -> PretrainedConfig:
         return gguf_field(reader, f"{arch}.{key}", default)
 
     tensors = {t.name: t for t in reader.tensors}
-    spec = arch_spec(arch)
+    spec = arch_spec(arch, tensors)
     hidden, heads = meta("embedding_length"), meta("attention.head_count")
     head_dim = meta("attention.key_length", hidden // heads)
     theta = _tidy_float(meta("rope.freq_base", 10000.0))
@@ -394,7 +394,8 @@ def _write_tensors(reader: Any, config: PretrainedConfig, spec: GgufArch, out: P
     for i, shard in enumerate(shards):
         filename = ("model.safetensors" if len(shards) == 1
                     else f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors")
-        data = {spec.hf_name(t.name): _to_torch(t, config, spec) for t in shard}
+        data = dict(pair for t in shard for pair in spec.hf_tensors(t.name,
+                                                                     _to_torch(t, config, spec)))
         save_file(data, out / filename, metadata={"format": "pt"})
         weight_map.update(dict.fromkeys(data, filename))
     if len(shards) > 1:

@@ -19,6 +19,7 @@ from radixlm.models.decoder import (
     DecoderForCausalLM,
     DecoderSpec,
     MoeSpec,
+    num_experts,
     sparse_layers,
 )
 from radixlm.models.weight_map import WeightMapping
@@ -35,7 +36,7 @@ class MixtralForCausalLM(DecoderForCausalLM):
     @classmethod
     def decoder_spec(cls, config: PretrainedConfig) -> DecoderSpec:
         hf_config.full_rotary(config)
-        moe = MoeSpec(num_experts=config.num_local_experts, top_k=config.num_experts_per_tok,
+        moe = MoeSpec(num_experts=num_experts(config), top_k=config.num_experts_per_tok,
                       intermediate_size=config.intermediate_size, renormalize=True)
         return DecoderSpec.from_hf(config, activation=hf_config.activation(config, ("silu",)),
                                    sliding_windows=hf_config.windows_on_every_layer(config),

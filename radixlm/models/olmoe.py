@@ -27,6 +27,7 @@ from radixlm.models.decoder import (
     DecoderSpec,
     MoeSpec,
     head_dim_of,
+    num_experts,
     sparse_layers,
 )
 from radixlm.models.weight_map import WeightMapping
@@ -112,7 +113,7 @@ class OlmoeForCausalLM(DecoderForCausalLM):
                                    "hidden_size: heads x head_dim must equal it")
         bias = hf_config.flag(config, "attention_bias")
         layers = config.num_hidden_layers
-        moe = MoeSpec(num_experts=config.num_experts, top_k=config.num_experts_per_tok,
+        moe = MoeSpec(num_experts=num_experts(config), top_k=config.num_experts_per_tok,
                       intermediate_size=config.intermediate_size,
                       renormalize=hf_config.flag(config, "norm_topk_prob"), round_weights=True)
         return DecoderSpec.from_hf(config, qkv_bias=bias, o_bias=bias,

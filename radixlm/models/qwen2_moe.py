@@ -18,6 +18,7 @@ from radixlm.models.decoder import (
     DecoderSpec,
     moe_mlp,
     moe_shared_mlp,
+    num_experts,
 )
 from radixlm.models.qwen3_moe import qwen_moe_layers, qwen_moe_spec
 from radixlm.models.weight_map import WeightMapping
@@ -38,7 +39,7 @@ class Qwen2MoeForCausalLM(DecoderForCausalLM):
         hf_config.full_rotary(config)
         shared = getattr(config, "shared_expert_intermediate_size", 0) or 0
         moe = qwen_moe_spec(config, shared_expert_intermediate_size=shared,
-                            shared_expert_gate=True) if config.num_experts else None
+                            shared_expert_gate=True) if num_experts(config) else None
         return DecoderSpec.from_hf(
             config, qkv_bias=getattr(config, "qkv_bias", True),
             activation=hf_config.activation(config, ("silu",)), sliding_windows=_windows(config),

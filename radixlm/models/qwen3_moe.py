@@ -19,6 +19,7 @@ from radixlm.models.decoder import (
     MlpFactory,
     MoeSpec,
     moe_mlp,
+    num_experts,
     sparse_layers,
 )
 from radixlm.models.weight_map import WeightMapping
@@ -33,7 +34,7 @@ def qwen_moe_layers(config: PretrainedConfig, factory: MlpFactory) -> tuple[MlpF
     if bad:
         raise hf_config.refuse("mlp_only_layers", dense, f"entries {bad} are not layer "
                                f"indices of the {layers} layers")
-    if not config.num_experts:
+    if not num_experts(config):
         return sparse_layers(layers, factory, dense_layers=range(layers))
     step = getattr(config, "decoder_sparse_step", 1) or 1
     if not isinstance(step, int) or step < 1:
@@ -42,7 +43,7 @@ def qwen_moe_layers(config: PretrainedConfig, factory: MlpFactory) -> tuple[MlpF
 
 
 def qwen_moe_spec(config: PretrainedConfig, **kw: Any) -> MoeSpec:
-    return MoeSpec(num_experts=config.num_experts, top_k=config.num_experts_per_tok,
+    return MoeSpec(num_experts=num_experts(config), top_k=config.num_experts_per_tok,
                    intermediate_size=config.moe_intermediate_size,
                    renormalize=hf_config.flag(config, "norm_topk_prob"), round_weights=True,
                    **kw)
@@ -59,4 +60,4 @@ class Qwen3MoeForCausalLM(DecoderForCausalLM):
                                    activation=hf_config.activation(config, ("silu",)),
                                    sliding_windows=hf_config.windows_on_every_layer(config),
                                    mlp_layers=qwen_moe_layers(config, moe_mlp),
-                                   moe=qwen_moe_spec(config) if config.num_experts else None)
+                                   moe=qwen_moe_spec(config) if num_experts(config) else None)
