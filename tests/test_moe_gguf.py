@@ -217,3 +217,26 @@ def test_greedy_tokens_agree_with_the_dequantized_model(moe_gguf, capsys):
         print(f"\n{name}: greedy tokens equal to the dequantized model's before the first "
               f"divergence: {agree} of {NEW_TOKENS}")
     assert sum(agree) >= 0.5 * NEW_TOKENS * len(prompts), agree
+
+
+def test_benchmark_file_serves(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`bench moe-gguf` (the CPU benchmark's random OLMoE-shaped file), at a tiny
+    size: it converts, keeps its expert blocks and generates."""
+    if not qgemm.load():
+        pytest.skip("no C++ compiler: the quantized kernels are unavailable")
+    from radixlm.bench import moe_gguf
+    from radixlm.layers import cpu_ops
+
+    cpu_ops.load()
+    monkeypatch.setenv("RADIXLM_CACHE_DIR", str(tmp_path / "cache"))
+    path = tmp_path / "bench.gguf"
+    # No tokenizer here (rebuilding the 49k-token one takes most of a minute on CI).
+    moe_gguf.write(path, 2, "Q8_0", "Q4_0", hidden=64, heads=4, experts=8, top_k=2, inter=32,
+                   vocab=160)
+    with radixlm.Engine(model_path=str(path), max_total_tokens=512, dtype="float32",
+                        skip_tokenizer_init=True) as e:
+        layer = e.scheduler.runner.model.model.layers[1]
+        assert isinstance(layer.mlp.experts.quant_method, GGUFFusedMoEMethod)
+        out = e.generate(input_ids=[5, 7, 9, 11], sampling_params={
+            "max_new_tokens": 8, "temperature": 0, "ignore_eos": True})
+    assert len(out["output_ids"]) == 8

@@ -331,7 +331,17 @@ def _write_tokenizer(reader: Any, gguf_path: Path, out: Path) -> None:
 
     # transformers rebuilds a fast tokenizer (and keeps the chat template) from
     # the GGUF vocabulary; that takes seconds, which is why we save the result.
-    tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+    except ValueError as e:
+        if "not supported" not in str(e):
+            raise
+        # AutoTokenizer reads the file's model config first, for architectures
+        # transformers knows (not OLMoE's); the tokenizer itself is generic.
+        from transformers import PreTrainedTokenizerFast
+
+        tokenizer = PreTrainedTokenizerFast.from_pretrained(gguf_path.parent,
+                                                            gguf_file=gguf_path.name)
     tokenizer.save_pretrained(out)
 
 
