@@ -114,6 +114,7 @@ def ours(model_dir: str, prompt: list[int], offline: list[list[int]] | None) -> 
         out["moe"] = [m.describe() for m in runner.model.modules()
                       if type(m).__name__ == "FusedMoE"][:1]
         out["cuda_graphs"] = runner.graph_runner is not None
+        del runner
         if offline is not None:
             sp = {"max_new_tokens": DECODE, "temperature": 0.0, "ignore_eos": True}
             t = time.perf_counter()
