@@ -237,10 +237,37 @@ def test_expert_names_resolve_to_stacked_weights(family: Family) -> None:
         weight_map.load([(past, torch.zeros(hf_experts.down_proj[0].shape))])
 
 
+def test_an_expert_parallel_rank_reads_only_its_experts(family: Family, monkeypatch) -> None:
+    """Rank 1 of ep=2 (no collectives needed to load): the other half of the
+    experts is never read from the checkpoint, and its own half is HF's."""
+    from radixlm.models import loader
+
+    monkeypatch.setattr(distributed, "_MOE", distributed.MoeParallel(2, 1, 1, 0))
+    read: list[str] = []
+    iterate = loader.iter_safetensors
+
+    def recording(model_dir, skip=()):
+        for name, tensor in iterate(model_dir, skip):
+            read.append(name)
+            yield name, tensor
+
+    monkeypatch.setattr(loader, "iter_safetensors", recording)
+    model = _load(family.path)
+    experts = [name for name in read if ".experts." in name]
+    assert experts and all(int(name.split(".experts.")[1].split(".")[0]) >= 4
+                           for name in experts), experts
+    layer = next(i for i, layer in enumerate(model.model.layers)
+                 if hasattr(layer.mlp, "experts"))
+    ours, theirs = model.model.layers[layer].mlp.experts, family.hf.model.layers[layer].mlp.experts
+    assert ours.num_local_experts == 4 and ours.expert_start == 4
+    torch.testing.assert_close(ours.down_proj.data, theirs.down_proj[4:].detach())
+
+
 # Engine configurations, as in test_families.py.
 ENGINE_CASES = {
     "default": {},
     "chunked-no-radix-cache": {"disable_radix_cache": True, "chunked_prefill_size": 8},
+    "mixed-chunk": {"enable_mixed_chunk": True, "chunked_prefill_size": 8},
     "retraction": {"max_total_tokens": 100, "chunked_prefill_size": 16,
                    "schedule_conservativeness": 0.3},
 }
@@ -389,3 +416,20 @@ def test_four_ranks_in_two_expert_groups_match_hf(tmp_path: Path) -> None:
     experts = hf.model.layers[2].mlp.experts
     torch.testing.assert_close(down, experts.down_proj[7].detach())
     torch.testing.assert_close(gate_up, experts.gate_up_proj.detach())
+
+
+def test_expert_parallelism_refusals(tmp_path: Path, monkeypatch) -> None:
+    from family_models import FAMILIES
+
+    from radixlm.config import ServerArgs
+
+    with pytest.raises(ValueError, match="ep_size=3 must divide tp_size=2"):
+        ServerArgs(tp_size=2, ep_size=3)
+    save_random_model(FAMILIES["qwen2"](), tmp_path)
+    monkeypatch.setattr(distributed, "_MOE", distributed.MoeParallel(2, 0, 1, 0))
+    with pytest.raises(ValueError, match="ep_size=2: Qwen2ForCausalLM has no expert layers"):
+        _load(str(tmp_path))
+    from radixlm.layers.moe.fused_moe import FusedMoE
+
+    with pytest.raises(ValueError, match="ep_size=2 exceeds the model's 1 experts"):
+        FusedMoE(1, 64, 32)
