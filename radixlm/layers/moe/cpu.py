@@ -38,6 +38,12 @@ def fused_experts(hidden_states: torch.Tensor, w13: torch.Tensor, w2: torch.Tens
     act = _GATED[activation]
     tokens, k = topk_ids.shape
     acc = torch.zeros(hidden_states.shape, dtype=torch.float32)
+    if tokens == 1:  # decode at batch 1: no grouping, one weighted add per expert
+        for expert, weight in zip(topk_ids[0].tolist(), topk_weights[0].tolist(), strict=True):
+            if expert >= 0:
+                y = F.linear(act(F.linear(hidden_states, w13[expert])), w2[expert])
+                acc.add_(y, alpha=weight)
+        return _finish(acc, hidden_states.dtype, out)
     order, counts, start = group_by_expert(topk_ids, w13.shape[0])
     pair_tokens = order // k
     pair_weights = topk_weights.reshape(-1)[order].float()
@@ -47,14 +53,13 @@ def fused_experts(hidden_states: torch.Tensor, w13: torch.Tensor, w2: torch.Tens
         rows = pair_tokens[start:start + count]
         weights = pair_weights[start:start + count, None]
         start += count
-        x = hidden_states if tokens == 1 else hidden_states[rows]
-        y = F.linear(act(F.linear(x, w13[expert])), w2[expert])
-        if tokens == 1:
-            acc += y * weights
-        else:
-            acc.index_add_(0, rows, y * weights)
-    result = acc.to(hidden_states.dtype)
+        y = F.linear(act(F.linear(hidden_states[rows], w13[expert])), w2[expert])
+        acc.index_add_(0, rows, y * weights)
+    return _finish(acc, hidden_states.dtype, out)
+
+
+def _finish(acc: torch.Tensor, dtype: torch.dtype, out: torch.Tensor | None) -> torch.Tensor:
     if out is None:
-        return result
-    out.copy_(result)
+        return acc.to(dtype)
+    out.copy_(acc)
     return out

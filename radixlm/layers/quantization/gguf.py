@@ -129,6 +129,8 @@ class GGUFFusedMoEMethod(FusedMoEMethod):
         experts = layer.packed_experts
         assert experts is not None, "process_weights_after_loading has not run on this layer"
         tokens, k = topk_ids.shape
+        if tokens == 1:  # decode at batch 1: no grouping, one weighted add per expert
+            return self._one_token(experts, x, topk_weights, topk_ids)
         acc = torch.zeros(x.shape, dtype=torch.float32)
         order, counts, start = group_by_expert(topk_ids, len(experts))
         pair_tokens = order // k
@@ -140,12 +142,17 @@ class GGUFFusedMoEMethod(FusedMoEMethod):
             weights = pair_weights[start:start + count, None]
             start += count
             gate_up, down = experts[expert]
-            xe = x if tokens == 1 else x[rows]
-            y = _product(self.act(_product(xe, gate_up)), down)
-            if tokens == 1:
-                acc += y * weights
-            else:
-                acc.index_add_(0, rows, y * weights)
+            y = _product(self.act(_product(x[rows], gate_up)), down)
+            acc.index_add_(0, rows, y * weights)
+        return acc.to(x.dtype)
+
+    def _one_token(self, experts: list[Any], x: torch.Tensor, topk_weights: torch.Tensor,
+                   topk_ids: torch.Tensor) -> torch.Tensor:
+        acc = torch.zeros(x.shape, dtype=torch.float32)
+        for expert, weight in zip(topk_ids[0].tolist(), topk_weights[0].tolist(), strict=True):
+            if expert >= 0:
+                gate_up, down = experts[expert]
+                acc.add_(_product(self.act(_product(x, gate_up)), down), alpha=weight)
         return acc.to(x.dtype)
 
     def describe(self, layer: Any) -> str:
