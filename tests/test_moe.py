@@ -433,3 +433,17 @@ def test_expert_parallelism_refusals(tmp_path: Path, monkeypatch) -> None:
 
     with pytest.raises(ValueError, match="ep_size=2 exceeds the model's 1 experts"):
         FusedMoE(1, 64, 32)
+
+
+def test_dummy_weights_of_every_moe_family(tmp_path: Path) -> None:
+    """`--load-format dummy` (the GPU benchmarks' weights) fills the stacked experts
+    from transformers' own stacked names: routers N(0, 0.02), finite logits."""
+    for name, make in MOE_FAMILIES.items():
+        make().save_pretrained(tmp_path / name)
+        model = load_model(str(tmp_path / name), load_config(str(tmp_path / name)), "dummy",
+                           torch.float32, "cpu", seed=1)
+        experts = next(m for m in model.modules() if type(m).__name__ == "FusedMoE")
+        assert 0.01 < experts.gate_up_proj.std().item() < 0.03, name
+        runner = KVRunner(model)
+        logits = runner.extend([(runner.new_request(), list(range(40)))])
+        assert torch.isfinite(logits).all() and logits.abs().max() < 20, name
