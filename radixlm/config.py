@@ -18,6 +18,7 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 # The KV cache's own dtype; auto: the model's. fp8: scaled per layer (cache/fp8_pool.py).
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16", "fp8_e4m3", "fp8_e5m2")
 ATTENTION_BACKENDS = ("auto", "torch_native", "cpu", "triton")
+MOE_RUNNER_BACKENDS = ("auto", "triton", "cpu", "torch")  # layers/moe/backends.py
 EMBEDDING_POOLINGS = ("last", "mean")
 LOAD_BALANCE_METHODS = ("round_robin", "shortest_queue", "cache_aware")
 TOOL_CALL_PARSERS = ("hermes", "qwen25", "llama3", "mistral", "deepseekv3", "pythonic")
@@ -137,9 +138,16 @@ class ServerArgs:
         "the previous one's tail)", default=False)
     num_threads: int | None = _opt("runtime", "torch CPU threads (default: all cores)",
                                    default=None)
+    moe_runner_backend: str = _opt(
+        "runtime", "Where float MoE experts are computed (auto: our Triton kernels on CUDA, "
+        "grouped per-expert products on the CPU; torch: the float32 reference)",
+        MOE_RUNNER_BACKENDS, default="auto")
 
     # Parallelism
     tp_size: int = _opt("parallelism", "Tensor-parallel ranks", default=1)
+    ep_size: int = _opt(
+        "parallelism", "Expert-parallel groups inside the tensor-parallel group: each holds "
+        "1/ep_size of every MoE layer's experts (must divide tp_size)", default=1)
     dp_size: int = _opt("parallelism", "Data-parallel replicas", default=1)
     load_balance_method: str = _opt("parallelism", "Data-parallel routing", LOAD_BALANCE_METHODS,
                                     default="round_robin")
@@ -214,6 +222,9 @@ class ServerArgs:
     def _check_parallelism(self) -> None:
         if self.tp_size < 1 or self.dp_size < 1:
             raise ValueError("tp_size and dp_size must be >= 1")
+        if self.ep_size < 1 or self.tp_size % self.ep_size:
+            raise ValueError(f"ep_size={self.ep_size} must divide tp_size={self.tp_size}: "
+                             "expert parallelism runs inside the tensor-parallel group")
         if self.nnodes < 1 or not 0 <= self.node_rank < self.nnodes:
             raise ValueError(f"node_rank must be in [0, nnodes={self.nnodes}), got "
                              f"{self.node_rank}")

@@ -4,11 +4,21 @@ Until `set_tp_group` is called (the tensor-parallel launcher does it once per
 rank, before building the model), every process is rank 0 of a group of one
 and the collectives are no-ops, so single-device runs never touch
 torch.distributed.
+
+Expert parallelism runs inside the tensor-parallel group (`set_ep_size`):
+its ranks form `ep_size` groups of consecutive ranks, each holding a share of
+every MoE layer's experts and splitting those experts' intermediate
+dimension among its own `tp_size / ep_size` ranks. Attention is tensor
+parallel, so every rank already holds every token: a rank runs its experts
+on the tokens routed to them and leaves a partial sum, which the all-reduce
+the next norm runs anyway combines with the other ranks' (no dispatch
+collective is needed while attention is not data parallel).
 """
 
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import msgspec
@@ -25,9 +35,10 @@ _TP_GROUP: dist.ProcessGroup | None = None
 
 def set_tp_group(group: dist.ProcessGroup | None) -> None:
     """Use `group` (e.g. `dist.group.WORLD`) for tensor parallelism; None resets to one rank."""
-    global _TP_GROUP, _TP_SYNC, _CUSTOM_AR, _AR_NORM
+    global _TP_GROUP, _TP_SYNC, _CUSTOM_AR, _AR_NORM, _MOE
     _TP_GROUP = group
     _TP_SYNC = None
+    _MOE = None
     _CUSTOM_AR = None
     _AR_NORM = None
 
@@ -71,6 +82,34 @@ def tensor_model_parallel_all_gather(x: torch.Tensor, dim: int = -1) -> torch.Te
     return torch.cat(parts, dim=dim)
 
 
+def group_size(group: dist.ProcessGroup | None = None) -> int:
+    """Ranks in `group` (None: the tensor-parallel group); 1 without torch.distributed."""
+    if group is None or not _tp_active():
+        return get_tp_size()
+    return dist.get_world_size(group)
+
+
+def all_gather(x: torch.Tensor, dim: int = -1,
+               group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """`tensor_model_parallel_all_gather` over `group` (None: the tensor-parallel group)."""
+    if group is None:
+        return tensor_model_parallel_all_gather(x, dim)
+    world = group_size(group)
+    if world == 1:
+        return x
+    x = x.contiguous()
+    parts = [torch.empty_like(x) for _ in range(world)]
+    dist.all_gather(parts, x, group=group)
+    return torch.cat(parts, dim=dim)
+
+
+def broadcast_from(x: torch.Tensor, tp_rank: int) -> torch.Tensor:
+    """Overwrite `x` (contiguous) on every tensor-parallel rank with that of rank `tp_rank`."""
+    if get_tp_size() > 1:
+        dist.broadcast(x, src=dist.get_global_rank(_TP_GROUP, tp_rank), group=_TP_GROUP)
+    return x
+
+
 def tensor_model_parallel_broadcast(x: torch.Tensor, src: int = 0) -> torch.Tensor:
     """Overwrite `x` on every rank with rank `src`'s (in place)."""
     if get_tp_size() > 1:
@@ -80,8 +119,9 @@ def tensor_model_parallel_broadcast(x: torch.Tensor, src: int = 0) -> torch.Tens
 
 def init_distributed(backend: str, init_method: str, world_size: int, rank: int,
                      timeout_s: float, custom_all_reduce: bool = True,
-                     allreduce_fusion: bool = True) -> None:
-    """Join the tensor-parallel group (the default process group) and use it for TP;
+                     allreduce_fusion: bool = True, ep_size: int = 1) -> None:
+    """Join the tensor-parallel group (the default process group) and use it for TP,
+    with `ep_size` expert-parallel groups inside it (`set_ep_size`);
     on NCCL also set up the custom all-reduce unless `custom_all_reduce` is False,
     and with it the all-reduce fused with add + RMSNorm unless `allreduce_fusion`
     is False."""
@@ -90,8 +130,76 @@ def init_distributed(backend: str, init_method: str, world_size: int, rank: int,
     dist.init_process_group(backend, init_method=init_method, world_size=world_size,
                             rank=rank, timeout=timedelta(seconds=timeout_s))
     set_tp_group(dist.group.WORLD)
+    set_ep_size(ep_size)
     if backend == "nccl" and custom_all_reduce and world_size > 1:
         init_custom_all_reduce(allreduce_fusion)
+
+
+# ---- expert parallelism -----------------------------------------------------------
+@dataclass(frozen=True)
+class MoeParallel:
+    """How this rank takes part in the MoE layers: expert-parallel group `ep_rank`
+    of `ep_size` (each holding a share of the experts), and within it rank
+    `tp_rank` of `tp_size` (each holding a slice of those experts' intermediate
+    dimension). Tensor-parallel rank r is (r // tp_size, r % tp_size). `group`:
+    the ranks of this expert-parallel group (None when that is the whole
+    tensor-parallel group or one rank)."""
+
+    ep_size: int = 1
+    ep_rank: int = 0
+    tp_size: int = 1
+    tp_rank: int = 0
+    group: Any = None
+
+    def experts(self, num_experts: int) -> tuple[int, int]:
+        """(first, count) of the experts this rank's group holds."""
+        return _even_split(num_experts, self.ep_size, self.ep_rank)
+
+    def owner_rank(self, expert: int, num_experts: int) -> int:
+        """The first tensor-parallel rank of the group holding global `expert`."""
+        for group in range(self.ep_size):
+            start, count = _even_split(num_experts, self.ep_size, group)
+            if start <= expert < start + count:
+                return group * self.tp_size
+        raise ValueError(f"expert {expert} is out of range [0, {num_experts})")
+
+
+def _even_split(total: int, parts: int, index: int) -> tuple[int, int]:
+    base, extra = divmod(total, parts)
+    return index * base + min(index, extra), base + (index < extra)
+
+
+_MOE: MoeParallel | None = None  # set by set_ep_size; None: one expert-parallel group
+
+
+def set_ep_size(ep_size: int) -> None:
+    """Split the tensor-parallel group into `ep_size` expert-parallel groups of
+    consecutive ranks (every rank calls it, after `set_tp_group`). ValueError
+    unless `ep_size` divides the tensor-parallel size."""
+    global _MOE
+    world = get_tp_size()
+    if ep_size < 1 or world % ep_size:
+        raise ValueError(f"ep_size={ep_size} must divide tp_size={world}: expert parallelism "
+                         "runs inside the tensor-parallel group")
+    rank, per_group = get_tp_rank(), world // ep_size
+    group = None
+    if ep_size > 1 and per_group > 1:
+        # new_group is collective: every rank creates every group, in order.
+        for g in range(ep_size):
+            ranks = [dist.get_global_rank(_TP_GROUP, g * per_group + r) for r in range(per_group)]
+            created = dist.new_group(ranks)
+            if g == rank // per_group:
+                group = created
+    _MOE = MoeParallel(ep_size, rank // per_group, per_group, rank % per_group, group)
+    if ep_size > 1:
+        logger.info("expert parallelism: %d groups of %d rank(s); this rank is group %d",
+                    ep_size, per_group, rank // per_group)
+
+
+def moe_parallel() -> MoeParallel:
+    """This rank's place in the MoE layers (by default one expert-parallel group:
+    every rank holds every expert, a slice of each)."""
+    return _MOE or MoeParallel(1, 0, get_tp_size(), get_tp_rank())
 
 
 # ---- custom all-reduce ------------------------------------------------------------

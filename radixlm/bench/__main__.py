@@ -1,7 +1,7 @@
 """python -m radixlm.bench MODE [options]
 
 MODE: offline, one-batch, shared-prefix, serving, ttft, mixed-chunk, priority,
-llamacpp-serving, gguf-agreement, quant, quant-perplexity.
+llamacpp-serving, gguf-agreement, quant, quant-perplexity, moe-gguf.
 """
 
 from __future__ import annotations
@@ -11,7 +11,8 @@ import sys
 
 def main() -> None:
     modes = ("offline", "one-batch", "shared-prefix", "serving", "ttft", "mixed-chunk",
-             "priority", "llamacpp-serving", "gguf-agreement", "quant", "quant-perplexity")
+             "priority", "llamacpp-serving", "gguf-agreement", "quant", "quant-perplexity",
+             "moe-gguf")
     if len(sys.argv) < 2 or sys.argv[1] not in modes:
         print(f"usage: python -m radixlm.bench {{{','.join(modes)}}} [options]")
         sys.exit(2)
@@ -33,6 +34,9 @@ def main() -> None:
         run(argv)
     elif mode == "quant-perplexity":
         from radixlm.bench.quant_perplexity import main as run
+        run(argv)
+    elif mode == "moe-gguf":
+        from radixlm.bench.moe_gguf import main as run
         run(argv)
     elif mode == "shared-prefix":
         from radixlm.bench.shared_prefix import main as run

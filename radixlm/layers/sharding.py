@@ -20,19 +20,29 @@ A parameter without a spec (a norm's weight) is replicated: every rank holds
 the whole tensor (`REPLICATED`). A method whose parameters relate to the
 checkpoint differently (a per-tensor scale per fused part, say) subclasses
 `WeightSpec`.
+
+A mixture-of-experts layer stacks its experts' weights along a leading expert
+axis ([local experts, out, in]). Its partition is one `ExpertPartition` per
+stacked weight: which experts this rank holds (expert parallelism) and, per
+expert, its pieces along the outputs and inputs (tensor parallelism over the
+experts' intermediate dimension). `ExpertSpec` maps such a stack onto the
+checkpoint: each expert's slice through the spec a dense weight of that
+method would have, with shard ids (expert, part) for one expert's tensor and
+None for the whole stack.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 from torch import nn
 
 from radixlm import distributed as tp
 
-ShardId = str | int | None
+# A fused part ("q", 0, ...), an expert's part (expert, part), or None (the whole tensor).
+ShardId = str | int | tuple[int, "str | int | None"] | None
 # Checkpoint dtypes an unquantized weight is read from (converted to the model's dtype).
 FLOAT_DTYPES = frozenset({torch.float64, torch.float32, torch.float16, torch.bfloat16})
 
@@ -109,12 +119,14 @@ def copy_checked(dst: torch.Tensor, src: torch.Tensor) -> None:
     dst.copy_(src)
 
 
-def gather_pieces(local: torch.Tensor, start: int, dim: int, total: int) -> torch.Tensor:
-    """Reassemble a tensor split along `dim` across the tensor-parallel ranks,
-    where this rank holds `local`, starting at `start`. Pieces may differ in
-    size (heads split unevenly) and overlap (replicated KV heads). A collective:
-    every rank calls it, in the same order."""
-    world = tp.get_tp_size()
+def gather_pieces(local: torch.Tensor, start: int, dim: int, total: int,
+                  group: Any = None) -> torch.Tensor:
+    """Reassemble a tensor split along `dim` across the ranks of `group` (default:
+    the tensor-parallel group), where this rank holds `local`, starting at
+    `start`. Pieces may differ in size (heads split unevenly) and overlap
+    (replicated KV heads). A collective: every rank of the group calls it, in
+    the same order."""
+    world = tp.group_size(group)
     if world == 1:
         return local
     if local.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):  # collectives move bytes
@@ -122,11 +134,11 @@ def gather_pieces(local: torch.Tensor, start: int, dim: int, total: int) -> torc
         return whole.view(local.dtype)
     rows = local.movedim(dim, 0)
     meta = torch.tensor([start, rows.shape[0]], dtype=torch.int64, device=local.device)
-    metas = tp.tensor_model_parallel_all_gather(meta, 0).view(world, 2).tolist()
+    metas = tp.all_gather(meta, 0, group).view(world, 2).tolist()
     width = max(size for _, size in metas)
     padded = rows.new_zeros((width, *rows.shape[1:]))
     padded[:rows.shape[0]] = rows
-    chunks = tp.tensor_model_parallel_all_gather(padded, 0).chunk(world, 0)
+    chunks = tp.all_gather(padded, 0, group).chunk(world, 0)
     out = rows.new_empty((total, *rows.shape[1:]))
     for chunk, (first, size) in zip(chunks, metas, strict=True):
         out[first:first + size] = chunk[:size]
@@ -231,7 +243,8 @@ class AxisSpec(WeightSpec):
             for dim, piece in self._pieces(layer, s):
                 local = local.narrow(dim, piece.offset, piece.size)
                 if not piece.whole:
-                    local = gather_pieces(local, piece.start, dim, piece.total)
+                    local = gather_pieces(local, piece.start, dim, piece.total,
+                                          getattr(layer, "group", None))
             parts.append(local)
         return parts[0] if len(parts) == 1 else torch.cat(parts, self.output_dim)
 
@@ -279,6 +292,124 @@ def _check_length(t: torch.Tensor, dim: int | None, expected: int, shard_id: Sha
         part = f" for shard {shard_id!r}" if shard_id is not None else ""
         raise ValueError(f"checkpoint tensor has {t.shape[dim]} entries along dim {dim}{part}, "
                          f"expected {expected}")
+
+
+@dataclass(frozen=True)
+class ExpertPartition:
+    """One stacked weight of a MoE layer as this rank holds it: experts
+    [experts.start, experts.start + experts.size) of `experts.total`, stored
+    from local index 0, and per expert the `Sharded` pieces of a dense weight
+    (`shard_ids`, one output piece per shard id, the input piece). `group`:
+    the ranks that split one expert's tensor (None: the tensor-parallel group;
+    under expert parallelism the ranks holding the same experts)."""
+
+    shard_ids: tuple[ShardId, ...]
+    outputs: tuple[Piece, ...]
+    input: Piece
+    experts: Piece
+    group: Any = None
+
+    def output_piece(self, shard_id: ShardId) -> Piece:
+        if shard_id not in self.shard_ids:
+            raise ValueError(f"shard {shard_id!r} is not one of this expert weight's "
+                             f"{list(self.shard_ids)}")
+        return self.outputs[self.shard_ids.index(shard_id)]
+
+    def input_piece(self) -> Piece:
+        return self.input
+
+    def local_index(self, expert: int) -> int | None:
+        """Where global expert `expert` is stored here; None: on another rank."""
+        if not 0 <= expert < self.experts.total:
+            raise ValueError(f"expert {expert} is out of range [0, {self.experts.total})")
+        local = expert - self.experts.start
+        return local if 0 <= local < self.experts.size else None
+
+
+class ExpertSpec(WeightSpec):
+    """A stack of expert weights along dim 0 ([local experts, ...]), each
+    expert's slice mapped to the checkpoint by `inner` (the spec a dense
+    weight of the same method has) under the partition's per-expert pieces.
+
+    Shard ids: (expert, part) for global expert `expert`'s checkpoint tensor
+    of fused part `part` (0 / 1: gate / up; None: an unfused weight), None
+    for the whole stack [num_experts, ...] (transformers' fused
+    `experts.gate_up_proj`). An expert another rank holds loads as nothing,
+    and is read back from that rank."""
+
+    def __init__(self, inner: WeightSpec, partition: ExpertPartition) -> None:
+        self.inner = inner
+        self.partition = partition
+
+    @property
+    def checkpoint_dtypes(self) -> frozenset[torch.dtype]:  # type: ignore[override]
+        return self.inner.checkpoint_dtypes
+
+    def hf_shape(self, layer: nn.Module, param: nn.Parameter,
+                 shard_id: ShardId) -> tuple[int, ...]:
+        expert, part = self._split(shard_id)
+        one = self.inner.hf_shape(self.partition, param.data[0], part)
+        return one if expert is not None else (self.partition.experts.total, *one)
+
+    def required_shards(self, layer: nn.Module, param: nn.Parameter) -> set[ShardId]:
+        experts = self.partition.experts
+        parts = self.inner.required_shards(self.partition, param.data[0])
+        return {(e, p) for e in range(experts.start, experts.start + experts.size)
+                for p in parts}
+
+    def load(self, layer: nn.Module, param: nn.Parameter, loaded: torch.Tensor,
+             shard_id: ShardId) -> None:
+        expert, part = self._split(shard_id)
+        experts = self.partition.experts
+        if expert is None:
+            _check_length(loaded, 0, experts.total, shard_id)
+            for local in range(experts.size):
+                self.inner.load(self.partition, param.data[local],
+                                loaded[experts.start + local], part)
+            return
+        local = self.partition.local_index(expert)
+        if local is not None:
+            self.inner.load(self.partition, param.data[local], loaded, part)
+
+    def gather(self, layer: nn.Module, param: nn.Parameter, shard_id: ShardId) -> torch.Tensor:
+        expert, part = self._split(shard_id)
+        if expert is None:
+            return torch.stack([self._gather_one(param, e, part)
+                                for e in range(self.partition.experts.total)])
+        return self._gather_one(param, expert, part)
+
+    def knows(self, shard_id: ShardId) -> bool:
+        """Whether `shard_id` names one of the model's experts (any rank's)."""
+        expert, _ = self._split(shard_id)
+        return expert is None or 0 <= expert < self.partition.experts.total
+
+    def holds(self, shard_id: ShardId) -> bool:
+        """Whether this rank holds any of the checkpoint tensor `shard_id`."""
+        expert, _ = self._split(shard_id)
+        return expert is None or self.partition.local_index(expert) is not None
+
+    def _gather_one(self, param: nn.Parameter, expert: int, part: ShardId) -> torch.Tensor:
+        local = self.partition.local_index(expert)
+        ep = tp.moe_parallel()
+        if ep.ep_size == 1:
+            return self.inner.gather(self.partition, param.data[local], part)
+        # The owning ranks assemble it among themselves, then the first of them sends it.
+        if local is not None:
+            whole = self.inner.gather(self.partition, param.data[local], part).contiguous()
+        else:
+            whole = torch.empty(self.inner.hf_shape(self.partition, param.data[0], part),
+                                dtype=param.dtype, device=param.device)
+        return tp.broadcast_from(whole, ep.owner_rank(expert, self.partition.experts.total))
+
+    @staticmethod
+    def _split(shard_id: ShardId) -> tuple[int | None, ShardId]:
+        if shard_id is None:
+            return None, None
+        if not (isinstance(shard_id, tuple) and len(shard_id) == 2
+                and isinstance(shard_id[0], int)):
+            raise ValueError(f"shard {shard_id!r} of a stacked expert weight: expected "
+                             "(expert, part) or None")
+        return shard_id
 
 
 def weight_spec(param: nn.Parameter) -> WeightSpec:

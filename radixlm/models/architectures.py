@@ -19,6 +19,10 @@ ARCHITECTURES: dict[str, tuple[str, str]] = {
     "Gemma2ForCausalLM": ("radixlm.models.gemma2", "Gemma2ForCausalLM"),
     "Gemma3ForCausalLM": ("radixlm.models.gemma3", "Gemma3ForCausalLM"),
     "Phi3ForCausalLM": ("radixlm.models.phi3", "Phi3ForCausalLM"),
+    "MixtralForCausalLM": ("radixlm.models.mixtral", "MixtralForCausalLM"),
+    "Qwen2MoeForCausalLM": ("radixlm.models.qwen2_moe", "Qwen2MoeForCausalLM"),
+    "Qwen3MoeForCausalLM": ("radixlm.models.qwen3_moe", "Qwen3MoeForCausalLM"),
+    "OlmoeForCausalLM": ("radixlm.models.olmoe", "OlmoeForCausalLM"),
 }
 
 

@@ -10,7 +10,14 @@ A family is a subclass of `DecoderForCausalLM` that says what its config
 means in a `DecoderSpec` (`decoder_spec`, refusing what it cannot honour) and
 how its checkpoint names map onto our modules (`weight_mapping`, read by
 `models/weight_map.py`). Module names are HF's, so that mapping is only about
-the fused projections.
+the fused projections and the stacked experts.
+
+Each layer's attention and MLP come from per-layer factories in the spec
+(`attention_layers`, `mlp_layers`): the dense gated MLP by default, a
+mixture of experts (`moe_mlp`), or one with a shared expert
+(`moe_shared_mlp`, Qwen2-MoE); `sparse_layers` lays them out as a family's
+config says (Qwen's `decoder_sparse_step` / `mlp_only_layers`, and a leading
+run of dense layers as DeepSeek's `first_k_dense_replace`).
 
 Tensor parallelism: the row-parallel projections (o_proj, down_proj) leave
 per-rank partial sums (`reduce_results=False`); the norm that consumes one
@@ -20,7 +27,7 @@ all-reduces it (`reduce=True`), fused with its residual add where it can.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -38,6 +45,9 @@ from radixlm.layers.linear import (
     QKVParallelLinear,
     RowParallelLinear,
 )
+from radixlm.layers.moe.block import SparseMoeBlock
+from radixlm.layers.moe.fused_moe import FusedMoE
+from radixlm.layers.moe.router import SharedExpertGate, TopKRouter
 from radixlm.layers.norm import RMSNorm
 from radixlm.layers.quantization import QuantizationConfig
 from radixlm.layers.rotary import QKNormRotary, RotaryEmbedding, get_rope
@@ -65,8 +75,46 @@ HF_PROJECTIONS = WeightMapping(
 )
 
 
+# HF's per-expert projections -> our stacked expert weights (part inside each expert):
+# Qwen's and OLMoE's names, and Mixtral's w1 (gate), w3 (up), w2 (down).
+HF_EXPERTS = {
+    "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
+    "down_proj": ("down_proj", None),
+    "w1": ("gate_up_proj", 0), "w3": ("gate_up_proj", 1), "w2": ("down_proj", None),
+}
+HF_MOE_PROJECTIONS = WeightMapping(fused=HF_PROJECTIONS.fused, skipped=HF_PROJECTIONS.skipped,
+                                   experts=HF_EXPERTS)
+
+
 def head_dim_of(config: PretrainedConfig) -> int:
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+@dataclass(frozen=True)
+class MoeSpec:
+    """The routed experts of a family's MoE layers (`moe_mlp`)."""
+
+    num_experts: int
+    top_k: int
+    intermediate_size: int  # each expert's
+    renormalize: bool  # the top-k weights are rescaled to sum to one
+    round_weights: bool = False  # routing weights rounded to the model's dtype (HF Qwen, OLMoE)
+    shared_expert_intermediate_size: int = 0  # `moe_shared_mlp`'s shared expert
+    shared_expert_gate: bool = False  # the shared expert scaled by sigmoid(x w^T)
+
+
+def num_experts(config: PretrainedConfig) -> int:
+    """The config's expert count: transformers keeps Qwen's and OLMoE's
+    `num_experts` as `num_local_experts` (Mixtral's name), which is what a plain
+    config read back from its config.json has."""
+    count = getattr(config, "num_experts", None)
+    return count if count is not None else getattr(config, "num_local_experts", 0) or 0
+
+
+# One layer's part, built by the decoder layer: (spec, layer id, quant config, prefix)
+# for an MLP, and with the layer's rotary embedding for an attention block.
+MlpFactory = Callable[["DecoderSpec", int, "QuantizationConfig | None", str], nn.Module]
+AttentionFactory = Callable[..., nn.Module]
 
 
 @dataclass(frozen=True)
@@ -96,6 +144,9 @@ class DecoderSpec:
     tie_word_embeddings: bool = False
     sliding_windows: tuple[int | None, ...] = ()  # None: full attention
     rope_layer_types: tuple[str | None, ...] = ()  # key of per-layer-type rope parameters
+    attention_layers: tuple[AttentionFactory, ...] = ()  # per layer; (): DecoderAttention
+    mlp_layers: tuple[MlpFactory, ...] = ()  # per layer; (): dense_mlp everywhere
+    moe: MoeSpec | None = None  # the experts of the layers whose factory builds them
     # The HF config, for the rotary embeddings (not compared).
     config: Any = field(default=None, compare=False, repr=False)
 
@@ -113,10 +164,12 @@ class DecoderSpec:
         if spec.activation not in GATED_ACTIVATIONS:
             raise ValueError(f"activation {spec.activation!r} (hidden_act) is not supported "
                              f"(supported: {', '.join(GATED_ACTIVATIONS)})")
-        for name in ("sliding_windows", "rope_layer_types"):
+        for name in ("sliding_windows", "rope_layer_types", "attention_layers", "mlp_layers"):
             if getattr(spec, name) and len(getattr(spec, name)) != spec.num_layers:
                 raise ValueError(f"{name}: {len(getattr(spec, name))} entries for "
                                  f"{spec.num_layers} layers")
+        if spec.moe is None and any(f in MOE_FACTORIES for f in spec.mlp_layers):
+            raise ValueError("MoE layers need the spec's moe (MoeSpec)")
         return spec
 
     def window(self, layer_id: int) -> int | None:
@@ -125,21 +178,29 @@ class DecoderSpec:
     def rope_layer_type(self, layer_id: int) -> str | None:
         return self.rope_layer_types[layer_id] if self.rope_layer_types else None
 
+    def attention_factory(self, layer_id: int) -> AttentionFactory:
+        return self.attention_layers[layer_id] if self.attention_layers else DecoderAttention
+
+    def mlp_factory(self, layer_id: int) -> MlpFactory:
+        return self.mlp_layers[layer_id] if self.mlp_layers else dense_mlp
+
 
 class GatedMLP(nn.Module):
     """down(act(gate(x)) * up(x)); SiLU fused with the gate/up product where the
     weight method can."""
 
     def __init__(self, spec: DecoderSpec, quant_config: QuantizationConfig | None = None,
-                 prefix: str = "") -> None:
+                 prefix: str = "", intermediate_size: int | None = None) -> None:
+        """`intermediate_size`: instead of the spec's (a MoE layer's shared expert)."""
         super().__init__()
         silu = spec.activation == "silu"
+        inter = intermediate_size or spec.intermediate_size
         self.gate_up_proj = MergedColumnParallelLinear(
-            spec.hidden_size, [spec.intermediate_size] * 2, bias=spec.mlp_bias,
+            spec.hidden_size, [inter] * 2, bias=spec.mlp_bias,
             fused_silu_mul=silu, quant_config=quant_config, prefix=f"{prefix}.gate_up_proj")
         self.act_fn = None if silu else GATED_ACTIVATIONS[spec.activation]()
         # Partial sums under tensor parallelism: the next norm all-reduces them.
-        self.down_proj = RowParallelLinear(spec.intermediate_size, spec.hidden_size,
+        self.down_proj = RowParallelLinear(inter, spec.hidden_size,
                                            bias=spec.mlp_bias, reduce_results=False,
                                            quant_config=quant_config,
                                            prefix=f"{prefix}.down_proj")
@@ -147,6 +208,56 @@ class GatedMLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = self.gate_up_proj(x)
         return self.down_proj(x if self.act_fn is None else self.act_fn(x))
+
+
+def dense_mlp(spec: DecoderSpec, layer_id: int, quant_config: QuantizationConfig | None,
+              prefix: str) -> GatedMLP:
+    """The dense gated MLP of `spec.intermediate_size`."""
+    return GatedMLP(spec, quant_config, prefix)
+
+
+def moe_mlp(spec: DecoderSpec, layer_id: int, quant_config: QuantizationConfig | None,
+            prefix: str) -> SparseMoeBlock:
+    """`spec.moe`'s routed experts (Mixtral, Qwen3-MoE, OLMoE)."""
+    moe = spec.moe
+    assert moe is not None
+    gate = TopKRouter(moe.num_experts, spec.hidden_size, moe.top_k, moe.renormalize,
+                      moe.round_weights)
+    experts = FusedMoE(moe.num_experts, spec.hidden_size, moe.intermediate_size,
+                       spec.activation, quant_config, prefix=f"{prefix}.experts")
+    return SparseMoeBlock(gate, experts)
+
+
+def moe_shared_mlp(spec: DecoderSpec, layer_id: int, quant_config: QuantizationConfig | None,
+                   prefix: str) -> SparseMoeBlock:
+    """The routed experts plus a shared expert every token takes (Qwen2-MoE),
+    scaled by its sigmoid gate where `spec.moe.shared_expert_gate`."""
+    block = moe_mlp(spec, layer_id, quant_config, prefix)
+    moe = spec.moe
+    if not moe.shared_expert_intermediate_size:
+        raise ValueError("a shared expert needs shared_expert_intermediate_size > 0")
+    block.shared_expert = GatedMLP(spec, quant_config, f"{prefix}.shared_expert",
+                                   intermediate_size=moe.shared_expert_intermediate_size)
+    if moe.shared_expert_gate:
+        block.shared_expert_gate = SharedExpertGate(spec.hidden_size)
+    return block
+
+
+MOE_FACTORIES = (moe_mlp, moe_shared_mlp)
+
+
+def sparse_layers(num_layers: int, moe_factory: MlpFactory = moe_mlp, *, step: int = 1,
+                  dense_layers: Iterable[int] = (), first_dense: int = 0
+                  ) -> tuple[MlpFactory, ...]:
+    """Per-layer MLP factories: `moe_factory` on every `step`-th layer (layer i
+    with (i + 1) % step == 0, Qwen's decoder_sparse_step), dense on
+    `dense_layers` (mlp_only_layers) and on the first `first_dense` layers
+    (DeepSeek's first_k_dense_replace)."""
+    if step < 1:
+        raise ValueError(f"decoder_sparse_step={step}: expected >= 1")
+    dense = set(dense_layers)
+    return tuple(moe_factory if i >= first_dense and i not in dense and (i + 1) % step == 0
+                 else dense_mlp for i in range(num_layers))
 
 
 class DecoderAttention(nn.Module):
@@ -188,9 +299,9 @@ class DecoderLayer(nn.Module):
                  quant_config: QuantizationConfig | None = None, prefix: str = "") -> None:
         super().__init__()
         hidden, eps = spec.hidden_size, spec.rms_norm_eps
-        self.self_attn = DecoderAttention(spec, layer_id, rotary_emb, quant_config,
-                                          prefix=f"{prefix}.self_attn")
-        self.mlp = GatedMLP(spec, quant_config, prefix=f"{prefix}.mlp")
+        self.self_attn = spec.attention_factory(layer_id)(spec, layer_id, rotary_emb, quant_config,
+                                                          prefix=f"{prefix}.self_attn")
+        self.mlp = spec.mlp_factory(layer_id)(spec, layer_id, quant_config, f"{prefix}.mlp")
         self.input_layernorm = spec.norm(hidden, eps)
         # Llama: the MLP's input norm. Sandwich layers: the attention output's norm.
         self.post_attention_layernorm = spec.norm(hidden, eps)
@@ -315,6 +426,7 @@ class DecoderForCausalLM(nn.Module):
         self.config = config
         self.spec = spec
         self.model = DecoderModel(spec, quant_config=quant_config)
+        check_expert_layers(self)
         self.tie_word_embeddings = spec.tie_word_embeddings
         tied_to = self.model.embed_tokens if self.tie_word_embeddings else None
         self.lm_head = ParallelLMHead(spec.vocab_size, spec.hidden_size, tied_to=tied_to,
@@ -372,3 +484,18 @@ class DecoderForCausalLM(nn.Module):
         a full checkpoint can check nothing is missing (a partial update may
         legitimately write fewer). ValueError for a tensor with no place here."""
         return load_weights(self, weights)
+
+
+def check_expert_layers(model: nn.Module) -> None:
+    """Log how the MoE layers' experts are split and computed (the first
+    layer's: they all are alike); ValueError for expert parallelism on a
+    model without experts."""
+    experts = [m for m in model.modules() if isinstance(m, FusedMoE)]
+    ep = tp.moe_parallel()
+    if not experts:
+        if ep.ep_size > 1:
+            raise ValueError(f"ep_size={ep.ep_size}: {type(model).__name__} has no expert "
+                             "layers to split")
+        return
+    logger.info("MoE: %d of %d layers; %s", len(experts), len(model.model.layers),
+                experts[0].describe())

@@ -31,7 +31,8 @@ from radixlm.layers.cpu_ops import qgemm, qpack
 from radixlm.layers.quantization import QuantizationConfig, UnquantizedConfig
 from radixlm.layers.quantization.gguf import GGUFConfig, GGUFTensors
 from radixlm.layers.quantization.packed import PackedLayout, packed_bytes
-from radixlm.models.gguf_arch import GgufArch, arch_spec
+from radixlm.models.decoder import num_experts
+from radixlm.models.gguf_arch import EXPERT, GgufArch, arch_spec
 from radixlm.models.loader import (
     cached_dir,
     gguf_field,
@@ -48,9 +49,10 @@ _SHARD_BYTES = 2 << 30
 
 
 def tensor_types(gguf_path: str | Path) -> dict[str, str]:
-    """HF name -> GGUF type name ('Q4_1', 'F32', ...) of every tensor with an HF name."""
+    """HF name -> GGUF type name ('Q4_1', 'F32', ...) of every tensor with an HF name
+    (a stacked expert tensor's, with `gguf_arch.EXPERT` for the expert's index)."""
     arch, tensors = gguf_tensor_summary(gguf_path)
-    spec = arch_spec(arch)
+    spec = arch_spec(arch, tensors)
     return {name: kind for gguf_name, (kind, _) in tensors.items()
             if (name := spec.hf_name(gguf_name)) is not None}
 
@@ -82,7 +84,7 @@ def record_stored_dtype(hf_config: PretrainedConfig, gguf_path: str | Path) -> N
 
 
 def _arch(reader: Any) -> GgufArch:
-    return arch_spec(gguf_field(reader, "general.architecture"))
+    return arch_spec(gguf_field(reader, "general.architecture"), (t.name for t in reader.tensors))
 
 
 def _head_counts(reader: Any) -> tuple[int, int]:
@@ -112,8 +114,11 @@ def _pack_all(gguf_path: Path) -> Iterator[tuple[str, qgemm.QuantizedWeight]]:
         if name is None or kind not in qpack.GGUF_FORMATS:
             continue
         k, n = int(tensor.shape[0]), int(np.prod(tensor.shape[1:]))
-        yield name, qpack.pack_gguf(_blocks(tensor, n, spec.permuted_qk, heads, kv_heads),
-                                    kind, n, k)
+        blocks = _blocks(tensor, n, spec.permuted_qk, heads, kv_heads)
+        if len(tensor.shape) == 3:  # stacked experts: [E, rows, bytes], packed one by one
+            blocks = blocks.reshape(int(tensor.shape[2]), int(tensor.shape[1]), -1)
+        for hf_name, raw in spec.hf_tensors(tensor.name, blocks):
+            yield hf_name, qpack.pack_gguf(raw, kind, raw.shape[0], k)
 
 
 def _write_cache(gguf_path: Path, out: Path) -> None:
@@ -179,12 +184,13 @@ KEEP_BLOCKS_BY_DEFAULT = True
 
 def quant_config(hf_config: PretrainedConfig, gguf_path: Path, quantization: str | None,
                  device: torch.device, dtype: torch.dtype = torch.float32, *,
-                 prepack: bool = True, gemv: bool = True) -> QuantizationConfig:
+                 prepack: bool = True, gemv: bool = True,
+                 moe_backend: str = "auto") -> QuantizationConfig:
     """The config of a model loaded from the .gguf file `gguf_path`: its blocks
     in our kernels (`quantization` 'gguf', or auto where that is the default),
     or floats ('none'; auto on a GPU or in float16). The choice and its reason
     go to the log."""
-    floats = UnquantizedConfig(prepack=prepack, gemv=gemv)
+    floats = UnquantizedConfig(prepack=prepack, gemv=gemv, moe_backend=moe_backend)
     if quantization == "int8":
         raise ValueError("quantization='int8' quantizes a float checkpoint; a .gguf file keeps "
                          "its own blocks (--quantization gguf) or is dequantized (none)")
@@ -223,22 +229,28 @@ def gguf_tensors(gguf_path: str | Path, hf_config: PretrainedConfig) -> GGUFTens
 def fold_types(types: dict[str, str], hf_config: PretrainedConfig) -> GGUFTensors:
     """HF name -> GGUF type, as (our module, shard id) -> (HF name, GGUF type) for
     every weight of the model's layers (the model's `weight_mapping` folds q/k/v
-    and gate/up; a tied LM head is the embedding's table)."""
-    fused = get_model_class(hf_config).weight_mapping.fused
+    and gate/up, and stacks experts: an expert's tensor is under (our stacked
+    parameter, (expert, part)); a tied LM head is the embedding's table)."""
+    mapping = get_model_class(hf_config).weight_mapping
+    experts = num_experts(hf_config)
     out: dict[tuple[str, Any], tuple[str, str]] = {}
-    for name, kind in types.items():
-        module, _, param = name.rpartition(".")
-        if param != "weight":
-            continue
-        parent, _, last = module.rpartition(".")
-        if last in fused:
-            ours, shard = fused[last]
-            out[(f"{parent}.{ours}", shard)] = (name, kind)
-        else:
-            out[(module, None)] = (name, kind)
+    for stacked, kind in types.items():
+        for name in _expert_names(stacked, experts):
+            if not name.endswith(".weight"):
+                continue
+            parts, shard = mapping.our_parts(name)
+            # A dense layer's key is the module; a stacked expert weight's, the parameter.
+            key = ".".join(parts) if isinstance(shard, tuple) else ".".join(parts[:-1])
+            out[(key, shard)] = (name, kind)
     if getattr(hf_config, "tie_word_embeddings", False) and ("model.embed_tokens", None) in out:
         out[("lm_head", None)] = out[("model.embed_tokens", None)]
     return out
+
+
+def _expert_names(name: str, experts: int) -> list[str]:
+    if EXPERT not in name:
+        return [name]
+    return [name.replace(EXPERT, str(e)) for e in range(experts)]
 
 
 def checkpoint_tensors(gguf_path: Path, model_dir: str, packed: frozenset[str]

@@ -68,7 +68,7 @@ def _write_hf_dir(gguf_path: Path, out: Path) -> None:
 
     reader = gguf.GGUFReader(gguf_path)
     arch = gguf_field(reader, "general.architecture")
-    spec = arch_spec(arch)
+    spec = arch_spec(arch, (t.name for t in reader.tensors))
     config = _gguf_config(reader, arch)
     config.save_pretrained(out)
     record = {"source": gguf_path.name, "architecture": arch,
@@ -102,7 +102,7 @@ def _gguf_config(reader: Any, arch: str) -> PretrainedConfig:
         return gguf_field(reader, f"{arch}.{key}", default)
 
     tensors = {t.name: t for t in reader.tensors}
-    spec = arch_spec(arch)
+    spec = arch_spec(arch, tensors)
     hidden, heads = meta("embedding_length"), meta("attention.head_count")
     head_dim = meta("attention.key_length", hidden // heads)
     theta = _tidy_float(meta("rope.freq_base", 10000.0))
@@ -185,7 +185,17 @@ def _write_tokenizer(reader: Any, gguf_path: Path, out: Path) -> None:
 
     # transformers rebuilds a fast tokenizer (and keeps the chat template) from
     # the GGUF vocabulary; that takes seconds, which is why we save the result.
-    tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+    except ValueError as e:
+        if "not supported" not in str(e):
+            raise
+        # AutoTokenizer reads the file's model config first, for architectures
+        # transformers knows (not OLMoE's); the tokenizer itself is generic.
+        from transformers import PreTrainedTokenizerFast
+
+        tokenizer = PreTrainedTokenizerFast.from_pretrained(gguf_path.parent,
+                                                            gguf_file=gguf_path.name)
     tokenizer.save_pretrained(out)
 
 
@@ -248,7 +258,8 @@ def _write_tensors(reader: Any, config: PretrainedConfig, spec: GgufArch, out: P
     for i, shard in enumerate(shards):
         filename = ("model.safetensors" if len(shards) == 1
                     else f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors")
-        data = {spec.hf_name(t.name): _to_torch(t, config, spec) for t in shard}
+        data = dict(pair for t in shard for pair in spec.hf_tensors(t.name,
+                                                                     _to_torch(t, config, spec)))
         save_file(data, out / filename, metadata={"format": "pt"})
         weight_map.update(dict.fromkeys(data, filename))
     if len(shards) > 1:
@@ -427,7 +438,9 @@ def load_model(model_dir: str, config: PretrainedConfig, load_format: str = "aut
         weights = quant_config.dummy_weights(dummy_weights(config, seed, device, model), model)
         _load_weights(model, weights, "dummy weights")
     else:
-        weights = quant_config.checkpoint_weights(model_dir) or iter_safetensors(model_dir)
+        # Another expert-parallel group's experts are not read.
+        weights = quant_config.checkpoint_weights(model_dir) or iter_safetensors(
+            model_dir, skip=WeightMap(model).held_elsewhere())
         _load_weights(model, weights, f"checkpoint {model_dir}")
     process_weights_after_loading(model)
     if (chosen := quant_config.describe()) is not None:

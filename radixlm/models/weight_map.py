@@ -3,10 +3,13 @@ updates and `get_weights_by_name` all resolve names here.
 
 A model class declares how its checkpoint's names differ from its own in a
 `weight_mapping` class attribute (`WeightMapping`): the projections it fuses
-(HF's q_proj/k_proj/v_proj -> our qkv_proj, shards "q"/"k"/"v") and the
-buffers a checkpoint may carry that it recomputes (rotary tables). Every
-other checkpoint name must be one of our parameter names. A checkpoint
-tensor with no place in the model is an error naming it, never skipped.
+(HF's q_proj/k_proj/v_proj -> our qkv_proj, shards "q"/"k"/"v"), the
+per-expert tensors it stacks (`experts.7.gate_proj` -> our stacked
+`experts.gate_up_proj` at shard (7, 0)), the modules the checkpoint names
+otherwise (Mixtral's `block_sparse_moe` is our `mlp`) and the buffers a
+checkpoint may carry that it recomputes (rotary tables). Every other
+checkpoint name must be one of our parameter names. A checkpoint tensor with
+no place in the model is an error naming it, never skipped.
 
 What a name resolves to (`WeightSlot`) answers everything about the tensor
 through the owning layer's partition and the parameter's spec
@@ -16,7 +19,7 @@ shards a complete checkpoint provides, loading it, and gathering it back.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Container, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 
 import torch
@@ -41,10 +44,32 @@ class WeightMapping:
     the last module component ('q_proj' in 'model.layers.0.self_attn.q_proj.weight').
     `skipped`: name suffixes of buffers we recompute. A parameter that another
     module shares (a tied LM head) is resolved for reading, and not loaded
-    under the sharing module's name: the owner's name loads it."""
+    under the sharing module's name: the owner's name loads it.
+    `experts`: the projection name inside one expert -> (our stacked parameter,
+    part), for names '<prefix>.experts.<e>.<projection>.<param>': they resolve
+    to our '<prefix>.experts.<stacked>' at shard (e, part) (a `param` other
+    than 'weight', a quantized format's scale say, to '<stacked>_<param>').
+    `renamed`: module names the checkpoint spells differently from ours,
+    matched on whole components."""
 
     fused: Mapping[str, tuple[str, ShardId]] = field(default_factory=dict)
     skipped: tuple[str, ...] = ()
+    experts: Mapping[str, tuple[str, ShardId]] = field(default_factory=dict)
+    renamed: Mapping[str, str] = field(default_factory=dict)
+
+    def our_parts(self, name: str) -> tuple[list[str], ShardId]:
+        """Checkpoint name -> (our parameter's dotted components, shard id)."""
+        parts = [self.renamed.get(p, p) for p in name.split(".")] if self.renamed else \
+            name.split(".")
+        if (len(parts) >= 4 and parts[-4] == "experts" and parts[-3].isdigit()
+                and parts[-2] in self.experts):
+            stacked, part = self.experts[parts[-2]]
+            param = stacked if parts[-1] == "weight" else f"{stacked}_{parts[-1]}"
+            return [*parts[:-3], param], (int(parts[-3]), part)
+        if len(parts) >= 2 and parts[-2] in self.fused:
+            module, shard_id = self.fused[parts[-2]]
+            return [*parts[:-2], module, parts[-1]], shard_id
+        return parts, None
 
 
 @dataclass(frozen=True)
@@ -96,10 +121,7 @@ class WeightMap:
     def resolve(self, name: str) -> WeightSlot | None:
         """The slot of checkpoint tensor `name`; None when the model has no
         parameter for it (skipped buffers included)."""
-        parts = (self._kv_scale(name) or name).split(".")
-        shard_id = None
-        if len(parts) >= 2 and parts[-2] in self.mapping.fused:
-            parts[-2], shard_id = self.mapping.fused[parts[-2]]
+        parts, shard_id = self.mapping.our_parts(self._kv_scale(name) or name)
         try:
             module = self.model.get_submodule(".".join(parts[:-1]))
         except AttributeError:
@@ -107,6 +129,9 @@ class WeightMap:
         param = getattr(module, parts[-1], None)
         if not isinstance(param, nn.Parameter):
             return None
+        knows = getattr(weight_spec(param), "knows", None)
+        if knows is not None and not knows(shard_id):
+            return None  # an expert index past the model's experts
         ours = ".".join(parts)
         canonical = self.param_names[id(param)]
         return WeightSlot(name, canonical, param, shard_id, module, alias=canonical != ours)
@@ -126,6 +151,11 @@ class WeightMap:
                 if isinstance(sub, RadixAttention):
                     return f"{owner}.{child}.{ours}"
         return None
+
+    def held_elsewhere(self) -> Container[str]:
+        """Checkpoint names this rank holds none of (another expert-parallel
+        group's experts): a loader need not read them."""
+        return _HeldElsewhere(self)
 
     def slots(self) -> Iterator[WeightSlot]:
         """One slot per parameter, under its own name (shard None: all of it)."""
@@ -164,6 +194,16 @@ class WeightMap:
         return (f"checkpoint tensor {name} has no place in {type(self.model).__name__}: it is "
                 "neither one of its parameters nor a buffer it recomputes (a checkpoint of "
                 "another architecture, or a format it does not read)")
+
+
+class _HeldElsewhere(Container[str]):
+    def __init__(self, weight_map: WeightMap) -> None:
+        self.weight_map = weight_map
+
+    def __contains__(self, name: object) -> bool:
+        slot = self.weight_map.resolve(name) if isinstance(name, str) else None
+        holds = getattr(weight_spec(slot.param), "holds", None) if slot is not None else None
+        return holds is not None and not holds(slot.shard_id)
 
 
 def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]

@@ -119,7 +119,8 @@ class ModelRunner:
         from radixlm.models.gguf_packed import quant_config
 
         args = self.args
-        fast = {"prepack": not args.disable_weight_prepack, "gemv": not args.disable_gemv}
+        fast = {"prepack": not args.disable_weight_prepack, "gemv": not args.disable_gemv,
+                "moe_backend": args.moe_runner_backend}
         if (gguf := gguf_file(args)) is not None:
             return quant_config(self.config, gguf, args.quantization, self.device, self.dtype,
                                 **fast)

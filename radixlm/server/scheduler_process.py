@@ -296,7 +296,7 @@ def init_tp_rank(args: ServerArgs, placement: Placement) -> None:
     init_distributed("nccl" if device.type == "cuda" else "gloo", placement.dist_init_method,
                      args.tp_size, placement.tp_rank, args.dist_timeout,
                      custom_all_reduce=not args.disable_custom_all_reduce,
-                     allreduce_fusion=not args.disable_allreduce_fusion)
+                     allreduce_fusion=not args.disable_allreduce_fusion, ep_size=args.ep_size)
 
 
 def run_scheduler_process(args_dict: dict[str, Any], model_dir: str, paths: IpcPaths,

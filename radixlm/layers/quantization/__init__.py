@@ -12,7 +12,12 @@ from typing import Any
 
 from torch import nn
 
-from radixlm.layers.quantization.base import EmbeddingMethod, LinearMethod, QuantizationConfig
+from radixlm.layers.quantization.base import (
+    EmbeddingMethod,
+    FusedMoEMethod,
+    LinearMethod,
+    QuantizationConfig,
+)
 from radixlm.layers.quantization.compressed_tensors import CompressedTensorsConfig
 from radixlm.layers.quantization.fp8 import Fp8Config
 from radixlm.layers.quantization.gguf import GGUFConfig
@@ -35,24 +40,27 @@ _DUMMY_ONLY = {"awq": AWQConfig, "gptq": GPTQConfig}
 # A checkpoint in the key format may be confirmed by these --quantization names too.
 _CONFIRMS = {"compressed-tensors": {"fp8"}}
 
-__all__ = ["QUANTIZATION_METHODS", "EmbeddingMethod", "LinearMethod", "QuantizationConfig",
+__all__ = ["QUANTIZATION_METHODS", "EmbeddingMethod", "FusedMoEMethod", "LinearMethod",
+           "QuantizationConfig",
            "UnquantizedConfig",
            "drop_derived_weights", "get_quantization_config", "process_weights_after_loading"]
 
 
 def get_quantization_config(hf_config: Any, quantization: str | None = None, *,
-                            prepack: bool = True, gemv: bool = True) -> QuantizationConfig:
+                            prepack: bool = True, gemv: bool = True,
+                            moe_backend: str = "auto") -> QuantizationConfig:
     """The config for a model from a checkpoint directory: `quantization`
     (None or 'auto': what the checkpoint's config.json declares, unquantized
     when it declares nothing; 'none': unquantized). ValueError for a method we
     lack, or one that contradicts the checkpoint. `prepack` / `gemv`: the
-    unquantized fast paths (--disable-weight-prepack, --disable-gemv). A .gguf
+    unquantized fast paths (--disable-weight-prepack, --disable-gemv);
+    `moe_backend`: where float experts run (--moe-runner-backend). A .gguf
     file's config comes from `models/gguf_packed.quant_config`."""
     declared = getattr(hf_config, "quantization_config", None)
     if quantization not in (None, "auto", "none") and quantization not in QUANTIZATION_METHODS:
         known = ", ".join(["auto", "none", *QUANTIZATION_METHODS])
         raise ValueError(f"quantization={quantization!r}: expected one of {known}")
-    floats = UnquantizedConfig(prepack=prepack, gemv=gemv)
+    floats = UnquantizedConfig(prepack=prepack, gemv=gemv, moe_backend=moe_backend)
     if declared is None:
         return _for_floats(quantization, floats)
     declared = declared if isinstance(declared, dict) else declared.to_dict()

@@ -83,6 +83,7 @@ import torch
 
 if TYPE_CHECKING:
     from radixlm.layers.linear import LinearBase
+    from radixlm.layers.moe.fused_moe import FusedMoE
 
 
 class LinearMethod(ABC):
@@ -112,6 +113,41 @@ class LinearMethod(ABC):
 
     def drop_derived(self, layer: LinearBase) -> None:  # noqa: B027 (optional)
         """Forget what `process_weights_after_loading` derived."""
+
+
+class FusedMoEMethod(ABC):
+    """How one MoE layer's experts are held and computed: the same rules as a
+    linear method (parameters registered with `layer.add_weight`, derived
+    state in `process_weights_after_loading`, no host sync in `apply`). The
+    layer (`layers/moe/fused_moe.py`) owns the partition of each stacked
+    weight (`layer.partition("gate_up_proj")`, `layer.partition("down_proj")`:
+    which experts, which intermediate slice); the parameters are
+    `gate_up_proj` [local experts, 2 x local intermediate, hidden] (gate rows,
+    then up rows) and `down_proj` [local experts, hidden, local intermediate],
+    or a format's stacks of the same tensors, with `ExpertSpec`s
+    (`layers/sharding.py`)."""
+
+    @abstractmethod
+    def create_weights(self, layer: FusedMoE, params_dtype: torch.dtype) -> None:
+        """Register the stacked expert parameters on `layer`."""
+
+    @abstractmethod
+    def apply(self, layer: FusedMoE, x: torch.Tensor, topk_weights: torch.Tensor,
+              topk_ids: torch.Tensor) -> torch.Tensor:
+        """sum_j topk_weights[t, j] * expert_{topk_ids[t, j]}(x[t]) over this rank's
+        experts: x [T, hidden]; topk_weights [T, k] float32; topk_ids [T, k] int32
+        local expert ids, -1 for another rank's. Returns [T, hidden] in x's
+        dtype: this rank's partial sum."""
+
+    def process_weights_after_loading(self, layer: FusedMoE) -> None:  # noqa: B027 (optional)
+        """Derive what `apply` reads from the freshly written parameters."""
+
+    def drop_derived(self, layer: FusedMoE) -> None:  # noqa: B027 (optional)
+        """Forget what `process_weights_after_loading` derived."""
+
+    def describe(self, layer: FusedMoE) -> str:
+        """How the experts are computed, for the start-up log."""
+        return type(self).__name__
 
 
 class EmbeddingMethod(ABC):
@@ -165,6 +201,15 @@ class QuantizationConfig(ABC):
         from radixlm.layers.quantization.unquantized import UnquantizedEmbeddingMethod
 
         return UnquantizedEmbeddingMethod()
+
+    def get_moe_method(self, layer: FusedMoE, prefix: str) -> FusedMoEMethod:
+        """The method of MoE layer `prefix`'s experts ('model.layers.3.mlp.experts').
+        A format without expert kernels refuses: its checkpoint's expert tensors
+        are not float, and quantizing only the dense layers of a float
+        checkpoint would not be what `--quantization` asked for."""
+        raise ValueError(f"quantization {self.name!r}: the mixture-of-experts layer {prefix} "
+                         f"has no {self.name} expert kernels; serve the model unquantized or "
+                         "as GGUF")
 
     def checkpoint_weights(self, model_dir: str) -> Iterator[tuple[str, torch.Tensor]] | None:
         """The checkpoint's (name, whole tensor) pairs for a format whose tensors

@@ -11,6 +11,13 @@ the start-up log says which and why. The checkpoint tensors of a kept layer
 are the packed bytes, so a weight update or read-back of one speaks bytes
 too (`get_weights_by_name` gives them; an update from floats is refused by
 dtype).
+
+A MoE layer's experts (a file's stacked `ffn_*_exps`, one packed tensor per
+expert under its HF name) keep their blocks the same way when every expert's
+part is in a kept format (`GGUFFusedMoEMethod`): each rank's experts in two
+stacks of packed bytes, and per expert with tokens one product for gate/up
+and one for down in our kernels, so a decode step reads only the selected
+experts' blocks.
 """
 
 from __future__ import annotations
@@ -21,16 +28,25 @@ from typing import Any
 
 import torch
 
+from radixlm import distributed as tp
+from radixlm.layers.activation import SiluAndMul
 from radixlm.layers.cpu_ops import qgemm
 from radixlm.layers.cpu_ops.qpack import GGUF_FORMATS
-from radixlm.layers.quantization.base import EmbeddingMethod, LinearMethod, QuantizationConfig
+from radixlm.layers.quantization.base import (
+    EmbeddingMethod,
+    FusedMoEMethod,
+    LinearMethod,
+    QuantizationConfig,
+)
 from radixlm.layers.quantization.packed import (
     PackedEmbeddingMethod,
     PackedLinearMethod,
+    PackedSpec,
+    layer_parts,
     why_not_packed,
 )
 from radixlm.layers.quantization.unquantized import UnquantizedConfig
-from radixlm.layers.sharding import ShardId
+from radixlm.layers.sharding import ExpertSpec, ShardId
 
 # (our module name, shard id) -> (the checkpoint tensor's HF name, its GGUF type name)
 GGUFTensors = Mapping[tuple[str, ShardId], tuple[str, str]]
@@ -63,6 +79,98 @@ class GGUFLinearMethod(PackedLinearMethod):
     """Products on GGUF blocks (repacked); checkpoint tensors are the packed bytes."""
 
 
+# The stacked expert weights and their parts inside one expert.
+EXPERT_PARTS = {"gate_up_proj": (0, 1), "down_proj": (None,)}
+
+
+class GGUFFusedMoEMethod(FusedMoEMethod):
+    """Experts on GGUF blocks: per stacked weight one uint8 parameter [local
+    experts, bytes], each row an expert's `PackedLayout` bytes (gate then up;
+    down), loaded per expert from its packed checkpoint tensor (`PackedSpec`
+    under the layer's per-expert pieces). Only the experts with tokens run:
+    tokens grouped by expert, gate/up, silu * up and down in our kernels,
+    weighted sums in float32."""
+
+    def __init__(self, formats: dict[str, list[str]]) -> None:
+        self.formats = formats  # stacked weight -> its parts' formats
+
+    def create_weights(self, layer: Any, params_dtype: torch.dtype) -> None:
+        if params_dtype not in (torch.float32, torch.bfloat16):
+            raise ValueError(f"quantized CPU experts compute in float32 or bfloat16, not "
+                             f"{params_dtype} (pass --dtype float32 or bfloat16)")
+        for name, formats in self.formats.items():
+            part = layer.partition(name)
+            runs, parts = layer_parts(part, formats, part.input.size,
+                                      [p.size for p in part.outputs])
+            nbytes = sum(run.layout.nbytes for run in runs)
+            weight = torch.zeros(layer.num_local_experts, nbytes, dtype=torch.uint8,
+                                 device="cpu")
+            layer.add_weight(name, weight, ExpertSpec(PackedSpec(runs, parts), part))
+        self.act = SiluAndMul()
+
+    def process_weights_after_loading(self, layer: Any) -> None:
+        layer.packed_experts = [
+            tuple(self._runs(getattr(layer, name), e) for name in EXPERT_PARTS)
+            for e in range(layer.num_local_experts)]
+
+    @staticmethod
+    def _runs(param: torch.nn.Parameter, expert: int) -> list[tuple[Any, int, int]]:
+        buf = param.data[expert]
+        return [(run.layout.weight(buf[run.offset:run.offset + run.layout.nbytes]), run.column,
+                 run.column + run.layout.n) for run in param.weight_spec.inner.runs]
+
+    def drop_derived(self, layer: Any) -> None:
+        layer.packed_experts = None
+
+    def apply(self, layer: Any, x: torch.Tensor, topk_weights: torch.Tensor,
+              topk_ids: torch.Tensor) -> torch.Tensor:
+        from radixlm.layers.moe.cpu import group_by_expert
+
+        experts = layer.packed_experts
+        assert experts is not None, "process_weights_after_loading has not run on this layer"
+        tokens, k = topk_ids.shape
+        if tokens == 1:  # decode at batch 1: no grouping, one weighted add per expert
+            return self._one_token(experts, x, topk_weights, topk_ids)
+        acc = torch.zeros(x.shape, dtype=torch.float32)
+        order, counts, start = group_by_expert(topk_ids, len(experts))
+        pair_tokens = order // k
+        pair_weights = topk_weights.reshape(-1)[order].float()
+        for expert, count in enumerate(counts):
+            if count == 0:
+                continue
+            rows = pair_tokens[start:start + count]
+            weights = pair_weights[start:start + count, None]
+            start += count
+            gate_up, down = experts[expert]
+            y = _product(self.act(_product(x[rows], gate_up)), down)
+            acc.index_add_(0, rows, y * weights)
+        return acc.to(x.dtype)
+
+    def _one_token(self, experts: list[Any], x: torch.Tensor, topk_weights: torch.Tensor,
+                   topk_ids: torch.Tensor) -> torch.Tensor:
+        acc = torch.zeros(x.shape, dtype=torch.float32)
+        for expert, weight in zip(topk_ids[0].tolist(), topk_weights[0].tolist(), strict=True):
+            if expert >= 0:
+                gate_up, down = experts[expert]
+                acc.add_(_product(self.act(_product(x, gate_up)), down), alpha=weight)
+        return acc.to(x.dtype)
+
+    def describe(self, layer: Any) -> str:
+        kinds = ", ".join(f"{n} {'/'.join(sorted(set(f)))}" for n, f in self.formats.items())
+        return f"experts kept as GGUF blocks ({kinds}) on our {qgemm.default_isa()} kernels"
+
+
+def _product(x: torch.Tensor, runs: list[tuple[Any, int, int]]) -> torch.Tensor:
+    """x W^T for a packed weight of one or more runs (parts in different formats)."""
+    if len(runs) == 1:
+        return qgemm.linear(x, runs[0][0])
+    act = qgemm.quantize_activations(x, runs[0][0])
+    y = x.new_empty(x.shape[0], runs[-1][2])
+    for w, c0, c1 in runs:
+        qgemm.gemm_into(act, w, y[:, c0:c1])
+    return y
+
+
 class GGUFConfig(QuantizationConfig):
     """Per layer: its GGUF blocks where our kernels run their format, else floats."""
 
@@ -87,6 +195,46 @@ class GGUFConfig(QuantizationConfig):
         if formats is None:
             return self.fallback.get_embedding_method(layer, prefix)
         return PackedEmbeddingMethod(GGUFLinearMethod(formats))
+
+    def get_moe_method(self, layer: Any, prefix: str) -> FusedMoEMethod:
+        formats = self._expert_formats(layer, prefix)
+        if formats is None:
+            return self.fallback.get_moe_method(layer, prefix)
+        return GGUFFusedMoEMethod(formats)
+
+    def _expert_formats(self, layer: Any, prefix: str) -> dict[str, list[str]] | None:
+        """Each stacked weight's parts' formats when every expert of this layer
+        has its parts in one kept format each; None (and the reason) otherwise."""
+        check_cpu_kernels(self.name)
+        out: dict[str, list[str]] = {}
+        entries: list[tuple[str, str]] = []
+        for name, parts in EXPERT_PARTS.items():
+            out[name] = []
+            for part in parts:
+                found = [self.tensors.get((f"{prefix}.{name}", (e, part)))
+                         for e in range(layer.num_experts)]
+                if any(f is None for f in found):
+                    return None  # not GGUF experts; the loader names what is missing
+                kinds = sorted({kind for _, kind in found})
+                if len(kinds) > 1 or kinds[0] not in GGUF_FORMATS:
+                    self.floats[prefix] = (f"experts' {name} in GGUF type {', '.join(kinds)} "
+                                           f"(kept: one of {', '.join(GGUF_FORMATS)})")
+                    return None
+                out[name].append(GGUF_FORMATS[kinds[0]])
+                entries += found
+        ep = tp.moe_parallel()
+        if ep.ep_size > 1 and ep.tp_size > 1:
+            # Reading an expert back would gather its tiles over the wrong ranks.
+            self.floats[prefix] = "experts split over both expert and tensor parallelism"
+            return None
+        for name, formats in out.items():
+            part = layer.partition(name)
+            why = why_not_packed(part, formats, [p.size for p in part.outputs], part.input.size)
+            if why:
+                self.floats[prefix] = f"experts' {name}: {why}"
+                return None
+        self.packed.update(entries)
+        return out
 
     def _formats(self, layer: Any, prefix: str) -> list[str] | None:
         check_cpu_kernels(self.name)

@@ -25,12 +25,18 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from radixlm.layers.quantization.base import EmbeddingMethod, LinearMethod, QuantizationConfig
+from radixlm.layers.quantization.base import (
+    EmbeddingMethod,
+    FusedMoEMethod,
+    LinearMethod,
+    QuantizationConfig,
+)
 from radixlm.layers.sharding import AxisSpec
 from radixlm.utils import lazy_import, triton_installed
 
 if TYPE_CHECKING:
     from radixlm.layers.linear import LinearBase
+    from radixlm.layers.moe.fused_moe import FusedMoE
 
 _gemv = lazy_import("radixlm.layers.gemv")  # Triton: CUDA only
 
@@ -154,9 +160,15 @@ class UnquantizedConfig(QuantizationConfig):
     construction: what the layer's weight is created with (the loader builds
     the model under `with torch.device(...)` and the model's default dtype)."""
 
-    def __init__(self, prepack: bool = True, gemv: bool = True) -> None:
+    def __init__(self, prepack: bool = True, gemv: bool = True, moe_backend: str = "auto") -> None:
         self.prepack = prepack
         self.gemv = gemv
+        self.moe_backend = moe_backend  # --moe-runner-backend (layers/moe/backends.py)
+
+    def get_moe_method(self, layer: FusedMoE, prefix: str) -> FusedMoEMethod:
+        from radixlm.layers.moe.method import UnquantizedFusedMoEMethod
+
+        return UnquantizedFusedMoEMethod(self.moe_backend)
 
     def get_linear_method(self, layer: LinearBase, prefix: str) -> LinearMethod:
         device, dtype = torch.get_default_device(), layer.params_dtype

@@ -1,0 +1,65 @@
+"""The experts on the CPU: only the experts that have tokens, one product pair each.
+
+Token-expert pairs are grouped by expert (one sort); each expert with tokens
+multiplies its tokens' rows by its gate/up weight and its down weight (torch's
+matmuls: oneDNN, in the weights' dtype: bf16 or fp32), and the rows are
+weighted and summed into a float32 accumulator. Experts without tokens cost
+nothing, so decode reads only the k selected experts' weights per token,
+never a dense loop over all of them. Same signature as `torch_ref.fused_experts`.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from radixlm.layers.activation import GeluAndMul, SiluAndMul
+from radixlm.layers.moe.torch_ref import check_inputs
+
+_GATED = {"silu": SiluAndMul(), "gelu": GeluAndMul("none"), "gelu_tanh": GeluAndMul("tanh")}
+
+
+def group_by_expert(topk_ids: torch.Tensor, num_experts: int
+                    ) -> tuple[torch.Tensor, list[int], int]:
+    """(pair order sorted by expert, tokens per expert, pairs skipped): pair p is
+    token p // k's j-th choice; ids -1 (another rank's experts) sort first and
+    are skipped."""
+    flat = topk_ids.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    counts = torch.bincount(flat.long() + 1, minlength=num_experts + 1).tolist()
+    return order, counts[1:], counts[0]
+
+
+def fused_experts(hidden_states: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+                  topk_weights: torch.Tensor, topk_ids: torch.Tensor, *,
+                  activation: str = "silu", out: torch.Tensor | None = None) -> torch.Tensor:
+    """See `torch_ref.fused_experts`; products in the weights' dtype, sums in float32."""
+    check_inputs(hidden_states, w13, w2, topk_weights, topk_ids, activation)
+    act = _GATED[activation]
+    tokens, k = topk_ids.shape
+    acc = torch.zeros(hidden_states.shape, dtype=torch.float32)
+    if tokens == 1:  # decode at batch 1: no grouping, one weighted add per expert
+        for expert, weight in zip(topk_ids[0].tolist(), topk_weights[0].tolist(), strict=True):
+            if expert >= 0:
+                y = F.linear(act(F.linear(hidden_states, w13[expert])), w2[expert])
+                acc.add_(y, alpha=weight)
+        return _finish(acc, hidden_states.dtype, out)
+    order, counts, start = group_by_expert(topk_ids, w13.shape[0])
+    pair_tokens = order // k
+    pair_weights = topk_weights.reshape(-1)[order].float()
+    for expert, count in enumerate(counts):
+        if count == 0:
+            continue
+        rows = pair_tokens[start:start + count]
+        weights = pair_weights[start:start + count, None]
+        start += count
+        y = F.linear(act(F.linear(hidden_states[rows], w13[expert])), w2[expert])
+        acc.index_add_(0, rows, y * weights)
+    return _finish(acc, hidden_states.dtype, out)
+
+
+def _finish(acc: torch.Tensor, dtype: torch.dtype, out: torch.Tensor | None) -> torch.Tensor:
+    if out is None:
+        return acc.to(dtype)
+    out.copy_(acc)
+    return out
