@@ -57,8 +57,12 @@ GATE_UP_MAX_N = 128  # the fused tile holds 2 x block_n accumulator columns
 
 
 def candidates(block_m: int, gate_up: bool) -> list[GemmTile]:
+    """The grid for one GEMM, without tiles whose fp32 accumulators pass 128 registers
+    per thread (ptxas spills them at sm_90: BLOCK_M 128, fused 2 x 128 columns, 4 warps)."""
     tiles = [GemmTile(*c) for c in (SMALL_M_TILES if block_m <= 32 else LARGE_M_TILES)]
-    return [c for c in tiles if not gate_up or c.block_n <= GATE_UP_MAX_N]
+    acc_cols = 2 if gate_up else 1
+    return [c for c in tiles if (not gate_up or c.block_n <= GATE_UP_MAX_N)
+            and block_m * c.block_n * acc_cols <= 128 * 32 * c.num_warps]
 
 
 class Tuner:

@@ -135,14 +135,14 @@ def check_alignment(topk_ids: torch.Tensor, e: int, block_m: int, aligned) -> No
 
 
 ALIGN_CASES = [  # (tokens, top_k, experts, block_m, max_chunks, kind)
-    (1, 8, 128, 16, 64, "random"),
-    (5, 2, 8, 16, 64, "random"),
-    (40, 2, 8, 16, 64, "ep"),
-    (300, 2, 8, 32, 64, "random"),  # past 2 tiles: the count / scan / scatter path
-    (300, 2, 8, 16, 3, "one"),  # 3 chunks of several tiles each
-    (50, 8, 60, 64, 64, "half"),  # experts not a power of two
+    (1, 8, 128, 16, None, "random"),
+    (5, 2, 8, 16, None, "random"),
+    (40, 2, 8, 16, None, "ep"),
+    (600, 2, 8, 32, None, "random"),  # past SINGLE_TILES tiles: count / scan / scatter
+    (600, 2, 8, 16, 3, "one"),  # 3 chunks of several tiles each
+    (50, 8, 60, 64, None, "half"),  # experts not a power of two; 400 pairs of 32-pair tiles
     (64, 8, 128, 128, 4, "random"),
-    (33, 1, 8, 16, 64, "one"),
+    (33, 1, 8, 16, None, "one"),
 ]
 
 

@@ -119,6 +119,16 @@ def _device_name(index: int) -> str:
     return torch.cuda.get_device_name(index)
 
 
+# (most expected rows per routed expert, config): decode is weight-read bound (many
+# narrow column tiles), prefill compute bound (the largest tiles that do not spill).
+HEURISTIC = [
+    (24, MoEConfig(16, GemmTile(32, 128, 1, 4, 4), GemmTile(64, 128, 1, 4, 4))),
+    (48, MoEConfig(32, GemmTile(64, 128, 1, 4, 3), GemmTile(64, 128, 1, 4, 4))),
+    (96, MoEConfig(64, GemmTile(64, 64, 8, 4, 4), GemmTile(128, 64, 8, 4, 4))),
+    (math.inf, MoEConfig(128, GemmTile(128, 64, 8, 8, 3), GemmTile(256, 64, 8, 8, 3))),
+]
+
+
 def heuristic_config(num_tokens: int, num_experts: int, top_k: int,
                      dtype: torch.dtype) -> MoEConfig:
     """A config from the expected rows per routed expert (uniform routing), for
@@ -126,16 +136,12 @@ def heuristic_config(num_tokens: int, num_experts: int, top_k: int,
     pairs = num_tokens * top_k
     active = num_experts * (1.0 - (1.0 - 1.0 / num_experts) ** pairs)  # experts hit
     rows = pairs / max(active, 1.0)
-    wide = dtype.itemsize <= 2
-    if rows <= 24:  # decode: weight-read bound, many narrow column tiles
-        cfg = MoEConfig(16, GemmTile(32, 128, 1, 4, 4), GemmTile(64, 128, 1, 4, 4))
-    elif rows <= 48:
-        cfg = MoEConfig(32, GemmTile(64, 128, 1, 4, 3), GemmTile(64, 128, 1, 4, 4))
-    elif rows <= 96:
-        cfg = MoEConfig(64, GemmTile(64, 64, 8, 4, 4), GemmTile(128, 64, 8, 4, 4))
-    else:  # prefill: compute bound, the largest tiles
-        cfg = MoEConfig(128, GemmTile(128, 64, 8, 8, 3), GemmTile(256, 64, 8, 8, 3))
-    if not wide:  # fp32: half the K step keeps the same bytes per stage
+    cfg = next(c for most, c in HEURISTIC if rows <= most)
+    if dtype.itemsize > 2:
+        # fp32 operands take twice the registers and shared memory: BLOCK_M 128 spills
+        # (ptxas, sm_90), and half the K step keeps the bytes per stage.
+        if cfg.block_m > 64:
+            cfg = HEURISTIC[2][1]
         cfg = replace(cfg, gate_up=replace(cfg.gate_up, block_k=cfg.gate_up.block_k // 2),
                       down=replace(cfg.down, block_k=cfg.down.block_k // 2))
     return cfg

@@ -22,7 +22,7 @@ No host synchronisation: the outputs are sized for the worst case from shapes al
 `numel + min(numel, E) * (BLOCK_M - 1)` rows: 8 blocks, not 128, at one decode
 token with top-8 of 128 experts and BLOCK_M 16.
 
-Kernels: up to `2 * tile` pairs (decode) one program does everything in one launch;
+Kernels: up to SINGLE_TILES tiles of pairs (decode) one program does everything;
 beyond that (prefill) `count` (one program per chunk of pairs: a per-expert
 histogram), `scan` (one program: expert starts, block map, padding, each chunk's
 first row per expert), `scatter` (one program per chunk). A tile of S pairs is
@@ -38,7 +38,10 @@ import torch
 import triton
 import triton.language as tl
 
-MAX_CHUNKS = 64  # the scan program holds a [chunks, experts] count matrix in registers
+# Register tiles of the kernels hold ~4096 int32 (32 per thread at 4 warps): ptxas
+# spills past ~16k (sm_90, [256, 64] one-hot tiles).
+TILE_ELEMS = 4096
+SINGLE_TILES = 4  # up to this many tiles of pairs, one program does all (decode)
 
 
 class AlignedPairs(NamedTuple):
@@ -54,9 +57,9 @@ def max_padded_rows(numel: int, num_experts: int, block_m: int) -> int:
     return triton.cdiv(rows, block_m) * block_m
 
 
-def _tile_pairs(experts_pow2: int) -> int:
-    # A [S, E] int32 one-hot tile of ~16k elements: 128 per thread at 4 warps.
-    return max(16, min(256, 16384 // experts_pow2))
+def _tile(experts_pow2: int, most: int, least: int = 1) -> int:
+    """Rows of a [rows, E] register tile."""
+    return max(least, min(most, TILE_ELEMS // experts_pow2))
 
 
 @triton.jit
@@ -92,9 +95,9 @@ def _scatter_range(ids_ptr, sorted_ptr, lo, hi, base, num_experts, EP: tl.conste
 
 @triton.jit
 def _write_layout(counts, sorted_ptr, expert_ids_ptr, npp_ptr, numel, max_blocks,
-                  EP: tl.constexpr, BLOCK_M: tl.constexpr, BB: tl.constexpr):
+                  EP: tl.constexpr, BLOCK_M: tl.constexpr, BB: tl.constexpr, QB: tl.constexpr):
     """Block map, padding rows and num_post_padded from per-expert counts [EP];
-    returns each expert's first row."""
+    returns each expert's first row. BB blocks, QB padding rows per expert per step."""
     padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
     end = tl.cumsum(padded, axis=0)
     start = end - padded
@@ -107,20 +110,21 @@ def _write_layout(counts, sorted_ptr, expert_ids_ptr, npp_ptr, numel, max_blocks
         # or before the block's first row (empty experts end where they start).
         owner = tl.sum((end[None, :] <= row0[:, None]).to(tl.int32), axis=1)
         tl.store(expert_ids_ptr + blk, tl.where(row0 < total, owner, -1), mask=blk < max_blocks)
-    q = tl.arange(0, BLOCK_M)
-    pad_row = (start + counts)[:, None] + q[None, :]
-    pad = q[None, :] < (padded - counts)[:, None]
-    tl.store(sorted_ptr + pad_row, tl.zeros([EP, BLOCK_M], dtype=tl.int32) + numel, mask=pad)
+    pads = padded - counts
+    for q0 in range(0, BLOCK_M - 1, QB):  # an expert has at most BLOCK_M - 1 padding rows
+        q = q0 + tl.arange(0, QB)
+        tl.store(sorted_ptr + (start + counts)[:, None] + q[None, :],
+                 tl.zeros([EP, QB], dtype=tl.int32) + numel, mask=q[None, :] < pads[:, None])
     return start
 
 
 @triton.jit
 def _align_single_kernel(ids_ptr, sorted_ptr, expert_ids_ptr, npp_ptr, numel, num_experts,
                          max_blocks, EP: tl.constexpr, BLOCK_M: tl.constexpr, S: tl.constexpr,
-                         BB: tl.constexpr):
+                         BB: tl.constexpr, QB: tl.constexpr):
     counts = _count_range(ids_ptr, 0, numel, num_experts, EP, S)
     start = _write_layout(counts, sorted_ptr, expert_ids_ptr, npp_ptr, numel, max_blocks,
-                          EP, BLOCK_M, BB)
+                          EP, BLOCK_M, BB, QB)
     # Padding and pair rows are disjoint, so no barrier is needed between them.
     _scatter_range(ids_ptr, sorted_ptr, 0, numel, start, num_experts, EP, S)
 
@@ -138,13 +142,13 @@ def _align_count_kernel(ids_ptr, counts_ptr, numel, num_experts, chunk, EP: tl.c
 @triton.jit
 def _align_scan_kernel(counts_ptr, sorted_ptr, expert_ids_ptr, npp_ptr, numel, num_chunks,
                        max_blocks, EP: tl.constexpr, CP: tl.constexpr, BLOCK_M: tl.constexpr,
-                       BB: tl.constexpr):
+                       BB: tl.constexpr, QB: tl.constexpr):
     rows = tl.arange(0, CP)
     ptrs = counts_ptr + rows[:, None] * EP + tl.arange(0, EP)[None, :]
     live = (rows < num_chunks)[:, None]
     counts = tl.load(ptrs, mask=live, other=0)
     start = _write_layout(tl.sum(counts, axis=0), sorted_ptr, expert_ids_ptr, npp_ptr, numel,
-                          max_blocks, EP, BLOCK_M, BB)
+                          max_blocks, EP, BLOCK_M, BB, QB)
     # Chunk c's first row for expert e: e's start plus the pairs of earlier chunks.
     base = start[None, :] + tl.cumsum(counts, axis=0) - counts
     tl.store(ptrs, base, mask=live)
@@ -161,11 +165,12 @@ def _align_scatter_kernel(ids_ptr, bases_ptr, sorted_ptr, numel, num_experts, ch
 
 
 def moe_align_block_size(topk_ids: torch.Tensor, num_experts: int, block_m: int, *,
-                         max_chunks: int = MAX_CHUNKS) -> AlignedPairs:
+                         max_chunks: int | None = None) -> AlignedPairs:
     """The expert-sorted, BLOCK_M-padded row layout of `topk_ids` ([T, k] int32,
     contiguous; see the module docstring). `block_m`: a power of two >= 16.
-    `max_chunks` bounds the prefill path's programs (a test lowers it to give each
-    several tiles). No host sync; one launch up to 2 tiles of pairs, three beyond."""
+    `max_chunks` bounds the prefill path's programs (default: what the scan's
+    [chunks, E] register tile allows; a test lowers it to give each several tiles).
+    No host sync; one launch up to SINGLE_TILES tiles of pairs, three beyond."""
     assert topk_ids.dtype == torch.int32 and topk_ids.is_contiguous()
     assert block_m >= 16 and block_m & (block_m - 1) == 0, block_m
     numel = topk_ids.numel()
@@ -176,22 +181,23 @@ def moe_align_block_size(topk_ids: torch.Tensor, num_experts: int, block_m: int,
     expert_ids = torch.empty(max_blocks, dtype=torch.int32, device=dev)
     npp = torch.empty(1, dtype=torch.int32, device=dev)
     ep = max(16, triton.next_power_of_2(num_experts))
-    s = _tile_pairs(ep)
-    bb = max(16, min(128, triton.next_power_of_2(max(max_blocks, 1))))
-    if numel <= 2 * s:
+    s = _tile(ep, 256, least=16)
+    layout = dict(BLOCK_M=block_m, BB=_tile(ep, triton.next_power_of_2(max(max_blocks, 1))),
+                  QB=_tile(ep, block_m))
+    if numel <= SINGLE_TILES * s:
         s = max(16, min(s, triton.next_power_of_2(numel)))  # a decode step: a small tile
         _align_single_kernel[(1,)](topk_ids, sorted_ids, expert_ids, npp, numel, num_experts,
-                                   max_blocks, EP=ep, BLOCK_M=block_m, S=s, BB=bb, num_warps=4)
+                                   max_blocks, EP=ep, S=s, **layout, num_warps=4)
         return AlignedPairs(sorted_ids, expert_ids, npp, block_m)
+    max_chunks = max_chunks or _tile(ep, 64, least=2)
     chunk = max(s, triton.cdiv(triton.cdiv(numel, max_chunks), s) * s)
     num_chunks = triton.cdiv(numel, chunk)
     counts = torch.empty((num_chunks, ep), dtype=torch.int32, device=dev)
     _align_count_kernel[(num_chunks,)](topk_ids, counts, numel, num_experts, chunk, EP=ep, S=s,
                                        num_warps=4)
-    cp = max(2, triton.next_power_of_2(num_chunks))
     _align_scan_kernel[(1,)](counts, sorted_ids, expert_ids, npp, numel, num_chunks, max_blocks,
-                             EP=ep, CP=cp, BLOCK_M=block_m, BB=bb,
-                             num_warps=8 if cp * ep >= 8192 else 4)
+                             EP=ep, CP=max(2, triton.next_power_of_2(num_chunks)), **layout,
+                             num_warps=4)
     _align_scatter_kernel[(num_chunks,)](topk_ids, counts, sorted_ids, numel, num_experts, chunk,
                                          EP=ep, S=s, num_warps=4)
     return AlignedPairs(sorted_ids, expert_ids, npp, block_m)
