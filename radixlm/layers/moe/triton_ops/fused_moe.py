@@ -86,38 +86,13 @@ def fused_experts(hidden_states: torch.Tensor, w13: torch.Tensor, w2: torch.Tens
 
 def _check_inputs(x, w13, w2, topk_weights, topk_ids, activation, out, w13_scale, w2_scale,
                   block_shape) -> None:
+    """Refuse, by name, any input the kernels cannot compute as the contract says."""
     if activation not in ACTIVATIONS:
         raise ValueError(f"fused_experts: activation={activation!r} is not implemented "
                          f"(supported: {', '.join(ACTIVATIONS)})")
-    if x.dtype not in DTYPES:
-        raise ValueError(f"fused_experts: hidden_states dtype {x.dtype} is not one of "
-                         f"bfloat16, float16, float32")
-    if x.dim() != 2 or not x.is_contiguous():
-        raise ValueError(f"fused_experts: hidden_states must be a contiguous [T, H], "
-                         f"got shape {tuple(x.shape)}")
-    t, h = x.shape
-    if w13.dim() != 3 or w2.dim() != 3 or w13.shape[2] != h or w13.shape[1] % 2:
-        raise ValueError(f"fused_experts: w13 must be [E, 2I, H={h}] and w2 [E, H, I], got "
-                         f"{tuple(w13.shape)} and {tuple(w2.shape)}")
-    e, inter = w13.shape[0], w13.shape[1] // 2
-    if tuple(w2.shape) != (e, h, inter):
-        raise ValueError(f"fused_experts: w2 must be [E={e}, H={h}, I={inter}] to match w13, "
-                         f"got {tuple(w2.shape)}")
-    if not (w13.is_contiguous() and w2.is_contiguous()):
-        raise ValueError("fused_experts: w13 and w2 must be contiguous")
-    if topk_ids.dtype != torch.int32 or topk_ids.dim() != 2 or topk_ids.shape[0] != t:
-        raise ValueError(f"fused_experts: topk_ids must be int32 [T={t}, k], got "
-                         f"{topk_ids.dtype} {tuple(topk_ids.shape)} (cast once after the top-k)")
-    if (topk_weights.dtype != torch.float32
-            or tuple(topk_weights.shape) != tuple(topk_ids.shape)):
-        raise ValueError(f"fused_experts: topk_weights must be float32 {tuple(topk_ids.shape)}, "
-                         f"got {topk_weights.dtype} {tuple(topk_weights.shape)}")
-    if not (topk_ids.is_contiguous() and topk_weights.is_contiguous()):
-        raise ValueError("fused_experts: topk_ids and topk_weights must be contiguous")
-    if out is not None and (tuple(out.shape) != (t, h) or out.dtype != x.dtype
-                            or out.stride(1) != 1):
-        raise ValueError(f"fused_experts: out must be [{t}, {h}] {x.dtype} with a contiguous "
-                         f"last dim, got {out.dtype} {tuple(out.shape)}")
+    _check_hidden(x, out)
+    _check_weights(x, w13, w2)
+    _check_routing(x, topk_weights, topk_ids)
     _check_scales(w13, w13_scale, "w13", x.dtype, block_shape)
     _check_scales(w2, w2_scale, "w2", x.dtype, block_shape)
     if not x.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
@@ -128,6 +103,43 @@ def _check_inputs(x, w13, w2, topk_weights, topk_ids, activation, out, w13_scale
         if tensor.device != x.device:
             raise ValueError(f"fused_experts: {name} is on {tensor.device}, hidden_states on "
                              f"{x.device}")
+
+
+def _check_hidden(x: torch.Tensor, out: torch.Tensor | None) -> None:
+    if x.dtype not in DTYPES:
+        raise ValueError(f"fused_experts: hidden_states dtype {x.dtype} is not one of "
+                         f"bfloat16, float16, float32")
+    if x.dim() != 2 or not x.is_contiguous():
+        raise ValueError(f"fused_experts: hidden_states must be a contiguous [T, H], "
+                         f"got shape {tuple(x.shape)}")
+    if out is not None and (out.shape != x.shape or out.dtype != x.dtype or out.stride(1) != 1):
+        raise ValueError(f"fused_experts: out must be {list(x.shape)} {x.dtype} with a "
+                         f"contiguous last dim, got {out.dtype} {tuple(out.shape)}")
+
+
+def _check_weights(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> None:
+    h = x.shape[1]
+    if w13.dim() != 3 or w2.dim() != 3 or w13.shape[2] != h or w13.shape[1] % 2:
+        raise ValueError(f"fused_experts: w13 must be [E, 2I, H={h}] and w2 [E, H, I], got "
+                         f"{tuple(w13.shape)} and {tuple(w2.shape)}")
+    e, inter = w13.shape[0], w13.shape[1] // 2
+    if tuple(w2.shape) != (e, h, inter):
+        raise ValueError(f"fused_experts: w2 must be [E={e}, H={h}, I={inter}] to match w13, "
+                         f"got {tuple(w2.shape)}")
+    if not (w13.is_contiguous() and w2.is_contiguous()):
+        raise ValueError("fused_experts: w13 and w2 must be contiguous")
+
+
+def _check_routing(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> None:
+    t = x.shape[0]
+    if topk_ids.dtype != torch.int32 or topk_ids.dim() != 2 or topk_ids.shape[0] != t:
+        raise ValueError(f"fused_experts: topk_ids must be int32 [T={t}, k], got "
+                         f"{topk_ids.dtype} {tuple(topk_ids.shape)} (cast once after the top-k)")
+    if topk_weights.dtype != torch.float32 or topk_weights.shape != topk_ids.shape:
+        raise ValueError(f"fused_experts: topk_weights must be float32 {tuple(topk_ids.shape)}, "
+                         f"got {topk_weights.dtype} {tuple(topk_weights.shape)}")
+    if not (topk_ids.is_contiguous() and topk_weights.is_contiguous()):
+        raise ValueError("fused_experts: topk_ids and topk_weights must be contiguous")
 
 
 def _check_scales(w: torch.Tensor, scale: torch.Tensor | None, name: str, act: torch.dtype,
