@@ -46,9 +46,13 @@ DTYPES = [torch.float32, torch.float16] if INTERPRET else [torch.bfloat16, torch
 
 # ---- references and inputs ---------------------------------------------------------
 
+ACTS = {"silu": torch.nn.functional.silu, "gelu": torch.nn.functional.gelu,
+        "gelu_tanh": lambda v: torch.nn.functional.gelu(v, approximate="tanh")}
+
+
 def ref_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-                topk_ids: torch.Tensor) -> torch.Tensor:
-    """float64 per-expert loop: each expert's tokens through gate/up, SiLU-and-mul, down."""
+                topk_ids: torch.Tensor, activation: str = "silu") -> torch.Tensor:
+    """float64 per-expert loop: each expert's tokens through gate/up, act-and-mul, down."""
     e_num, inter = w13.shape[0], w2.shape[2]
     xd = x.double()
     out = torch.zeros_like(xd)
@@ -57,7 +61,7 @@ def ref_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weigh
         if tok.numel() == 0:
             continue
         h = xd[tok] @ w13[e].double().T
-        act = torch.nn.functional.silu(h[:, :inter]) * h[:, inter:]
+        act = ACTS[activation](h[:, :inter]) * h[:, inter:]
         y = (act @ w2[e].double().T) * topk_weights[tok, slot].double()[:, None]
         out.index_add_(0, tok, y)
     return out
@@ -104,7 +108,8 @@ def run_case(t: int, e: int, k: int, h: int, inter: int, dtype: torch.dtype, kin
     topk_weights, topk_ids = make_routing(t, e, k, kind, gen)
     out = fused_experts(x, w13, w2, topk_weights, topk_ids, **kwargs)
     assert out.shape == (t, h) and out.dtype == dtype
-    return rel_err(out, ref_experts(x, w13, w2, topk_weights, topk_ids))
+    ref = ref_experts(x, w13, w2, topk_weights, topk_ids, kwargs.get("activation", "silu"))
+    return rel_err(out, ref)
 
 
 # ---- the alignment -----------------------------------------------------------------
@@ -222,6 +227,17 @@ def test_unselected_experts_are_not_read():
 
 
 @needs_kernels
+@pytest.mark.parametrize("activation", ["gelu", "gelu_tanh"])
+@pytest.mark.parametrize("fuse", [True, False], ids=["fused", "unfused"])
+def test_gelu_activations(activation, fuse):
+    """The other gated activations the MoE layers pass (GELU erf and tanh)."""
+    dtype = DTYPES[-1] if INTERPRET else torch.bfloat16
+    err = run_case(9, 8, 2, 64, 48, dtype, "ep", seed=12, activation=activation,
+                   fuse_activation=fuse)
+    assert err < TOL[dtype], err
+
+
+@needs_kernels
 def test_out_and_unfused_variant():
     """`out` is written and returned; the unfused gate/up + SiLU kernel agrees."""
     from radixlm.layers.moe.triton_ops.fused_moe import fused_experts
@@ -310,7 +326,7 @@ def test_refusals():
     x = torch.randn(4, 64, generator=gen).to(DEV)
     tw, ti = make_routing(4, 8, 2, "random", gen)
     cases = [
-        (dict(activation="gelu"), "activation='gelu'"),
+        (dict(activation="relu"), "activation='relu'"),
         (dict(topk_ids=ti.long()), "topk_ids must be int32"),
         (dict(topk_weights=tw.half()), "topk_weights must be float32"),
         (dict(w2=w2[:, :, :16].contiguous()), "w2 must be"),

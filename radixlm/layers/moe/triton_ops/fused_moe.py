@@ -1,11 +1,11 @@
 """`fused_experts`: a MoE layer's routed experts on the GPU in four launches.
 
-    out[t] = sum_j topk_weights[t, j] * w2[e] @ (silu(w13[e, :I] @ x_t) * (w13[e, I:] @ x_t)),
-    e = topk_ids[t, j]
+    out[t] = sum_j topk_weights[t, j] * w2[e] @ (act(w13[e, :I] @ x_t) * (w13[e, I:] @ x_t)),
+    e = topk_ids[t, j], act = SiLU (default), GELU (erf) or GELU-tanh
 
 1. `moe_align_block_size`: the (token, expert) pairs sorted by expert, each group
    padded to BLOCK_M rows (`moe_align.py`).
-2. Grouped GEMM gate/up with SiLU-and-mul fused: each row block reads only its
+2. Grouped GEMM gate/up with act-and-mul fused: each row block reads only its
    expert's weights, so a decode step reads just the selected experts.
 3. Grouped GEMM down, each row multiplied by its routing weight, written per pair.
 4. The sum over top-k (`moe_sum.py`), which also drops pairs with id -1.
@@ -48,11 +48,11 @@ from radixlm.layers.moe.triton_ops.configs import (
     fit_tile,
     get_config,
 )
-from radixlm.layers.moe.triton_ops.grouped_gemm import moe_gemm_kernel
+from radixlm.layers.moe.triton_ops.grouped_gemm import ACT_CODES, moe_gemm_kernel
 from radixlm.layers.moe.triton_ops.moe_align import AlignedPairs, moe_align_block_size
 from radixlm.layers.moe.triton_ops.moe_sum import moe_sum
 
-ACTIVATIONS = ("silu",)
+ACTIVATIONS = tuple(ACT_CODES)  # silu, gelu (erf), gelu_tanh: act(gate) * up
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 # Tokens per pass: bounds the workspaces ([rows, I] and [T * k, H]) at long prefills.
 CHUNK_TOKENS = 16384
@@ -69,7 +69,7 @@ def fused_experts(hidden_states: torch.Tensor, w13: torch.Tensor, w2: torch.Tens
 
     `config` (else `table`, else the committed table, else the heuristic) picks the
     tiles; `fuse_activation=False` runs gate/up as a plain grouped GEMM into
-    [rows, 2I] and SiLU-and-mul as its own kernel (the benchmark's comparison)."""
+    [rows, 2I] and act-and-mul as its own kernel (the benchmark's comparison)."""
     _check_inputs(hidden_states, w13, w2, topk_weights, topk_ids, activation, out,
                   w13_scale, w2_scale, block_shape)
     t, h = hidden_states.shape
@@ -80,7 +80,8 @@ def fused_experts(hidden_states: torch.Tensor, w13: torch.Tensor, w2: torch.Tens
         cfg = config or get_config(hi - lo, w13.shape[0], h, w2.shape[2], topk_ids.shape[1],
                                    hidden_states.dtype, hidden_states.device, table)
         _fused_chunk(hidden_states[lo:hi], w13, w2, topk_weights[lo:hi], topk_ids[lo:hi],
-                     out[lo:hi], w13_scale, w2_scale, block_shape, cfg, fuse_activation)
+                     out[lo:hi], w13_scale, w2_scale, block_shape, cfg, activation,
+                     fuse_activation)
     return out
 
 
@@ -167,7 +168,7 @@ def _check_scales(w: torch.Tensor, scale: torch.Tensor | None, name: str, act: t
 
 
 def _fused_chunk(x, w13, w2, topk_weights, topk_ids, out, w13_scale, w2_scale, block_shape,
-                 cfg: MoEConfig, fuse_activation: bool) -> None:
+                 cfg: MoEConfig, activation: str, fuse_activation: bool) -> None:
     t, h = x.shape
     if t == 0:
         return
@@ -178,29 +179,40 @@ def _fused_chunk(x, w13, w2, topk_weights, topk_ids, out, w13_scale, w2_scale, b
     act = torch.empty((rows, inter), dtype=x.dtype, device=x.device)
     if fuse_activation:
         _grouped_gemm(x, w13, act, aligned, w13_scale, block_shape, cfg.gate_up, topk_weights,
-                      n=inter, k=h, top_k=top_k, silu_mul=True)
+                      n=inter, k=h, top_k=top_k, activation=activation)
     else:
-        from radixlm.layers.fused_ops import silu_and_mul
-
         gate_up = torch.empty((rows, 2 * inter), dtype=x.dtype, device=x.device)
         # Twice the columns of one weight tile: the fused tile's gate + up, same registers.
         wide = replace(cfg.gate_up, block_n=2 * cfg.gate_up.block_n)
         _grouped_gemm(x, w13, gate_up, aligned, w13_scale, block_shape, wide, topk_weights,
                       n=2 * inter, k=h, top_k=top_k)
-        act = silu_and_mul(gate_up)
+        act = _act_and_mul(gate_up, activation)
     per_pair = torch.empty((t * top_k, h), dtype=x.dtype, device=x.device)
     _grouped_gemm(act, w2, per_pair, aligned, w2_scale, block_shape, cfg.down, topk_weights,
                   n=h, k=inter, top_k=1, a_sorted=True, c_by_pair=True, mul_weight=True)
     moe_sum(per_pair, topk_ids, e, out)
 
 
+def _act_and_mul(gate_up: torch.Tensor, activation: str) -> torch.Tensor:
+    """The unfused variant's activation kernel: [rows, 2I] -> [rows, I]."""
+    from radixlm.layers.fused_ops import gelu_tanh_and_mul, silu_and_mul
+
+    if activation == "silu":
+        return silu_and_mul(gate_up)
+    if activation == "gelu_tanh":
+        return gelu_tanh_and_mul(gate_up)
+    inter = gate_up.shape[1] // 2
+    return (torch.nn.functional.gelu(gate_up[:, :inter].float())
+            * gate_up[:, inter:].float()).to(gate_up.dtype)
+
+
 def _grouped_gemm(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, aligned: AlignedPairs,
                   b_scale: torch.Tensor | None, block_shape: Sequence[int] | None,
                   tile: GemmTile, topk_weights: torch.Tensor, *, n: int, k: int, top_k: int,
-                  silu_mul: bool = False, a_sorted: bool = False, c_by_pair: bool = False,
-                  mul_weight: bool = False) -> None:
+                  activation: str | None = None, a_sorted: bool = False,
+                  c_by_pair: bool = False, mul_weight: bool = False) -> None:
     """One launch of `moe_gemm_kernel` over the aligned rows; n is the output width
-    (I for the fused gate/up, whose B holds 2I rows)."""
+    (I for the fused gate/up with `activation`, whose B holds 2I rows)."""
     if b_scale is None:
         scale_mode, sbn, sbk, scale = 0, 1, 1, topk_weights  # any pointer: never read
         strides = (0, 0, 0)
@@ -211,15 +223,16 @@ def _grouped_gemm(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, aligned: Al
         scale_mode, (sbn, sbk), scale = 2, block_shape, b_scale
         strides = (b_scale.stride(0), b_scale.stride(1), b_scale.stride(2))
     tile = fit_tile(tile, n, k, aligned.block_m, a.element_size(), b.element_size(),
-                    2 if silu_mul else 1, sbk if scale_mode == 2 else None)
+                    2 if activation else 1, sbk if scale_mode == 2 else None)
     blocks_m = aligned.expert_ids.numel()
     grid = (blocks_m * triton.cdiv(n, tile.block_n),)
     moe_gemm_kernel[grid](
         a, b, c, scale, topk_weights, aligned.sorted_ids, aligned.expert_ids,
         aligned.num_post_padded, n, k, topk_weights.numel(), blocks_m,
         a.stride(0), b.stride(0), b.stride(1), c.stride(0), *strides,
-        TOP_K=top_k, A_SORTED=a_sorted, C_BY_PAIR=c_by_pair, SILU_MUL=silu_mul,
-        MUL_WEIGHT=mul_weight, SCALE=scale_mode, SCALE_BN=sbn, SCALE_BK=sbk,
+        TOP_K=top_k, A_SORTED=a_sorted, C_BY_PAIR=c_by_pair, ACT_MUL=activation is not None,
+        ACT=ACT_CODES.get(activation, 0), MUL_WEIGHT=mul_weight, SCALE=scale_mode,
+        SCALE_BN=sbn, SCALE_BK=sbk,
         EVEN_K=k % tile.block_k == 0, DOT_PREC="ieee" if a.dtype == torch.float32 else "tf32",
         BLOCK_M=aligned.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
         GROUP_M=tile.group_m, num_warps=tile.num_warps, num_stages=tile.num_stages,

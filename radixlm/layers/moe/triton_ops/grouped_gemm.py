@@ -4,16 +4,17 @@ expert's weight.
 
 Two uses, chosen by constexpr flags:
 
-- gate/up (`SILU_MUL`): A = hidden states, row `pair // TOP_K` of each sorted row;
+- gate/up (`ACT_MUL`): A = hidden states, row `pair // TOP_K` of each sorted row;
   B = w13[e] ([2I, K]); the program keeps a gate and an up accumulator for the same
-  columns (weight rows n and I + n) and writes silu(gate) * up, so the [rows, 2I]
-  product never reaches memory. Output: the intermediate [rows, I] in sorted-row
-  order, which the down GEMM then reads as contiguous row blocks (`A_SORTED`).
+  columns (weight rows n and I + n) and writes act(gate) * up (`ACT`: SiLU, GELU or
+  GELU-tanh), so the [rows, 2I] product never reaches memory. Output: the
+  intermediate [rows, I] in sorted-row order, which the down GEMM then reads as
+  contiguous row blocks (`A_SORTED`).
 - down (`MUL_WEIGHT`): A = the intermediate; B = w2[e] ([H, I]); each row is
   multiplied by its pair's routing weight and written at the pair's index
   (`C_BY_PAIR`), [T * k, H], for the top-k sum.
 
-Without SILU_MUL and C_BY_PAIR it is a plain grouped GEMM into sorted rows (the
+Without ACT_MUL and C_BY_PAIR it is a plain grouped GEMM into sorted rows (the
 unfused variant the benchmark compares against).
 
 Accumulation in fp32; fp32 inputs use true fp32 products ("ieee"). Weights may be
@@ -32,13 +33,24 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+# Gated activations, by the code moe_gemm_kernel's ACT takes.
+ACT_CODES = {"silu": 0, "gelu": 1, "gelu_tanh": 2}
+
 
 @triton.jit
-def _silu_mul(gate, up, dtype: tl.constexpr):
-    # Rounded to the activation dtype first, as an unfused matmul + silu_and_mul are.
+def _act_mul(gate, up, dtype: tl.constexpr, ACT: tl.constexpr):
+    """act(gate) * up in fp32, gate and up first rounded to the activation dtype (as
+    an unfused matmul's outputs are)."""
     g = gate.to(dtype).to(tl.float32)
     u = up.to(dtype).to(tl.float32)
-    return g / (1.0 + tl.exp(-g)) * u
+    if ACT == 0:
+        a = g / (1.0 + tl.exp(-g))
+    elif ACT == 1:
+        a = 0.5 * g * (1.0 + tl.math.erf(g * 0.7071067811865476))
+    else:  # tanh(v) = 1 - 2 / (exp(2v) + 1): portable where libdevice is not
+        v = 0.7978845608028654 * (g + 0.044715 * g * g * g)
+        a = 0.5 * g * (2.0 - 2.0 / (tl.exp(2.0 * v) + 1.0))
+    return a * u
 
 
 @triton.jit
@@ -60,7 +72,7 @@ def moe_gemm_kernel(
     stride_am, stride_be, stride_bn, stride_cm,
     stride_se, stride_sn, stride_sk,
     TOP_K: tl.constexpr, A_SORTED: tl.constexpr, C_BY_PAIR: tl.constexpr,
-    SILU_MUL: tl.constexpr, MUL_WEIGHT: tl.constexpr,
+    ACT_MUL: tl.constexpr, ACT: tl.constexpr, MUL_WEIGHT: tl.constexpr,
     SCALE: tl.constexpr, SCALE_BN: tl.constexpr, SCALE_BK: tl.constexpr,
     EVEN_K: tl.constexpr, DOT_PREC: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -94,7 +106,7 @@ def moe_gemm_kernel(
     b_ptrs = b_base + b_cols[None, :] * stride_bn
     s_ptrs = b_scale_ptr + expert * stride_se + (b_cols // SCALE_BN) * stride_sn
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    if SILU_MUL:  # the up half: weight rows N + n
+    if ACT_MUL:  # the up half: weight rows N + n
         up_ptrs = b_base + (b_cols + N)[None, :] * stride_bn
         up_s_ptrs = b_scale_ptr + expert * stride_se + ((b_cols + N) // SCALE_BN) * stride_sn
         acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -108,7 +120,7 @@ def moe_gemm_kernel(
             a = tl.load(a_ptrs, mask=valid[:, None] & k_in[None, :], other=0.0)
             b = tl.load(b_ptrs, mask=k_in[:, None], other=0.0)
         acc = _step(acc, a, b, s_ptrs, k0, stride_sk, SCALE, SCALE_BK, DOT_PREC)
-        if SILU_MUL:
+        if ACT_MUL:
             if EVEN_K:
                 b_up = tl.load(up_ptrs)
             else:
@@ -120,10 +132,10 @@ def moe_gemm_kernel(
 
     if SCALE == 1:
         acc = acc * tl.load(s_ptrs)[None, :]
-        if SILU_MUL:
+        if ACT_MUL:
             acc_up = acc_up * tl.load(up_s_ptrs)[None, :]
-    if SILU_MUL:
-        acc = _silu_mul(acc, acc_up, c_ptr.dtype.element_ty)
+    if ACT_MUL:
+        acc = _act_mul(acc, acc_up, c_ptr.dtype.element_ty, ACT)
     if MUL_WEIGHT:
         acc = acc * tl.load(topk_w_ptr + pair, mask=valid, other=0.0)[:, None]
     if C_BY_PAIR:
