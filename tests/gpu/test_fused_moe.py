@@ -318,6 +318,23 @@ def test_scaled_weights(block_shape):
 
 
 @needs_kernels
+def test_matches_the_shared_reference():
+    """Same answer as the MoE layers' torch reference (`layers/moe/torch_ref.py`, the
+    contract every MoE backend shares), where that module is in the tree."""
+    torch_ref = pytest.importorskip("radixlm.layers.moe.torch_ref")
+    from radixlm.layers.moe.triton_ops.fused_moe import fused_experts
+
+    gen = torch.Generator().manual_seed(13)
+    _, w13, w2 = make_weights(8, 64, 48, torch.float32, gen)
+    x = torch.randn(12, 64, generator=gen).to(DEV)
+    topk_weights, topk_ids = make_routing(12, 8, 2, "ep", gen)
+    for activation in ("silu", "gelu", "gelu_tanh"):
+        ours = fused_experts(x, w13, w2, topk_weights, topk_ids, activation=activation)
+        ref = torch_ref.fused_experts(x, w13, w2, topk_weights, topk_ids, activation=activation)
+        assert rel_err(ours, ref.double()) < TOL[torch.float32], activation
+
+
+@needs_kernels
 def test_refusals():
     from radixlm.layers.moe.triton_ops.fused_moe import fused_experts
 

@@ -1,0 +1,1 @@
+"""Mixture-of-experts layers: routing, the experts' compute backends, expert parallelism."""
