@@ -1,6 +1,7 @@
 """Tune the fused MoE's block configs on this GPU and write a config table.
 
-For each shape and token count: BLOCK_M from the heuristic's and its neighbours;
+For each token count, then each shape (so every shape's decode is tuned before any
+prefill): BLOCK_M from the heuristic's and its neighbours;
 for each, the gate/up tile swept over a small candidate grid with the down tile
 fixed, then the down tile with the best gate/up (coordinate descent); every
 candidate times the whole `fused_experts` call (CUDA graph of GROUP calls on
@@ -44,6 +45,7 @@ from radixlm.layers.moe.triton_ops.configs import (  # noqa: E402
     fit_config,
     get_config,
     heuristic_config,
+    shape_key,
 )
 from radixlm.layers.moe.triton_ops.fused_moe import fused_experts  # noqa: E402
 
@@ -148,16 +150,17 @@ def main() -> None:
     gen = torch.Generator(device=bench.DEV).manual_seed(0)
     log = [f"tuning on {device}, torch {torch.__version__}, limit {args.time_limit:.0f} s"]
     print(log[0], flush=True)
-    for name in args.shapes:
-        e, h, inter, k = bench.SHAPES[name]
-        layer = bench.make_layer(e, h, inter)
-        key = f"E={e},H={h},I={inter},dtype={str(bench.DT).removeprefix('torch.')}"
-        for t in args.tokens:
-            tuner = Tuner(name, t, deadline, gen, layer)
+    layers = {name: bench.make_layer(*bench.SHAPES[name][:3]) for name in args.shapes}
+    complete = True
+    for t in args.tokens:  # every shape's decode first: the steps that dominate serving
+        for name in args.shapes:
+            e, h, inter, k = bench.SHAPES[name]
+            tuner = Tuner(name, t, deadline, gen, layers[name])
             committed = get_config(t, e, h, inter, k, bench.DT, bench.DEV, default_table())
             heuristic = heuristic_config(t, e, k, bench.DT)
             complete = tuner.tune([committed, heuristic])
             cfg, t_best = tuner.best()
+            key = shape_key(e, h, inter, bench.DT)
             table.entries.setdefault(device, {}).setdefault(key, {})[t] = cfg
             t_committed, t_heuristic = tuner.score(committed), tuner.score(heuristic)
             line = (f"{name:<14} T={t:<5} committed {t_committed * 1e6:8.1f} us  heuristic "
@@ -168,9 +171,7 @@ def main() -> None:
             log.append(line)
             if not complete:
                 break
-        del layer
-        torch.cuda.empty_cache()
-        if time.monotonic() > deadline:
+        if not complete:
             break
     comment = (f"Tuned by benchmarks/tune_fused_moe.py on {device} (torch {torch.__version__}) "
                f"where listed; other entries as committed before. {data.get('_comment', '')}")
