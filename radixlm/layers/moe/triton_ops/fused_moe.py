@@ -176,8 +176,8 @@ def _fused_chunk(x, w13, w2, topk_weights, topk_ids, out, w13_scale, w2_scale, b
     top_k = topk_ids.shape[1]
     aligned = moe_align_block_size(topk_ids, e, cfg.block_m)
     rows = aligned.sorted_ids.numel()
-    act = torch.empty((rows, inter), dtype=x.dtype, device=x.device)
     if fuse_activation:
+        act = torch.empty((rows, inter), dtype=x.dtype, device=x.device)
         _grouped_gemm(x, w13, act, aligned, w13_scale, block_shape, cfg.gate_up, topk_weights,
                       n=inter, k=h, top_k=top_k, activation=activation)
     else:
