@@ -1,0 +1,465 @@
+"""The fused-MoE Triton kernels (`radixlm/layers/moe/triton_ops/`) against a float64
+per-expert loop: the alignment's invariants, `fused_experts` over dtypes, top-k
+1/2/8, 8-128 experts, batches 1-512, empty experts, all tokens on one expert,
+ids of -1 (experts on another rank), FP8 weight scales, CUDA-graph replay, and the
+config table.
+
+The config tests run anywhere. The kernel tests run on CUDA (the full grid), or on
+the CPU under the Triton interpreter (`TRITON_INTERPRET=1`: a small subset, in fp32
+and fp16, since the interpreter computes bf16 wrongly on the CPU; ~1 min on 2
+cores). CI sets neither, so it runs only the config tests.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+
+import pytest
+import torch
+
+from radixlm.layers.moe.triton_ops.configs import (
+    SMEM_BUDGET,
+    TABLE_PATH,
+    ConfigTable,
+    GemmTile,
+    MoEConfig,
+    fit_tile,
+    get_config,
+    heuristic_config,
+    shape_key,
+)
+
+pytestmark = pytest.mark.gpu
+HAS_CUDA = torch.cuda.is_available()
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1" and not HAS_CUDA
+DEV = torch.device("cuda" if HAS_CUDA else "cpu")
+needs_kernels = pytest.mark.skipif(not (HAS_CUDA or INTERPRET),
+                                   reason="needs CUDA (or TRITON_INTERPRET=1)")
+needs_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
+# ||out - ref|| / ||ref|| bounds, as in test_triton_attention.py: bf16 keeps 8
+# mantissa bits, fp16 11; fp32 runs true fp32 products.
+TOL = {torch.bfloat16: 1.5e-2, torch.float16: 3e-3, torch.float32: 1e-4}
+DTYPES = [torch.float32, torch.float16] if INTERPRET else [torch.bfloat16, torch.float16,
+                                                           torch.float32]
+
+
+# ---- references and inputs ---------------------------------------------------------
+
+ACTS = {"silu": torch.nn.functional.silu, "gelu": torch.nn.functional.gelu,
+        "gelu_tanh": lambda v: torch.nn.functional.gelu(v, approximate="tanh")}
+
+
+def ref_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+                topk_ids: torch.Tensor, activation: str = "silu") -> torch.Tensor:
+    """float64 per-expert loop: each expert's tokens through gate/up, act-and-mul, down."""
+    e_num, inter = w13.shape[0], w2.shape[2]
+    xd = x.double()
+    out = torch.zeros_like(xd)
+    for e in range(e_num):
+        tok, slot = (topk_ids == e).nonzero(as_tuple=True)
+        if tok.numel() == 0:
+            continue
+        h = xd[tok] @ w13[e].double().T
+        act = ACTS[activation](h[:, :inter]) * h[:, inter:]
+        y = (act @ w2[e].double().T) * topk_weights[tok, slot].double()[:, None]
+        out.index_add_(0, tok, y)
+    return out
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((out.double() - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+
+
+def make_routing(t: int, e: int, k: int, kind: str,
+                 gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """(topk_weights float32, topk_ids int32) [t, k], renormalised softmax top-k.
+
+    kind: "random"; "one" (every token's first choice is expert 0: one group of t
+    rows, most experts empty); "half" (only the first half of the experts used);
+    "ep" (about a third of the pairs -1, as on one rank of expert parallelism)."""
+    logits = torch.randn(t, e, generator=gen)
+    if kind == "one":
+        logits[:, 0] = 1e4
+    elif kind == "half":
+        logits[:, (e + 1) // 2:] = -1e4
+    weights, ids = logits.softmax(-1).topk(k, dim=-1)
+    weights = weights / weights.sum(-1, keepdim=True)
+    ids = ids.to(torch.int32)
+    if kind == "ep":
+        ids[torch.rand(t, k, generator=gen) < 0.35] = -1
+    return weights.float().contiguous().to(DEV), ids.contiguous().to(DEV)
+
+
+def make_weights(e: int, h: int, inter: int, dtype: torch.dtype, gen: torch.Generator):
+    x_scale, w13_scale, w2_scale = 1.0, h ** -0.5, inter ** -0.5
+    w13 = (torch.randn(e, 2 * inter, h, generator=gen) * w13_scale).to(dtype).to(DEV)
+    w2 = (torch.randn(e, h, inter, generator=gen) * w2_scale).to(dtype).to(DEV)
+    return x_scale, w13, w2
+
+
+def run_case(t: int, e: int, k: int, h: int, inter: int, dtype: torch.dtype, kind: str,
+             seed: int = 0, **kwargs) -> float:
+    from radixlm.layers.moe.triton_ops.fused_moe import fused_experts
+
+    gen = torch.Generator().manual_seed(seed)
+    _, w13, w2 = make_weights(e, h, inter, dtype, gen)
+    x = torch.randn(t, h, generator=gen).to(dtype).to(DEV)
+    topk_weights, topk_ids = make_routing(t, e, k, kind, gen)
+    out = fused_experts(x, w13, w2, topk_weights, topk_ids, **kwargs)
+    assert out.shape == (t, h) and out.dtype == dtype
+    ref = ref_experts(x, w13, w2, topk_weights, topk_ids, kwargs.get("activation", "silu"))
+    return rel_err(out, ref)
+
+
+# ---- the alignment -----------------------------------------------------------------
+
+def check_alignment(topk_ids: torch.Tensor, e: int, block_m: int, aligned) -> None:
+    from radixlm.layers.moe.triton_ops.moe_align import max_padded_rows
+
+    ids = topk_ids.flatten().cpu().tolist()
+    numel = len(ids)
+    sorted_ids = aligned.sorted_ids.cpu().tolist()
+    expert_ids = aligned.expert_ids.cpu().tolist()
+    used = int(aligned.num_post_padded.item())
+    assert len(sorted_ids) == max_padded_rows(numel, e, block_m) == len(expert_ids) * block_m
+    assert used % block_m == 0 and used <= len(sorted_ids)
+    row = 0
+    for x in range(e):  # experts in id order, each group stable and padded
+        pairs = [p for p, v in enumerate(ids) if v == x]
+        size = -(-len(pairs) // block_m) * block_m
+        assert sorted_ids[row:row + len(pairs)] == pairs, f"expert {x}'s rows"
+        assert all(s == numel for s in sorted_ids[row + len(pairs):row + size]), "padding"
+        assert expert_ids[row // block_m:(row + size) // block_m] == [x] * (size // block_m)
+        row += size
+    assert row == used, "rows in use"
+    assert all(b == -1 for b in expert_ids[used // block_m:]), "blocks past the end"
+    # Every valid pair exactly once; -1 and out-of-range ids nowhere.
+    listed = sorted(s for s in sorted_ids[:used] if s != numel)
+    assert listed == [p for p, v in enumerate(ids) if 0 <= v < e]
+
+
+ALIGN_CASES = [  # (tokens, top_k, experts, block_m, max_chunks, kind)
+    (1, 8, 128, 16, None, "random"),
+    (5, 2, 8, 16, None, "random"),
+    (40, 2, 8, 16, None, "ep"),
+    (600, 2, 8, 32, None, "random"),  # past SINGLE_TILES tiles: count / scan / scatter
+    (600, 2, 8, 16, 3, "one"),  # 3 chunks of several tiles each
+    (50, 8, 60, 64, None, "half"),  # experts not a power of two; 400 pairs of 32-pair tiles
+    (64, 8, 128, 128, 4, "random"),
+    (33, 1, 8, 16, None, "one"),
+]
+
+
+@needs_kernels
+@pytest.mark.parametrize("t,k,e,block_m,max_chunks,kind", ALIGN_CASES)
+def test_align_invariants(t, k, e, block_m, max_chunks, kind):
+    from radixlm.layers.moe.triton_ops.moe_align import moe_align_block_size
+
+    gen = torch.Generator().manual_seed(t * 31 + e)
+    _, topk_ids = make_routing(t, e, k, kind, gen)
+    aligned = moe_align_block_size(topk_ids, e, block_m, max_chunks=max_chunks)
+    check_alignment(topk_ids, e, block_m, aligned)
+
+
+@needs_kernels
+def test_align_all_remote_and_out_of_range():
+    """All pairs -1 (every expert on another rank), and ids >= E: no rows at all."""
+    from radixlm.layers.moe.triton_ops.moe_align import moe_align_block_size
+
+    for fill in (-1, 8, 1000):
+        topk_ids = torch.full((9, 2), fill, dtype=torch.int32, device=DEV)
+        aligned = moe_align_block_size(topk_ids, 8, 16)
+        assert int(aligned.num_post_padded.item()) == 0
+        check_alignment(topk_ids, 8, 16, aligned)
+
+
+# ---- fused_experts -----------------------------------------------------------------
+
+if INTERPRET:
+    SHAPES = [(8, 2, 64, 48)]  # (experts, top_k, hidden, intermediate)
+    TOKENS = [1, 5, 40]
+else:
+    SHAPES = [(8, 1, 256, 192), (8, 2, 512, 256), (64, 8, 256, 128), (128, 8, 384, 192)]
+    TOKENS = [1, 7, 64, 512]
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("e,k,h,inter", SHAPES)
+@pytest.mark.parametrize("t", TOKENS)
+def test_fused_experts_random(t, e, k, h, inter, dtype):
+    err = run_case(t, e, k, h, inter, dtype, "random", seed=t + e)
+    assert err < TOL[dtype], err
+
+
+@needs_kernels
+@pytest.mark.parametrize("kind", ["one", "half", "ep"])
+@pytest.mark.parametrize("t", [1, 40] if INTERPRET else [1, 64, 512])
+@pytest.mark.parametrize("e,k", [(8, 2)] if INTERPRET else [(8, 1), (8, 2), (128, 8)])
+def test_fused_experts_uneven_routing(t, e, k, kind):
+    """All tokens on one expert, empty experts, and pairs of other ranks (-1)."""
+    dtype = DTYPES[0] if INTERPRET else torch.bfloat16
+    err = run_case(t, e, k, 64 if INTERPRET else 256, 48 if INTERPRET else 320, dtype, kind,
+                   seed=7 * t + k)
+    assert err < TOL[dtype], err
+
+
+@needs_kernels
+def test_unselected_experts_are_not_read():
+    """NaN in every expert no token selected (and in the rows of -1 pairs' experts'
+    neighbours) leaves the output finite and right: only routed experts contribute."""
+    from radixlm.layers.moe.triton_ops.fused_moe import fused_experts
+
+    gen = torch.Generator().manual_seed(3)
+    e, k, h, inter, t = 16, 2, 64, 32, 3
+    _, w13, w2 = make_weights(e, h, inter, torch.float32, gen)
+    x = torch.randn(t, h, generator=gen).to(DEV)
+    topk_weights, topk_ids = make_routing(t, e, k, "random", gen)
+    topk_ids[0, 1] = -1
+    unused = torch.ones(e, dtype=torch.bool)
+    unused[topk_ids[topk_ids >= 0].long().cpu()] = False
+    w13[unused.to(DEV)] = float("nan")
+    w2[unused.to(DEV)] = float("nan")
+    out = fused_experts(x, w13, w2, topk_weights, topk_ids)
+    assert torch.isfinite(out).all()
+    assert rel_err(out, ref_experts(x, w13, w2, topk_weights, topk_ids)) < TOL[torch.float32]
+
+
+@needs_kernels
+@pytest.mark.parametrize("activation", ["gelu", "gelu_tanh"])
+@pytest.mark.parametrize("fuse", [True, False], ids=["fused", "unfused"])
+def test_gelu_activations(activation, fuse):
+    """The other gated activations the MoE layers pass (GELU erf and tanh)."""
+    dtype = DTYPES[-1] if INTERPRET else torch.bfloat16
+    err = run_case(9, 8, 2, 64, 48, dtype, "ep", seed=12, activation=activation,
+                   fuse_activation=fuse)
+    assert err < TOL[dtype], err
+
+
+@needs_kernels
+def test_out_and_unfused_variant():
+    """`out` is written and returned; the unfused gate/up + SiLU kernel agrees."""
+    from radixlm.layers.moe.triton_ops.fused_moe import fused_experts
+
+    gen = torch.Generator().manual_seed(4)
+    e, k, h, inter, t = 8, 2, 64, 48, 6
+    _, w13, w2 = make_weights(e, h, inter, torch.float32, gen)
+    x = torch.randn(t, h, generator=gen).to(DEV)
+    topk_weights, topk_ids = make_routing(t, e, k, "ep", gen)
+    ref = ref_experts(x, w13, w2, topk_weights, topk_ids)
+    out = torch.full((t, h), float("nan"), device=DEV)
+    assert fused_experts(x, w13, w2, topk_weights, topk_ids, out=out) is out
+    assert rel_err(out, ref) < TOL[torch.float32]
+    unfused = fused_experts(x, w13, w2, topk_weights, topk_ids, fuse_activation=False)
+    assert rel_err(unfused, ref) < TOL[torch.float32]
+
+
+@needs_kernels
+def test_token_chunks(monkeypatch):
+    """Prefills longer than CHUNK_TOKENS run in passes that each align their own pairs."""
+    from radixlm.layers.moe.triton_ops import fused_moe
+
+    monkeypatch.setattr(fused_moe, "CHUNK_TOKENS", 4)
+    err = run_case(11, 8, 2, 64, 32, torch.float32, "ep", seed=5)
+    assert err < TOL[torch.float32], err
+
+
+@needs_kernels
+@pytest.mark.parametrize("config", [
+    MoEConfig(16, GemmTile(16, 16, 1, 4, 2), GemmTile(16, 32, 2, 4, 2)),
+    MoEConfig(32, GemmTile(32, 64, 4, 4, 3), GemmTile(64, 16, 1, 4, 2)),
+], ids=["small", "grouped"])
+def test_explicit_config(config):
+    """Tiles other than the heuristic's (K not a multiple of BLOCK_K, GROUP_M > 1)."""
+    err = run_case(21, 8, 2, 80, 40, torch.float32, "random", seed=6, config=config)
+    assert err < TOL[torch.float32], err
+
+
+def _fp8_case(block_shape, weight_dtype, act_dtype, gen):
+    e, h, inter = 8, 64, 96
+    w13 = torch.randn(e, 2 * inter, h, generator=gen).to(weight_dtype)
+    w2 = torch.randn(e, h, inter, generator=gen).to(weight_dtype)
+    if block_shape is None:
+        s13 = torch.rand(e, 2 * inter, generator=gen) * h ** -0.5
+        s2 = torch.rand(e, h, generator=gen) * inter ** -0.5
+        d13, d2 = w13.double() * s13[..., None], w2.double() * s2[..., None]
+    else:
+        bn, bk = block_shape
+        s13 = torch.rand(e, -(-2 * inter // bn), -(-h // bk), generator=gen) * h ** -0.5
+        s2 = torch.rand(e, -(-h // bn), -(-inter // bk), generator=gen) * inter ** -0.5
+
+        def expand(s, n, k):
+            return s.repeat_interleave(bn, 1)[:, :n].repeat_interleave(bk, 2)[:, :, :k].double()
+
+        d13, d2 = w13.double() * expand(s13, 2 * inter, h), w2.double() * expand(s2, h, inter)
+    return [v.to(DEV) for v in (w13, w2, s13, s2, d13, d2)]
+
+
+@needs_kernels
+@pytest.mark.parametrize("block_shape", [None, (32, 32), (64, 16)], ids=str)
+def test_scaled_weights(block_shape):
+    """Weight-only scales (the FP8 path): per channel and per block, against the
+    dequantized float64 weights. fp16 weights under fp32 activations test the scale
+    math exactly; float8_e4m3fn under fp16 the conversion."""
+    from radixlm.layers.moe.triton_ops.fused_moe import fused_experts
+
+    gen = torch.Generator().manual_seed(8)
+    pairs = [(torch.float16, torch.float32, 1e-4), (torch.float8_e4m3fn, torch.float16, 3e-3)]
+    if HAS_CUDA:
+        pairs.append((torch.float8_e4m3fn, torch.bfloat16, 1.5e-2))
+    for wdt, adt, tol in pairs:
+        w13, w2, s13, s2, d13, d2 = _fp8_case(block_shape, wdt, adt, gen)
+        x = torch.randn(10, w13.shape[2], generator=gen).to(adt).to(DEV)
+        topk_weights, topk_ids = make_routing(10, 8, 2, "ep", gen)
+        out = fused_experts(x, w13, w2, topk_weights, topk_ids, w13_scale=s13.contiguous(),
+                            w2_scale=s2.contiguous(), block_shape=block_shape)
+        assert rel_err(out, ref_experts(x, d13, d2, topk_weights, topk_ids)) < tol, (wdt, adt)
+
+
+@needs_kernels
+def test_matches_the_shared_reference():
+    """Same answer as the MoE layers' torch reference (`layers/moe/torch_ref.py`, the
+    contract every MoE backend shares), where that module is in the tree."""
+    torch_ref = pytest.importorskip("radixlm.layers.moe.torch_ref")
+    from radixlm.layers.moe.triton_ops.fused_moe import fused_experts
+
+    gen = torch.Generator().manual_seed(13)
+    _, w13, w2 = make_weights(8, 64, 48, torch.float32, gen)
+    x = torch.randn(12, 64, generator=gen).to(DEV)
+    topk_weights, topk_ids = make_routing(12, 8, 2, "ep", gen)
+    for activation in ("silu", "gelu", "gelu_tanh"):
+        ours = fused_experts(x, w13, w2, topk_weights, topk_ids, activation=activation)
+        ref = torch_ref.fused_experts(x, w13, w2, topk_weights, topk_ids, activation=activation)
+        assert rel_err(ours, ref.double()) < TOL[torch.float32], activation
+
+
+@needs_kernels
+def test_refusals():
+    from radixlm.layers.moe.triton_ops.fused_moe import fused_experts
+
+    gen = torch.Generator().manual_seed(9)
+    _, w13, w2 = make_weights(8, 64, 32, torch.float32, gen)
+    x = torch.randn(4, 64, generator=gen).to(DEV)
+    tw, ti = make_routing(4, 8, 2, "random", gen)
+    cases = [
+        (dict(activation="relu"), "activation='relu'"),
+        (dict(topk_ids=ti.long()), "topk_ids must be int32"),
+        (dict(topk_weights=tw.half()), "topk_weights must be float32"),
+        (dict(w2=w2[:, :, :16].contiguous()), "w2 must be"),
+        (dict(hidden_states=x.double()), "dtype torch.float64"),
+        (dict(w13=w13.half()), "w13_scale"),
+        (dict(out=torch.empty(4, 64, dtype=torch.float16, device=DEV)), "out must be"),
+        (dict(block_shape=(32, 32)), "block_shape given without"),
+        (dict(w2_scale=torch.ones(8, 64, 2, device=DEV), w2=w2.half()), "w2_scale must be"),
+    ]
+    base = dict(hidden_states=x, w13=w13, w2=w2, topk_weights=tw, topk_ids=ti)
+    for change, message in cases:
+        args = {**base, **change}
+        pos = [args.pop(n) for n in ("hidden_states", "w13", "w2", "topk_weights", "topk_ids")]
+        with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
+            fused_experts(*pos, **args)
+
+
+@needs_cuda
+def test_cuda_graph_replay():
+    """Captured once, replayed on new hidden states and new routings (other experts,
+    -1 pairs, all on one expert): every replay matches the reference, no host sync."""
+    from gpu_models import capture_graph
+
+    from radixlm.layers.moe.triton_ops.fused_moe import fused_experts
+
+    gen = torch.Generator().manual_seed(10)
+    t, e, k, h, inter, dtype = 48, 64, 8, 256, 128, torch.bfloat16
+    _, w13, w2 = make_weights(e, h, inter, dtype, gen)
+    x = torch.randn(t, h, generator=gen).to(dtype).to(DEV)
+    topk_weights, topk_ids = make_routing(t, e, k, "random", gen)
+    out = torch.empty_like(x)
+    graph, _ = capture_graph(lambda: fused_experts(x, w13, w2, topk_weights, topk_ids, out=out))
+    for kind in ("random", "ep", "one", "half"):
+        new_w, new_ids = make_routing(t, e, k, kind, gen)
+        x.copy_(torch.randn(t, h, generator=gen).to(dtype))
+        topk_weights.copy_(new_w)
+        topk_ids.copy_(new_ids)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert rel_err(out, ref_experts(x, w13, w2, topk_weights, topk_ids)) < TOL[dtype], kind
+
+
+BENCH_SHAPES = {"qwen3-30b-a3b": (128, 2048, 768, 8), "mixtral-8x7b": (8, 4096, 14336, 2),
+                "olmoe-1b-7b": (64, 2048, 1024, 8)}
+
+
+@functools.cache
+def bench_layer(name: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """One layer's bf16 experts, drawn on the GPU (a CPU draw of Mixtral's 2 x 940M
+    weights takes ~15 s) and kept for the token counts."""
+    e, h, inter, _ = BENCH_SHAPES[name]
+    gen = torch.Generator(device=DEV).manual_seed(11)
+    w13 = torch.randn(e, 2 * inter, h, generator=gen, device=DEV).mul_(h ** -0.5).bfloat16()
+    w2 = torch.randn(e, h, inter, generator=gen, device=DEV).mul_(inter ** -0.5).bfloat16()
+    return w13, w2
+
+
+@needs_cuda
+@pytest.mark.parametrize("name", list(BENCH_SHAPES))
+@pytest.mark.parametrize("t", [1, 64, 512])
+def test_benchmark_shapes(name, t):
+    """The benchmark shapes with the committed table's configs."""
+    from radixlm.layers.moe.triton_ops.fused_moe import fused_experts
+
+    e, h, _, k = BENCH_SHAPES[name]
+    w13, w2 = bench_layer(name)
+    gen = torch.Generator().manual_seed(t)
+    x = torch.randn(t, h, generator=gen).bfloat16().to(DEV)
+    topk_weights, topk_ids = make_routing(t, e, k, "random", gen)
+    out = fused_experts(x, w13, w2, topk_weights, topk_ids)
+    err = rel_err(out, ref_experts(x, w13, w2, topk_weights, topk_ids))
+    assert err < TOL[torch.bfloat16], err
+
+
+# ---- configs (run anywhere) ---------------------------------------------------------
+
+def test_committed_table_is_valid():
+    """Every committed config parses, is a power-of-two tiling and fits shared memory
+    unchanged at the shape it is listed for."""
+    data = json.loads(TABLE_PATH.read_text())
+    table = ConfigTable.from_json(data)
+    assert table.entries, "an empty table"
+    for shapes in table.entries.values():
+        for key, buckets in shapes.items():
+            fields = dict(f.split("=") for f in key.split(","))
+            h, inter = int(fields["H"]), int(fields["I"])
+            assert {1, 64, 512, 4096} <= set(buckets), key
+            for cfg in buckets.values():
+                assert cfg.block_m in (16, 32, 64, 128)
+                for tile, n, k, halves in ((cfg.gate_up, inter, h, 2), (cfg.down, h, inter, 1)):
+                    for v in (tile.block_n, tile.block_k):
+                        assert v >= 16 and v & (v - 1) == 0
+                    assert fit_tile(tile, n, k, cfg.block_m, 2, 2, halves) == tile, (key, tile)
+    assert ConfigTable.from_json(json.loads(table.dumps("x"))).entries == table.entries
+
+
+def test_table_lookup_and_fallback():
+    cfg = heuristic_config(1, 8, 2, torch.bfloat16)
+    table = ConfigTable({"dev": {shape_key(8, 64, 32, torch.bfloat16): {1: cfg, 64: cfg}}})
+    key = shape_key(8, 64, 32, torch.bfloat16)
+    assert table.lookup("dev", key, 5) is cfg  # nearest bucket in log scale
+    assert table.lookup("other", key, 5) is None
+    assert table.lookup("dev", shape_key(8, 64, 32, torch.float16), 5) is None
+    # Off CUDA the heuristic decides; larger batches get taller blocks.
+    cpu = torch.device("cpu")
+    small = get_config(1, 128, 2048, 768, 8, torch.bfloat16, cpu)
+    large = get_config(4096, 128, 2048, 768, 8, torch.bfloat16, cpu)
+    assert small.block_m == 16 and large.block_m == 128
+
+
+def test_fit_tile_limits():
+    big = GemmTile(256, 256, 1, 8, 5)
+    tile = fit_tile(big, 4096, 4096, 128, 4, 4, 2)
+    smem = tile.num_stages * tile.block_k * (128 * 4 + 2 * tile.block_n * 4)
+    assert smem <= SMEM_BUDGET and tile.num_stages >= 2
+    small = fit_tile(big, 40, 24, 16, 2, 2, 1)
+    assert (small.block_n, small.block_k) == (64, 32)  # no wider than the shape needs
+    assert fit_tile(big, 4096, 4096, 16, 2, 1, 1, k_multiple_of=96).block_k == 32
