@@ -10,6 +10,7 @@ from radixlm.models.gemma3 import Gemma3ForCausalLM
 from radixlm.models.llama import LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM
 from radixlm.models.phi3 import Phi3ForCausalLM
 from radixlm.models.qwen3 import Qwen3ForCausalLM
+from radixlm.speculative.eagle_model import Eagle3ForCausalLM, EagleForCausalLM
 
 _MODELS: dict[str, type[nn.Module]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
@@ -20,6 +21,9 @@ _MODELS: dict[str, type[nn.Module]] = {
     "Gemma2ForCausalLM": Gemma2ForCausalLM,
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
     "Phi3ForCausalLM": Phi3ForCausalLM,
+    # Draft heads (--speculative-algorithm EAGLE / EAGLE3), never a target.
+    "LlamaForCausalLMEagle": EagleForCausalLM,
+    "LlamaForCausalLMEagle3": Eagle3ForCausalLM,
 }
 
 

@@ -53,7 +53,8 @@ class Scheduler:
                  drafter: Drafter | None = None) -> None:
         """`worker`: a model worker to use instead of building one (tests drive the
         scheduler with scripted workers). `drafter`: proposes draft tokens that
-        decode steps verify (speculative decoding; `scheduler/drafter.py`)."""
+        decode steps verify (speculative decoding; `scheduler/drafter.py`); default:
+        the worker's, the one --speculative-algorithm asks for."""
         if args.is_embedding:
             # Pooling needs the hidden state of every pooled position, and a prefix-cache
             # hit skips computing those (only K/V are cached): no sharing for embeddings.
@@ -80,7 +81,7 @@ class Scheduler:
         self.prefill = PrefillManager(args, self.kv, self.stats, self.max_running_requests)
         self.decode = DecodeManager(args, self.kv, self.stats, self.prefill.requeue,
                                     self.context_len)
-        self.drafter = drafter
+        self.drafter = drafter if drafter is not None else getattr(self.worker, "drafter", None)
         self.output = OutputProcessor(tokenizer, self.grammars, args.stream_interval,
                                       self.stats,
                                       args.embedding_pooling if args.is_embedding else None)
