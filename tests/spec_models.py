@@ -6,7 +6,8 @@
   SafeAILab publishes (tensor names, shapes, config fields). `identity=True` makes
   the head pass the target's state through (fc selects it; attention and MLP
   outputs are zero): it then drafts the token the target predicted at the
-  position before, which is right exactly while the output repeats one token,
+  position before (EAGLE-3's: from the state before the last layer, nearly
+  that), which is right exactly while the output repeats one token,
   so verify steps accept whole drafts. `identity=False`: random weights.
 """
 
@@ -97,8 +98,8 @@ def save_eagle_head(path: str | Path, target_dir: str, kind: str = "EAGLE",
         hot = torch.randperm(vocab, generator=g) if permute_vocab else torch.arange(vocab)
         head = target.get("lm_head.weight", target["model.embed_tokens.weight"])
         fields.update(architectures=["LlamaForCausalLMEagle3"], draft_vocab_size=vocab,
-                      eagle_config={"eagle_aux_hidden_state_layer_ids": [0, n_layers // 2,
-                                                                         n_layers - 1]})
+                      eagle_config={"eagle_aux_hidden_state_layer_ids": [0, n_layers // 2 - 1,
+                                                                         n_layers - 2]})
         fc = torch.cat([torch.zeros(h, 2 * h), eye], dim=1) if identity else rand(h, 3 * h)
         t.update({
             "fc.weight": fc,

@@ -30,6 +30,7 @@ class Drafter(ABC):
       verify forward.
     - With `needs_host_tokens` it reads the newest tokens on the host, so the
       scheduler runs its steps synchronously (no overlap).
+    - `forget(rid)`: the request finished or was aborted; its state can go.
     - Under tensor parallelism every rank calls it with the same state and must
       return the same drafts.
     """
@@ -39,6 +40,10 @@ class Drafter(ABC):
 
     @abstractmethod
     def propose(self, reqs: list[Req]) -> dict[str, list[int]]: ...
+
+    def forget(self, rid: str) -> None:
+        """Drop what the drafter keeps for a request that ended (default: nothing kept)."""
+        return None
 
 
 def drafts_within(num_reqs: int, num_drafts: int, max_verify_tokens: int) -> int:

@@ -48,7 +48,7 @@ from radixlm.runtime.model_runner import ModelRunner
 from radixlm.scheduler.req import Req
 from radixlm.scheduler.schedule_batch import ScheduleBatch
 from radixlm.scheduler.token_table import TokenTable
-from radixlm.speculative import create_drafter
+from radixlm.speculative import check_target, create_drafter
 from radixlm.speculative.model_drafter import ModelDrafter
 from radixlm.speculative.rejection import token_logprobs, verify_sampled
 from radixlm.utils import to_device
@@ -212,6 +212,7 @@ class ModelWorker:
         """`capture`: hidden states every forward also returns (`BatchResult.hidden_states`;
         fixed before the CUDA graphs are captured)."""
         self.args = args
+        check_target(config)
         self.runner = ModelRunner(args, model_dir, config, gpu_id)
         r = self.runner
         self.drafter = create_drafter(args, r, model_dir, gpu_id)

@@ -315,6 +315,8 @@ class Scheduler:
         self.decode.remove(req)
         self.prefill.remove(req)
         self.grammars.discard(req)
+        if self.drafter is not None:
+            self.drafter.forget(req.rid)
         self.kv.release(req)
         self.stats.num_finished += 1
         self.output.emit(req)

@@ -16,7 +16,7 @@ NextN/MTP heads (no MLA model yet) are not supported and are refused.
 from __future__ import annotations
 
 import importlib
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from radixlm.config import ServerArgs
 
@@ -39,13 +39,19 @@ DRAFTERS = {
 DEFAULT_MAX_VERIFY_TOKENS = {"cpu": 16, "cuda": 256}
 
 
+def check_target(config: Any) -> None:
+    """ValueError for a draft head's checkpoint given as the model to serve."""
+    from radixlm.models.registry import get_model_class
+
+    if getattr(get_model_class(config), "draft_only", False):
+        raise ValueError(f"{config.architectures[0]} is a draft head: serve its target model "
+                         "with --speculative-draft-model-path pointing at the head")
+
+
 def create_drafter(args: ServerArgs, target: ModelRunner, target_dir: str,
                    gpu_id: int | None = None) -> Drafter | None:
     """The drafter `args` asks for (None without --speculative-algorithm), built
     on the target's runner (model drafters load their model here)."""
-    if getattr(type(target.model), "draft_only", False):
-        raise ValueError(f"{type(target.model).__name__} is a draft head: serve its target "
-                         "model with --speculative-draft-model-path pointing at it")
     algo = args.speculative_algorithm
     if algo is None:
         return None

@@ -135,9 +135,10 @@ class Eagle3Drafter(EagleDrafter):
         eagle = getattr(config, "eagle_config", None) or {}
         layers = eagle.get("eagle_aux_hidden_state_layer_ids") or (1, n // 2 - 1, n - 4)
         layers = tuple(int(x) for x in layers)
-        if len(layers) != 3 or not all(0 <= x < n for x in layers):
-            raise ValueError(f"eagle_aux_hidden_state_layer_ids={list(layers)}: three layers "
-                             f"of the target's {n}")
+        if len(layers) != 3 or list(layers) != sorted(set(layers)) or \
+                not all(0 <= x < n for x in layers):
+            raise ValueError(f"eagle_aux_hidden_state_layer_ids={list(layers)}: three "
+                             f"increasing layers of the target's {n}")
         return HiddenCapture(layers)
 
     def _to_target(self, tokens: torch.Tensor) -> torch.Tensor:

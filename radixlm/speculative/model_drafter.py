@@ -120,6 +120,9 @@ class ModelDrafter(Drafter):
         self.runner.attach_pools(pools, "draft")
 
     # ---- the scheduler's side ----------------------------------------------------------
+    def forget(self, rid: str) -> None:
+        self.states.pop(rid, None)
+
     def propose(self, reqs: list[Req]) -> dict[str, list[int]]:
         live = {r.rid for r in reqs}
         for rid in [rid for rid in self.states if rid not in live]:

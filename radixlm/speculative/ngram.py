@@ -96,6 +96,9 @@ class NgramDrafter(Drafter):
         self.max_verify_tokens = max_verify_tokens
         self._index: dict[str, _Index] = {}
 
+    def forget(self, rid: str) -> None:
+        self._index.pop(rid, None)
+
     def propose(self, reqs: list[Req]) -> dict[str, list[int]]:
         live = {r.rid for r in reqs}
         for rid in [rid for rid in self._index if rid not in live]:
