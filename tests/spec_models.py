@@ -52,7 +52,7 @@ def _target_tensors(target_dir: str) -> dict[str, torch.Tensor]:
 
 def save_eagle_head(path: str | Path, target_dir: str, kind: str = "EAGLE",
                     identity: bool = True, seed: int = 0, std: float = 0.1,
-                    permute_vocab: bool = True) -> str:
+                    permute_vocab: bool = True, dtype: torch.dtype = torch.float32) -> str:
     """An EAGLE (`kind` "EAGLE") or EAGLE-3 ("EAGLE3") head for the target in
     `target_dir`, saved to `path` as config.json + model.safetensors."""
     path = Path(path)
@@ -110,6 +110,7 @@ def save_eagle_head(path: str | Path, target_dir: str, kind: str = "EAGLE",
             "d2t": hot - torch.arange(vocab),
             "t2d": torch.ones(vocab, dtype=torch.bool),
         })
-    save_file({k: v.contiguous() for k, v in t.items()}, str(path / "model.safetensors"))
+    save_file({k: v.to(dtype).contiguous() if v.is_floating_point() else v.contiguous()
+               for k, v in t.items()}, str(path / "model.safetensors"))
     (path / "config.json").write_text(json.dumps(fields, indent=1))
     return str(path)

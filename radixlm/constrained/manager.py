@@ -225,9 +225,11 @@ class GrammarManager:
             if m is not None:
                 walked = 0
                 for j in range(len(d) + 1):
+                    if walked < j or m.is_terminated():  # a refused or final draft before
+                        bitmask[at + j] = bitmask[at + j - 1]
+                        continue
                     m.fill_bitmask(bitmask, at + j)
-                    if j < len(d) and walked == j and not m.is_terminated() and \
-                            m.accept_token(d[j]):
+                    if j < len(d) and m.accept_token(d[j]):
                         walked += 1
                 if walked:
                     m.rollback(walked)

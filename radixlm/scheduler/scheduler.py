@@ -317,6 +317,9 @@ class Scheduler:
         self.grammars.discard(req)
         if self.drafter is not None:
             self.drafter.forget(req.rid)
+        excess = req.kv_len - req.seq_len  # a verify's slots past a stop in its accepted run
+        if req.req_pool_idx is not None and excess > 0:
+            self.kv.truncate(req, excess)
         self.kv.release(req)
         self.stats.num_finished += 1
         self.output.emit(req)
