@@ -207,3 +207,38 @@ def test_drafts_from_the_target_distribution_are_all_kept() -> None:
     assert bool((counts == k + 1).all())
     assert torch.equal(tokens[:, :k], drafts)
     assert torch.equal(tokens[:, k], sampled.view(m, k + 1)[:, k])
+
+
+# ---- visibility ---------------------------------------------------------------------
+def test_acceptance_is_reported(caplog: Any) -> None:
+    """meta_info, OpenAI usage's extension fields, the stats line and /metrics."""
+    from radixlm.outputs import SeqOutput
+    from radixlm.protocol import StrOut, TokenOut
+    from radixlm.server.metrics import Metrics
+    from radixlm.server.openai_api import Call
+    from radixlm.server.scheduler_process import StatsLogger
+
+    seq = SeqOutput("a", 0)
+    seq.update(StrOut(TokenOut(rid="a", new_token_ids=[1, 2, 3], finish_reason=None,
+                               prompt_tokens=4, completion_tokens=3, cached_tokens=0,
+                               spec_verify_ct=2, spec_accepted_drafts=3), "x"))
+    meta = seq.meta_info()
+    assert (meta["spec_verify_ct"], meta["spec_accepted_drafts"]) == (2, 3)
+    assert meta["spec_accept_length"] == 2.5
+    assert "spec_verify_ct" not in SeqOutput("b", 0).meta_info()
+    usage = Call("c", 0, "m", [0]).usage([seq])
+    assert (usage["spec_verify_ct"], usage["spec_accepted_drafts"]) == (2, 3)
+
+    info = {"num_running_requests": 1, "num_queued_requests": 0, "kv_tokens_in_use": 1,
+            "kv_tokens_total": 8, "kv_tokens_cached": 0, "cache_hit_rate": 0.0,
+            "num_generated_tokens": 30, "num_spec_verifies": 10, "num_draft_tokens": 30,
+            "num_accepted_drafts": 15}
+    metrics = Metrics("m")
+    metrics.set_scheduler_state(info)
+    text = metrics.render().decode()
+    assert 'radixlm:spec_accept_length{model_name="m"} 2.5' in text
+    assert 'radixlm:spec_accept_rate{model_name="m"} 0.5' in text
+    stats = StatsLogger(SimpleNamespace(server_info=lambda: info), interval=1e-9)
+    with caplog.at_level("INFO", logger="radixlm.scheduler"):
+        stats.maybe_log()
+    assert "accept len: 2.50" in caplog.text

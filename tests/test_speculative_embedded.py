@@ -74,5 +74,6 @@ def test_every_algorithm_keeps_the_greedy_tokens(model_dir: str, heads: dict[str
     assert [o["meta_info"]["finish_reason"] for o in out] == \
         [o["meta_info"]["finish_reason"] for o in expected]
     assert stats.num_draft_tokens > 0
+    assert sum(o["meta_info"].get("spec_verify_ct", 0) for o in out) > 0
     if algo in ("NGRAM", "STANDALONE"):  # the copy task is what they draft right
         assert stats.num_accepted_drafts > stats.num_draft_tokens / 4

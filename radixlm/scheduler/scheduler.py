@@ -292,10 +292,14 @@ class Scheduler:
                 self._reconcile_kv(req, ahead.get(id(req), 0))
 
     def _count_drafts(self, batch: ScheduleBatch, result: BatchResult) -> None:
-        for drafts, tokens in zip(batch.drafts, result.tokens):
-            if tokens:  # not stale
+        for req, drafts, tokens in zip(batch.reqs, batch.drafts, result.tokens):
+            if tokens and drafts:  # not stale
+                accepted = len(tokens) - 1
+                self.stats.num_spec_verifies += 1
                 self.stats.num_draft_tokens += len(drafts)
-                self.stats.num_accepted_drafts += len(tokens) - 1
+                self.stats.num_accepted_drafts += accepted
+                req.spec_verify_ct += 1
+                req.spec_accepted_drafts += accepted
 
     def _reconcile_kv(self, req: Req, ahead: int) -> None:
         """After a step that gave a request fewer tokens than it had KV slots for (a
@@ -356,6 +360,9 @@ class Scheduler:
             "num_prompt_tokens": st.num_prompt_tokens,
             "num_cached_tokens": st.num_cached_tokens,
             "num_generated_tokens": st.num_generated_tokens,
+            "num_spec_verifies": st.num_spec_verifies,
+            "num_draft_tokens": st.num_draft_tokens,
+            "num_accepted_drafts": st.num_accepted_drafts,
         }
 
     def check_invariants(self) -> None:
