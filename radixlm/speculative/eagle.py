@@ -105,10 +105,11 @@ class EagleDrafter(ModelDrafter):
             start, n = batch.prefix_lens[i], batch.extend_lens[i]
             st = self.states.get(req.rid)
             if st is not None and batch.sample[i]:
+                # Copies: a replayed graph's states live in its output buffers.
                 if i < batch.num_extend:  # a prefill's last row: its next token was sampled
-                    st.put_features(start + n - 1, states[offset + n - 1:offset + n])
+                    st.put_features(start + n - 1, states[offset + n - 1:offset + n].clone())
                 else:
-                    st.put_features(start, states[offset:offset + n])
+                    st.put_features(start, states[offset:offset + n].clone())
             offset += n
 
 
