@@ -28,6 +28,8 @@ REASONING_PARSERS = ("deepseek-r1", "qwen3")
 # name here and in layers/quantization/__init__.py.
 QUANTIZATIONS = ("auto", "none", "gguf", "int8", "fp8", "awq", "gptq", "compressed-tensors")
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
+# --speculative-algorithm: who drafts the tokens a verify step checks (radixlm/speculative/).
+SPECULATIVE_ALGORITHMS = ("NGRAM", "STANDALONE", "EAGLE", "EAGLE3")
 # SGLang's default name of the group over which a trainer broadcasts new weights.
 WEIGHT_UPDATE_GROUP = "weight_update_group"
 
@@ -167,6 +169,36 @@ class ServerArgs:
         "parallelism", "Run the custom all-reduce and the residual add + RMSNorm after it as "
         "separate kernels instead of one", default=False)
 
+    # Speculative decoding (radixlm/speculative/)
+    speculative_algorithm: str | None = _opt(
+        "speculative", "Draft tokens that one verify forward of the model checks: NGRAM (the "
+        "request's own text: the continuation of its longest earlier match), STANDALONE (a "
+        "smaller model with the same tokenizer), EAGLE / EAGLE3 (a draft head over the "
+        "model's hidden states); outputs are the model's own either way",
+        SPECULATIVE_ALGORITHMS, default=None)
+    speculative_draft_model_path: str | None = _opt(
+        "speculative", "The draft model (STANDALONE) or draft head (EAGLE, EAGLE3) checkpoint "
+        "directory", default=None)
+    speculative_num_steps: int | None = _opt(
+        "speculative", "Draft tokens per verify (the draft model's steps; default 3, NGRAM 4)",
+        default=None)
+    speculative_eagle_topk: int | None = _opt(
+        "speculative", "Draft candidates per step; only 1 (a chain): tree drafts are not "
+        "supported", default=None)
+    speculative_num_draft_tokens: int | None = _opt(
+        "speculative", "Tokens one verify checks per request, its newest included: "
+        "speculative_num_steps + 1 for a chain", default=None)
+    speculative_ngram_min_match_window_size: int = _opt(
+        "speculative", "NGRAM: shortest suffix of the text that must recur for a draft",
+        default=1)
+    speculative_ngram_max_match_window_size: int = _opt(
+        "speculative", "NGRAM: longest suffix matched (longer matches win)", default=12)
+    speculative_max_verify_tokens: int | None = _opt(
+        "speculative", "Most rows one verify forward may have (running requests x (drafts + "
+        "1)): drafts shorten to fit, and speculation pauses while not one draft per request "
+        "fits. Default: the device's measured budget; 0: no limit (always speculate)",
+        default=None)
+
     # Server
     host: str = _opt("server", "Bind address", default="127.0.0.1")
     port: int = _opt("server", "HTTP port", default=30000)
@@ -218,6 +250,49 @@ class ServerArgs:
         if self.priority_preemption and not self.enable_priority_scheduling:
             raise ValueError("priority_preemption needs enable_priority_scheduling")
         self._check_parallelism()
+        self._check_speculative()
+
+    @property
+    def speculative_num_drafts(self) -> int:
+        """Draft tokens per verify (a chain's length), from whichever flag gave it."""
+        if self.speculative_num_steps is not None:
+            return self.speculative_num_steps
+        if self.speculative_num_draft_tokens is not None:
+            return self.speculative_num_draft_tokens - 1
+        return 4 if self.speculative_algorithm == "NGRAM" else 3
+
+    def _check_speculative(self) -> None:
+        algo, draft = self.speculative_algorithm, self.speculative_draft_model_path
+        if algo is None:
+            given = [f.name for f in dataclasses.fields(self)
+                     if f.name.startswith("speculative_") and f.name != "speculative_algorithm"
+                     and getattr(self, f.name) != f.default]
+            if given:
+                raise ValueError(f"{given[0]} is set but speculative_algorithm is not")
+            return
+        if self.is_embedding:
+            raise ValueError(f"speculative_algorithm={algo}: an embedding server decodes nothing")
+        if (algo == "NGRAM") != (draft is None):
+            raise ValueError(f"speculative_algorithm={algo} needs speculative_draft_model_path"
+                             if draft is None else "speculative_draft_model_path: NGRAM drafts "
+                             "from the request's own text, it loads no draft model")
+        if self.speculative_eagle_topk not in (None, 1):
+            raise ValueError(f"speculative_eagle_topk={self.speculative_eagle_topk}: tree drafts "
+                             "(several candidates per step) are not supported; chains only (1)")
+        steps, tokens = self.speculative_num_steps, self.speculative_num_draft_tokens
+        if steps is not None and tokens is not None and tokens != steps + 1:
+            raise ValueError(f"speculative_num_draft_tokens={tokens} with speculative_num_steps="
+                             f"{steps}: a chain verifies num_steps + 1 tokens")
+        if self.speculative_num_drafts < 1:
+            raise ValueError("speculative_num_steps must be >= 1 (speculative_num_draft_tokens "
+                             ">= 2)")
+        lo, hi = (self.speculative_ngram_min_match_window_size,
+                  self.speculative_ngram_max_match_window_size)
+        if not 1 <= lo <= hi:
+            raise ValueError(f"speculative_ngram_min_match_window_size={lo} and max={hi}: need "
+                             "1 <= min <= max")
+        if (self.speculative_max_verify_tokens or 0) < 0:
+            raise ValueError("speculative_max_verify_tokens must be >= 0 (0: no limit)")
 
     def _check_parallelism(self) -> None:
         if self.tp_size < 1 or self.dp_size < 1:

@@ -43,6 +43,8 @@ class SeqOutput:
     return_logprob: bool = False
     embedding: list[float] | None = None  # --is-embedding
     timing: dict[str, float] | None = None  # stamps of its way through the server, if asked
+    spec_verify_ct: int = 0  # speculative decoding: verify steps with drafts
+    spec_accepted_drafts: int = 0
 
     def update(self, out: StrOut) -> None:
         t = out.token
@@ -58,6 +60,8 @@ class SeqOutput:
         self.prompt_tokens = t.prompt_tokens
         self.completion_tokens = t.completion_tokens
         self.cached_tokens = t.cached_tokens
+        self.spec_verify_ct = t.spec_verify_ct
+        self.spec_accepted_drafts = t.spec_accepted_drafts
         self.finish_reason = t.finish_reason
         if t.embedding is not None:
             self.embedding = t.embedding
@@ -93,6 +97,11 @@ class SeqOutput:
                 meta["input_top_logprobs"] = [pairs(x) for x in self.input_top_logprobs or []]
         if self.timing is not None:
             meta["timing"] = dict(self.timing)
+        if self.spec_verify_ct:
+            meta["spec_verify_ct"] = self.spec_verify_ct
+            meta["spec_accepted_drafts"] = self.spec_accepted_drafts
+            # Tokens per verify step (the drafts it kept and its own one).
+            meta["spec_accept_length"] = 1 + self.spec_accepted_drafts / self.spec_verify_ct
         return meta
 
     def native(self, json_safe: bool = True) -> dict[str, Any]:

@@ -82,6 +82,9 @@ class TokenOut(msgspec.Struct):
     no_stop_trim: bool = False
     stop: list[str] = []  # stop strings: the detokenizer holds back text that may start one
     embedding: list[float] | None = None  # --is-embedding: the pooled, normalized vector
+    # Speculative decoding, so far: verify steps with drafts, drafts kept.
+    spec_verify_ct: int = 0
+    spec_accepted_drafts: int = 0
     # GenerateReq.return_timing: on the request's first output only, time.monotonic()
     # (one clock for every process of the host) at each hop: "sched_recv" (its frame
     # read), "step_start" (the first step after that began), "first_token" (the step

@@ -1,7 +1,7 @@
 """python -m radixlm.bench MODE [options]
 
 MODE: offline, one-batch, shared-prefix, serving, ttft, mixed-chunk, priority,
-llamacpp-serving, gguf-agreement, quant, quant-perplexity, moe-gguf.
+llamacpp-serving, gguf-agreement, quant, quant-perplexity, moe-gguf, speculative.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import sys
 def main() -> None:
     modes = ("offline", "one-batch", "shared-prefix", "serving", "ttft", "mixed-chunk",
              "priority", "llamacpp-serving", "gguf-agreement", "quant", "quant-perplexity",
-             "moe-gguf")
+             "moe-gguf", "speculative")
     if len(sys.argv) < 2 or sys.argv[1] not in modes:
         print(f"usage: python -m radixlm.bench {{{','.join(modes)}}} [options]")
         sys.exit(2)
@@ -40,6 +40,9 @@ def main() -> None:
         run(argv)
     elif mode == "shared-prefix":
         from radixlm.bench.shared_prefix import main as run
+        run(argv)
+    elif mode == "speculative":
+        from radixlm.bench.speculative import main as run
         run(argv)
     elif mode == "ttft":
         from radixlm.bench.ttft import main as run

@@ -179,17 +179,61 @@ class GrammarManager:
         self.pending = [(r, f) for r, f in self.pending if r is not req]
 
     # ---- sampling ---------------------------------------------------------------
-    def mask_logits(self, reqs: list[Req], logits: Tensor) -> Tensor:
-        """The logits with grammar rows masked: float32, in place when already float32."""
-        rows = [i for i, r in enumerate(reqs) if r.grammar is not None]
+    def mask_logits(self, reqs: list[Req], logits: Tensor,
+                    drafts: list[list[int]] | None = None) -> Tensor:
+        """The logits with grammar rows masked: float32, in place when already float32.
+        `drafts` (a verify batch): request i has len(drafts[i]) + 1 rows, row j
+        masked for the state after its drafts 0..j - 1 (the matcher is walked
+        through them and rolled back; rows after a draft the grammar refuses
+        keep the refusing state's mask: they cannot be kept)."""
+        if drafts is None:
+            rows = [i for i, r in enumerate(reqs) if r.grammar is not None]
+            matchers = [reqs[i].grammar for i in rows]
+        else:
+            rows, matchers = self._verify_rows(reqs, drafts)
         if not rows:
             return logits
-        backend, bitmask = self.backend, self.bitmask
-        assert bitmask is not None
+        backend = self.backend
+        if self.bitmask is None or self.bitmask.shape[0] < logits.shape[0]:  # verify rows
+            self.bitmask = backend.allocate_bitmask(logits.shape[0])
+            if torch.cuda.is_available():
+                self.bitmask = self.bitmask.pin_memory()
+        bitmask = self.bitmask
         logits = logits.float()
-        backend.fill_bitmasks([reqs[i].grammar for i in rows], self.bitmask, rows)
-        backend.apply_bitmask(logits, bitmask[:len(reqs)], rows)
+        if drafts is None:
+            backend.fill_bitmasks(matchers, bitmask, rows)
+        else:
+            self._fill_verify(reqs, drafts, bitmask)
+        backend.apply_bitmask(logits, bitmask[:logits.shape[0]], rows)
         return logits
+
+    @staticmethod
+    def _verify_rows(reqs: list[Req], drafts: list[list[int]]) -> tuple[list[int], list[Any]]:
+        rows, matchers, at = [], [], 0
+        for req, d in zip(reqs, drafts):
+            if req.grammar is not None:
+                rows += range(at, at + len(d) + 1)
+                matchers.append(req.grammar)
+            at += len(d) + 1
+        return rows, matchers
+
+    @staticmethod
+    def _fill_verify(reqs: list[Req], drafts: list[list[int]], bitmask: Tensor) -> None:
+        at = 0
+        for req, d in zip(reqs, drafts):
+            m = req.grammar
+            if m is not None:
+                walked = 0
+                for j in range(len(d) + 1):
+                    if walked < j or m.is_terminated():  # a refused or final draft before
+                        bitmask[at + j] = bitmask[at + j - 1]
+                        continue
+                    m.fill_bitmask(bitmask, at + j)
+                    if j < len(d) and m.accept_token(d[j]):
+                        walked += 1
+                if walked:
+                    m.rollback(walked)
+            at += len(d) + 1
 
     @staticmethod
     def advance(req: Req, token_id: int) -> None:

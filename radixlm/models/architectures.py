@@ -23,11 +23,16 @@ ARCHITECTURES: dict[str, tuple[str, str]] = {
     "Qwen2MoeForCausalLM": ("radixlm.models.qwen2_moe", "Qwen2MoeForCausalLM"),
     "Qwen3MoeForCausalLM": ("radixlm.models.qwen3_moe", "Qwen3MoeForCausalLM"),
     "OlmoeForCausalLM": ("radixlm.models.olmoe", "OlmoeForCausalLM"),
+    # Draft heads (--speculative-algorithm EAGLE / EAGLE3): loaded beside a target, never served.
+    "LlamaForCausalLMEagle": ("radixlm.speculative.eagle_model", "EagleForCausalLM"),
+    "LlamaForCausalLMEagle3": ("radixlm.speculative.eagle_model", "Eagle3ForCausalLM"),
 }
+DRAFT_HEADS = frozenset({"LlamaForCausalLMEagle", "LlamaForCausalLMEagle3"})
 
 
 def supported_architectures() -> list[str]:
-    return sorted(ARCHITECTURES)
+    """The architectures a server can be started on (draft heads are not)."""
+    return sorted(set(ARCHITECTURES) - DRAFT_HEADS)
 
 
 def resolve_architecture(names: Sequence[str] | None) -> str:

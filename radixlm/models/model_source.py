@@ -31,7 +31,7 @@ from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Any, TypeVar
 
-from radixlm.models.architectures import resolve_architecture
+from radixlm.models.architectures import DRAFT_HEADS, resolve_architecture
 from radixlm.utils import cache_root
 
 logger = logging.getLogger(__name__)
@@ -118,8 +118,13 @@ def config_dict(model_dir: str | Path) -> dict[str, Any]:
 
 def model_architecture(model_dir: str | Path) -> str:
     """The architecture of config.json that we serve, checked before anything
-    reads another field; an unsupported one is refused by name."""
-    return resolve_architecture(config_dict(model_dir).get("architectures"))
+    reads another field; an unsupported one is refused by name, and so is a
+    draft head (it needs its target's hidden states)."""
+    name = resolve_architecture(config_dict(model_dir).get("architectures"))
+    if name in DRAFT_HEADS:
+        raise ValueError(f"{name} is a draft head: serve its target model with "
+                         "--speculative-draft-model-path pointing at the head")
+    return name
 
 
 def safetensors_files(model_dir: str | Path) -> list[Path]:

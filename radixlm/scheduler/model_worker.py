@@ -27,6 +27,7 @@ tokens.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -47,6 +48,9 @@ from radixlm.runtime.model_runner import ModelRunner
 from radixlm.scheduler.req import Req
 from radixlm.scheduler.schedule_batch import ScheduleBatch
 from radixlm.scheduler.token_table import TokenTable
+from radixlm.speculative import check_target, create_drafter
+from radixlm.speculative.model_drafter import ModelDrafter
+from radixlm.speculative.rejection import token_logprobs, verify_sampled
 from radixlm.utils import to_device
 
 
@@ -156,6 +160,8 @@ class Worker(Protocol):
       rows per request (embedding servers).
     - `runtime_controls()`: the weight updater, memory occupation and profiler
       the control component drives (`scheduler/control.py`).
+    - `drafter` (optional): the drafter --speculative-algorithm built, which the
+      scheduler asks for drafts.
     """
 
     limits: WorkerLimits
@@ -206,12 +212,24 @@ class ModelWorker:
         """`capture`: hidden states every forward also returns (`BatchResult.hidden_states`;
         fixed before the CUDA graphs are captured)."""
         self.args = args
+        check_target(config)
         self.runner = ModelRunner(args, model_dir, config, gpu_id)
         r = self.runner
-        r.capture = capture
+        self.drafter = create_drafter(args, r, model_dir, gpu_id)
+        # A drafter with a model drafts inside the verify forward and sees every forward.
+        self.model_drafter = self.drafter if isinstance(self.drafter, ModelDrafter) else None
+        needs = self.model_drafter.capture if self.model_drafter is not None else None
+        if capture is not None and needs is not None:
+            raise ValueError("a hidden-state capture and an EAGLE drafter's at once")
+        r.capture = capture or needs
         self.device = r.device
-        pools = MemoryPlan(args, self.device, r.context_len, [r.kv_request()]).build()
+        requests = [r.kv_request()]
+        if self.model_drafter is not None:
+            requests += self.model_drafter.kv_requests()
+        pools = MemoryPlan(args, self.device, r.context_len, requests).build()
         r.attach_pools(pools)
+        if self.model_drafter is not None:
+            self.model_drafter.attach_pools(pools)
         self.req_to_token_pool, self.kv_pool = pools.req_to_token_pool, pools.target
         self.limits = WorkerLimits(pools.max_total_tokens, pools.max_running_requests,
                                    r.context_len, r.vocab_size, config.hidden_size)
@@ -230,8 +248,13 @@ class ModelWorker:
 
     # ---- generation ------------------------------------------------------------------
     def forward(self, batch: ScheduleBatch) -> PendingResult:
+        draft_probs = None
+        if self.model_drafter is not None and batch.mode.is_verify():
+            draft_probs = self.model_drafter.draft(batch)  # writes batch.drafts
         fb, last_rows = self._forward_batch(batch)
         logits = self.runner.forward(fb)
+        if self.model_drafter is not None:
+            self.model_drafter.observe(batch, fb)
         prompt = self._prompt_logprobs(batch, logits) if any(batch.prompt_logprobs) else None
         if not any(batch.sample):
             empty = BatchResult([[] for _ in batch.reqs], hidden_states=fb.captured or None)
@@ -240,7 +263,7 @@ class ModelWorker:
             return PendingResult.done(batch, empty)
         if not batch.mode.is_decode_like():  # else every row is sampled
             logits = logits[[row for row, s in zip(last_rows, batch.sample) if s]]
-        return self._sample(batch, fb, logits, prompt)
+        return self._sample(batch, fb, logits, prompt, draft_probs)
 
     def _forward_batch(self, batch: ScheduleBatch) -> tuple[ForwardBatch, list[int]]:
         """The device batch, and each request's last row among the logit rows."""
@@ -300,22 +323,32 @@ class ModelWorker:
         return embeds
 
     def _sample(self, batch: ScheduleBatch, fb: ForwardBatch, logits: torch.Tensor,
-                prompt: tuple[list[Any], list[Any]] | None) -> PendingResult:
+                prompt: tuple[list[Any], list[Any]] | None,
+                draft_probs: list[torch.Tensor | None] | None = None) -> PendingResult:
         """Sample every sampling row on the device, keep a verify's agreed drafts,
-        record the tokens in the token table and start copying them to the host."""
+        record the tokens in the token table and start copying them to the host.
+        `draft_probs[i]`: the distribution request i's drafts were sampled from
+        (speculative sampling, `speculative/rejection.py`; None: kept while they
+        equal the target's own tokens)."""
         reqs = batch.sampling_reqs
-        info = self._sampling_info(batch)
+        rows = _row_params(batch)
+        info = SamplingBatchInfo.build(*rows, self.limits.vocab_size, self.device)
         want_lp = any(r.return_logprob for r in reqs)
         top_k = max((r.top_logprobs_num for r in reqs if r.return_logprob), default=0)
         if batch.mask_logits is not None:
-            if batch.mode.is_verify():
-                raise NotImplementedError("grammar-constrained requests in a verify step")
-            logits = batch.mask_logits(reqs, logits)
+            logits = batch.mask_logits(reqs, logits, batch.drafts)
         out = self.sampler(logits, info, want_lp, top_k)
         if self.tp_sync is not None:  # every rank continues with rank 0's tokens
             tp.tensor_model_parallel_broadcast(out.next_token_ids)
-        counts = self._record_tokens(batch, fb, out.next_token_ids)
-        tensors = [out.next_token_ids]
+        ids, kept = out.next_token_ids, None
+        if batch.mode.is_verify():
+            kept = _accept_drafts(batch, ids, self.device)
+            if draft_probs is not None and any(q is not None for q in draft_probs):
+                kept, ids = self._verify_sampled(batch, logits, rows, ids, draft_probs, kept)
+                if want_lp and out.logprobs is not None:
+                    out.logprobs = token_logprobs(logits, info, ids)
+        counts = self._record_tokens(batch, fb, ids, kept)
+        tensors = [ids]
         if want_lp and out.logprobs is not None:
             tensors.append(out.logprobs)
             if top_k and out.top_logprobs is not None:
@@ -324,32 +357,48 @@ class ModelWorker:
                              prompt, counts=None if counts is None else _to_host(counts),
                              hidden_states=fb.captured or None)
 
-    def _sampling_info(self, batch: ScheduleBatch) -> SamplingBatchInfo:
-        """One row per sampled logit row: a verify request's row j is its output
-        index first_out + j (the seed's step), after its drafts 0..j - 1."""
-        params, seeds, steps, prompts, outputs, bans = [], [], [], [], [], []
-        for i, req in enumerate(batch.reqs):
-            first = batch.first_out(i)
-            for j in range(batch.sample_rows(i)):
-                drafted = batch.drafts[i][:j] if j else []
-                params.append(req.sampling_params)
-                seeds.append(req.seed)
-                steps.append(first + j)
-                prompts.append(req.origin_input_ids)
-                outputs.append(req.output_ids + drafted if drafted else req.output_ids)
-                bans.append(min_tokens_ban(req, j))
-        return SamplingBatchInfo.build(params, seeds, steps, prompts, outputs, bans,
+    def _verify_sampled(self, batch: ScheduleBatch, logits: torch.Tensor, rows: tuple[list, ...],
+                        sampled: torch.Tensor, draft_probs: list[torch.Tensor | None],
+                        kept: tuple[torch.Tensor, torch.Tensor]
+                        ) -> tuple[tuple[torch.Tensor, torch.Tensor], torch.Tensor]:
+        """Speculative sampling for the requests whose drafts came with their q:
+        their kept tokens and counts replace the equality test's, and each of their
+        rows stands for the token it decided (returned, per row)."""
+        offsets = [0, *itertools.accumulate(len(d) + 1 for d in batch.drafts)]
+        which = [i for i, q in enumerate(draft_probs) if q is not None]
+        flat = [r for i in which for r in range(offsets[i], offsets[i + 1])]
+        local, at = [], 0
+        for i in which:
+            local.append(list(range(at, at + len(batch.drafts[i]) + 1)))
+            at += len(batch.drafts[i]) + 1
+        info = SamplingBatchInfo.build(*([col[r] for r in flat] for col in rows),
                                        self.limits.vocab_size, self.device)
+        index = to_device(torch.tensor(flat, dtype=torch.int64), self.device)
+        tokens, counts = verify_sampled(
+            logits[index], info, local, [batch.drafts[i] for i in which],
+            [draft_probs[i] for i in which], sampled[index],
+            [batch.reqs[i].seed for i in which], [batch.first_out(i) for i in which])
+        all_tokens, all_counts = (t.clone() for t in kept)
+        req_index = to_device(torch.tensor(which, dtype=torch.int64), self.device)
+        all_tokens[req_index] = 0
+        all_tokens[req_index, :tokens.shape[1]] = tokens
+        all_counts[req_index] = counts
+        ids = sampled.clone()
+        pick = [(a, j) for a, rows_a in enumerate(local) for j in range(len(rows_a))]
+        src = to_device(torch.tensor(pick, dtype=torch.int64), self.device)
+        ids[index] = tokens[src[:, 0], src[:, 1]]
+        return (all_tokens, all_counts), ids
 
-    def _record_tokens(self, batch: ScheduleBatch, fb: ForwardBatch,
-                       sampled: torch.Tensor) -> torch.Tensor | None:
-        """Write the sampled tokens into the token table; for a verify batch return
-        how many rows each request keeps (on the device)."""
+    def _record_tokens(self, batch: ScheduleBatch, fb: ForwardBatch, sampled: torch.Tensor,
+                       kept: tuple[torch.Tensor, torch.Tensor] | None = None
+                       ) -> torch.Tensor | None:
+        """Write the sampled tokens into the token table; for a verify batch (`kept`:
+        each request's tokens and how many it keeps) return the counts (on the device)."""
         idx = [i for i in range(batch.batch_size) if batch.sample[i]]
         sel = to_device(torch.tensor(idx, dtype=torch.int64), self.device)
         slots = fb.req_pool_indices[sel]
-        if batch.mode.is_verify():
-            tokens, counts = _accept_drafts(batch, sampled, self.device)
+        if kept is not None:
+            tokens, counts = kept
             self.tokens.write_steps(slots, fb.extend_prefix_lens[sel], tokens, counts)
             return counts
         n_ext = sum(1 for i in idx if i < batch.num_extend)
@@ -390,6 +439,24 @@ class ModelWorker:
         hidden = self.runner.forward_hidden(fb)
         rows = list(hidden.split(batch.extend_lens))
         return PendingResult.done(batch, BatchResult([[] for _ in batch.reqs], hidden=rows))
+
+
+def _row_params(batch: ScheduleBatch) -> tuple[list[Any], ...]:
+    """`SamplingBatchInfo.build`'s per-row lists, one row per sampled logit row: a
+    verify request's row j is its output index first_out + j (the seed's step),
+    after its drafts 0..j - 1 (the context of its penalties)."""
+    params, seeds, steps, prompts, outputs, bans = [], [], [], [], [], []
+    for i, req in enumerate(batch.reqs):
+        first = batch.first_out(i)
+        for j in range(batch.sample_rows(i)):
+            drafted = batch.drafts[i][:j] if j else []
+            params.append(req.sampling_params)
+            seeds.append(req.seed)
+            steps.append(first + j)
+            prompts.append(req.origin_input_ids)
+            outputs.append(req.output_ids + drafted if drafted else req.output_ids)
+            bans.append(min_tokens_ban(req, j))
+    return params, seeds, steps, prompts, outputs, bans
 
 
 def _last_rows(lens: list[int]) -> list[int]:

@@ -90,7 +90,8 @@ class OutputProcessor:
             cached_tokens=max(req.cached_tokens, 0),
             skip_special_tokens=params.skip_special_tokens,
             spaces_between_special_tokens=params.spaces_between_special_tokens,
-            no_stop_trim=params.no_stop_trim, stop=params.stop, embedding=req.embedding)
+            no_stop_trim=params.no_stop_trim, stop=params.stop, embedding=req.embedding,
+            spec_verify_ct=req.spec_verify_ct, spec_accepted_drafts=req.spec_accepted_drafts)
         if req.return_logprob:
             msg.output_logprobs = req.output_logprobs[req.sent_logprob_len:]
             if req.top_logprobs_num:

@@ -47,6 +47,9 @@ class Req:
     is_chunked: bool = False  # the prompt is only partly prefilled
     cached_tokens: int = -1  # prefix hit at first admission (-1: not admitted yet)
     num_retractions: int = 0
+    # Speculative decoding: verify steps that checked drafts for it, drafts it kept.
+    spec_verify_ct: int = 0
+    spec_accepted_drafts: int = 0
 
     # What was already reported to the caller.
     sent_output_len: int = 0

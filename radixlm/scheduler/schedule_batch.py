@@ -41,8 +41,9 @@ from radixlm.scheduler.req import Req
 if TYPE_CHECKING:
     from radixlm.scheduler.kv_manager import KVManager
 
-# (requests of the sampled rows, their logits) -> the logits with grammar masks applied.
-MaskLogits = Callable[[list[Req], torch.Tensor], torch.Tensor]
+# (requests of the sampled rows, their logits, a verify's drafts or None) -> the logits
+# with grammar masks applied (a verify's rows masked per draft position).
+MaskLogits = Callable[[list[Req], torch.Tensor, "list[list[int]] | None"], torch.Tensor]
 
 
 @dataclass

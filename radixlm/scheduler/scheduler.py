@@ -53,7 +53,8 @@ class Scheduler:
                  drafter: Drafter | None = None) -> None:
         """`worker`: a model worker to use instead of building one (tests drive the
         scheduler with scripted workers). `drafter`: proposes draft tokens that
-        decode steps verify (speculative decoding; `scheduler/drafter.py`)."""
+        decode steps verify (speculative decoding; `scheduler/drafter.py`); default:
+        the worker's, the one --speculative-algorithm asks for."""
         if args.is_embedding:
             # Pooling needs the hidden state of every pooled position, and a prefix-cache
             # hit skips computing those (only K/V are cached): no sharing for embeddings.
@@ -80,7 +81,7 @@ class Scheduler:
         self.prefill = PrefillManager(args, self.kv, self.stats, self.max_running_requests)
         self.decode = DecodeManager(args, self.kv, self.stats, self.prefill.requeue,
                                     self.context_len)
-        self.drafter = drafter
+        self.drafter = drafter if drafter is not None else getattr(self.worker, "drafter", None)
         self.output = OutputProcessor(tokenizer, self.grammars, args.stream_interval,
                                       self.stats,
                                       args.embedding_pooling if args.is_embedding else None)
@@ -291,10 +292,14 @@ class Scheduler:
                 self._reconcile_kv(req, ahead.get(id(req), 0))
 
     def _count_drafts(self, batch: ScheduleBatch, result: BatchResult) -> None:
-        for drafts, tokens in zip(batch.drafts, result.tokens):
-            if tokens:  # not stale
+        for req, drafts, tokens in zip(batch.reqs, batch.drafts, result.tokens):
+            if tokens and drafts:  # not stale
+                accepted = len(tokens) - 1
+                self.stats.num_spec_verifies += 1
                 self.stats.num_draft_tokens += len(drafts)
-                self.stats.num_accepted_drafts += len(tokens) - 1
+                self.stats.num_accepted_drafts += accepted
+                req.spec_verify_ct += 1
+                req.spec_accepted_drafts += accepted
 
     def _reconcile_kv(self, req: Req, ahead: int) -> None:
         """After a step that gave a request fewer tokens than it had KV slots for (a
@@ -314,6 +319,11 @@ class Scheduler:
         self.decode.remove(req)
         self.prefill.remove(req)
         self.grammars.discard(req)
+        if self.drafter is not None:
+            self.drafter.forget(req.rid)
+        excess = req.kv_len - req.seq_len  # a verify's slots past a stop in its accepted run
+        if req.req_pool_idx is not None and excess > 0:
+            self.kv.truncate(req, excess)
         self.kv.release(req)
         self.stats.num_finished += 1
         self.output.emit(req)
@@ -350,6 +360,9 @@ class Scheduler:
             "num_prompt_tokens": st.num_prompt_tokens,
             "num_cached_tokens": st.num_cached_tokens,
             "num_generated_tokens": st.num_generated_tokens,
+            "num_spec_verifies": st.num_spec_verifies,
+            "num_draft_tokens": st.num_draft_tokens,
+            "num_accepted_drafts": st.num_accepted_drafts,
         }
 
     def check_invariants(self) -> None:

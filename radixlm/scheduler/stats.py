@@ -15,6 +15,8 @@ class Stats:
     num_finished: int = 0
     # Request results dropped as stale (launched before a multi-token step was read).
     num_stale_results: int = 0
-    # Verify steps: draft tokens proposed, and how many the target kept.
+    # Verify steps: requests verified with drafts, draft tokens proposed, and how
+    # many the target kept (acceptance length: 1 + accepted / verified).
+    num_spec_verifies: int = 0
     num_draft_tokens: int = 0
     num_accepted_drafts: int = 0

@@ -46,7 +46,8 @@ IDLE_POLL_MS = 1000
 SUMMED_INFO = ("kv_tokens_total", "kv_tokens_free", "kv_tokens_cached", "kv_tokens_in_use",
                "num_running_requests", "num_queued_requests", "max_running_requests",
                "num_retractions", "num_prompt_tokens", "num_cached_tokens",
-               "num_generated_tokens")
+               "num_generated_tokens", "num_spec_verifies", "num_draft_tokens",
+               "num_accepted_drafts")
 
 
 class DataParallelController:

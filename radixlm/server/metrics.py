@@ -50,6 +50,11 @@ class Metrics:
         self.token_usage = gauge("token_usage", "Fraction of KV slots held by live requests")
         self.kv_tokens_cached = gauge("kv_tokens_cached", "Evictable KV tokens in the radix tree")
         self.cache_hit_rate = gauge("cache_hit_rate", "Prompt tokens served from the prefix cache")
+        self.spec_accept_length = gauge(
+            "spec_accept_length", "Speculative decoding: tokens per verify step and request "
+            "(1 + accepted drafts / verifies), since start; 0 without speculation")
+        self.spec_accept_rate = gauge(
+            "spec_accept_rate", "Speculative decoding: accepted / proposed draft tokens")
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of finished requests")
         self.generation_tokens = counter("generation_tokens", "Generated tokens")
         self.finished = Counter("radixlm:num_requests", "Finished requests by finish reason",
@@ -84,6 +89,10 @@ class Metrics:
         self.token_usage.set(info["kv_tokens_in_use"] / max(info["kv_tokens_total"], 1))
         self.kv_tokens_cached.set(info["kv_tokens_cached"])
         self.cache_hit_rate.set(info["cache_hit_rate"])
+        verifies, drafts = info.get("num_spec_verifies", 0), info.get("num_draft_tokens", 0)
+        accepted = info.get("num_accepted_drafts", 0)
+        self.spec_accept_length.set(1 + accepted / verifies if verifies else 0.0)
+        self.spec_accept_rate.set(accepted / drafts if drafts else 0.0)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

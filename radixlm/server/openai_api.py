@@ -153,10 +153,15 @@ class Call:
             first.setdefault(self.prompt_of[s.index], s)
         prompt = sum(s.prompt_tokens for s in first.values())
         completion = sum(s.completion_tokens for s in seqs)
-        return {"prompt_tokens": prompt, "completion_tokens": completion,
-                "total_tokens": prompt + completion,
-                "prompt_tokens_details": {"cached_tokens": sum(s.cached_tokens
-                                                               for s in first.values())}}
+        usage = {"prompt_tokens": prompt, "completion_tokens": completion,
+                 "total_tokens": prompt + completion,
+                 "prompt_tokens_details": {"cached_tokens": sum(s.cached_tokens
+                                                                for s in first.values())}}
+        verifies = sum(s.spec_verify_ct for s in seqs)
+        if verifies:  # an extension (speculative decoding), as SGLang's meta_info has it
+            usage["spec_verify_ct"] = verifies
+            usage["spec_accepted_drafts"] = sum(s.spec_accepted_drafts for s in seqs)
+        return usage
 
 
 def _priority(req: _CommonRequest) -> int:

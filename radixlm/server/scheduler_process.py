@@ -247,6 +247,7 @@ class StatsLogger:
         self.interval = interval
         self.last_time = time.monotonic()
         self.last_tokens = 0
+        self.last_verifies = self.last_accepted = 0
 
     def maybe_log(self) -> None:
         now = time.monotonic()
@@ -256,10 +257,15 @@ class StatsLogger:
         tokens = info.get("num_generated_tokens", 0)
         rate = (tokens - self.last_tokens) / (now - self.last_time)
         usage = info["kv_tokens_in_use"] / max(info["kv_tokens_total"], 1)
+        verifies = info.get("num_spec_verifies", 0) - self.last_verifies
+        accepted = info.get("num_accepted_drafts", 0) - self.last_accepted
+        spec = f", accept len: {1 + accepted / verifies:.2f}" if verifies else ""
         logger.info("running: %d, queued: %d, token usage: %.2f, cache hit rate: %.1f%%, "
-                    "gen throughput: %.1f tok/s", info["num_running_requests"],
-                    info["num_queued_requests"], usage, 100 * info["cache_hit_rate"], rate)
+                    "gen throughput: %.1f tok/s%s", info["num_running_requests"],
+                    info["num_queued_requests"], usage, 100 * info["cache_hit_rate"], rate, spec)
         self.last_time, self.last_tokens = now, tokens
+        self.last_verifies += verifies
+        self.last_accepted += accepted
 
 
 def build_scheduler(args: ServerArgs, model_dir: str, gpu_id: int | None = None) -> Any:
