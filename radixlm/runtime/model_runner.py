@@ -103,6 +103,8 @@ class ModelRunner:
                                                 self.shape.context_len + 8, self.device)
         self.kv_pool = self._make_kv_pool()
         self.attn_backend = self._make_attn_backend()
+        if args.enable_deterministic_inference:
+            self._check_deterministic()
         for module in self.model.modules():
             if isinstance(module, RadixAttention):
                 self.attn_backend.check_layer(module)  # refuse what it cannot compute
@@ -112,6 +114,24 @@ class ModelRunner:
             self.graph_runner = CudaGraphRunner(
                 self, min(args.cuda_graph_max_bs, self.max_running_requests),
                 use_graphs=not args.disable_cuda_graph)
+
+    def _check_deterministic(self) -> None:
+        """Refuse, by name, what --enable-deterministic-inference cannot make batch-invariant."""
+        if not getattr(self.attn_backend, "batch_invariant", False):
+            raise ValueError(f"enable_deterministic_inference: the {self._backend_name()} "
+                             "attention backend's results depend on the batch; use the cpu "
+                             "backend on the CPU (needs a C++ compiler), triton on CUDA")
+        for name, module in self.model.named_modules():
+            method = getattr(module, "quant_method", None)
+            if method is not None and not getattr(method, "batch_invariant", True):
+                raise ValueError(f"enable_deterministic_inference: layer {name} multiplies "
+                                 f"through {type(method).__name__}, whose rows depend on the "
+                                 "batch")
+        experts = (getattr(self.config, "num_experts", None)
+                   or getattr(self.config, "num_local_experts", None))
+        if experts:
+            raise ValueError("enable_deterministic_inference: mixture-of-experts layers "
+                             f"({experts} experts) have no batch-invariant kernels yet")
 
     def _set_cpu_threads(self) -> None:
         if self.args.num_threads:
@@ -128,7 +148,8 @@ class ModelRunner:
         from radixlm.models.gguf_packed import quant_config
 
         args = self.args
-        fast = {"prepack": not args.disable_weight_prepack, "gemv": not args.disable_gemv}
+        fast = {"prepack": not args.disable_weight_prepack, "gemv": not args.disable_gemv,
+                "deterministic": args.enable_deterministic_inference}
         if (gguf := gguf_file(args)) is not None:
             return quant_config(self.config, gguf, args.quantization, self.device, self.dtype,
                                 **fast)
@@ -240,7 +261,8 @@ class ModelRunner:
             from radixlm.layers.attention.triton_backend import TritonAttentionBackend
             s = self.shape
             return TritonAttentionBackend(s.num_heads, s.num_kv_heads, s.head_dim, self.device,
-                                          self.req_to_token_pool.max_context_len)
+                                          self.req_to_token_pool.max_context_len,
+                                          deterministic=self.args.enable_deterministic_inference)
         from radixlm.layers.attention.torch_native import TorchNativeBackend
         return TorchNativeBackend()
 

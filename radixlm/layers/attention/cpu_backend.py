@@ -40,6 +40,8 @@ class CpuAttentionBackend(TorchNativeBackend):
     head dim is a multiple of 16 up to 256; `supports(head_dim)` says which.
     """
 
+    batch_invariant = True  # a row's bits never depend on the batch (module docstring)
+
     def init_forward_metadata(self, fb: ForwardBatch) -> None:
         pass  # the kernels read the batch's tensors directly
 

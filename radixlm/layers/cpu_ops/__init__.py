@@ -22,7 +22,8 @@ from radixlm.utils import cache_root
 logger = logging.getLogger(__name__)
 
 _DIR = Path(__file__).parent
-SOURCES = [_DIR / "decode_attention.cpp", _DIR / "elementwise.cpp", _DIR / "extend_attention.cpp"]
+SOURCES = [_DIR / f"{name}.cpp" for name in
+           ("decode_attention", "elementwise", "extend_attention", "dense_gemm")]
 HEADERS = [_DIR / "vec.h", _DIR / "attention.h"]
 _lock = threading.Lock()
 _loaded: bool | None = None  # None: not tried yet
@@ -137,6 +138,27 @@ def extend_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor,
     torch.ops.radixlm_cpu.extend_attention(q, k_buf, v_buf, out, req_to_token,
                                            req_pool_indices, prefix_lens, extend_lens, scale,
                                            window or 0, softcap or 0.0)
+
+
+def dense_pack(weight: torch.Tensor) -> torch.Tensor:
+    """A float weight [out, in] as `dense_linear` reads it (a copy: panels of 32
+    output columns; fp32, or bf16 pairs on CPUs with AVX512-BF16)."""
+    return torch.ops.radixlm_cpu.dense_pack(weight)
+
+
+def dense_linear(x: torch.Tensor, packed: torch.Tensor, out_features: int,
+                 bias: torch.Tensor | None = None, out: torch.Tensor | None = None
+                 ) -> torch.Tensor:
+    """x W^T (+ bias) for x [..., in] in x's dtype, W packed by `dense_pack`. Each
+    output is one multiply-add chain over the input features in order, so a row's
+    result is the same bits however many rows are multiplied with it."""
+    x2 = x.reshape(-1, x.shape[-1])
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    y = (x2.new_empty((x2.shape[0], out_features)) if out is None
+         else out.view(x2.shape[0], out_features))
+    torch.ops.radixlm_cpu.dense_linear(x2, packed, out_features, bias, y)
+    return y.view(*x.shape[:-1], out_features)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,

@@ -128,11 +128,14 @@ inline void block_range(const int64_t* pos, const int64_t* lo, int rows, int64_t
 }
 
 // Scores of one block half after scale, softcap and the row's mask (-inf where
-// not visible); `vis` gets the mask.
+// not visible); `vis` gets the mask. FULL: every key of the block is visible to
+// every row of the tile, so the mask (all ones) is not applied: the same values.
+template <bool FULL>
 inline vfloat masked_scores(vfloat s, float scale, float softcap, int64_t j0, int half,
                             int64_t lo, int64_t pos, vint& vis) {
   s = s * scale;
   if (softcap > 0.f) s = softcap_vec(s, softcap);
+  if constexpr (FULL) return s;
   vis = visible_lanes(j0, half, lo, pos);
   const vfloat ninf = vfloat{} + kNegInf;
   return vis ? s : ninf;
@@ -141,16 +144,28 @@ inline vfloat masked_scores(vfloat s, float scale, float softcap, int64_t j0, in
 // Online-softmax step of one row over one block: updates m, l (16 lanes) and
 // returns alpha (what o is rescaled by) and the probabilities pa/pb (exactly 0
 // where not visible); false when the row sees nothing yet (state untouched).
+template <bool FULL>
 inline bool softmax_step(vfloat a, vfloat b, vint va, vint vb, float& m, vfloat& l,
                          float& alpha, vfloat& pa, vfloat& pb) {
   const float mx = std::max(m, hmax(a > b ? a : b));
   if (mx == kNegInf) return false;
   alpha = std::exp(m - mx);  // exp(-inf) = 0 on the row's first block
   m = mx;
-  const vfloat zero = vfloat{};
-  pa = va ? exp_vec(a - mx) : zero;
-  pb = vb ? exp_vec(b - mx) : zero;
+  pa = exp_vec(a - mx);
+  pb = exp_vec(b - mx);
+  if constexpr (!FULL) {
+    const vfloat zero = vfloat{};
+    pa = va ? pa : zero;
+    pb = vb ? pb : zero;
+  }
   l = l * alpha + (pa + pb);
+  return true;
+}
+
+// Whether every row r < rows sees the whole block at j0.
+inline bool block_full(const int64_t* pos, const int64_t* lo, int rows, int64_t j0) {
+  for (int r = 0; r < rows; ++r)
+    if (lo[r] > j0 || pos[r] < j0 + kBlock - 1) return false;
   return true;
 }
 
@@ -179,33 +194,38 @@ __attribute__((noinline)) void split_f32(const float* const* q, const int64_t* p
     for (int c = 0; c < D; ++c) {
       const vfloat k0 = load_vec(kb + c * n), k1 = load_vec(kb + c * n + kLanes);
       for (int r = 0; r < R; ++r) {
-        const vfloat qc = vfloat{} + qr[r][c];
+        const vfloat qc = splat(qr[r][c]);
         s[r][0] = fma_vec(qc, k0, s[r][0]);
         s[r][1] = fma_vec(qc, k1, s[r][1]);
       }
     }
-    for (int r = 0; r < R; ++r) {
-      const int rr = std::min(r, rows - 1);
-      vint va, vb;
-      const vfloat a = masked_scores(s[r][0], scale, softcap, j0, 0, lo[rr], pos[rr], va);
-      const vfloat b = masked_scores(s[r][1], scale, softcap, j0, 1, lo[rr], pos[rr], vb);
-      float alpha;
-      vfloat pa, pb;
-      if (!softmax_step(a, b, va, vb, m[r], l[r], alpha, pa, pb)) {
-        std::memset(p[r], 0, sizeof(p[r]));
-        continue;
+    auto rows_step = [&](auto full) {
+      constexpr bool F = decltype(full)::value;
+      for (int r = 0; r < R; ++r) {
+        const int rr = std::min(r, rows - 1);
+        vint va, vb;
+        const vfloat a = masked_scores<F>(s[r][0], scale, softcap, j0, 0, lo[rr], pos[rr], va);
+        const vfloat b = masked_scores<F>(s[r][1], scale, softcap, j0, 1, lo[rr], pos[rr], vb);
+        float alpha;
+        vfloat pa, pb;
+        if (!softmax_step<F>(a, b, va, vb, m[r], l[r], alpha, pa, pb)) {
+          std::memset(p[r], 0, sizeof(p[r]));
+          continue;
+        }
+        for (int c = 0; c < DV; ++c) o[r][c] = o[r][c] * alpha;
+        store_vec(p[r], pa);
+        store_vec(p[r] + kLanes, pb);
       }
-      for (int c = 0; c < DV; ++c) o[r][c] = o[r][c] * alpha;
-      store_vec(p[r], pa);
-      store_vec(p[r] + kLanes, pb);
-    }
+    };
+    if (block_full(pos, lo, rows, j0)) rows_step(std::true_type{});
+    else rows_step(std::false_type{});
     // Keys past every row's position have probability 0 for all: not read.
     const int count = static_cast<int>(std::min<int64_t>(kBlock, last + 1 - j0));
     const float* vb = vr + (j0 - base) * D;
     for (int j = 0; j < count; ++j) {
       for (int c = 0; c < DV; ++c) {
         const vfloat v = load_vec(vb + j * D + c * kLanes);
-        for (int r = 0; r < R; ++r) o[r][c] = fma_vec(vfloat{} + p[r][j], v, o[r][c]);
+        for (int r = 0; r < R; ++r) o[r][c] = fma_vec(splat(p[r][j]), v, o[r][c]);
       }
     }
   }
@@ -248,23 +268,30 @@ __attribute__((noinline)) void split_bf16(const uint32_t* const* q, const int64_
         s[r][1] = _mm512_dpbf16_ps(s[r][1], qq, k1);
       }
     }
-    for (int r = 0; r < R; ++r) {
-      const int rr = std::min(r, rows - 1);
-      vint va, vb;
-      const vfloat a = masked_scores((vfloat)s[r][0], scale, softcap, j0, 0, lo[rr], pos[rr], va);
-      const vfloat b = masked_scores((vfloat)s[r][1], scale, softcap, j0, 1, lo[rr], pos[rr], vb);
-      float alpha;
-      vfloat pa, pb, lr = (vfloat)l[r];
-      if (!softmax_step(a, b, va, vb, m[r], lr, alpha, pa, pb)) {
-        std::memset(pp[r], 0, sizeof(pp[r]));
-        continue;
+    auto rows_step = [&](auto full) {
+      constexpr bool F = decltype(full)::value;
+      for (int r = 0; r < R; ++r) {
+        const int rr = std::min(r, rows - 1);
+        vint va, vb;
+        const vfloat a =
+            masked_scores<F>((vfloat)s[r][0], scale, softcap, j0, 0, lo[rr], pos[rr], va);
+        const vfloat b =
+            masked_scores<F>((vfloat)s[r][1], scale, softcap, j0, 1, lo[rr], pos[rr], vb);
+        float alpha;
+        vfloat pa, pb, lr = (vfloat)l[r];
+        if (!softmax_step<F>(a, b, va, vb, m[r], lr, alpha, pa, pb)) {
+          std::memset(pp[r], 0, sizeof(pp[r]));
+          continue;
+        }
+        l[r] = (__m512)lr;
+        const __m512 al = _mm512_set1_ps(alpha);
+        for (int c = 0; c < DV; ++c) o[r][c] = _mm512_mul_ps(o[r][c], al);
+        // P as bf16 pairs (keys 2i, 2i + 1) for the second product.
+        _mm512_store_si512(pp[r], (__m512i)_mm512_cvtne2ps_pbh((__m512)pb, (__m512)pa));
       }
-      l[r] = (__m512)lr;
-      const __m512 al = _mm512_set1_ps(alpha);
-      for (int c = 0; c < DV; ++c) o[r][c] = _mm512_mul_ps(o[r][c], al);
-      // P as bf16 pairs (keys 2i, 2i + 1) for the second product.
-      _mm512_store_si512(pp[r], (__m512i)_mm512_cvtne2ps_pbh((__m512)pb, (__m512)pa));
-    }
+    };
+    if (block_full(pos, lo, rows, j0)) rows_step(std::true_type{});
+    else rows_step(std::false_type{});
     const int pairs = static_cast<int>(std::min<int64_t>(kBlock, last + 1 - j0) + 1) / 2;
     const uint32_t* vb = vr + ((j0 - base) / 2) * D;
     for (int i = 0; i < pairs; ++i) {
@@ -310,20 +337,18 @@ inline void finish(const float* O, float L, T* out, int d) {
 
 // ---- packing keys and values ---------------------------------------------------
 
-// The keys/values a kernel reads: the j-th of them (j from 0) for one KV head at
-// pool slot slots[j], T elements, `dim` of them (the last dim contiguous). The
-// first `skip` are before every query's window: never read (a window pool may
-// have freed their slots), packed as zeros.
+// The keys/values a kernel reads: the j-th of them (j from 0) at pool slot
+// slots[j], KV head g at offset g * k_sh, `dim` elements (the last dim
+// contiguous). The first `skip` are before every query's window: never read (a
+// window pool may have freed their slots), packed as zeros.
 template <typename T>
 struct KvRows {
   const T* k;
   const T* v;
   int64_t k_sn, v_sn;    // between pool slots
+  int64_t k_sh, v_sh;    // between KV heads
   const int64_t* slots;  // the positions' pool slots (from a req_to_token row)
   int64_t skip;
-  const T* key(int64_t j) const { return k + slots[j] * k_sn; }
-  const T* value(int64_t j) const { return v + slots[j] * v_sn; }
-  bool has(int64_t j, int64_t count) const { return j >= skip && j < count; }
 };
 
 // A req_to_token table, int32 or int64.
@@ -410,54 +435,62 @@ inline void transpose16(__m512i r[16]) {
 }
 #endif
 
-// F32 flavour: kt [Dp][n] and vr [n][Dp] (fp32, Dp = padded dim, zero beyond
-// `dim` and beyond the first `count` keys).
+// F32 flavour: columns [c0, c1) (multiples of 16) of head g's keys into kt [Dp][n]
+// and values into vr [n][Dp] (fp32, zero beyond `dim` and for positions not
+// read: skipped or past `count`).
 template <typename T>
-void pack_f32(const KvRows<T>& kv, int64_t count, int dim, int dp, int64_t n, float* kt,
-              float* vr) {
-  for (int64_t j = 0; j < count; ++j) {
-    if (!kv.has(j, count)) {
+void pack_f32(const KvRows<T>& kv, int g, int64_t count, int64_t c0, int64_t c1, int dim,
+              int dp, int64_t n, float* kt, float* vr) {
+  auto has = [&](int64_t j) { return j >= kv.skip && j < count; };
+  for (int64_t j = c0; j < c1; ++j) {
+    if (!has(j)) {
       std::memset(vr + j * dp, 0, sizeof(float) * dp);
       continue;
     }
-    const T* value = kv.value(j);
+    const T* value = kv.v + kv.slots[j] * kv.v_sn + g * kv.v_sh;
     for (int c = 0; c < dp; c += kLanes) store_vec(vr + j * dp + c, load_widened(value, c, dim));
   }
-  std::memset(vr + count * dp, 0, sizeof(float) * (n - count) * dp);
 #if defined(__AVX512F__)
-  for (int64_t j0 = 0; j0 < n; j0 += kLanes) {
-    for (int c0 = 0; c0 < dp; c0 += kLanes) {
+  for (int64_t j0 = c0; j0 < c1; j0 += kLanes) {
+    for (int d0 = 0; d0 < dp; d0 += kLanes) {
       __m512i r[16];
       for (int t = 0; t < kLanes; ++t) {
-        const vfloat x = kv.has(j0 + t, count) ? load_widened(kv.key(j0 + t), c0, dim) : vfloat{};
-        r[t] = (__m512i)x;
+        const int64_t j = j0 + t;
+        r[t] = has(j) ? (__m512i)load_widened(kv.k + kv.slots[j] * kv.k_sn + g * kv.k_sh, d0, dim)
+                      : _mm512_setzero_si512();
       }
       transpose16(r);
-      for (int i = 0; i < kLanes; ++i) _mm512_storeu_si512(kt + (c0 + i) * n + j0, r[i]);
+      for (int i = 0; i < kLanes; ++i) _mm512_storeu_si512(kt + (d0 + i) * n + j0, r[i]);
     }
   }
 #else
   for (int c = 0; c < dp; ++c)
-    for (int64_t j = 0; j < n; ++j)
-      kt[c * n + j] = (kv.has(j, count) && c < dim) ? static_cast<float>(kv.key(j)[c]) : 0.f;
+    for (int64_t j = c0; j < c1; ++j)
+      kt[c * n + j] = has(j) && c < dim
+                          ? static_cast<float>((kv.k + kv.slots[j] * kv.k_sn + g * kv.k_sh)[c])
+                          : 0.f;
 #endif
 }
 
 #if defined(__AVX512BF16__)
-// bf16 flavour: kt [Dp / 2][n] key pairs and vr [n / 2][Dp] value-row pairs,
-// zero beyond `dim` and the first `count` keys.
-inline void pack_bf16(const KvRows<c10::BFloat16>& kv, int64_t count, int dim, int dp,
-                      int64_t n, uint32_t* kt, uint32_t* vr) {
+// bf16 flavour: columns [c0, c1) (multiples of 32) of head g's keys into kt
+// [Dp / 2][n] pairs and values into vr [n / 2][Dp] pairs of rows, zero beyond
+// `dim` and for positions not read.
+inline void pack_bf16(const KvRows<c10::BFloat16>& kv, int g, int64_t count, int64_t c0,
+                      int64_t c1, int dim, int dp, int64_t n, uint32_t* kt, uint32_t* vr) {
+  auto has = [&](int64_t j) { return j >= kv.skip && j < count; };
   const int pairs = dim / 2, dpp = dp / 2;
-  for (int64_t j0 = 0; j0 < n; j0 += kLanes) {
+  for (int64_t j0 = c0; j0 < c1; j0 += kLanes) {
     for (int p0 = 0; p0 < dpp; p0 += kLanes) {
       const __mmask16 cols = p0 >= pairs ? 0 : static_cast<__mmask16>(
           pairs - p0 >= 16 ? 0xFFFF : (1u << (pairs - p0)) - 1);
       __m512i r[16];
       for (int t = 0; t < kLanes; ++t) {
-        r[t] = kv.has(j0 + t, count) ? _mm512_maskz_loadu_epi32(
-                                    cols, reinterpret_cast<const uint32_t*>(kv.key(j0 + t)) + p0)
-                              : _mm512_setzero_si512();
+        const int64_t j = j0 + t;
+        r[t] = has(j) ? _mm512_maskz_loadu_epi32(
+                            cols, reinterpret_cast<const uint32_t*>(
+                                      kv.k + kv.slots[j] * kv.k_sn + g * kv.k_sh) + p0)
+                      : _mm512_setzero_si512();
       }
       transpose16(r);
       for (int i = 0; i < std::min(kLanes, dpp - p0); ++i)
@@ -468,21 +501,35 @@ inline void pack_bf16(const KvRows<c10::BFloat16>& kv, int64_t count, int dim, i
   const __m512i interleave = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9,
                                               24, 8, 23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17,
                                               1, 16, 0);
-  for (int64_t i = 0; i < n / 2; ++i) {
-    const int64_t j = 2 * i;
-    const uint16_t* a = kv.has(j, count) ? reinterpret_cast<const uint16_t*>(kv.value(j)) : nullptr;
-    const uint16_t* b = kv.has(j + 1, count) ? reinterpret_cast<const uint16_t*>(kv.value(j + 1))
-                                      : nullptr;
-    for (int c0 = 0; c0 < dp; c0 += kLanes) {
-      const __mmask16 cols = c0 >= dim ? 0 : static_cast<__mmask16>(
-          dim - c0 >= 16 ? 0xFFFF : (1u << (dim - c0)) - 1);
-      const __m256i va = a ? _mm256_maskz_loadu_epi16(cols, a + c0) : _mm256_setzero_si256();
-      const __m256i vb = b ? _mm256_maskz_loadu_epi16(cols, b + c0) : _mm256_setzero_si256();
+  for (int64_t j = c0; j < c1; j += 2) {
+    const uint16_t* a = has(j) ? reinterpret_cast<const uint16_t*>(
+                                     kv.v + kv.slots[j] * kv.v_sn + g * kv.v_sh) : nullptr;
+    const uint16_t* b = has(j + 1) ? reinterpret_cast<const uint16_t*>(
+                                         kv.v + kv.slots[j + 1] * kv.v_sn + g * kv.v_sh) : nullptr;
+    for (int d0 = 0; d0 < dp; d0 += kLanes) {
+      const __mmask16 cols = d0 >= dim ? 0 : static_cast<__mmask16>(
+          dim - d0 >= 16 ? 0xFFFF : (1u << (dim - d0)) - 1);
+      const __m256i va = a ? _mm256_maskz_loadu_epi16(cols, a + d0) : _mm256_setzero_si256();
+      const __m256i vb = b ? _mm256_maskz_loadu_epi16(cols, b + d0) : _mm256_setzero_si256();
       const __m512i ab = _mm512_inserti64x4(_mm512_castsi256_si512(va), vb, 1);
-      _mm512_storeu_si512(vr + i * dp + c0, _mm512_permutexvar_epi16(interleave, ab));
+      _mm512_storeu_si512(vr + (j / 2) * dp + d0, _mm512_permutexvar_epi16(interleave, ab));
     }
   }
 }
 #endif
+
+// Head g's columns [c0, c1) (multiples of kBlock) in the flavour of P: uint32_t
+// for bf16 pairs, float otherwise.
+template <typename T, typename P>
+inline void pack_range(const KvRows<T>& kv, int g, int64_t count, int64_t c0, int64_t c1,
+                       int dim, int dp, int64_t n, P* kt, P* vr) {
+#if defined(__AVX512BF16__)
+  if constexpr (std::is_same_v<P, uint32_t>) {
+    pack_bf16(kv, g, count, c0, c1, dim, dp, n, kt, vr);
+    return;
+  }
+#endif
+  if constexpr (std::is_same_v<P, float>) pack_f32(kv, g, count, c0, c1, dim, dp, n, kt, vr);
+}
 
 }  // namespace radixlm_cpu::attn

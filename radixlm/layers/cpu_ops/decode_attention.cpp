@@ -62,17 +62,19 @@ struct Request {
   }
 };
 
-// Scratch of one thread: packed keys/values of one split and KV head, query rows.
+// Scratch of one thread: packed keys/values of one split (every KV head), query rows.
+template <typename T>
 struct Scratch {
   std::vector<float> kf, vf, qf;
   std::vector<uint32_t> kp, vp, qp;
   std::vector<int64_t> slots;
 };
 
-// The flavour's split over one (request, split, KV head): the group's heads, R at
-// a time, write their partial results.
+// One (request, split): the split's keys and values of every KV head are packed
+// (one pass over the pool rows), then each group's heads, R at a time, write
+// their partial results.
 template <int DV, typename T>
-void attend_unit(const Args<T>& a, int64_t b, const Request& rq, int64_t s, Scratch& w) {
+void attend_unit(const Args<T>& a, int64_t b, const Request& rq, int64_t s, Scratch<T>& w) {
   constexpr int D = DV * kLanes;
   constexpr int R = rows_per_tile<DV>();
   const int group = a.heads / a.kv_heads;
@@ -84,46 +86,53 @@ void attend_unit(const Args<T>& a, int64_t b, const Request& rq, int64_t s, Scra
   std::fill(pos, pos + R, rq.pos);
   std::fill(lo, lo + R, rq.lo);
   a.r2t.copy(a.rows[b], first, count, w.slots);
-  for (int g = 0; g < a.kv_heads; ++g) {
-    const KvRows<T> kv{a.k + g * a.k_sh, a.v + g * a.v_sh, a.k_sn, a.v_sn, w.slots.data(),
-                       std::max<int64_t>(0, rq.lo - first)};
+  const KvRows<T> kv{a.k, a.v, a.k_sn, a.v_sn, a.k_sh, a.v_sh, w.slots.data(),
+                     std::max<int64_t>(0, rq.lo - first)};
 #if defined(__AVX512BF16__)
-    if constexpr (std::is_same_v<T, c10::BFloat16>) {
-      w.kp.resize(static_cast<size_t>(D / 2) * n);
-      w.vp.resize(static_cast<size_t>(n / 2) * D);
-      pack_bf16(kv, count, a.dim, D, n, w.kp.data(), w.vp.data());
-      w.qp.assign(static_cast<size_t>(group) * D / 2, 0u);
-      for (int h = 0; h < group; ++h)
-        std::memcpy(w.qp.data() + h * D / 2, a.q + b * a.q_sb + (g * group + h) * a.q_sh,
-                    a.dim * sizeof(T));
+  if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    const int64_t kh = static_cast<int64_t>(D / 2) * n, vh = (n / 2) * D;
+    w.kp.resize(kh * a.kv_heads);
+    w.vp.resize(vh * a.kv_heads);
+    for (int g = 0; g < a.kv_heads; ++g)
+      pack_range(kv, g, count, 0, n, a.dim, D, n, w.kp.data() + g * kh, w.vp.data() + g * vh);
+    w.qp.assign(static_cast<size_t>(a.heads) * D / 2, 0u);
+    for (int h = 0; h < a.heads; ++h)
+      std::memcpy(w.qp.data() + h * D / 2, a.q + b * a.q_sb + h * a.q_sh, a.dim * sizeof(T));
+    for (int g = 0; g < a.kv_heads; ++g) {
       for (int h0 = 0; h0 < group; h0 += R) {
         const int rows = std::min(R, group - h0);
         const uint32_t* q[R];
-        for (int r = 0; r < R; ++r) q[r] = w.qp.data() + (h0 + std::min(r, rows - 1)) * D / 2;
+        for (int r = 0; r < R; ++r)
+          q[r] = w.qp.data() + (g * group + h0 + std::min(r, rows - 1)) * D / 2;
         const int64_t at = (b * a.heads + g * group + h0) * a.max_splits + slot;
-        split_bf16<DV, R>(q, pos, lo, rows, w.kp.data(), w.vp.data(), n, first, sb, a.scale,
-                          a.softcap, {a.part_m + at, a.part_l + at, a.part_o + at * D,
-                                      a.max_splits});
+        split_bf16<DV, R>(q, pos, lo, rows, w.kp.data() + g * kh, w.vp.data() + g * vh, n,
+                          first, sb, a.scale, a.softcap,
+                          {a.part_m + at, a.part_l + at, a.part_o + at * D, a.max_splits});
       }
-      continue;
     }
+    return;
+  }
 #endif
-    w.kf.resize(static_cast<size_t>(D) * n);
-    w.vf.resize(static_cast<size_t>(n) * D);
-    pack_f32(kv, count, a.dim, D, n, w.kf.data(), w.vf.data());
-    w.qf.resize(static_cast<size_t>(group) * D);
-    for (int h = 0; h < group; ++h) {
-      const T* src = a.q + b * a.q_sb + (g * group + h) * a.q_sh;
-      for (int c = 0; c < D; c += kLanes) store_vec(w.qf.data() + h * D + c, load_widened(src, c, a.dim));
-    }
+  const int64_t kh = static_cast<int64_t>(D) * n, vh = n * D;
+  w.kf.resize(kh * a.kv_heads);
+  w.vf.resize(vh * a.kv_heads);
+  for (int g = 0; g < a.kv_heads; ++g)
+    pack_range(kv, g, count, 0, n, a.dim, D, n, w.kf.data() + g * kh, w.vf.data() + g * vh);
+  w.qf.resize(static_cast<size_t>(a.heads) * D);
+  for (int h = 0; h < a.heads; ++h) {
+    const T* src = a.q + b * a.q_sb + h * a.q_sh;
+    for (int c = 0; c < D; c += kLanes)
+      store_vec(w.qf.data() + h * D + c, load_widened(src, c, a.dim));
+  }
+  for (int g = 0; g < a.kv_heads; ++g) {
     for (int h0 = 0; h0 < group; h0 += R) {
       const int rows = std::min(R, group - h0);
       const float* q[R];
-      for (int r = 0; r < R; ++r) q[r] = w.qf.data() + (h0 + std::min(r, rows - 1)) * D;
+      for (int r = 0; r < R; ++r) q[r] = w.qf.data() + (g * group + h0 + std::min(r, rows - 1)) * D;
       const int64_t at = (b * a.heads + g * group + h0) * a.max_splits + slot;
-      split_f32<DV, R>(q, pos, lo, rows, w.kf.data(), w.vf.data(), n, first, sb, a.scale,
-                       a.softcap, {a.part_m + at, a.part_l + at, a.part_o + at * D,
-                                   a.max_splits});
+      split_f32<DV, R>(q, pos, lo, rows, w.kf.data() + g * kh, w.vf.data() + g * vh, n, first,
+                       sb, a.scale, a.softcap,
+                       {a.part_m + at, a.part_l + at, a.part_o + at * D, a.max_splits});
     }
   }
 }
@@ -138,7 +147,7 @@ void run(const Args<T>& a, int64_t bs, T* out, int64_t o_sb, int64_t o_sh) {
   }
   const int64_t units = unit_start[bs];
   at::parallel_for(0, units, 1, [&](int64_t begin, int64_t end) {
-    Scratch w;
+    Scratch<T> w;
     int64_t b = std::upper_bound(unit_start.begin(), unit_start.end(), begin) -
                 unit_start.begin() - 1;
     for (int64_t u = begin; u < end; ++u) {

@@ -6,14 +6,15 @@
 // about a fifth of the whole prefill: its inner products are not the
 // bottleneck, its per-block bookkeeping is. Here, in bf16 on CPUs with
 // AVX512-BF16, both products run on `vdpbf16ps` (attention.h has the layouts).
-// Work unit: one (request, KV head, chunk of up to kChunkRows new rows). The
-// unit's keys and values (from the first one its rows see to its last row)
-// are packed once from the pool, then every query row of the GROUP heads that
-// share them walks the key blocks up to its position, R rows at a time with
-// their output in registers, split by split (attention.h), so each row gets
-// the bits a decode step at its position would: the result of a row does not
-// depend on where its chunk began, how much of the prompt was cached, or what
-// else is in the batch. Units are handed to threads longest first.
+// Each request's keys and values (from the first one its first new row sees to
+// its last) are packed once from the pool, in parallel. Work unit: one
+// (request, KV head, chunk of up to kChunkRows new rows): every query row of
+// the GROUP heads that share the KV head walks the key blocks up to its
+// position, R rows at a time with their output in registers, split by split
+// (attention.h), so each row gets the bits a decode step at its position
+// would: the result of a row does not depend on where its chunk began, how
+// much of the prompt was cached, or what else is in the batch. Units are
+// handed to threads longest first.
 //
 // Layer variants: with a sliding window W the query at position p sees keys
 // p - W + 1 .. p only (key blocks wholly before a row's window are skipped,
@@ -26,6 +27,7 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include <array>
 #include <atomic>
 #include <type_traits>
 #include <vector>
@@ -54,13 +56,34 @@ struct Args {
   float softcap;   // 0: none
 };
 
+// Request i's packed keys and values: positions [first, first + n) of every KV
+// head, head g's at kt + g * kt_head, vr + g * vr_head (P: the flavour's element).
+struct Packed {
+  int64_t first, n, offset;  // offset of the request's block in the shared buffers
+};
+
 struct Unit {
   int64_t req, kv_head, first_pos, stop_pos;  // new rows at positions [first_pos, stop_pos)
 };
 
+template <typename P>
+struct Shared {
+  std::vector<P> kt, vr;
+  std::vector<Packed> packs;
+  int64_t kt_per_key, vr_per_key;  // elements per packed position (one head)
+  P* keys(int64_t req, int g) {
+    const Packed& p = packs[req];
+    return kt.data() + p.offset * kt_per_key + g * p.n * kt_per_key;
+  }
+  P* values(int64_t req, int g) {
+    const Packed& p = packs[req];
+    return vr.data() + p.offset * vr_per_key + g * p.n * vr_per_key;
+  }
+};
+
 struct Scratch {
-  std::vector<float> kf, vf, qf, acc, part;
-  std::vector<uint32_t> kp, vp, qp;
+  std::vector<float> qf, acc, part;
+  std::vector<uint32_t> qp;
   std::vector<int64_t> slots;
 };
 
@@ -98,93 +121,125 @@ void attend_rows(const Args<T>& a, const Unit& u, int h, int64_t p0, int rows,
   }
 }
 
-template <int DV, typename T>
-void attend_unit(const Args<T>& a, const Unit& u, Scratch& w) {
+// Every query row of the unit (the group's heads over its positions), R rows at a time.
+template <int DV, typename T, typename P>
+void attend_unit(const Args<T>& a, const Unit& u, Shared<P>& sh, Scratch& w) {
   constexpr int D = DV * kLanes;
   constexpr int R = rows_per_tile<DV>();
   const int group = a.heads / a.kv_heads, g = static_cast<int>(u.kv_head);
-  const int64_t first = first_visible(u.first_pos, a.window) / kBlock * kBlock;
-  const int64_t count = u.stop_pos - first, n = round_up(count, kBlock);
-  a.r2t.copy(a.rows[u.req], first, count, w.slots);
-  const KvRows<T> kv{a.k + g * a.k_sh, a.v + g * a.v_sh, a.k_sn, a.v_sn, w.slots.data(),
-                     first_visible(u.first_pos, a.window) - first};
+  const Packed& pk = sh.packs[u.req];
+  const P* kt = sh.keys(u.req, g);
+  const P* vr = sh.values(u.req, g);
   const int64_t row_of_first = a.starts[u.req] - a.prefix_lens[u.req];  // q row of position 0
-#if defined(__AVX512BF16__)
-  if constexpr (std::is_same_v<T, c10::BFloat16>) {
-    w.kp.resize(static_cast<size_t>(D / 2) * n);
-    w.vp.resize(static_cast<size_t>(n / 2) * D);
-    pack_bf16(kv, count, a.dim, D, n, w.kp.data(), w.vp.data());
-    auto split = [&](const void* const* q, const int64_t* pos, const int64_t* lo, int rows,
-                     int64_t sb, const SplitOut& out) {
-      split_bf16<DV, R>(reinterpret_cast<const uint32_t* const*>(q), pos, lo, rows,
-                        w.kp.data(), w.vp.data(), n, first, sb, a.scale, a.softcap, out);
-    };
-    w.qp.assign(static_cast<size_t>(R) * D / 2, 0u);
-    for (int hh = 0; hh < group; ++hh) {
-      const int h = g * group + hh;
-      for (int64_t p0 = u.first_pos; p0 < u.stop_pos; p0 += R) {
-        const int rows = static_cast<int>(std::min<int64_t>(R, u.stop_pos - p0));
-        const void* q[R];
-        for (int r = 0; r < R; ++r) {
-          uint32_t* dst = w.qp.data() + r * D / 2;
-          if (r < rows)
-            std::memcpy(dst, a.q + (row_of_first + p0 + r) * a.q_st + h * a.q_sh,
-                        a.dim * sizeof(T));
-          q[r] = w.qp.data() + std::min(r, rows - 1) * D / 2;
-        }
-        attend_rows<DV, R>(a, u, h, p0, rows, q, split, w);
-      }
-    }
-    return;
-  }
-#endif
-  w.kf.resize(static_cast<size_t>(D) * n);
-  w.vf.resize(static_cast<size_t>(n) * D);
-  pack_f32(kv, count, a.dim, D, n, w.kf.data(), w.vf.data());
+  constexpr bool pairs = std::is_same_v<P, uint32_t>;
+  constexpr int qw = pairs ? D / 2 : D;  // a query row's packed width
   auto split = [&](const void* const* q, const int64_t* pos, const int64_t* lo, int rows,
                    int64_t sb, const SplitOut& out) {
-    split_f32<DV, R>(reinterpret_cast<const float* const*>(q), pos, lo, rows, w.kf.data(),
-                     w.vf.data(), n, first, sb, a.scale, a.softcap, out);
+#if defined(__AVX512BF16__)
+    if constexpr (pairs) {
+      split_bf16<DV, R>(reinterpret_cast<const uint32_t* const*>(q), pos, lo, rows, kt, vr,
+                        pk.n, pk.first, sb, a.scale, a.softcap, out);
+      return;
+    }
+#endif
+    if constexpr (!pairs)
+      split_f32<DV, R>(reinterpret_cast<const float* const*>(q), pos, lo, rows, kt, vr, pk.n,
+                       pk.first, sb, a.scale, a.softcap, out);
   };
-  w.qf.resize(static_cast<size_t>(R) * D);
+  if constexpr (pairs) w.qp.assign(static_cast<size_t>(R) * qw, 0u);
+  else w.qf.resize(static_cast<size_t>(R) * qw);
   for (int hh = 0; hh < group; ++hh) {
     const int h = g * group + hh;
     for (int64_t p0 = u.first_pos; p0 < u.stop_pos; p0 += R) {
       const int rows = static_cast<int>(std::min<int64_t>(R, u.stop_pos - p0));
       const void* q[R];
       for (int r = 0; r < R; ++r) {
-        if (r < rows) {
-          const T* src = a.q + (row_of_first + p0 + r) * a.q_st + h * a.q_sh;
-          for (int c = 0; c < D; c += kLanes)
-            store_vec(w.qf.data() + r * D + c, load_widened(src, c, a.dim));
+        const T* src = a.q + (row_of_first + p0 + r) * a.q_st + h * a.q_sh;
+        if constexpr (pairs) {
+          if (r < rows) std::memcpy(w.qp.data() + r * qw, src, a.dim * sizeof(T));
+          q[r] = w.qp.data() + std::min(r, rows - 1) * qw;
+        } else {
+          if (r < rows)
+            for (int c = 0; c < D; c += kLanes)
+              store_vec(w.qf.data() + r * qw + c, load_widened(src, c, a.dim));
+          q[r] = w.qf.data() + std::min(r, rows - 1) * qw;
         }
-        q[r] = w.qf.data() + std::min(r, rows - 1) * D;
       }
       attend_rows<DV, R>(a, u, h, p0, rows, q, split, w);
     }
   }
 }
 
-template <int DV, typename T>
-void run(const Args<T>& a, int64_t count) {
+// Jobs pulled by idle threads, in order: `jobs` of them, job(i, scratch).
+template <typename F>
+void pull(int64_t jobs, F&& job) {
+  std::atomic<int64_t> next{0};
+  const int64_t workers = std::min<int64_t>(at::get_num_threads(), jobs);
+  if (workers <= 0) return;
+  at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
+    Scratch w;
+    for (int64_t i = next++; i < jobs; i = next++) job(i, w);
+  });
+}
+
+template <int DV, typename T, typename P>
+void run_flavour(const Args<T>& a, int64_t count) {
+  constexpr int D = DV * kLanes;
+  constexpr int64_t kPackCols = 256;  // positions per packing job
+  Shared<P> sh;
+  sh.kt_per_key = std::is_same_v<P, uint32_t> ? D / 2 : D;
+  sh.vr_per_key = std::is_same_v<P, uint32_t> ? D / 2 : D;
+  // Each request's keys and values are packed once, from the first position its
+  // first new row sees (block-aligned) to its last, for every KV head.
+  int64_t total = 0;
+  std::vector<std::array<int64_t, 4>> pack_jobs;  // request, head, first column, end column
+  sh.packs.resize(count);
+  for (int64_t i = 0; i < count; ++i) {
+    const int64_t pre = a.prefix_lens[i], stop = pre + a.extend_lens[i];
+    const int64_t first = first_visible(pre, a.window) / kBlock * kBlock;
+    const int64_t n = a.extend_lens[i] ? round_up(stop - first, kBlock) : 0;
+    sh.packs[i] = {first, n, total};
+    total += n * a.kv_heads;
+    for (int g = 0; g < a.kv_heads; ++g)
+      for (int64_t c = 0; c < n; c += kPackCols) pack_jobs.push_back({i, g, c, std::min(n, c + kPackCols)});
+  }
+  sh.kt.resize(total * sh.kt_per_key);
+  sh.vr.resize(total * sh.vr_per_key);
+  pull(static_cast<int64_t>(pack_jobs.size()), [&](int64_t j, Scratch& w) {
+    const auto [i, g, c0, c1] = pack_jobs[j];
+    const Packed& pk = sh.packs[i];
+    const int64_t stop = a.prefix_lens[i] + a.extend_lens[i];
+    a.r2t.copy(a.rows[i], pk.first + c0, std::min(stop, pk.first + c1) - pk.first - c0, w.slots);
+    // The slots cover [first + c0, ...): index them from c0.
+    const KvRows<T> kv{a.k, a.v, a.k_sn, a.v_sn, a.k_sh, a.v_sh, w.slots.data() - c0,
+                       first_visible(a.prefix_lens[i], a.window) - pk.first};
+    pack_range(kv, static_cast<int>(g), stop - pk.first, c0, c1, a.dim, D, pk.n,
+               sh.keys(i, static_cast<int>(g)), sh.values(i, static_cast<int>(g)));
+  });
   std::vector<Unit> units;
   for (int64_t i = 0; i < count; ++i) {
-    const int64_t pre = a.prefix_lens[i], total = pre + a.extend_lens[i];
-    for (int64_t p = pre; p < total; p += kChunkRows)
+    const int64_t pre = a.prefix_lens[i], stop = pre + a.extend_lens[i];
+    for (int64_t p = pre; p < stop; p += kChunkRows)
       for (int g = 0; g < a.kv_heads; ++g)
-        units.push_back({i, g, p, std::min(total, p + kChunkRows)});
+        units.push_back({i, g, p, std::min(stop, p + kChunkRows)});
   }
-  // Longest first (work grows with the last position), pulled by idle threads.
+  // Longest first (work grows with the last position).
   std::stable_sort(units.begin(), units.end(), [&](const Unit& x, const Unit& y) {
     return (x.stop_pos - x.first_pos) * x.stop_pos > (y.stop_pos - y.first_pos) * y.stop_pos;
   });
-  std::atomic<int64_t> next{0};
-  const int64_t total = static_cast<int64_t>(units.size());
-  const int64_t workers = std::min<int64_t>(at::get_num_threads(), total);
-  at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
-    Scratch w;
-    for (int64_t i = next++; i < total; i = next++) attend_unit<DV>(a, units[i], w);
-  });
+  pull(static_cast<int64_t>(units.size()),
+       [&](int64_t j, Scratch& w) { attend_unit<DV>(a, units[j], sh, w); });
+}
+
+template <int DV, typename T>
+void run(const Args<T>& a, int64_t count) {
+#if defined(__AVX512BF16__)
+  if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    run_flavour<DV, T, uint32_t>(a, count);
+    return;
+  }
+#endif
+  run_flavour<DV, T, float>(a, count);
 }
 
 // q/out: [tokens, heads, dim]; k_buf/v_buf: [pool, kv_heads, dim], the new

@@ -29,18 +29,21 @@ __all__ = ["QUANTIZATION_METHODS", "EmbeddingMethod", "LinearMethod", "Quantizat
 
 
 def get_quantization_config(hf_config: Any, quantization: str | None = None, *,
-                            prepack: bool = True, gemv: bool = True) -> QuantizationConfig:
+                            prepack: bool = True, gemv: bool = True,
+                            deterministic: bool = False) -> QuantizationConfig:
     """The config for a model from a checkpoint directory: `quantization`
     (None or 'auto': what the checkpoint's config.json declares, unquantized
     when it declares nothing; 'none': unquantized). ValueError for a method we
     lack, or one that contradicts the checkpoint. `prepack` / `gemv`: the
-    unquantized fast paths (--disable-weight-prepack, --disable-gemv). A .gguf
+    unquantized fast paths (--disable-weight-prepack, --disable-gemv);
+    `deterministic`: batch-invariant float products instead
+    (--enable-deterministic-inference). A .gguf
     file's config comes from `models/gguf_packed.quant_config`."""
     declared = getattr(hf_config, "quantization_config", None)
     if quantization not in (None, "auto", "none") and quantization not in QUANTIZATION_METHODS:
         known = ", ".join(["auto", "none", *QUANTIZATION_METHODS])
         raise ValueError(f"quantization={quantization!r}: expected one of {known}")
-    floats = UnquantizedConfig(prepack=prepack, gemv=gemv)
+    floats = UnquantizedConfig(prepack=prepack, gemv=gemv, deterministic=deterministic)
     if declared is None:
         if quantization in (None, "auto", "none"):
             return floats
