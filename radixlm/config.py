@@ -144,6 +144,12 @@ class ServerArgs:
         "runtime", "Where float MoE experts are computed (auto: our Triton kernels on CUDA, "
         "grouped per-expert products on the CPU; torch: the float32 reference)",
         MOE_RUNNER_BACKENDS, default="auto")
+    enable_deterministic_inference: bool = _opt(
+        "runtime", "The same tokens and logprobs for a request whatever else is batched, "
+        "however its prompt is chunked or cached, and after a retraction: batch-invariant "
+        "products on every float weight (the CPU's attention and quantized products always "
+        "are), and on CUDA batch-invariant attention kernels (cascade decode off). Slower; "
+        "needs tp_size 1 (docs/determinism.md)", default=False)
 
     # Parallelism
     tp_size: int = _opt("parallelism", "Tensor-parallel ranks", default=1)
@@ -251,6 +257,12 @@ class ServerArgs:
             raise ValueError("priority_preemption needs enable_priority_scheduling")
         self._check_parallelism()
         self._check_speculative()
+        if self.enable_deterministic_inference and self.tp_size > 1:
+            raise ValueError(
+                f"enable_deterministic_inference with tp_size={self.tp_size}: the all-reduce of "
+                "the tensor-parallel partial sums picks its path and summation order by the "
+                "message size, so a row would depend on the batch; use tp_size=1 (dp_size "
+                "replicas keep it)")
 
     @property
     def speculative_num_drafts(self) -> int:

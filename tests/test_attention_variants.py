@@ -127,30 +127,27 @@ def test_mixed_batch_matches_reference(backend):
 
 
 needs_kernels = pytest.mark.skipif(not cpu_ops.load(), reason="no C++ compiler")
-needs_extend = pytest.mark.skipif(not cpu_ops.load() or not cpu_ops.has_extend_attention(),
-                                  reason="the prefill kernel needs AVX512-BF16")
 
 
-@needs_extend
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("dim", [64, 128])
 @pytest.mark.parametrize("window,softcap", VARIANTS)
-def test_bf16_prefill_kernel_matches_reference(dim, window, softcap):
-    # Fresh prompts only, so every row goes through cpu_ops.extend_attention.
+def test_prefill_kernel_matches_reference(dtype, dim, window, softcap):
+    # Fresh prompts and one after a prefix, all through cpu_ops.extend_attention.
     layer = RadixAttention(0, HEADS, KV_HEADS, dim, dim ** -0.5, window, softcap)
-    out, ref = run_batch(CpuAttentionBackend(), layer, [0, 0, 0, 0], [37, 1, 70, 100],
-                         torch.bfloat16, ForwardMode.EXTEND, seed=dim)
-    _check(out, ref, torch.bfloat16)
+    out, ref = run_batch(CpuAttentionBackend(), layer, [0, 0, 300, 0], [37, 1, 70, 100],
+                         dtype, ForwardMode.EXTEND, seed=dim)
+    _check(out, ref, dtype)
 
 
 @needs_kernels
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("window,softcap", VARIANTS)
-def test_decode_kernel_with_splits_matches_reference(dtype, window, softcap, monkeypatch):
-    # Few long requests: the kernel splits each over chunks (merged by log-sum-exp).
-    monkeypatch.setattr("radixlm.layers.attention.cpu_backend.MIN_SPLIT_TOKENS", 8)
-    monkeypatch.setattr(torch, "get_num_threads", lambda: 8)
+def test_decode_kernel_over_several_splits_matches_reference(dtype, window, softcap):
+    # Requests longer than one split (attention.h's kSplit = 256 positions), merged in order.
     layer = RadixAttention(0, HEADS, KV_HEADS, 64, 0.125, window, softcap)
-    out, ref = run_batch(CpuAttentionBackend(), layer, [500, 33], [1, 1], dtype,
+    out, ref = run_batch(CpuAttentionBackend(), layer, [480, 33, 255], [1, 1, 1], dtype,
                          ForwardMode.DECODE, seed=3)
     _check(out, ref, dtype)
 

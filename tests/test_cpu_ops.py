@@ -66,15 +66,15 @@ def random_pool_batch(bs, heads, kv_heads, dim, max_len, dtype, index_dtype, gen
 @pytest.mark.parametrize("dtype", [torch.float32, *HALF])
 @pytest.mark.parametrize("heads,kv_heads,dim", [(9, 3, 64), (8, 2, 128), (4, 4, 64),
                                                 (14, 2, 64), (6, 1, 80)])
-@pytest.mark.parametrize("splits", [1, 3])
-def test_decode_attention_matches_sdpa(dtype, heads, kv_heads, dim, splits):
-    gen = torch.Generator().manual_seed(heads * dim + splits)
-    index_dtype = torch.int32 if splits == 1 else torch.int64
-    q, k_buf, v_buf, r2t, rows, lens = random_pool_batch(5, heads, kv_heads, dim, 333, dtype,
+@pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64])
+def test_decode_attention_matches_sdpa(dtype, heads, kv_heads, dim, index_dtype):
+    gen = torch.Generator().manual_seed(heads * dim + index_dtype.itemsize)
+    # Up to 600 tokens: requests over one to three 256-position splits.
+    q, k_buf, v_buf, r2t, rows, lens = random_pool_batch(5, heads, kv_heads, dim, 600, dtype,
                                                          index_dtype, gen)
     out = torch.empty_like(q)
     scale = dim ** -0.5
-    cpu_ops.decode_attention(q, k_buf, v_buf, out, r2t, rows, lens, scale, splits)
+    cpu_ops.decode_attention(q, k_buf, v_buf, out, r2t, rows, lens, scale)
     ref = reference_decode(q, k_buf, v_buf, r2t, rows, lens, scale)
     tol = 1e-5 if dtype == torch.float32 else 1e-2  # the output's own rounding
     torch.testing.assert_close(out.float(), ref, atol=tol, rtol=tol)
@@ -87,7 +87,7 @@ def test_decode_attention_lengths_and_padding_rows(dtype):
                                                          torch.int32, gen)
     lens = torch.tensor([1, 31, 32, 33, 70, 0])  # around the 32-token block; a padding row
     out = torch.full_like(q, float("nan"))
-    cpu_ops.decode_attention(q, k_buf, v_buf, out, r2t, rows, lens, 0.125, 4)
+    cpu_ops.decode_attention(q, k_buf, v_buf, out, r2t, rows, lens, 0.125)
     ref = reference_decode(q, k_buf, v_buf, r2t, rows, lens, 0.125)
     tol = 1e-5 if dtype == torch.float32 else 1e-2
     torch.testing.assert_close(out.float(), ref, atol=tol, rtol=tol)
@@ -106,7 +106,7 @@ def test_decode_attention_rejects_bad_inputs():
     with pytest.raises(RuntimeError, match="multiple of kv_heads"):
         cpu_ops.decode_attention(torch.randn(2, 8, 64), k, k, torch.empty(2, 8, 64), r2t,
                                  rows, lens, 1.0)
-    with pytest.raises(RuntimeError, match="multiple of 16"):
+    with pytest.raises(RuntimeError, match="multiple of 16, at most 256"):
         cpu_ops.decode_attention(torch.randn(2, 3, 24), torch.randn(10, 3, 24),
                                  torch.randn(10, 3, 24), torch.empty(2, 3, 24), r2t, rows,
                                  lens, 1.0)
@@ -227,53 +227,58 @@ def test_store_kv_matches_index_put(dtype):
         cpu_ops.store_kv(k, v, k_buf, v_buf, loc + 40)
 
 
-needs_extend = pytest.mark.skipif(not cpu_ops.load() or not cpu_ops.has_extend_attention(),
-                                  reason="the prefill kernel needs AVX512-BF16")
+def reference_prefill(q, k_buf, v_buf, r2t, rows, prefix, extend, scale):
+    out, start = [], 0
+    for row, pre, ext in zip(rows.tolist(), prefix.tolist(), extend.tolist()):
+        slots = r2t[row, :pre + ext].long()
+        keys, values = (b[slots].float().transpose(0, 1) for b in (k_buf, v_buf))
+        qi = q[start:start + ext].float().transpose(0, 1)
+        mask = torch.arange(pre + ext)[None, :] <= torch.arange(pre, pre + ext)[:, None]
+        out.append(F.scaled_dot_product_attention(qi, keys, values, attn_mask=mask, scale=scale,
+                                                  enable_gqa=True).transpose(0, 1))
+        start += ext
+    return torch.cat(out)
 
 
-def reference_prefill(q, k, v, starts, lens, scale):
-    out = torch.zeros(q.shape)
-    for s, n in zip(starts.tolist(), lens.tolist()):
-        qi, ki, vi = (t[s:s + n].float().transpose(0, 1) for t in (q, k, v))
-        out[s:s + n] = F.scaled_dot_product_attention(
-            qi, ki, vi, is_causal=True, scale=scale, enable_gqa=True).transpose(0, 1)
-    return out
-
-
-@needs_extend
-@pytest.mark.parametrize("heads,kv_heads,dim", [(9, 3, 64), (8, 2, 128), (4, 4, 64)])
-def test_extend_attention_matches_causal_sdpa(heads, kv_heads, dim):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads,kv_heads,dim", [(9, 3, 64), (8, 2, 128), (4, 4, 64), (6, 1, 80)])
+def test_extend_attention_matches_causal_sdpa(dtype, heads, kv_heads, dim):
     gen = torch.Generator().manual_seed(3)
-    # Lengths around the 32-key blocks and the 4-row (dim 64) / 2-row tiles.
-    lens = torch.tensor([1, 5, 31, 32, 33, 70, 3, 0])
-    starts = torch.cumsum(lens, 0) - lens + 2  # rows 0-1 belong to no prompt
-    total = int(starts[-1] + lens[-1]) + 1
-    qkv = torch.randn(total, (heads + 2 * kv_heads) * dim, generator=gen).bfloat16()
-    q, k, v = qkv.split([heads * dim, kv_heads * dim, kv_heads * dim], dim=-1)  # strided
-    q, k, v = q.view(total, heads, dim), k.view(total, kv_heads, dim), v.view(total, kv_heads,
-                                                                              dim)
-    out = torch.full((total, heads, dim), 7.0, dtype=torch.bfloat16)
-    cpu_ops.extend_attention(q, k, v, out, starts, lens, dim ** -0.5)
-    ref = reference_prefill(q, k, v, starts, lens, dim ** -0.5)
-    inside = torch.zeros(total, dtype=torch.bool)
-    for s, n in zip(starts.tolist(), lens.tolist()):
-        inside[s:s + n] = True
+    # Lengths around the 32-key blocks, the 4-row (dim 64) / 2-row tiles and the
+    # 128-row work units; prompts after a cached prefix (one over a 256-position split).
+    prefix = torch.tensor([0, 0, 0, 0, 0, 40, 0, 300, 7])
+    extend = torch.tensor([1, 5, 31, 33, 70, 9, 200, 20, 0])
+    n = int(extend.sum())
+    pool = int((prefix + extend).sum()) + 8
+    k_buf = torch.randn(pool, kv_heads, dim, generator=gen).to(dtype)
+    v_buf = torch.randn(pool, kv_heads, dim, generator=gen).to(dtype)
+    r2t = torch.zeros(len(prefix) + 2, 400, dtype=torch.int32)
+    rows = torch.randperm(len(prefix) + 2, generator=gen)[:len(prefix)]
+    slots = torch.randperm(pool, generator=gen)
+    used = 0
+    for row, total in zip(rows.tolist(), (prefix + extend).tolist()):
+        r2t[row, :total] = slots[used:used + total].int()
+        used += total
+    qkv = torch.randn(n + 2, (heads + 2 * kv_heads) * dim, generator=gen).to(dtype)
+    q = qkv[:, :heads * dim].view(n + 2, heads, dim)  # strided, as the models' q is
+    out = torch.full((n + 2, heads, dim), 7.0, dtype=dtype)
+    cpu_ops.extend_attention(q, k_buf, v_buf, out, r2t, rows, prefix, extend, dim ** -0.5)
+    ref = reference_prefill(q, k_buf, v_buf, r2t, rows, prefix, extend, dim ** -0.5)
     # bf16 probabilities in the second product and a bf16 output: ~1e-2 absolute.
-    torch.testing.assert_close(out[inside].float(), ref[inside], atol=2e-2, rtol=2e-2)
-    assert torch.all(out[~inside] == 7.0)  # rows of no prompt are untouched
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out[:n].float(), ref, atol=tol, rtol=tol)
+    assert torch.all(out[n:] == 7.0)  # rows of no request are untouched
     # The first row of a prompt sees only itself: its output is its own value row.
-    first = int(starts[2])
-    torch.testing.assert_close(out[first].float(),
-                               v[first].float().repeat_interleave(heads // kv_heads, 0),
-                               atol=1e-2, rtol=1e-2)
+    first = int(extend[:4].sum())
+    own = v_buf[r2t[rows[4], 0].long()].float().repeat_interleave(heads // kv_heads, 0)
+    torch.testing.assert_close(out[first].float(), own, atol=tol, rtol=tol)
     with pytest.raises(RuntimeError, match="out of range"):
-        cpu_ops.extend_attention(q, k, v, out, starts, lens + total, 0.1)
+        cpu_ops.extend_attention(q, k_buf, v_buf, out, r2t, rows, prefix, extend + 1000, 0.1)
 
 
-@needs_extend
 def test_cpu_backend_extend_mixes_fresh_and_cached_prompts():
-    """Fresh prompts go to the kernel, one after a cached prefix to SDPA over the pool;
-    both must agree with the torch backend on the same batch."""
+    """Fresh prompts and one after a cached prefix, in one batch: the kernel must
+    agree with the torch backend on it."""
     heads, kv_heads, dim, dtype = 9, 3, 64, torch.bfloat16
     req_pool = ReqToTokenPool(4, 200, "cpu")
     kv_pool = MHATokenToKVPool(1024, dtype, kv_heads, dim, 1, "cpu")

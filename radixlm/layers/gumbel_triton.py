@@ -1,7 +1,17 @@
-"""The sampler's Gumbel-argmax as one Triton kernel (CUDA): the noise is made in
-registers from the same 32-bit hash as `sampler._mix32_`, so the torch path and
-this one draw the same token except where the kernel's faster `log` rounds a
-near-tie the other way. Imported only when a CUDA tensor is sampled."""
+"""The sampler's Triton kernels (CUDA), imported only when a CUDA tensor is sampled.
+
+- Gumbel-argmax in one kernel: the noise is made in registers from the same
+  32-bit hash as `sampler._mix32_`, so the torch path and this one draw the
+  same token except where the kernel's faster `log` rounds a near-tie the
+  other way.
+- A row's logsumexp whose bits do not depend on the batch: torch's CUDA
+  reduction picks its block layout (and so its summation order) from the
+  tensor's shape; here every row is cut into the same fixed splits of the
+  vocabulary, each reduced by one program in a fixed order, and the splits'
+  partial results are combined in split order by one program per row.
+
+Every program works on one row, so a row's result is the same at any batch
+size and position."""
 
 from __future__ import annotations
 
@@ -54,3 +64,52 @@ def gumbel_argmax(scores: Tensor, keys: Tensor) -> Tensor:
                                       SPLIT=_SPLIT, BLOCK=_BLOCK)
     # argmax takes the first split holding the maximum: ties go to the lowest id.
     return ids.gather(1, vals.argmax(dim=1, keepdim=True)).squeeze(1).long()
+
+
+@triton.jit
+def _lse_partial_kernel(x_ptr, m_ptr, l_ptr, vocab, row_stride, SPLIT: tl.constexpr,
+                        BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    split = tl.program_id(1)
+    base = x_ptr + row.to(tl.int64) * row_stride
+    mx = tl.full([BLOCK], float("-inf"), tl.float32)
+    for offset in range(0, SPLIT, BLOCK):
+        cols = split * SPLIT + offset + tl.arange(0, BLOCK)
+        mx = tl.maximum(mx, tl.load(base + cols, mask=cols < vocab, other=float("-inf")))
+    m = tl.max(mx, axis=0)
+    acc = tl.zeros([BLOCK], tl.float32)
+    for offset in range(0, SPLIT, BLOCK):
+        cols = split * SPLIT + offset + tl.arange(0, BLOCK)
+        x = tl.load(base + cols, mask=cols < vocab, other=float("-inf"))
+        # -inf logits (banned tokens, padding) add exactly 0, also when m is -inf.
+        acc += tl.where(x == float("-inf"), 0.0, tl.exp(x - m))
+    tl.store(m_ptr + row * tl.num_programs(1) + split, m)
+    tl.store(l_ptr + row * tl.num_programs(1) + split, tl.sum(acc, axis=0))
+
+
+@triton.jit
+def _lse_combine_kernel(m_ptr, l_ptr, out_ptr, splits, BLOCK_S: tl.constexpr):
+    row = tl.program_id(0)
+    s = tl.arange(0, BLOCK_S)
+    m = tl.load(m_ptr + row * splits + s, mask=s < splits, other=float("-inf"))
+    lsum = tl.load(l_ptr + row * splits + s, mask=s < splits, other=0.0)
+    top = tl.max(m, axis=0)
+    total = tl.sum(tl.where(m == float("-inf"), 0.0, lsum * tl.exp(m - top)), axis=0)
+    tl.store(out_ptr + row, tl.where(top == float("-inf"), top, top + tl.log(total)))
+
+
+def row_logsumexp(x: Tensor) -> Tensor:
+    """logsumexp over the last dim of x [n, V] float32 -> [n]; a row's bits do not
+    depend on n or the other rows."""
+    n, vocab = x.shape
+    x = x.contiguous()
+    splits = triton.cdiv(vocab, _SPLIT)
+    m = torch.empty((n, splits), dtype=torch.float32, device=x.device)
+    lsum = torch.empty((n, splits), dtype=torch.float32, device=x.device)
+    out = torch.empty(n, dtype=torch.float32, device=x.device)
+    if n == 0:
+        return out
+    _lse_partial_kernel[(n, splits)](x, m, lsum, vocab, x.stride(0), SPLIT=_SPLIT, BLOCK=_BLOCK)
+    _lse_combine_kernel[(n,)](m, lsum, out, splits,
+                              BLOCK_S=max(16, triton.next_power_of_2(splits)))
+    return out

@@ -15,10 +15,16 @@ function of (seed, step, token id): a per-row key hashed from (seed, step) on
 the host, then an integer hash of (key, token id) on the device; never a
 shared torch generator. The same seed, step and logits give the same token
 at any batch position and batch size, since every step works row by row.
-Two rounding caveats, each able to flip only a draw that sits within an ulp
+The logprobs and top-p's normalization take a row's logsumexp through
+`row_logsumexp`, whose result for a row is the same bits whatever else is in
+the batch (torch's own reductions pick their order by the tensor's shape: a
+lone row of a large vocabulary is split over the threads on the CPU, over
+blocks on CUDA). The rest of the pipeline is elementwise, exact (max, argmax,
+top-k values) or a sequential per-row scan (the CPU's cumsum), so a seeded
+request draws the same tokens and reports the same logprobs alone or in any
+batch. One rounding caveat, able to flip only a draw that sits within an ulp
 of a tie: on CPU the vectorized and scalar paths of `log` may differ by one
-ulp, and top-p's per-row softmax/cumsum could round differently if a kernel
-picked for another batch shape reduced in another order.
+ulp.
 """
 
 from __future__ import annotations
@@ -205,7 +211,7 @@ class Sampler:
         next_ids = self._choose(logits, info)
         logprobs, top = None, None
         if return_logprob or top_logprobs_num > 0:
-            lse = torch.logsumexp(logits, dim=-1, keepdim=True)
+            lse = row_logsumexp(logits)[:, None]
             logprobs = (logits.gather(1, next_ids[:, None]) - lse).squeeze(1)
             if top_logprobs_num > 0:
                 values, ids = logits.topk(min(top_logprobs_num, logits.shape[1]), dim=-1)
@@ -331,7 +337,7 @@ def _top_k_top_p_threshold(x: Tensor, top_ks: Tensor, top_ps: Tensor, width: int
         return t_k
     # Normalize over the unsorted top-k set: the same sum whatever `width` is,
     # so a row's result does not depend on the other rows of the batch.
-    lse = torch.logsumexp(x.masked_fill(x < t_k[:, None], float("-inf")), dim=-1)
+    lse = row_logsumexp(x.masked_fill(x < t_k[:, None], float("-inf")))
     probs = (vals - lse[:, None]).exp_().masked_fill_(vals < t_k[:, None], 0.0)
     mass_before = probs.cumsum(dim=-1).sub_(probs)
     n_keep = (mass_before < top_ps[:, None]).sum(dim=-1)
@@ -339,6 +345,22 @@ def _top_k_top_p_threshold(x: Tensor, top_ks: Tensor, top_ps: Tensor, width: int
     n_keep = torch.where(top_ps >= 1.0, width, n_keep).clamp_(1, width)
     t_p = vals.gather(1, (n_keep - 1)[:, None]).squeeze(1)
     return torch.maximum(t_k, t_p)
+
+
+def row_logsumexp(x: Tensor) -> Tensor:
+    """logsumexp over the last dim of x [n, V] (float32) -> [n], each row's bits
+    independent of the other rows and of n.
+
+    CUDA: our Triton kernels (a fixed split of the vocabulary, partial results
+    combined in split order). CPU: torch's, which reduces each row of a
+    multi-row tensor serially and in a fixed order but splits a lone row over
+    the threads (in another order), so a lone row is reduced beside a copy of
+    itself."""
+    if x.is_cuda and triton_installed():
+        return _gumbel_triton.row_logsumexp(x)
+    if x.shape[0] == 1:
+        return torch.logsumexp(x.repeat(2, 1), dim=-1)[:1]
+    return torch.logsumexp(x, dim=-1)
 
 
 def noise_key(seed: int, step: int) -> int:

@@ -104,6 +104,25 @@ class ModelRunner:
         self.max_running_requests = 0
         self.capture: HiddenCapture | None = None  # hidden states every forward keeps
 
+    def _check_deterministic(self) -> None:
+        """Refuse, by name, what --enable-deterministic-inference cannot make batch-invariant."""
+        if not getattr(self.attn_backend, "batch_invariant", False):
+            raise ValueError(f"enable_deterministic_inference: {type(self.attn_backend).__name__}"
+                             "'s results depend on the batch; use the cpu backend on the CPU "
+                             "(needs a C++ compiler), triton on CUDA, and a KV cache in the "
+                             "model's dtype")
+        for name, module in self.model.named_modules():
+            method = getattr(module, "quant_method", None)
+            if method is not None and not getattr(method, "batch_invariant", True):
+                raise ValueError(f"enable_deterministic_inference: layer {name} multiplies "
+                                 f"through {type(method).__name__}, whose rows depend on the "
+                                 "batch")
+        experts = (getattr(self.config, "num_experts", None)
+                   or getattr(self.config, "num_local_experts", None))
+        if experts:
+            raise ValueError("enable_deterministic_inference: mixture-of-experts layers "
+                             f"({experts} experts) have no batch-invariant kernels yet")
+
     def _set_cpu_threads(self) -> None:
         if self.args.num_threads:
             torch.set_num_threads(self.args.num_threads)
@@ -120,7 +139,8 @@ class ModelRunner:
 
         args = self.args
         fast = {"prepack": not args.disable_weight_prepack, "gemv": not args.disable_gemv,
-                "moe_backend": args.moe_runner_backend}
+                "moe_backend": args.moe_runner_backend,
+                "deterministic": args.enable_deterministic_inference}
         if (gguf := gguf_file(args)) is not None:
             return quant_config(self.config, gguf, args.quantization, self.device, self.dtype,
                                 **fast)
@@ -155,8 +175,11 @@ class ModelRunner:
         first = self.layers[0]
         self.attn_backend = self.backend_class.create(AttentionShape(
             first.num_heads, first.num_kv_heads, first.head_dim, self.device,
-            self.req_to_token_pool.max_context_len))
+            self.req_to_token_pool.max_context_len,
+            deterministic=self.args.enable_deterministic_inference))
         self.attn_backend.check_kv_dtype(self.dtype, self.kv_dtype)
+        if self.args.enable_deterministic_inference:
+            self._check_deterministic()
         if isinstance(self.kv_pool, FP8TokenToKVPool):
             self._set_kv_scales(self.kv_pool)
         for layer in self.layers:

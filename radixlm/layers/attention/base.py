@@ -27,6 +27,9 @@ class AttentionShape:
     head_dim: int
     device: torch.device
     max_context_len: int
+    # --enable-deterministic-inference: kernels whose rows do not depend on the batch
+    # (a backend without such kernels keeps `batch_invariant` False and is refused).
+    deterministic: bool = False
 
 
 class AttentionBackend(ABC):
@@ -79,6 +82,10 @@ class AttentionBackend(ABC):
       prefix_groups=...)` hands each replay its batch's groups. Other backends
       ignore the groups (decode reads each request's KV in full).
     """
+
+    # Rows are the same bits whatever the batch, the chunking or the cached prefix
+    # (--enable-deterministic-inference refuses a backend without this).
+    batch_invariant = False
 
     @abstractmethod
     def init_forward_metadata(self, fb: ForwardBatch) -> None: ...

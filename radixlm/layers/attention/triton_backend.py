@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -29,9 +30,20 @@ from radixlm.layers.attention.triton_ops.extend_attention import (
     extend_attention_fwd,
     extend_config,
 )
+from radixlm.layers.attention.triton_ops.invariant_attention import (
+    alloc_invariant_scratch,
+    build_tiles,
+    decode_programs,
+    invariant_decode_fwd,
+    invariant_extend_fwd,
+    num_splits,
+    split_size,
+)
 from radixlm.layers.attention.triton_ops.kv_store import store_kv
 from radixlm.layers.fused_ops import apply_rope_
 from radixlm.utils import to_device
+
+logger = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     from radixlm.forward_batch import ForwardBatch, PrefixGroups
@@ -53,6 +65,9 @@ class _DecodeMeta:
     mid_lse: torch.Tensor  # [bs, num_heads, num_splits] fp32 scratch
     num_splits: int
     cascade: _CascadeMeta | None = None
+    # Deterministic mode: (mid_o, mid_m, mid_l) for every split, programs per tile.
+    invariant: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+    programs: int = 1
 
 
 @dataclass
@@ -103,6 +118,12 @@ class TritonAttentionBackend(AttentionBackend):
     Decode never synchronizes with the host. The new tokens' K/V are stored in
     the pool before the kernels read it (extend reads the new keys from there).
 
+    Deterministic mode (`deterministic=True`, --enable-deterministic-inference):
+    decode and extend run `triton_ops.invariant_attention`, whose rows are the
+    same bits whatever the batch, the chunking or the cached prefix (a split of
+    `split_size(max_context_len)` positions fixed for the process); cascade
+    decode is off (its shared-prefix pass cuts a request's keys by its group).
+
     CUDA graphs (decode only): call `init_cuda_graph_state(max_bs)` once, then,
     before each capture and each replay (outside the graph),
     `init_forward_metadata_cuda_graph(bs, req_pool_indices, seq_lens)`. It copies
@@ -125,7 +146,7 @@ class TritonAttentionBackend(AttentionBackend):
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int,
                  device: torch.device | str, max_context_len: int | None = None,
                  max_kv_splits: int = 64, programs_per_sm: int = 4,
-                 kv_store_min_tokens: int = 1) -> None:
+                 kv_store_min_tokens: int = 1, deterministic: bool = False) -> None:
         assert num_heads % num_kv_heads == 0
         assert head_dim & (head_dim - 1) == 0 and head_dim <= 256, "head_dim: power of 2 <= 256"
         self.num_heads = num_heads
@@ -145,6 +166,14 @@ class TritonAttentionBackend(AttentionBackend):
         self.cascade_members = cascade_members(group, head_dim)
         # A pass-1 program must hold >= 2 requests (GQA ratio <= 32) to save reads.
         self.supports_cascade_decode = self.cascade_members >= 2
+        self.batch_invariant = deterministic
+        context = max_context_len or 32768
+        self.split = split_size(context)
+        self.max_invariant_splits = num_splits(context)
+        if deterministic and self.supports_cascade_decode:
+            self.supports_cascade_decode = False
+            logger.info("deterministic inference: cascade decode off (its shared-prefix pass "
+                        "divides a request's keys by the group it decodes with)")
         # Pass-1 items: twice the split policy's program target, so that 2+ splits
         # per group fit for as many groups as fill the GPU.
         target = programs_per_sm * self.num_sms
@@ -164,7 +193,7 @@ class TritonAttentionBackend(AttentionBackend):
     @classmethod
     def create(cls, shape: AttentionShape) -> TritonAttentionBackend:
         return cls(shape.num_heads, shape.num_kv_heads, shape.head_dim, shape.device,
-                   shape.max_context_len)
+                   shape.max_context_len, deterministic=shape.deterministic)
 
     @classmethod
     def unusable(cls, device: torch.device, head_dim: int) -> str | None:
@@ -189,9 +218,17 @@ class TritonAttentionBackend(AttentionBackend):
                                   device=self.device)
             self._decode = _DecodeMeta(fb.req_pool_indices, fb.seq_lens, mid_o, mid_lse, s,
                                        self._eager_cascade(fb.prefix_groups, bs))
+            if self.batch_invariant:
+                self._decode.invariant = alloc_invariant_scratch(
+                    bs, self.num_heads, self.max_invariant_splits, self.head_dim, self.device)
+                self._decode.programs = self._invariant_programs(bs)
         else:
             self._extend = _ExtendMeta(list(fb.extend_prefix_lens_cpu),
                                        list(fb.extend_seq_lens_cpu))
+
+    def _invariant_programs(self, bs: int) -> int:
+        return decode_programs(bs, self.num_kv_heads, self.num_heads // self.num_kv_heads,
+                               self.num_sms, self.programs_per_sm)
 
     def _plan(self, groups: PrefixGroups | None) -> CascadePlan | None:
         """The groups' cascade plan (host tables), cached for the last groups object."""
@@ -230,6 +267,9 @@ class TritonAttentionBackend(AttentionBackend):
             "mid_o": torch.empty((max_bs, h, s, d), dtype=torch.float32, device=dev),
             "mid_lse": torch.empty((max_bs, h, s), dtype=torch.float32, device=dev),
         }
+        if self.batch_invariant:
+            (self._cg["inv_o"], self._cg["inv_m"], self._cg["inv_l"]) = alloc_invariant_scratch(
+                max_bs, h, self.max_invariant_splits, d, dev)
         self._cg_cascade = None
         if cascade and self.supports_cascade_decode:
             m, items = self.cascade_members, self.max_cascade_items
@@ -264,6 +304,9 @@ class TritonAttentionBackend(AttentionBackend):
         if cascade is not None and prefix_groups is not self._cg_groups:
             self._write_graph_plan(prefix_groups)
         self._decode = _DecodeMeta(rpi, sl, cg["mid_o"][:bs], cg["mid_lse"][:bs], s, cascade)
+        if self.batch_invariant:
+            self._decode.invariant = (cg["inv_o"][:bs], cg["inv_m"][:bs], cg["inv_l"][:bs])
+            self._decode.programs = self._invariant_programs(bs)
 
     def _write_graph_plan(self, groups: PrefixGroups | None) -> None:
         """The groups' plan (or none: all zero) into the static tables, whole, so no
@@ -345,6 +388,19 @@ class TritonAttentionBackend(AttentionBackend):
         n, h, d = q.shape[0], layer.num_heads, layer.head_dim
         qv = q.view(n, h, d)
         o = torch.empty((n, h, d), dtype=q.dtype, device=q.device)
+        if self.batch_invariant:
+            tiles = meta.tables.get(-1)  # built by the first layer, reused by the rest
+            if tiles is None:
+                tiles = meta.tables[-1] = build_tiles(
+                    meta.prefix_lens_cpu, meta.extend_lens_cpu, h // layer.num_kv_heads,
+                    layer.num_kv_heads, q.device)
+            invariant_extend_fwd(
+                qv, o, k_buf, v_buf, fb.req_to_token_pool.req_to_token, fb.req_pool_indices,
+                fb.extend_prefix_lens, fb.extend_seq_lens, fb.extend_start_loc, tiles,
+                layer.scaling, self.split, window=layer.sliding_window,
+                softcap=layer.logit_softcap,
+                slot_map=fb.token_to_kv_pool.layer_slot_map(layer.layer_id))
+            return o.view(n, h * d)
         cfg = extend_config(d, q.dtype)
         table = meta.tables.get(cfg["block_m"])
         if table is None:
@@ -368,6 +424,14 @@ class TritonAttentionBackend(AttentionBackend):
         k_buf, v_buf = fb.token_to_kv_pool.get_kv_buffer(layer.layer_id)
         bs, h, d = q.shape[0], layer.num_heads, layer.head_dim
         o = torch.empty((bs, h, d), dtype=q.dtype, device=q.device)
+        if meta.invariant is not None:
+            invariant_decode_fwd(
+                q.view(bs, h, d), k_buf, v_buf, o, fb.req_to_token_pool.req_to_token,
+                meta.req_pool_indices, meta.seq_lens, *meta.invariant, layer.scaling,
+                self.split, meta.programs, window=layer.sliding_window,
+                softcap=layer.logit_softcap,
+                slot_map=fb.token_to_kv_pool.layer_slot_map(layer.layer_id))
+            return o.view(bs, h * d)
         c = meta.cascade
         # Window layers decode plainly: they read at most `window` keys per request,
         # and which of a shared prefix's keys are inside differs per request.

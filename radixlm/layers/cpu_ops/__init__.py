@@ -22,8 +22,9 @@ from radixlm.utils import cache_root
 logger = logging.getLogger(__name__)
 
 _DIR = Path(__file__).parent
-SOURCES = [_DIR / "decode_attention.cpp", _DIR / "elementwise.cpp", _DIR / "extend_attention.cpp"]
-HEADERS = [_DIR / "vec.h"]
+SOURCES = [_DIR / f"{name}.cpp" for name in
+           ("decode_attention", "elementwise", "extend_attention", "dense_gemm")]
+HEADERS = [_DIR / "vec.h", _DIR / "attention.h"]
 _lock = threading.Lock()
 _loaded: bool | None = None  # None: not tried yet
 
@@ -64,7 +65,10 @@ def load() -> bool:
 
 
 def _load() -> bool:
-    return build_extension("radixlm_cpu_ops", SOURCES, HEADERS, ["-O3", "-march=native"],
+    # No fma contraction: attention rows must get the same bits in every kernel that
+    # computes them (attention.h), so every fused multiply-add is written out.
+    return build_extension("radixlm_cpu_ops", SOURCES, HEADERS,
+                           ["-O3", "-march=native", "-ffp-contract=off"],
                            "using the torch attention path"
                            ) and hasattr(torch.ops.radixlm_cpu, "decode_attention")
 
@@ -104,35 +108,57 @@ def use_fused(x: torch.Tensor) -> bool:
 def decode_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor,
                      out: torch.Tensor, req_to_token: torch.Tensor,
                      req_pool_indices: torch.Tensor, seq_lens: torch.Tensor, scale: float,
-                     num_splits: int = 1, window: int | None = None,
-                     softcap: float | None = None) -> None:
+                     window: int | None = None, softcap: float | None = None) -> None:
     """out[b, h] = softmax(q[b, h] . K_b^T * scale) V_b, where K_b/V_b are rows
     `req_to_token[req_pool_indices[b], :seq_lens[b]]` of the pool buffers
-    (kv head h // (heads / kv_heads)). q/out [bs, heads, dim], k/v [pool, kv_heads,
-    dim], all one dtype; `num_splits` cuts each request's tokens into that many
-    chunks worked on in parallel (for few, long requests). `window` W: only the
-    last W tokens (the rows before them are not read); `softcap` c: scores
-    become c * tanh(score / c)."""
+    (kv head h // (heads / kv_heads)); a request of length 0 gets zeros. q/out
+    [bs, heads, dim], k/v [pool, kv_heads, dim], all one dtype, dim a multiple of
+    16 up to 256. `window` W: only the last W tokens (the rows before them are not
+    read); `softcap` c: scores become c * tanh(score / c). Each row's bits are the
+    same whatever the batch, and equal `extend_attention`'s for the row at that
+    position (attention.h)."""
     torch.ops.radixlm_cpu.decode_attention(q, k_buf, v_buf, out, req_to_token,
-                                           req_pool_indices, seq_lens, scale, num_splits,
+                                           req_pool_indices, seq_lens, scale,
                                            window or 0, softcap or 0.0)
 
 
-def has_extend_attention() -> bool:
-    """Whether `extend_attention` exists: it is built only for CPUs with AVX512-BF16."""
-    return load() and hasattr(torch.ops.radixlm_cpu, "extend_attention")
+def extend_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor,
+                     out: torch.Tensor, req_to_token: torch.Tensor,
+                     req_pool_indices: torch.Tensor, prefix_lens: torch.Tensor,
+                     extend_lens: torch.Tensor, scale: float, window: int | None = None,
+                     softcap: float | None = None) -> None:
+    """Causal attention of new tokens after cached ones, all read from the pool:
+    request i (pool row `req_pool_indices[i]`) has `prefix_lens[i]` cached tokens
+    and `extend_lens[i]` new ones, whose K/V are already stored; its new rows of
+    q/out [tokens, heads, dim] follow request i - 1's (rows past the last
+    request's are left untouched). The new token at position p attends to
+    positions 0..p (with a window W, p - W + 1..p); `softcap` as in
+    `decode_attention`, whose bits a row gets whatever the chunking, the cached
+    prefix or the batch. All int64 index tensors are contiguous."""
+    torch.ops.radixlm_cpu.extend_attention(q, k_buf, v_buf, out, req_to_token,
+                                           req_pool_indices, prefix_lens, extend_lens, scale,
+                                           window or 0, softcap or 0.0)
 
 
-def extend_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-                     starts: torch.Tensor, lens: torch.Tensor, scale: float,
-                     window: int | None = None, softcap: float | None = None) -> None:
-    """Causal attention of fresh prompts (no cached prefix), bf16: prompt i is rows
-    `starts[i]:starts[i] + lens[i]` of q/out [tokens, heads, dim] and of k/v
-    [tokens, kv_heads, dim] (dim 64 or 128; GQA when kv_heads < heads); rows
-    outside every prompt are left untouched. `window` W: a query sees its last
-    W positions only; `softcap` c: scores become c * tanh(score / c)."""
-    torch.ops.radixlm_cpu.extend_attention(q, k, v, out, starts, lens, scale, window or 0,
-                                           softcap or 0.0)
+def dense_pack(weight: torch.Tensor) -> torch.Tensor:
+    """A float weight [out, in] as `dense_linear` reads it (a copy: panels of 32
+    output columns; fp32, or bf16 pairs on CPUs with AVX512-BF16)."""
+    return torch.ops.radixlm_cpu.dense_pack(weight)
+
+
+def dense_linear(x: torch.Tensor, packed: torch.Tensor, out_features: int,
+                 bias: torch.Tensor | None = None, out: torch.Tensor | None = None
+                 ) -> torch.Tensor:
+    """x W^T (+ bias) for x [..., in] in x's dtype, W packed by `dense_pack`. Each
+    output is one multiply-add chain over the input features in order, so a row's
+    result is the same bits however many rows are multiplied with it."""
+    x2 = x.reshape(-1, x.shape[-1])
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    y = (x2.new_empty((x2.shape[0], out_features)) if out is None
+         else out.view(x2.shape[0], out_features))
+    torch.ops.radixlm_cpu.dense_linear(x2, packed, out_features, bias, y)
+    return y.view(*x.shape[:-1], out_features)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,

@@ -1,270 +1,318 @@
-// Causal prefill attention of fresh prompts (no cached prefix) in bf16, on CPUs
-// with AVX512-BF16.
+// Causal prefill ("extend") attention on the CPU, straight from the KV pool: the
+// new rows of each request attend to its cached prefix and to themselves.
 //
 // torch's CPU flash attention runs SmolLM2's prefill (32 prompts x 256 tokens,
 // 9 query / 3 KV heads of 64) at about 28 GFLOP/s here, 37-43 ms per layer call,
 // about a fifth of the whole prefill: its inner products are not the
-// bottleneck, its per-block bookkeeping is. Here both products run on
-// `vdpbf16ps`, which multiplies pairs of bf16 and sums them into fp32 lanes:
-//   scores: lane j of S[r] += (q[r][2p], q[r][2p+1]) . (k[j][2p], k[j][2p+1]),
-//           so the keys are stored as [d / 2][tokens] pairs (a 32-bit transpose);
-//   output: lane c of O[r] += (P[r][2i], P[r][2i+1]) . (v[2i][c], v[2i+1][c]),
-//           so the values are stored as [tokens / 2][d] pairs of rows.
-// Work unit: one (prompt, KV head). Its keys and values are rearranged once
-// into those layouts, then every query row of the GROUP heads that share them
-// walks the key blocks up to its position with an online softmax, R rows at a
-// time with their output in registers. As on GPUs (FlashAttention), the
-// probabilities are rounded to bf16 for the second product; the running max,
-// sum and output stay fp32.
+// bottleneck, its per-block bookkeeping is. Here, in bf16 on CPUs with
+// AVX512-BF16, both products run on `vdpbf16ps` (attention.h has the layouts).
+// Each request's keys and values (from the first one its first new row sees to
+// its last) are packed once from the pool, in parallel. Work unit: one
+// (request, KV head, chunk of up to kChunkRows new rows): every query row of
+// the GROUP heads that share the KV head walks the key blocks up to its
+// position, R rows at a time with their output in registers, split by split
+// (attention.h), so each row gets the bits a decode step at its position
+// would: the result of a row does not depend on where its chunk began, how
+// much of the prompt was cached, or what else is in the batch. Units are
+// handed to threads longest first.
 //
 // Layer variants: with a sliding window W the query at position p sees keys
 // p - W + 1 .. p only (key blocks wholly before a row's window are skipped,
 // partial ones masked); a softcap c maps each scaled score s to
 // c * tanh(s / c) before the mask and the softmax.
 
-#include "vec.h"
+#include "attention.h"
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
-#if defined(__AVX512BF16__)
-#include <immintrin.h>
-
-#include <algorithm>
-#include <cstdint>
-#include <cstring>
-#include <limits>
+#include <array>
+#include <atomic>
+#include <type_traits>
 #include <vector>
 
 namespace {
 
-constexpr int kBlock = 32;  // keys per online-softmax step (two 16-lane registers)
+using namespace radixlm_cpu;
+using namespace radixlm_cpu::attn;
 
-struct Variant {
+constexpr int64_t kChunkRows = 128;  // new rows per work unit
+
+template <typename T>
+struct Args {
+  const T* q; int64_t q_st, q_sh;  // [tokens, heads, dim]
+  T* out; int64_t o_st, o_sh;
+  const T* k; int64_t k_sn, k_sh;  // pools [slots, kv_heads, dim]
+  const T* v; int64_t v_sn, v_sh;
+  SlotTable r2t;
+  const int64_t* rows;
+  const int64_t* prefix_lens;
+  const int64_t* extend_lens;
+  const int64_t* starts;  // first new row of each request in q / out
+  int heads, kv_heads, dim, dp;
+  float scale;
   int64_t window;  // 0: none
   float softcap;   // 0: none
 };
 
-// c * tanh(x / c), with tanh(y) = 1 - 2 / (exp(2y) + 1).
-inline __m512 softcap_ps(__m512 x, float cap) {
-  radixlm_cpu::vfloat y;
-  const __m512 twice = _mm512_mul_ps(x, _mm512_set1_ps(2.f / cap));
-  std::memcpy(&y, &twice, sizeof(y));
-  y = radixlm_cpu::exp_vec(y);
-  __m512 e;
-  std::memcpy(&e, &y, sizeof(e));
-  const __m512 one = _mm512_set1_ps(1.f);
-  const __m512 t = _mm512_sub_ps(one, _mm512_div_ps(_mm512_set1_ps(2.f), _mm512_add_ps(e, one)));
-  return _mm512_mul_ps(t, _mm512_set1_ps(cap));
-}
-
-struct Prompt {
-  const uint16_t* q;  // the prompt's first query row, head 0
-  const uint16_t* k;  // its first key row, KV head 0
-  const uint16_t* v;
-  uint16_t* out;
-  int64_t len;
+// Request i's packed keys and values: positions [first, first + n) of every KV
+// head, head g's at kt + g * kt_head, vr + g * vr_head (P: the flavour's element).
+struct Packed {
+  int64_t first, n, offset;  // offset of the request's block in the shared buffers
 };
 
-// R query rows (head h, positions p0..p0+R-1) against keys [0, p0 + R): D = 64 or 128.
-template <int D, int R>
-void attend_rows(const uint16_t* q, int64_t q_row_stride, int rows, int64_t p0,
-                 const uint32_t* kp, int64_t kp_stride, const uint32_t* vp, float scale,
-                 const Variant& var, uint16_t* out, int64_t out_row_stride) {
-  constexpr int DP = D / 2;    // bf16 pairs per row
-  constexpr int DV = D / 16;   // 16-lane registers per output row
-  __m512 o[R][DV];
-  __m512 l[R];
-  float m[R];
-  const uint32_t* qr[R];
+struct Unit {
+  int64_t req, kv_head, first_pos, stop_pos;  // new rows at positions [first_pos, stop_pos)
+};
+
+template <typename P>
+struct Shared {
+  std::vector<P> kt, vr;
+  std::vector<Packed> packs;
+  int64_t kt_per_key, vr_per_key;  // elements per packed position (one head)
+  P* keys(int64_t req, int g) {
+    const Packed& p = packs[req];
+    return kt.data() + p.offset * kt_per_key + g * p.n * kt_per_key;
+  }
+  P* values(int64_t req, int g) {
+    const Packed& p = packs[req];
+    return vr.data() + p.offset * vr_per_key + g * p.n * vr_per_key;
+  }
+};
+
+struct Scratch {
+  std::vector<float> qf, acc, part;
+  std::vector<uint32_t> qp;
+  std::vector<int64_t> slots;
+};
+
+// Rows [p0, p0 + rows) of head h: every split they see, folded in order, then
+// normalized into out.
+template <int DV, int R, typename T, typename Split>
+void attend_rows(const Args<T>& a, const Unit& u, int h, int64_t p0, int rows,
+                 const void* const* q, Split split, Scratch& w) {
+  constexpr int D = DV * kLanes;
+  int64_t pos[R], lo[R];
   for (int r = 0; r < R; ++r) {
-    for (int c = 0; c < DV; ++c) o[r][c] = _mm512_setzero_ps();
-    l[r] = _mm512_setzero_ps();
-    m[r] = -std::numeric_limits<float>::infinity();
-    // Rows past `rows` repeat the last real one: same work, results dropped.
-    qr[r] = reinterpret_cast<const uint32_t*>(q + std::min(r, rows - 1) * q_row_stride);
+    pos[r] = p0 + std::min(r, rows - 1);
+    lo[r] = first_visible(pos[r], a.window);
   }
-  const int64_t last = p0 + rows - 1;  // the last query's position: keys 0..last
-  // With a window, the first row's first visible key: earlier blocks are skipped.
-  const int64_t lowest = var.window > 0 ? std::max<int64_t>(0, p0 - var.window + 1) : 0;
-  alignas(64) uint32_t pb[R][kBlock / 2];
-  for (int64_t j0 = lowest / kBlock * kBlock; j0 <= last; j0 += kBlock) {
-    __m512 s[R][2];
-    for (int r = 0; r < R; ++r) s[r][0] = s[r][1] = _mm512_setzero_ps();
-    const uint32_t* kb = kp + j0;
-    for (int p = 0; p < DP; ++p) {
-      const __m512bh k0 = (__m512bh)_mm512_loadu_si512(kb + p * kp_stride);
-      const __m512bh k1 = (__m512bh)_mm512_loadu_si512(kb + p * kp_stride + 16);
-      for (int r = 0; r < R; ++r) {
-        const __m512bh qq = (__m512bh)_mm512_set1_epi32(static_cast<int>(qr[r][p]));
-        s[r][0] = _mm512_dpbf16_ps(s[r][0], qq, k0);
-        s[r][1] = _mm512_dpbf16_ps(s[r][1], qq, k1);
-      }
-    }
-    const bool diagonal = j0 + kBlock > p0;  // some key in this block is after some query
-    // Some key in this block is before some row's window.
-    const bool before = var.window > 0 && j0 < last - var.window + 1;
-    const __m512 sc = _mm512_set1_ps(scale);
-    const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
-    const __m512i lane_hi = _mm512_add_epi32(lane, _mm512_set1_epi32(16));
-    const __m512 ninf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-    for (int r = 0; r < R; ++r) {
-      __m512 a = _mm512_mul_ps(s[r][0], sc), b = _mm512_mul_ps(s[r][1], sc);
-      if (var.softcap > 0.f) {
-        a = softcap_ps(a, var.softcap);
-        b = softcap_ps(b, var.softcap);
-      }
-      const int64_t pos = p0 + std::min(r, rows - 1);
-      if (diagonal) {  // key j is visible to the query at p0 + r when j <= p0 + r
-        const int64_t limit = std::min<int64_t>(pos, last) - j0;
-        const __m512i lim = _mm512_set1_epi32(static_cast<int>(std::min<int64_t>(limit, 64)));
-        a = _mm512_mask_blend_ps(_mm512_cmpgt_epi32_mask(lane, lim), a, ninf);
-        b = _mm512_mask_blend_ps(_mm512_cmpgt_epi32_mask(lane_hi, lim), b, ninf);
-      }
-      if (before) {  // ... and j > pos - window
-        const int64_t low = pos - var.window + 1 - j0;
-        const __m512i lo = _mm512_set1_epi32(
-            static_cast<int>(std::max<int64_t>(-1, std::min<int64_t>(low, 64))));
-        a = _mm512_mask_blend_ps(_mm512_cmplt_epi32_mask(lane, lo), a, ninf);
-        b = _mm512_mask_blend_ps(_mm512_cmplt_epi32_mask(lane_hi, lo), b, ninf);
-      }
-      const float mx = std::max(m[r], _mm512_reduce_max_ps(_mm512_max_ps(a, b)));
-      if (mx == -std::numeric_limits<float>::infinity()) {
-        // Nothing of this row's window in the block yet (windows only): no change.
-        std::memset(pb[r], 0, sizeof(pb[r]));
-        continue;
-      }
-      // Without a window the first key is always visible, so mx is finite from the
-      // first block on; with one, from the first block that reaches the window.
-      const float alpha = std::exp(m[r] - mx);
-      m[r] = mx;
-      const radixlm_cpu::vfloat mxv = radixlm_cpu::vfloat{} + mx;
-      radixlm_cpu::vfloat ea, eb;
-      std::memcpy(&ea, &a, sizeof(a));
-      std::memcpy(&eb, &b, sizeof(b));
-      ea = radixlm_cpu::exp_vec(ea - mxv);
-      eb = radixlm_cpu::exp_vec(eb - mxv);
-      std::memcpy(&a, &ea, sizeof(a));
-      std::memcpy(&b, &eb, sizeof(b));
-      const __m512 al = _mm512_set1_ps(alpha);
-      l[r] = _mm512_add_ps(_mm512_mul_ps(l[r], al), _mm512_add_ps(a, b));
-      for (int c = 0; c < DV; ++c) o[r][c] = _mm512_mul_ps(o[r][c], al);
-      // P as bf16 pairs (keys 2i, 2i+1) for the second product.
-      _mm512_store_si512(pb[r], (__m512i)_mm512_cvtne2ps_pbh(b, a));
-    }
-    const int pairs = static_cast<int>(std::min<int64_t>(kBlock, last + 1 - j0) + 1) / 2;
-    const uint32_t* vb = vp + (j0 / 2) * D;
-    for (int i = 0; i < pairs; ++i) {
-      __m512bh vv[DV];
-      for (int c = 0; c < DV; ++c) vv[c] = (__m512bh)_mm512_loadu_si512(vb + i * D + c * 16);
-      for (int r = 0; r < R; ++r) {
-        const __m512bh pp = (__m512bh)_mm512_set1_epi32(static_cast<int>(pb[r][i]));
-        for (int c = 0; c < DV; ++c) o[r][c] = _mm512_dpbf16_ps(o[r][c], pp, vv[c]);
-      }
-    }
+  float M[R], L[R], pm[R], pl[R];
+  std::fill(M, M + R, kNegInf);
+  std::fill(L, L + R, 0.f);
+  w.acc.resize(static_cast<size_t>(R) * D);
+  w.part.resize(static_cast<size_t>(R) * D);
+  for (int64_t s = lo[0] / kSplit; s <= pos[rows - 1] / kSplit; ++s) {
+    split(q, pos, lo, rows, s * kSplit, SplitOut{pm, pl, w.part.data(), 1});
+    for (int r = 0; r < rows; ++r)
+      fold(M[r], L[r], w.acc.data() + r * D, pm[r], pl[r], w.part.data() + r * D, D);
   }
+  const int64_t row0 = a.starts[u.req] + (p0 - a.prefix_lens[u.req]);
   for (int r = 0; r < rows; ++r) {
-    const __m512 inv = _mm512_set1_ps(1.f / _mm512_reduce_add_ps(l[r]));
-    uint16_t* dst = out + r * out_row_stride;
-    for (int c = 0; c < DV; ++c)
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + c * 16),
-                          (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(o[r][c], inv)));
-  }
-}
-
-template <int D>
-void attend_prompt(const Prompt& pr, int kvh_index, int group, int64_t q_sh, int64_t q_st,
-                   int64_t k_sh, int64_t k_st, int64_t o_sh, int64_t o_st, float scale,
-                   const Variant& var, std::vector<uint32_t>& kp, std::vector<uint32_t>& vp) {
-  constexpr int R = D == 64 ? 4 : 2;  // rows x (D / 16) output registers + scores fit in 32
-  const int64_t n = pr.len, padded = (n + kBlock - 1) / kBlock * kBlock;
-  // Keys as [D / 2][padded] 32-bit pairs; values as [padded / 2][D] pairs of rows.
-  // Padding keys are zero (and masked); padding values are zero.
-  kp.assign(static_cast<size_t>(D / 2) * padded, 0u);
-  vp.assign(static_cast<size_t>(padded / 2) * D, 0u);
-  const uint16_t* kbase = pr.k + kvh_index * k_sh;
-  const uint16_t* vbase = pr.v + kvh_index * k_sh;
-  for (int64_t j = 0; j < n; ++j) {
-    const uint32_t* krow = reinterpret_cast<const uint32_t*>(kbase + j * k_st);
-    for (int p = 0; p < D / 2; ++p) kp[p * padded + j] = krow[p];
-    const uint16_t* vrow = vbase + j * k_st;
-    uint16_t* dst = reinterpret_cast<uint16_t*>(vp.data() + (j / 2) * D) + (j & 1);
-    for (int c = 0; c < D; ++c) dst[2 * c] = vrow[c];
-  }
-  for (int g = 0; g < group; ++g) {
-    const int h = kvh_index * group + g;
-    for (int64_t p0 = 0; p0 < n; p0 += R) {
-      const int rows = static_cast<int>(std::min<int64_t>(R, n - p0));
-      attend_rows<D, R>(pr.q + h * q_sh + p0 * q_st, q_st, rows, p0, kp.data(), padded,
-                        vp.data(), scale, var, pr.out + h * o_sh + p0 * o_st, o_st);
+    T* dst = a.out + (row0 + r) * a.o_st + h * a.o_sh;
+    if (a.dim == D) {
+      finish(w.acc.data() + r * D, L[r], dst, D);
+    } else {
+      T tmp[D];
+      finish(w.acc.data() + r * D, L[r], tmp, D);
+      std::memcpy(dst, tmp, sizeof(T) * a.dim);
     }
   }
 }
 
-// q/out: [tokens, heads, D]; k/v: [tokens, kv_heads, D] (bf16, last dim
-// contiguous, k and v with equal strides); prompt i is rows
-// [starts[i], starts[i] + lens[i]) of each and attends causally within itself.
-void extend_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                      const at::Tensor& out, const at::Tensor& starts, const at::Tensor& lens,
-                      double scale, int64_t window, double softcap) {
-  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3 && out.dim() == 3,
-              "extend_attention: q/out [tokens, heads, dim], k/v [tokens, kv_heads, dim]");
-  for (const at::Tensor* t : {&q, &k, &v, &out})
-    TORCH_CHECK(t->scalar_type() == at::kBFloat16 && t->stride(2) == 1,
-                "extend_attention: bf16 tensors with a contiguous last dim");
-  TORCH_CHECK(k.strides() == v.strides() && k.sizes() == v.sizes(),
-              "extend_attention: k and v must share shape and strides");
-  TORCH_CHECK(starts.scalar_type() == at::kLong && lens.scalar_type() == at::kLong &&
-                  starts.is_contiguous() && lens.is_contiguous() && starts.numel() == lens.numel(),
-              "extend_attention: starts and lens are contiguous int64 of one length");
-  const int heads = static_cast<int>(q.size(1)), kv_heads = static_cast<int>(k.size(1));
+// Every query row of the unit (the group's heads over its positions), R rows at a time.
+template <int DV, typename T, typename P>
+void attend_unit(const Args<T>& a, const Unit& u, Shared<P>& sh, Scratch& w) {
+  constexpr int D = DV * kLanes;
+  constexpr int R = rows_per_tile<DV>();
+  const int group = a.heads / a.kv_heads, g = static_cast<int>(u.kv_head);
+  const Packed& pk = sh.packs[u.req];
+  const P* kt = sh.keys(u.req, g);
+  const P* vr = sh.values(u.req, g);
+  const int64_t row_of_first = a.starts[u.req] - a.prefix_lens[u.req];  // q row of position 0
+  constexpr bool pairs = std::is_same_v<P, uint32_t>;
+  constexpr int qw = pairs ? D / 2 : D;  // a query row's packed width
+  auto split = [&](const void* const* q, const int64_t* pos, const int64_t* lo, int rows,
+                   int64_t sb, const SplitOut& out) {
+#if defined(__AVX512BF16__)
+    if constexpr (pairs) {
+      split_bf16<DV, R>(reinterpret_cast<const uint32_t* const*>(q), pos, lo, rows, kt, vr,
+                        pk.n, pk.first, sb, a.scale, a.softcap, out);
+      return;
+    }
+#endif
+    if constexpr (!pairs)
+      split_f32<DV, R>(reinterpret_cast<const float* const*>(q), pos, lo, rows, kt, vr, pk.n,
+                       pk.first, sb, a.scale, a.softcap, out);
+  };
+  if constexpr (pairs) w.qp.assign(static_cast<size_t>(R) * qw, 0u);
+  else w.qf.resize(static_cast<size_t>(R) * qw);
+  for (int hh = 0; hh < group; ++hh) {
+    const int h = g * group + hh;
+    for (int64_t p0 = u.first_pos; p0 < u.stop_pos; p0 += R) {
+      const int rows = static_cast<int>(std::min<int64_t>(R, u.stop_pos - p0));
+      const void* q[R];
+      for (int r = 0; r < R; ++r) {
+        const T* src = a.q + (row_of_first + p0 + r) * a.q_st + h * a.q_sh;
+        if constexpr (pairs) {
+          if (r < rows) std::memcpy(w.qp.data() + r * qw, src, a.dim * sizeof(T));
+          q[r] = w.qp.data() + std::min(r, rows - 1) * qw;
+        } else {
+          if (r < rows)
+            for (int c = 0; c < D; c += kLanes)
+              store_vec(w.qf.data() + r * qw + c, load_widened(src, c, a.dim));
+          q[r] = w.qf.data() + std::min(r, rows - 1) * qw;
+        }
+      }
+      attend_rows<DV, R>(a, u, h, p0, rows, q, split, w);
+    }
+  }
+}
+
+// Jobs pulled by idle threads, in order: `jobs` of them, job(i, scratch).
+template <typename F>
+void pull(int64_t jobs, F&& job) {
+  std::atomic<int64_t> next{0};
+  const int64_t workers = std::min<int64_t>(at::get_num_threads(), jobs);
+  if (workers <= 0) return;
+  at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
+    Scratch w;
+    for (int64_t i = next++; i < jobs; i = next++) job(i, w);
+  });
+}
+
+template <int DV, typename T, typename P>
+void run_flavour(const Args<T>& a, int64_t count) {
+  constexpr int D = DV * kLanes;
+  constexpr int64_t kPackCols = 256;  // positions per packing job
+  Shared<P> sh;
+  sh.kt_per_key = std::is_same_v<P, uint32_t> ? D / 2 : D;
+  sh.vr_per_key = std::is_same_v<P, uint32_t> ? D / 2 : D;
+  // Each request's keys and values are packed once, from the first position its
+  // first new row sees (block-aligned) to its last, for every KV head.
+  int64_t total = 0;
+  std::vector<std::array<int64_t, 4>> pack_jobs;  // request, head, first column, end column
+  sh.packs.resize(count);
+  for (int64_t i = 0; i < count; ++i) {
+    const int64_t pre = a.prefix_lens[i], stop = pre + a.extend_lens[i];
+    const int64_t first = first_visible(pre, a.window) / kBlock * kBlock;
+    const int64_t n = a.extend_lens[i] ? round_up(stop - first, kBlock) : 0;
+    sh.packs[i] = {first, n, total};
+    total += n * a.kv_heads;
+    for (int g = 0; g < a.kv_heads; ++g)
+      for (int64_t c = 0; c < n; c += kPackCols) pack_jobs.push_back({i, g, c, std::min(n, c + kPackCols)});
+  }
+  sh.kt.resize(total * sh.kt_per_key);
+  sh.vr.resize(total * sh.vr_per_key);
+  pull(static_cast<int64_t>(pack_jobs.size()), [&](int64_t j, Scratch& w) {
+    const auto [i, g, c0, c1] = pack_jobs[j];
+    const Packed& pk = sh.packs[i];
+    const int64_t stop = a.prefix_lens[i] + a.extend_lens[i];
+    a.r2t.copy(a.rows[i], pk.first + c0, std::min(stop, pk.first + c1) - pk.first - c0, w.slots);
+    // The slots cover [first + c0, ...): index them from c0.
+    const KvRows<T> kv{a.k, a.v, a.k_sn, a.v_sn, a.k_sh, a.v_sh, w.slots.data() - c0,
+                       first_visible(a.prefix_lens[i], a.window) - pk.first};
+    pack_range(kv, static_cast<int>(g), stop - pk.first, c0, c1, a.dim, D, pk.n,
+               sh.keys(i, static_cast<int>(g)), sh.values(i, static_cast<int>(g)));
+  });
+  std::vector<Unit> units;
+  for (int64_t i = 0; i < count; ++i) {
+    const int64_t pre = a.prefix_lens[i], stop = pre + a.extend_lens[i];
+    for (int64_t p = pre; p < stop; p += kChunkRows)
+      for (int g = 0; g < a.kv_heads; ++g)
+        units.push_back({i, g, p, std::min(stop, p + kChunkRows)});
+  }
+  // Longest first (work grows with the last position).
+  std::stable_sort(units.begin(), units.end(), [&](const Unit& x, const Unit& y) {
+    return (x.stop_pos - x.first_pos) * x.stop_pos > (y.stop_pos - y.first_pos) * y.stop_pos;
+  });
+  pull(static_cast<int64_t>(units.size()),
+       [&](int64_t j, Scratch& w) { attend_unit<DV>(a, units[j], sh, w); });
+}
+
+template <int DV, typename T>
+void run(const Args<T>& a, int64_t count) {
+#if defined(__AVX512BF16__)
+  if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    run_flavour<DV, T, uint32_t>(a, count);
+    return;
+  }
+#endif
+  run_flavour<DV, T, float>(a, count);
+}
+
+// q/out: [tokens, heads, dim]; k_buf/v_buf: [pool, kv_heads, dim], the new
+// tokens' K/V already stored; request i has prefix_lens[i] cached tokens and
+// extend_lens[i] new ones, its new rows following request i - 1's in q/out
+// (rows past the last request's are untouched).
+void extend_attention(const at::Tensor& q, const at::Tensor& k_buf, const at::Tensor& v_buf,
+                      const at::Tensor& out, const at::Tensor& req_to_token,
+                      const at::Tensor& req_pool_indices, const at::Tensor& prefix_lens,
+                      const at::Tensor& extend_lens, double scale, int64_t window,
+                      double softcap) {
+  TORCH_CHECK(q.dim() == 3 && out.dim() == 3 && k_buf.dim() == 3 && v_buf.dim() == 3,
+              "extend_attention: q/out [tokens, heads, dim], k/v [pool, kv_heads, dim]");
+  TORCH_CHECK(q.scalar_type() == k_buf.scalar_type() && q.scalar_type() == v_buf.scalar_type() &&
+                  q.scalar_type() == out.scalar_type(),
+              "extend_attention: q, k, v and out must share one dtype");
+  TORCH_CHECK(q.stride(2) == 1 && k_buf.stride(2) == 1 && v_buf.stride(2) == 1 &&
+                  out.stride(2) == 1 && req_to_token.stride(1) == 1,
+              "extend_attention: the last dimension must be contiguous");
+  for (const at::Tensor* t : {&req_pool_indices, &prefix_lens, &extend_lens})
+    TORCH_CHECK(t->scalar_type() == at::kLong && t->is_contiguous() &&
+                    t->numel() == req_pool_indices.numel(),
+                "extend_attention: req_pool_indices, prefix_lens and extend_lens are "
+                "contiguous int64 of one length");
+  const int heads = static_cast<int>(q.size(1)), kv_heads = static_cast<int>(k_buf.size(1));
   const int dim = static_cast<int>(q.size(2));
   TORCH_CHECK(heads % kv_heads == 0, "extend_attention: heads must be a multiple of kv_heads");
-  TORCH_CHECK(k.size(2) == dim && (dim == 64 || dim == 128),
-              "extend_attention: head_dim 64 or 128");
-  const int64_t count = starts.numel();
-  const int64_t* st = starts.data_ptr<int64_t>();
-  const int64_t* ln = lens.data_ptr<int64_t>();
-  const auto* qp = static_cast<const uint16_t*>(q.data_ptr());
-  const auto* kp = static_cast<const uint16_t*>(k.data_ptr());
-  const auto* vpp = static_cast<const uint16_t*>(v.data_ptr());
-  auto* op = static_cast<uint16_t*>(out.data_ptr());
-  for (int64_t i = 0; i < count; ++i)
-    TORCH_CHECK(st[i] >= 0 && ln[i] >= 0 && st[i] + ln[i] <= q.size(0) &&
-                    st[i] + ln[i] <= k.size(0),
-                "extend_attention: prompt rows out of range");
-  const int group = heads / kv_heads;
-  const float sc = static_cast<float>(scale);
+  TORCH_CHECK(k_buf.size(2) == dim && v_buf.size(2) == dim, "extend_attention: head_dim mismatch");
+  TORCH_CHECK(dim % kLanes == 0 && dim <= 256,
+              "extend_attention: head_dim must be a multiple of 16, at most 256");
   TORCH_CHECK(window >= 0 && softcap >= 0, "extend_attention: window and softcap are >= 0");
-  const Variant var{window, static_cast<float>(softcap)};
-  at::parallel_for(0, count * kv_heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<uint32_t> kbuf, vbuf;
-    for (int64_t u = begin; u < end; ++u) {
-      const int64_t i = u / kv_heads;
-      if (ln[i] == 0) continue;
-      const Prompt pr{qp + st[i] * q.stride(0), kp + st[i] * k.stride(0),
-                      vpp + st[i] * v.stride(0), op + st[i] * out.stride(0), ln[i]};
-      const int g = static_cast<int>(u % kv_heads);
-      if (dim == 64)
-        attend_prompt<64>(pr, g, group, q.stride(1), q.stride(0), k.stride(1), k.stride(0),
-                          out.stride(1), out.stride(0), sc, var, kbuf, vbuf);
-      else
-        attend_prompt<128>(pr, g, group, q.stride(1), q.stride(0), k.stride(1), k.stride(0),
-                           out.stride(1), out.stride(0), sc, var, kbuf, vbuf);
-    }
-  });
+  const int64_t count = req_pool_indices.numel();
+  const int64_t* pre = prefix_lens.data_ptr<int64_t>();
+  const int64_t* ext = extend_lens.data_ptr<int64_t>();
+  std::vector<int64_t> starts(count);
+  int64_t rows = 0;
+  for (int64_t i = 0; i < count; ++i) {
+    TORCH_CHECK(pre[i] >= 0 && ext[i] >= 0 && pre[i] + ext[i] <= req_to_token.size(1),
+                "extend_attention: request lengths out of range");
+    starts[i] = rows;
+    rows += ext[i];
+  }
+  TORCH_CHECK(rows <= q.size(0) && rows <= out.size(0), "extend_attention: q rows out of range");
+  const int dp = padded_lanes(dim) * kLanes;
+  TORCH_CHECK(req_to_token.scalar_type() == at::kInt || req_to_token.scalar_type() == at::kLong,
+              "req_to_token: int32 or int64");
+  const SlotTable r2t{req_to_token.data_ptr(), req_to_token.scalar_type() == at::kInt,
+                      req_to_token.stride(0)};
+  auto launch = [&](auto* q_ptr) {
+    using T = std::remove_pointer_t<decltype(q_ptr)>;
+    Args<T> a{q_ptr, q.stride(0), q.stride(1),
+              static_cast<T*>(out.data_ptr()), out.stride(0), out.stride(1),
+              static_cast<const T*>(k_buf.data_ptr()), k_buf.stride(0), k_buf.stride(1),
+              static_cast<const T*>(v_buf.data_ptr()), v_buf.stride(0), v_buf.stride(1),
+              r2t, req_pool_indices.data_ptr<int64_t>(), pre, ext, starts.data(), heads,
+              kv_heads, dim, dp, static_cast<float>(scale), window,
+              static_cast<float>(softcap)};
+    with_width(dp / kLanes, [&](auto dv) { run<decltype(dv)::value>(a, count); });
+  };
+  switch (q.scalar_type()) {
+    case at::kFloat: launch(q.data_ptr<float>()); break;
+    case at::kBFloat16: launch(q.data_ptr<c10::BFloat16>()); break;
+    case at::kHalf: launch(q.data_ptr<c10::Half>()); break;
+    default: TORCH_CHECK(false, "extend_attention: dtype must be float32, bfloat16 or float16");
+  }
 }
 
 }  // namespace
 
-// Registered only where the instructions exist; callers ask
-// `hasattr(torch.ops.radixlm_cpu, "extend_attention")`.
 TORCH_LIBRARY_FRAGMENT(radixlm_cpu, m) {
-  m.def("extend_attention(Tensor q, Tensor k, Tensor v, Tensor(a!) out, Tensor starts, "
-        "Tensor lens, float scale, int window, float softcap) -> ()");
+  m.def("extend_attention(Tensor q, Tensor k_buf, Tensor v_buf, Tensor(a!) out, "
+        "Tensor req_to_token, Tensor req_pool_indices, Tensor prefix_lens, "
+        "Tensor extend_lens, float scale, int window, float softcap) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(radixlm_cpu, CPU, m) { m.impl("extend_attention", &extend_attention); }
-
-#endif  // __AVX512BF16__

@@ -40,6 +40,11 @@ inline vfloat load_vec(const c10::Half* p) {
   return v;
 }
 inline void store_vec(float* p, vfloat v) { __builtin_memcpy(p, &v, sizeof(v)); }
+// x in every lane (a broadcast; `vfloat{} + x` would cost an add).
+inline vfloat splat(float x) {
+  static_assert(kLanes == 16, "one initializer per lane");
+  return vfloat{x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x};
+}
 inline void store_vec(c10::BFloat16* p, vfloat v) {
   // Round to nearest even, as torch's float -> bf16 conversion does (NaN aside).
   vuint w;

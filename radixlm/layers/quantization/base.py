@@ -87,7 +87,13 @@ if TYPE_CHECKING:
 
 
 class LinearMethod(ABC):
-    """How one linear layer holds and applies its weight (see the module docstring)."""
+    """How one linear layer holds and applies its weight (see the module docstring).
+
+    `batch_invariant`: a row's product is the same bits however many rows are
+    multiplied with it (what --enable-deterministic-inference requires of
+    every layer's method)."""
+
+    batch_invariant = False
 
     @abstractmethod
     def create_weights(self, layer: LinearBase, input_size_per_partition: int,

@@ -14,6 +14,12 @@ what dtype the layer's weight lives:
   `use_gemv` measured it faster than cuBLAS; everything else through cuBLAS
   (`--disable-gemv`: always cuBLAS).
 - `UnquantizedLinearMethod`: F.linear, everywhere else (fp32, meta, the flags).
+- `BatchInvariantLinearMethod`: with --enable-deterministic-inference, every
+  float layer: products whose result for a row does not depend on how many
+  rows are multiplied with it (oneDNN, MKL and cuBLAS pick their kernels and
+  reduction orders by the row count; the GEMV above serves 1-8 rows, cuBLAS
+  the rest). On the CPU our kernel (`cpu_ops.dense_linear`), on CUDA our
+  Triton GEMM (`layers/invariant_gemm.py`).
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from radixlm.layers import cpu_ops
 from radixlm.layers.quantization.base import (
     EmbeddingMethod,
     FusedMoEMethod,
@@ -39,6 +46,7 @@ if TYPE_CHECKING:
     from radixlm.layers.moe.fused_moe import FusedMoE
 
 _gemv = lazy_import("radixlm.layers.gemv")  # Triton: CUDA only
+_invariant_gemm = lazy_import("radixlm.layers.invariant_gemm")  # Triton: CUDA only
 
 
 @functools.cache
@@ -140,6 +148,32 @@ def _packs_halves(layer: LinearBase) -> bool:
     return getattr(layer, "fused_silu_mul", False) and layer.bias is None
 
 
+class BatchInvariantLinearMethod(UnquantizedLinearMethod):
+    """Products whose row results are the same bits at any row count.
+
+    CPU: from a copy of the weight packed for `cpu_ops.dense_linear` (one
+    multiply-add chain per output over the input features in order; the copy
+    costs the weight's memory once more). CUDA: the weight as it is, through
+    `invariant_gemm.matmul` (fixed K blocks, never split-K)."""
+
+    batch_invariant = True
+
+    def process_weights_after_loading(self, layer: LinearBase) -> None:
+        weight = layer.weight.detach()
+        layer.dense_packed = cpu_ops.dense_pack(weight) if weight.device.type == "cpu" else None
+
+    def drop_derived(self, layer: LinearBase) -> None:
+        layer.dense_packed = None
+
+    def apply(self, layer: LinearBase, x: torch.Tensor, bias: torch.Tensor | None = None,
+              out: torch.Tensor | None = None) -> torch.Tensor:
+        if x.is_cuda:
+            return _invariant_gemm.matmul(x, layer.weight, bias, out=out)
+        packed = getattr(layer, "dense_packed", None)
+        assert packed is not None, "process_weights_after_loading has not run on this layer"
+        return cpu_ops.dense_linear(x, packed, layer.weight.shape[0], bias, out)
+
+
 class UnquantizedEmbeddingMethod(EmbeddingMethod):
     """A float table [rows, dim] in the model's dtype, looked up with F.embedding."""
 
@@ -160,10 +194,12 @@ class UnquantizedConfig(QuantizationConfig):
     construction: what the layer's weight is created with (the loader builds
     the model under `with torch.device(...)` and the model's default dtype)."""
 
-    def __init__(self, prepack: bool = True, gemv: bool = True, moe_backend: str = "auto") -> None:
+    def __init__(self, prepack: bool = True, gemv: bool = True, moe_backend: str = "auto",
+                 deterministic: bool = False) -> None:
         self.prepack = prepack
         self.gemv = gemv
         self.moe_backend = moe_backend  # --moe-runner-backend (layers/moe/backends.py)
+        self.deterministic = deterministic
 
     def get_moe_method(self, layer: FusedMoE, prefix: str) -> FusedMoEMethod:
         from radixlm.layers.moe.method import UnquantizedFusedMoEMethod
@@ -172,6 +208,11 @@ class UnquantizedConfig(QuantizationConfig):
 
     def get_linear_method(self, layer: LinearBase, prefix: str) -> LinearMethod:
         device, dtype = torch.get_default_device(), layer.params_dtype
+        if self.deterministic and device.type in ("cpu", "cuda"):
+            if device.type == "cpu" and not cpu_ops.load():
+                raise ValueError("enable_deterministic_inference on the CPU needs radixlm's C++ "
+                                 "kernels (a C++ compiler; see the warning above)")
+            return BatchInvariantLinearMethod()
         if (self.prepack and device.type == "cpu" and dtype == torch.bfloat16
                 and onednn_bf16()):
             return PrepackedLinearMethod()

@@ -1,0 +1,116 @@
+"""A GEMM whose result for a row does not depend on the row count (CUDA, Triton),
+for `--enable-deterministic-inference`.
+
+`y = x @ weight.T (+ bias)`. cuBLAS picks its kernel, tile and split-K by the
+shape, so a row alone (a decode step) and the same row among 512 (a prefill)
+get different low bits; our GEMV serves 1-8 rows with yet another order.
+Here every output is one accumulator chained over K in blocks of BLOCK_K, in
+order, never split across programs: a program owns a [BLOCK_M, BLOCK_N] tile
+and walks all of K.
+
+The tile is picked by M from `CONFIGS` (few programs at small M would leave
+the GPU idle). That keeps a row's bits only if the tensor-core instruction
+computes each output from its own row and column whatever the tile's extent,
+which holds for one instruction family: every config has BLOCK_M >= 64 and
+warps in multiples of 4, so on Hopper all of them compile to wgmma, on
+Ampere to mma.sync, with the same BLOCK_K. `tests/gpu/test_determinism_gpu.py`
+checks it bit for bit on the GPU; `FIXED_CONFIG` pins one tile for every M if
+a device ever disagreed.
+
+Contract: x [..., K] (last dim contiguous), weight [N, K] contiguous, bias [N]
+or None, one dtype (bf16, fp16 or fp32; fp32 products in IEEE fp32), one CUDA
+device; returns [..., N] in x's dtype, fp32 accumulation, one rounding. No
+host sync, no allocation besides the output: CUDA-graph safe.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+from radixlm.layers.attention.triton_ops.decode_attention import dot_precision
+
+BLOCK_K = 64  # every config's: the K blocks fix each output's summation order
+
+
+class GemmConfig(NamedTuple):
+    block_m: int
+    block_n: int
+    warps: int
+    stages: int
+
+
+# (largest M, config), by increasing M. Small M: narrow tiles so that enough
+# programs stream the weight; large M: big tiles for reuse.
+CONFIGS: tuple[tuple[int, GemmConfig], ...] = (
+    (64, GemmConfig(64, 32, 4, 5)),
+    (256, GemmConfig(64, 128, 4, 4)),
+    (1 << 62, GemmConfig(128, 128, 8, 3)),
+)
+FIXED_CONFIG: GemmConfig | None = None  # one tile for every M when set
+
+
+def pick_config(m: int) -> GemmConfig:
+    if FIXED_CONFIG is not None:
+        return FIXED_CONFIG
+    return next(cfg for limit, cfg in CONFIGS if m <= limit)
+
+
+@triton.jit
+def _matmul_kernel(X, W, B, Y, M, N, K, stride_xm, stride_wn, stride_ym,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K_: tl.constexpr,
+                   HAS_BIAS: tl.constexpr, DOT_PREC: tl.constexpr, GROUP_M: tl.constexpr):
+    pid = tl.program_id(0)
+    # Grouped order: programs that run together share weight tiles in L2.
+    num_m = tl.cdiv(M, BLOCK_M)
+    num_n = tl.cdiv(N, BLOCK_N)
+    width = GROUP_M * num_n
+    group = pid // width
+    first_m = group * GROUP_M
+    size_m = tl.minimum(num_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % width) % size_m
+    pid_n = (pid % width) // size_m
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K_)
+    x_rows = X + offs_m[:, None].to(tl.int64) * stride_xm
+    w_rows = W + offs_n[:, None].to(tl.int64) * stride_wn
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for k0 in range(0, K, BLOCK_K_):
+        cols = k0 + offs_k[None, :]
+        # Padding rows, columns and K lanes load zeros: exact zero products.
+        x = tl.load(x_rows + cols, mask=(offs_m[:, None] < M) & (cols < K), other=0.0)
+        w = tl.load(w_rows + cols, mask=(offs_n[:, None] < N) & (cols < K), other=0.0)
+        acc = tl.dot(x, tl.trans(w), acc, input_precision=DOT_PREC)
+    if HAS_BIAS:
+        acc += tl.load(B + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[None, :]
+    y_ptr = Y + offs_m[:, None].to(tl.int64) * stride_ym + offs_n[None, :]
+    tl.store(y_ptr, acc.to(Y.dtype.element_ty), mask=(offs_m[:, None] < M) & (offs_n[None, :] < N))
+
+
+def matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+           out: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ weight.T (+ bias) (the module docstring's contract); `out`: an output
+    [rows, N] view to write into."""
+    k = x.shape[-1]
+    n = weight.shape[0]
+    assert weight.shape[1] == k and weight.stride(1) == 1, "weight [N, K], contiguous rows"
+    x2 = x.reshape(-1, k)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    m = x2.shape[0]
+    y = (torch.empty((m, n), dtype=x.dtype, device=x.device) if out is None
+         else out.view(m, n))
+    if m == 0:
+        return y.view(*x.shape[:-1], n)
+    cfg = pick_config(m)
+    grid = (triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n),)
+    _matmul_kernel[grid](
+        x2, weight, bias if bias is not None else weight, y, m, n, k, x2.stride(0),
+        weight.stride(0), y.stride(0), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+        BLOCK_K_=BLOCK_K, HAS_BIAS=bias is not None, DOT_PREC=dot_precision(x.dtype),
+        GROUP_M=8, num_warps=cfg.warps, num_stages=cfg.stages)
+    return y.view(*x.shape[:-1], n)
