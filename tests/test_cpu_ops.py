@@ -306,3 +306,20 @@ def test_cpu_backend_extend_mixes_fresh_and_cached_prompts():
         backend.init_forward_metadata(fb)
         outs.append(backend.forward(q, k, v, layer, fb))
     torch.testing.assert_close(outs[1].float(), outs[0].float(), atol=2e-2, rtol=2e-2)
+
+
+def test_a_killed_builds_lock_is_dropped_a_fresh_one_kept(tmp_path) -> None:
+    """torch waits forever on a build directory's lock; one older than any build
+    was left by a killed process and must not hang every later start."""
+    import os
+    import time
+
+    stale, fresh = tmp_path / "stale", tmp_path / "fresh"
+    stale.touch()
+    fresh.touch()
+    old = time.time() - cpu_ops.STALE_LOCK_SECONDS - 5
+    os.utime(stale, (old, old))
+    cpu_ops._drop_stale_lock(stale)
+    cpu_ops._drop_stale_lock(fresh)
+    cpu_ops._drop_stale_lock(tmp_path / "absent")
+    assert not stale.exists() and fresh.exists()

@@ -13,6 +13,7 @@ import hashlib
 import logging
 import platform
 import threading
+import time
 from pathlib import Path
 
 import torch
@@ -73,6 +74,22 @@ def _load() -> bool:
                            ) and hasattr(torch.ops.radixlm_cpu, "decode_attention")
 
 
+# A build takes well under this; a lock older than it was left by a killed build,
+# and torch would wait on it forever.
+STALE_LOCK_SECONDS = 600
+
+
+def _drop_stale_lock(lock: Path) -> None:
+    try:
+        age = time.time() - lock.stat().st_mtime
+    except FileNotFoundError:
+        return
+    if age > STALE_LOCK_SECONDS:
+        logger.warning("removing %s, a build lock left %.0f s ago by a build that never "
+                       "finished", lock, age)
+        lock.unlink(missing_ok=True)
+
+
 def build_extension(name: str, sources: list[Path], headers: list[Path], cflags: list[str],
                     fallback: str) -> bool:
     """Compile `sources` (with OpenMP) into `cache_root()/<name>/<key>` and load
@@ -84,6 +101,7 @@ def build_extension(name: str, sources: list[Path], headers: list[Path], cflags:
     build_dir = cache_root() / name.removeprefix("radixlm_") / _build_key(sources + headers,
                                                                            cflags)
     build_dir.mkdir(parents=True, exist_ok=True)
+    _drop_stale_lock(build_dir / "lock")
     try:
         cpp_extension.load(
             name=name, sources=[str(s) for s in sources], extra_cflags=cflags,
