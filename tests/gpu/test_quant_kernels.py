@@ -58,7 +58,8 @@ def fp8_ref_quant(x: torch.Tensor, group: int | None) -> tuple[torch.Tensor, tor
     g = group or k
     xf = x.float()
     scales = torch.stack([xf[:, j:j + g].abs().amax(1) for j in range(0, k, g)], 1)
-    scales = scales.clamp(min=1e-12) / 448.0
+    # A tensor divisor: a CUDA division by a Python scalar multiplies by its reciprocal.
+    scales = scales.clamp(min=1e-12) / torch.full_like(scales, 448.0)
     full = scales.repeat_interleave(g, 1)[:, :k]
     return (xf / full).clamp(-448, 448).to(FP8), scales
 

@@ -65,9 +65,37 @@ def test_greedy_tokens_unchanged_on_cuda(models, plain, algo):
     out, stats, graphs = _serve(models["target"], speculative_algorithm=algo,
                                 speculative_draft_model_path=draft, speculative_num_steps=3)
     assert out == plain
-    assert stats.num_draft_tokens > 0
-    if algo != "NGRAM":
+    if algo != "NGRAM":  # a random model's text never repeats: nothing for NGRAM to match
+        assert stats.num_draft_tokens > 0
         assert graphs is not None and graphs.use_graphs
+
+
+def _save_repeating_llama(path) -> str:
+    """A random Llama whose attention and MLP outputs are scaled down (x0.01) and
+    whose LM head is its embedding: greedy decoding repeats the last token."""
+    from gpu_models import BASE_CONFIG
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(**{**BASE_CONFIG, "tie_word_embeddings": True}))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() == 2:
+                p.normal_(0, 0.05)
+            if name.endswith(("o_proj.weight", "down_proj.weight")):
+                p.mul_(0.01)
+    model.save_pretrained(path, safe_serialization=True)
+    return str(path)
+
+
+def test_ngram_drafts_are_verified_on_cuda(tmp_path):
+    """Repeating text, which NGRAM matches: its drafts are verified and accepted
+    on CUDA (verify forwards replaying the target's graphs), tokens unchanged."""
+    model = _save_repeating_llama(tmp_path / "repeat")
+    plain = _serve(model)[0]
+    out, stats, _ = _serve(model, speculative_algorithm="NGRAM", speculative_num_steps=3)
+    assert out == plain
+    assert stats.num_draft_tokens > 0 and stats.num_accepted_drafts > 0
 
 
 def test_self_draft_accepts_everything_on_cuda(models, plain):
