@@ -57,7 +57,7 @@ def test_prompt_shapes(text: Any, input_ids: Any, ids: list[list[int]], single: 
 
 
 @pytest.mark.parametrize(("text", "input_ids", "param", "needle"), [
-    ("a", [1], "prompt", "exactly one of prompt or input_ids"),
+    ("a", [1], "prompt", "exactly one of prompt, input_ids or input_embeds"),
     (None, None, "prompt", "exactly one"),
     ([], None, "prompt", "empty list"),
     (["a", 3], None, "prompt", "a string or a list of strings"),

@@ -107,10 +107,11 @@ class ModelRunner:
     def _check_deterministic(self) -> None:
         """Refuse, by name, what --enable-deterministic-inference cannot make batch-invariant."""
         if not getattr(self.attn_backend, "batch_invariant", False):
-            raise ValueError(f"enable_deterministic_inference: {type(self.attn_backend).__name__}"
-                             "'s results depend on the batch; use the cpu backend on the CPU "
-                             "(needs a C++ compiler), triton on CUDA, and a KV cache in the "
-                             "model's dtype")
+            raise ValueError(f"enable_deterministic_inference: the attention backend "
+                             f"(attention_backend={self.args.attention_backend!r}: "
+                             f"{type(self.attn_backend).__name__}) gives rows that depend on "
+                             "the batch; use the cpu backend on the CPU (needs a C++ compiler), "
+                             "triton on CUDA, and a KV cache in the model's dtype")
         for name, module in self.model.named_modules():
             method = getattr(module, "quant_method", None)
             if method is not None and not getattr(method, "batch_invariant", True):
