@@ -244,6 +244,8 @@ class Engine:
         self.scheduler.step()
         if hasattr(self.scheduler, "shutdown"):
             self.scheduler.shutdown()
+        _release_device_memory(self)
+
 
     def __enter__(self) -> Engine:
         return self
@@ -333,3 +335,23 @@ class Engine:
 def _as_lists(embeds: Any) -> Any:
     """A tensor or an array of embeddings as nested lists (what the wire checks)."""
     return embeds.tolist() if hasattr(embeds, "tolist") else embeds
+
+
+class _ShutDown:
+    """Stands for the scheduler of an engine that was shut down."""
+
+    def __getattr__(self, name: str) -> Any:
+        raise RuntimeError("this Engine was shut down; create a new one")
+
+
+def _release_device_memory(engine: Engine) -> None:
+    """Drop the engine's model and KV pools now, and hand cached CUDA blocks back:
+    the next engine in this process sizes its KV cache from the free memory."""
+    import gc
+
+    engine.scheduler = _ShutDown()
+    gc.collect()
+    import torch
+
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.empty_cache()
