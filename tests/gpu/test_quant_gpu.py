@@ -46,6 +46,7 @@ from quant_checkpoints import (  # noqa: E402
 import radixlm  # noqa: E402
 from radixlm.layers.linear import MergedColumnParallelLinear  # noqa: E402
 from radixlm.layers.quantization import get_quantization_config  # noqa: E402
+from radixlm.layers.quantization.fp8 import FP8_KERNELS_ENV  # noqa: E402
 from radixlm.layers.quantization.triton_ops import fp8 as F  # noqa: E402
 
 SIZES = dict(vocab_size=4096, hidden_size=1024, intermediate_size=2816, num_hidden_layers=4,
@@ -100,15 +101,42 @@ def _compare(ours, ref, label: str) -> None:
     assert mean < 0.2 and first >= len(ours) - 1, label
 
 
+FP8_FORMATS = sorted(f for f in FORMATS if "fp8" in f)
+# On the H200 the FP8 kernels pass tests/gpu/test_quant_kernels.py, yet a whole model
+# on them is far from its dequantized twin (mean |diff| ~1 nat); until that is found,
+# FP8 checkpoints on CUDA are dequantized at load. Strict: a fix makes these pass.
+KERNELS_OPEN_BUG = pytest.mark.xfail(strict=True, reason="a whole model on the FP8 kernels "
+                                     "does not track its dequantized twin yet")
+
+
 @pytest.mark.parametrize("fmt", sorted(FORMATS))
 def test_quantized_checkpoint_on_cuda_tracks_its_dequantized_model(fmt, model):
+    """The default path: int4 on our kernels, FP8 dequantized once at load."""
     root, config, floats, prompts = model
     quantize, qconfig = FORMATS[fmt]
     q, deq = write_pair(root, fmt, config, floats, quantize, qconfig)
     _compare(_run(q, None, prompts), _run(deq, None, prompts), fmt)
 
 
-def test_online_fp8_on_cuda_tracks_its_dequantized_model(model):
+@KERNELS_OPEN_BUG
+@pytest.mark.parametrize("fmt", FP8_FORMATS)
+def test_fp8_kernels_track_the_dequantized_model(fmt, model, monkeypatch):
+    monkeypatch.setenv(FP8_KERNELS_ENV, "1")
+    root, config, floats, prompts = model
+    quantize, qconfig = FORMATS[fmt]
+    q, deq = write_pair(root, fmt, config, floats, quantize, qconfig)
+    _compare(_run(q, None, prompts), _run(deq, None, prompts), f"{fmt} on the kernels")
+
+
+def test_online_fp8_on_cuda_is_refused_until_the_kernels_are_trusted(model):
+    root = model[0]
+    with pytest.raises(ValueError, match="quantization='fp8' of a float checkpoint on CUDA"):
+        _run(str(root / "float"), "fp8", model[3])
+
+
+@KERNELS_OPEN_BUG
+def test_online_fp8_on_cuda_tracks_its_dequantized_model(model, monkeypatch):
+    monkeypatch.setenv(FP8_KERNELS_ENV, "1")
     root, config, floats, prompts = model
     deq = {k: fp8_per_channel(w)[2] if k.endswith("proj.weight") else w
            for k, w in floats.items()}
@@ -116,7 +144,8 @@ def test_online_fp8_on_cuda_tracks_its_dequantized_model(model):
     _compare(_run(str(root / "float"), "fp8", prompts), _run(ref, None, prompts), "fp8 online")
 
 
-def test_dummy_fp8_and_awq_engines_run(model):
+def test_dummy_fp8_and_awq_engines_run(model, monkeypatch):
+    monkeypatch.setenv(FP8_KERNELS_ENV, "1")  # random FP8 weights: only that it runs
     root, config, _, prompts = model
     for quantization in ("fp8", "awq"):
         with radixlm.Engine(str(root / "float"), dtype="bfloat16", skip_tokenizer_init=True,
@@ -127,8 +156,9 @@ def test_dummy_fp8_and_awq_engines_run(model):
             assert all(len(o["output_ids"]) == 4 for o in out)
 
 
-def test_layer_methods_run_our_kernels():
+def test_layer_methods_run_our_kernels(monkeypatch):
     """A layer built on CUDA runs the kernels (the fused SiLU GEMV at 1-8 rows)."""
+    monkeypatch.setenv(FP8_KERNELS_ENV, "1")
     quant = get_quantization_config(tiny_llama(), "fp8")
     with torch.device("cuda"):
         layer = MergedColumnParallelLinear(1024, [2816, 2816], params_dtype=torch.bfloat16,
