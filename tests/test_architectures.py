@@ -20,7 +20,7 @@ from server_utils import REPO
 
 import radixlm
 from radixlm.models import get_model_class, supported_architectures
-from radixlm.models.architectures import ARCHITECTURES
+from radixlm.models.architectures import ARCHITECTURES, DRAFT_HEADS
 from radixlm.models.decoder import DecoderForCausalLM
 from radixlm.server.workers import free_port
 
@@ -57,8 +57,11 @@ def qwen2vl_gguf(tmp_path_factory) -> str:
 def test_every_listed_architecture_imports_its_class():
     for name, (module, cls) in ARCHITECTURES.items():
         model_cls = getattr(importlib.import_module(module), cls)
-        assert issubclass(model_cls, DecoderForCausalLM), name
-    assert supported_architectures() == sorted(ARCHITECTURES)
+        if name in DRAFT_HEADS:  # loaded beside a target, never served
+            assert getattr(model_cls, "draft_only", False), name
+        else:
+            assert issubclass(model_cls, DecoderForCausalLM), name
+    assert supported_architectures() == sorted(set(ARCHITECTURES) - DRAFT_HEADS)
 
 
 def test_registry_refuses_the_config_object_by_name(qwen2vl_dir):
@@ -111,3 +114,13 @@ def test_serve_refuses_a_gguf_file_by_name(qwen2vl_gguf, tmp_path):
         "GGUF architecture 'qwen2vl' is not supported" in last, proc.stderr[-3000:]
     assert "started the" not in proc.stderr
     assert not [p for p in Path(tmp_path / "cache").iterdir() if p.is_dir()]  # nothing cached
+
+
+def test_a_draft_head_is_refused_as_the_model_to_serve(tmp_path):
+    """An EAGLE head needs its target's hidden states: the API process refuses it
+    before anything starts, naming the flag that takes it."""
+    from radixlm.models.model_source import model_architecture
+
+    (tmp_path / "config.json").write_text('{"architectures": ["LlamaForCausalLMEagle3"]}')
+    with pytest.raises(ValueError, match="is a draft head: .*--speculative-draft-model-path"):
+        model_architecture(tmp_path)

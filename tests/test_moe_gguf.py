@@ -235,7 +235,7 @@ def test_benchmark_file_serves(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) 
                    vocab=160)
     with radixlm.Engine(model_path=str(path), max_total_tokens=512, dtype="float32",
                         skip_tokenizer_init=True) as e:
-        layer = e.scheduler.runner.model.model.layers[1]
+        layer = e.scheduler.worker.runner.model.model.layers[1]
         assert isinstance(layer.mlp.experts.quant_method, GGUFFusedMoEMethod)
         out = e.generate(input_ids=[5, 7, 9, 11], sampling_params={
             "max_new_tokens": 8, "temperature": 0, "ignore_eos": True})
