@@ -52,7 +52,8 @@ def measure(engine_args: list[str]) -> dict[str, float]:
     args = ServerArgs.from_cli_args(parser.parse_args(engine_args))
     kwargs = {k: v for k, v in vars(args).items() if v != getattr(ServerArgs(), k)}
     with radixlm.Engine(**{"log_level": "warning", **kwargs}) as e:
-        vocab = e.scheduler.worker.vocab_size
+        worker = e.scheduler.worker  # the vocabulary moved from the worker to its runner
+        vocab = getattr(worker, "vocab_size", None) or worker.runner.vocab_size
         long, short = _prompts(1, 512, vocab, 1), _prompts(8, 128, vocab, 2)
         batch = _prompts(32, 256, vocab, 3)
         _timed(e, short[:2], 4)  # warm-up
