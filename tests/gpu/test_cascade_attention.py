@@ -9,11 +9,11 @@ debugging); the engine tests need CUDA.
 
 from __future__ import annotations
 
-import os
 import random
 
 import pytest
 import torch
+from devices import DEV, HAS_CUDA, INTERPRET, needs_cuda, needs_kernels
 
 from radixlm.forward_batch import (
     ForwardBatch,
@@ -24,12 +24,6 @@ from radixlm.forward_batch import (
 )
 
 pytestmark = pytest.mark.gpu
-HAS_CUDA = torch.cuda.is_available()
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-DEV = torch.device("cuda" if HAS_CUDA else "cpu")
-needs_kernels = pytest.mark.skipif(not (HAS_CUDA or INTERPRET),
-                                   reason="needs CUDA (or TRITON_INTERPRET=1)")
-needs_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
 # ||out - ref|| / ||ref|| bounds, as in test_triton_attention.py.
 TOL = {torch.bfloat16: 1.5e-2, torch.float16: 3e-3, torch.float32: 1e-4}
 

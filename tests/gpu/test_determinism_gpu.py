@@ -11,7 +11,6 @@ the 32 prompts differ without the flag (printed; run with -s).
 from __future__ import annotations
 
 import functools
-import os
 import sys
 from pathlib import Path
 
@@ -27,14 +26,9 @@ from determinism_cases import (  # noqa: E402
     serve_all,
     shared_prefix_prompts,
 )
+from devices import DEV, HAS_CUDA, needs_cuda, needs_kernels  # noqa: E402
 
 pytestmark = pytest.mark.gpu
-HAS_CUDA = torch.cuda.is_available()
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-DEV = torch.device("cuda" if HAS_CUDA else "cpu")
-needs_kernels = pytest.mark.skipif(not (HAS_CUDA or INTERPRET),
-                                   reason="needs CUDA (or TRITON_INTERPRET=1)")
-needs_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
 DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if HAS_CUDA else [])
 
 

@@ -14,10 +14,10 @@ from __future__ import annotations
 
 import functools
 import json
-import os
 
 import pytest
 import torch
+from devices import DEV, HAS_CUDA, INTERPRET, needs_cuda, needs_kernels
 
 from radixlm.layers.moe.triton_ops.configs import (
     SMEM_BUDGET,
@@ -32,12 +32,7 @@ from radixlm.layers.moe.triton_ops.configs import (
 )
 
 pytestmark = pytest.mark.gpu
-HAS_CUDA = torch.cuda.is_available()
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1" and not HAS_CUDA
-DEV = torch.device("cuda" if HAS_CUDA else "cpu")
-needs_kernels = pytest.mark.skipif(not (HAS_CUDA or INTERPRET),
-                                   reason="needs CUDA (or TRITON_INTERPRET=1)")
-needs_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
+INTERPRET = INTERPRET and not HAS_CUDA  # the interpreter's shapes only where there is no GPU
 # ||out - ref|| / ||ref|| bounds, as in test_triton_attention.py: bf16 keeps 8
 # mantissa bits, fp16 11; fp32 runs true fp32 products.
 TOL = {torch.bfloat16: 1.5e-2, torch.float16: 3e-3, torch.float32: 1e-4}
