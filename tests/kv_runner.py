@@ -76,3 +76,37 @@ def check_close(ours: torch.Tensor, ref: torch.Tensor) -> float:
     diff = (ours - ref).abs().max().item()
     assert diff <= RTOL * ref.abs().max().item(), f"max |diff| {diff:.3g}"
     return diff
+
+
+def load_fp32(path: str, **overrides: object) -> torch.nn.Module:
+    """The checkpoint at `path` as our model in fp32 on the CPU, with config
+    fields replaced by `overrides` (to check that a field matters)."""
+    from radixlm.models.loader import load_config, load_model
+
+    config = load_config(path)
+    for k, v in overrides.items():
+        setattr(config, k, v)
+    return load_model(path, config, "safetensors", torch.float32, "cpu")
+
+
+def logits_through_kv(runner: KVRunner, seqs: list[list[int]]
+                      ) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
+    """(prefill logits of all but each sequence's last 3 tokens; the first
+    sequence's cached prefix extended by 2 of them; decode logits of the other
+    sequences' last 3 tokens, step by step) on the runner's one KV pool."""
+    slots = [runner.new_request() for _ in seqs]
+    prefill = runner.extend([(s, ids[:-3]) for s, ids in zip(slots, seqs, strict=True)],
+                            all_rows=True)
+    extended = runner.extend([(slots[0], seqs[0][-3:-1])], all_rows=True)
+    decodes = [runner.decode([(s, ids[k]) for s, ids in zip(slots[1:], seqs[1:], strict=True)])
+               for k in (-3, -2, -1)]
+    return prefill, extended, decodes
+
+
+def check_through_kv(refs: list[torch.Tensor], got) -> None:
+    """`logits_through_kv`'s result against each sequence's full reference logits."""
+    prefill, extended, decodes = got
+    check_close(prefill, torch.cat([r[:-3] for r in refs]))
+    check_close(extended, refs[0][-3:-1])
+    for k, logits in zip((-3, -2, -1), decodes, strict=True):
+        check_close(logits, torch.stack([r[k] for r in refs[1:]]))

@@ -30,7 +30,14 @@ from family_models import (
     random_prompts,
     save_random_model,
 )
-from kv_runner import KVRunner, check_close, hf_logits
+from kv_runner import (
+    KVRunner,
+    check_close,
+    check_through_kv,
+    hf_logits,
+    load_fp32,
+    logits_through_kv,
+)
 
 import radixlm
 from radixlm import distributed
@@ -72,48 +79,26 @@ def family(request, tmp_path_factory) -> Family:
     return Family(name, str(path), hf, prompts, hf_reference.hf_greedy(hf, prompts, NEW_TOKENS))
 
 
-def _load(path: str, **overrides: object) -> torch.nn.Module:
-    config = load_config(path)
-    for k, v in overrides.items():
-        setattr(config, k, v)
-    return load_model(path, config, "safetensors", torch.float32, "cpu")
-
-
 def _logits_through_kv(model: torch.nn.Module, seqs: list[list[int]],
                        backend: str) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
-    """(prefill logits of all but each sequence's last 3 tokens; the first
-    sequence's cached prefix extended by 2 of them; decode logits of the other
-    sequences' last 3 tokens, step by step) on one KV pool."""
+    """`kv_runner.logits_through_kv` on the attention backend `backend`."""
     if backend == "cpu" and not CpuAttentionBackend.supports(model.kv_spec().k_head_dim):
         pytest.skip("the CPU kernels need a C++ compiler")
-    runner = KVRunner(model, backend=BACKENDS[backend]())
-    slots = [runner.new_request() for _ in seqs]
-    heads = [ids[:-3] for ids in seqs]
-    prefill = runner.extend(list(zip(slots, heads, strict=True)), all_rows=True)
-    extended = runner.extend([(slots[0], seqs[0][-3:-1])], all_rows=True)
-    decodes = []
-    for k in (-3, -2, -1):
-        decodes.append(runner.decode([(s, ids[k]) for s, ids in zip(slots[1:], seqs[1:],
-                                                                    strict=True)]))
-    return prefill, extended, decodes
+    return logits_through_kv(KVRunner(model, backend=BACKENDS[backend]()), seqs)
 
 
 @pytest.mark.parametrize("backend", sorted(BACKENDS))
 def test_logits_match_hf(family: Family, backend: str) -> None:
     seqs = [p for p in family.prompts if len(p) > WINDOW + 3]
     refs = [hf_logits(family.hf, ids) for ids in seqs]
-    prefill, extended, decodes = _logits_through_kv(_load(family.path), seqs, backend)
-    check_close(prefill, torch.cat([r[:-3] for r in refs]))
-    check_close(extended, refs[0][-3:-1])
-    for k, logits in zip((-3, -2, -1), decodes, strict=True):
-        check_close(logits, torch.stack([r[k] for r in refs[1:]]))
+    check_through_kv(refs, _logits_through_kv(load_fp32(family.path), seqs, backend))
 
 
 def test_input_embeds_match_hf(family: Family) -> None:
     """`forward(..., input_embeds=...)` is HF's `inputs_embeds`: our `embed` of
     token ids is HF's embedding (Gemma's scale included), and arbitrary
     vectors (an image's, say) go through the layers as HF's do."""
-    model = _load(family.path)
+    model = load_fp32(family.path)
     ids = family.prompts[1]
     with torch.inference_mode():
         hf_embeds = family.hf.get_input_embeddings()(torch.tensor([ids]))[0]
@@ -143,7 +128,7 @@ def test_windows_and_softcaps_change_the_output(family: Family) -> None:
     ids = max(family.prompts, key=len)
     ref = hf_logits(family.hf, ids)
     for field, value in VARIANT_FIELDS[family.name].items():
-        runner = KVRunner(_load(family.path, **{field: value}))
+        runner = KVRunner(load_fp32(family.path, **{field: value}))
         logits = runner.extend([(runner.new_request(), ids)], all_rows=True)
         diff = (logits - ref).abs().max().item()
         assert diff > 100 * 1e-4 * ref.abs().max().item(), f"{field} makes no difference"
@@ -194,11 +179,7 @@ def test_phi3_within_its_original_context_uses_the_short_factors(tmp_path: Path)
     refs = [hf_logits(hf, ids) for ids in seqs]
     ours = load_model(str(tmp_path), load_config(str(tmp_path), PHI3_ORIGINAL_CONTEXT),
                       "safetensors", torch.float32, "cpu")
-    prefill, extended, decodes = _logits_through_kv(ours, seqs, "cpu")
-    check_close(prefill, torch.cat([r[:-3] for r in refs]))
-    check_close(extended, refs[0][-3:-1])
-    for k, logits in zip((-3, -2, -1), decodes, strict=True):
-        check_close(logits, torch.stack([r[k] for r in refs[1:]]))
+    check_through_kv(refs, _logits_through_kv(ours, seqs, "cpu"))
     prompts = random_prompts(config, [14, 9, 16], seed=4)
     sp = {"max_new_tokens": NEW_TOKENS, "temperature": 0.0, "ignore_eos": True}
     with radixlm.Engine(model_path=str(tmp_path), skip_tokenizer_init=True, dtype="float32",
@@ -214,11 +195,7 @@ def test_variant_matches_hf(name: str, tmp_path: Path) -> None:
     hf = save_random_model(config, tmp_path)
     seqs = random_prompts(config, [100, 70, 12])
     refs = [hf_logits(hf, ids) for ids in seqs]
-    prefill, extended, decodes = _logits_through_kv(_load(str(tmp_path)), seqs, "cpu")
-    check_close(prefill, torch.cat([r[:-3] for r in refs]))
-    check_close(extended, refs[0][-3:-1])
-    for k, logits in zip((-3, -2, -1), decodes, strict=True):
-        check_close(logits, torch.stack([r[k] for r in refs[1:]]))
+    check_through_kv(refs, _logits_through_kv(load_fp32(str(tmp_path)), seqs, "cpu"))
 
 
 # ---- tensor parallelism: two gloo ranks --------------------------------------------
@@ -230,7 +207,7 @@ def _tp_worker(rank: int, init_file: str, jobs: list[tuple[str, list[list[int]],
     distributed.set_tp_group(dist.group.WORLD)
     try:
         for path, seqs, out in jobs:
-            logits = _logits_through_kv(_load(path), seqs, "torch_native")
+            logits = _logits_through_kv(load_fp32(path), seqs, "torch_native")
             if rank == 0:
                 torch.save(logits, out)
     finally:
@@ -249,11 +226,7 @@ def test_two_tensor_parallel_ranks_match_hf(tmp_path: Path) -> None:
         jobs.append((str(tmp_path / name), seqs, str(tmp_path / f"{name}.pt")))
     torch.multiprocessing.spawn(_tp_worker, args=(str(tmp_path / "store"), jobs), nprocs=2)
     for (_, _, out), ref in zip(jobs, refs, strict=True):
-        prefill, extended, decodes = torch.load(out)
-        check_close(prefill, torch.cat([r[:-3] for r in ref]))
-        check_close(extended, ref[0][-3:-1])
-        for k, logits in zip((-3, -2, -1), decodes, strict=True):
-            check_close(logits, torch.stack([r[k] for r in ref[1:]]))
+        check_through_kv(ref, torch.load(out))
 
 
 def test_dummy_weights_of_every_family_are_sane(tmp_path: Path) -> None:

@@ -28,7 +28,7 @@ import hf_reference
 import pytest
 import torch
 from family_models import random_prompts, save_random_model
-from kv_runner import KVRunner, check_close, hf_logits
+from kv_runner import KVRunner, check_through_kv, hf_logits, load_fp32, logits_through_kv
 from moe_models import MOE_FAMILIES
 
 import radixlm
@@ -145,40 +145,10 @@ def family(request, tmp_path_factory) -> Family:
     return Family(name, str(path), hf, prompts, hf_reference.hf_greedy(hf, prompts, NEW_TOKENS))
 
 
-def _load(path: str, **overrides: object) -> torch.nn.Module:
-    config = load_config(path)
-    for k, v in overrides.items():
-        setattr(config, k, v)
-    return load_model(path, config, "safetensors", torch.float32, "cpu")
-
-
-def _logits_through_kv(model: torch.nn.Module, seqs: list[list[int]]
-                       ) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
-    """(prefill logits of all but each sequence's last 3 tokens; the first
-    sequence's cached prefix extended by 2 of them; decode logits of the other
-    sequences' last 3 tokens, step by step) on one KV pool."""
-    runner = KVRunner(model)
-    slots = [runner.new_request() for _ in seqs]
-    prefill = runner.extend([(s, ids[:-3]) for s, ids in zip(slots, seqs, strict=True)],
-                            all_rows=True)
-    extended = runner.extend([(slots[0], seqs[0][-3:-1])], all_rows=True)
-    decodes = [runner.decode([(s, ids[k]) for s, ids in zip(slots[1:], seqs[1:], strict=True)])
-               for k in (-3, -2, -1)]
-    return prefill, extended, decodes
-
-
-def _check_against(refs: list[torch.Tensor], got) -> None:
-    prefill, extended, decodes = got
-    check_close(prefill, torch.cat([r[:-3] for r in refs]))
-    check_close(extended, refs[0][-3:-1])
-    for k, logits in zip((-3, -2, -1), decodes, strict=True):
-        check_close(logits, torch.stack([r[k] for r in refs[1:]]))
-
-
 def test_logits_match_hf(family: Family) -> None:
     seqs = family.prompts[:4]
-    _check_against([hf_logits(family.hf, ids) for ids in seqs],
-                   _logits_through_kv(_load(family.path), seqs))
+    check_through_kv([hf_logits(family.hf, ids) for ids in seqs],
+                   logits_through_kv(KVRunner(load_fp32(family.path)), seqs))
 
 
 def test_the_routing_fields_change_the_output(family: Family) -> None:
@@ -190,7 +160,7 @@ def test_the_routing_fields_change_the_output(family: Family) -> None:
     ids = max(family.prompts, key=len)
     ref = hf_logits(family.hf, ids)
     for field, value in fields.items():
-        runner = KVRunner(_load(family.path, **{field: value}))
+        runner = KVRunner(load_fp32(family.path, **{field: value}))
         logits = runner.extend([(runner.new_request(), ids)], all_rows=True)
         diff = (logits - ref).abs().max().item()
         assert diff > 100 * 1e-4 * ref.abs().max().item(), f"{field} makes no difference"
@@ -202,16 +172,16 @@ def test_qwen3_moe_sparse_step_matches_hf(tmp_path: Path) -> None:
     config = MOE_FAMILIES["qwen3_moe"](decoder_sparse_step=2, mlp_only_layers=[])
     hf = save_random_model(config, tmp_path)
     seqs = random_prompts(config, [30, 12, 9])
-    model = _load(str(tmp_path))
+    model = load_fp32(str(tmp_path))
     assert [type(layer.mlp).__name__ for layer in model.model.layers] == \
         ["GatedMLP", "SparseMoeBlock", "GatedMLP"]
-    _check_against([hf_logits(hf, ids) for ids in seqs], _logits_through_kv(model, seqs))
+    check_through_kv([hf_logits(hf, ids) for ids in seqs], logits_through_kv(KVRunner(model), seqs))
     with pytest.raises(ValueError, match=r"layers\.[02]\.mlp\.(gate|up|down)_proj.* has no place"):
-        _load(str(tmp_path), decoder_sparse_step=1)
+        load_fp32(str(tmp_path), decoder_sparse_step=1)
 
 
 def test_expert_names_resolve_to_stacked_weights(family: Family) -> None:
-    model = _load(family.path)
+    model = load_fp32(family.path)
     weight_map = WeightMap(model)
     layer = 2 if family.name == "qwen3_moe" or family.name == "qwen2_moe" else 1
     mlp = "block_sparse_moe" if family.name == "mixtral" else "mlp"
@@ -252,7 +222,7 @@ def test_an_expert_parallel_rank_reads_only_its_experts(family: Family, monkeypa
             yield name, tensor
 
     monkeypatch.setattr(loader, "iter_safetensors", recording)
-    model = _load(family.path)
+    model = load_fp32(family.path)
     experts = [name for name in read if ".experts." in name]
     assert experts and all(int(name.split(".experts.")[1].split(".")[0]) >= 4
                            for name in experts), experts
@@ -309,7 +279,7 @@ def _two_rank_worker(rank: int, init_file: str, jobs: list[tuple[str, list[list[
     try:
         for path, seqs, ep_size, out in jobs:
             distributed.set_ep_size(ep_size)
-            logits = _logits_through_kv(_load(path), seqs)
+            logits = logits_through_kv(KVRunner(load_fp32(path)), seqs)
             if rank == 0:
                 torch.save(logits, out)
     finally:
@@ -330,7 +300,7 @@ def test_two_ranks_match_hf(tmp_path: Path) -> None:
             jobs.append((str(tmp_path / name), seqs, ep, str(tmp_path / f"{name}-ep{ep}.pt")))
     torch.multiprocessing.spawn(_two_rank_worker, args=(str(tmp_path / "store"), jobs), nprocs=2)
     for (_, _, _, out), ref in zip(jobs, [r for r in refs for _ in (1, 2)], strict=True):
-        _check_against(ref, torch.load(out))
+        check_through_kv(ref, torch.load(out))
 
 
 def test_tp2_engine_gives_hf_tokens(tmp_path: Path) -> None:
@@ -389,8 +359,8 @@ def _tp4_ep2_worker(rank: int, init_file: str, path: str, seqs: list[list[int]],
     distributed.set_tp_group(dist.group.WORLD)
     distributed.set_ep_size(2)
     try:
-        model = _load(path)
-        logits = _logits_through_kv(model, seqs)
+        model = load_fp32(path)
+        logits = logits_through_kv(KVRunner(model), seqs)
         slot = WeightMap(model).resolve("model.layers.2.mlp.experts.7.down_proj.weight")
         whole = WeightMap(model).resolve("model.layers.2.mlp.experts.gate_up_proj").gather()
         if rank == 0:
@@ -412,7 +382,7 @@ def test_four_ranks_in_two_expert_groups_match_hf(tmp_path: Path) -> None:
     torch.multiprocessing.spawn(_tp4_ep2_worker, nprocs=4, args=(
         str(tmp_path / "store"), str(tmp_path / "model"), seqs, str(out)))
     logits, down, gate_up = torch.load(out)
-    _check_against([hf_logits(hf, ids) for ids in seqs], logits)
+    check_through_kv([hf_logits(hf, ids) for ids in seqs], logits)
     experts = hf.model.layers[2].mlp.experts
     torch.testing.assert_close(down, experts.down_proj[7].detach())
     torch.testing.assert_close(gate_up, experts.gate_up_proj.detach())
@@ -428,7 +398,7 @@ def test_expert_parallelism_refusals(tmp_path: Path, monkeypatch) -> None:
     save_random_model(FAMILIES["qwen2"](), tmp_path)
     monkeypatch.setattr(distributed, "_MOE", distributed.MoeParallel(2, 0, 1, 0))
     with pytest.raises(ValueError, match="ep_size=2: Qwen2ForCausalLM has no expert layers"):
-        _load(str(tmp_path))
+        load_fp32(str(tmp_path))
     from radixlm.layers.moe.fused_moe import FusedMoE
 
     with pytest.raises(ValueError, match="ep_size=2 exceeds the model's 1 experts"):
