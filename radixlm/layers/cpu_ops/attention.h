@@ -39,6 +39,8 @@
 
 #include "vec.h"
 
+#include <ATen/ATen.h>
+
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #endif
@@ -530,6 +532,31 @@ inline void pack_range(const KvRows<T>& kv, int g, int64_t count, int64_t c0, in
   }
 #endif
   if constexpr (std::is_same_v<P, float>) pack_f32(kv, g, count, c0, c1, dim, dp, n, kt, vr);
+}
+
+// The argument checks both attention entry points make, worded with the op's
+// name (`op`) and what a q/out row is (`rows`, e.g. "[bs, heads, dim]").
+inline void check_layout(const char* op, const char* rows, const at::Tensor& q,
+                         const at::Tensor& k_buf, const at::Tensor& v_buf, const at::Tensor& out,
+                         const at::Tensor& req_to_token) {
+  TORCH_CHECK(q.dim() == 3 && out.dim() == 3 && k_buf.dim() == 3 && v_buf.dim() == 3,
+              op, ": q/out ", rows, ", k/v [pool, kv_heads, dim]");
+  TORCH_CHECK(q.scalar_type() == k_buf.scalar_type() && q.scalar_type() == v_buf.scalar_type() &&
+                  q.scalar_type() == out.scalar_type(),
+              op, ": q, k, v and out must share one dtype");
+  TORCH_CHECK(q.stride(2) == 1 && k_buf.stride(2) == 1 && v_buf.stride(2) == 1 &&
+                  out.stride(2) == 1 && req_to_token.stride(1) == 1,
+              op, ": the last dimension must be contiguous");
+}
+
+inline void check_heads(const char* op, const at::Tensor& q, const at::Tensor& k_buf,
+                        const at::Tensor& v_buf, int64_t window, double softcap) {
+  const int64_t heads = q.size(1), kv_heads = k_buf.size(1), dim = q.size(2);
+  TORCH_CHECK(heads % kv_heads == 0, op, ": heads must be a multiple of kv_heads");
+  TORCH_CHECK(k_buf.size(2) == dim && v_buf.size(2) == dim, op, ": head_dim mismatch");
+  TORCH_CHECK(dim % kLanes == 0 && dim <= 256,
+              op, ": head_dim must be a multiple of 16, at most 256");
+  TORCH_CHECK(window >= 0 && softcap >= 0, op, ": window and softcap are >= 0");
 }
 
 }  // namespace radixlm_cpu::attn

@@ -189,25 +189,15 @@ void decode_attention(const at::Tensor& q, const at::Tensor& k_buf, const at::Te
                       const at::Tensor& out, const at::Tensor& req_to_token,
                       const at::Tensor& req_pool_indices, const at::Tensor& seq_lens,
                       double scale, int64_t window, double softcap) {
-  TORCH_CHECK(q.dim() == 3 && out.dim() == 3 && k_buf.dim() == 3 && v_buf.dim() == 3,
-              "decode_attention: q/out [bs, heads, dim], k/v [pool, kv_heads, dim]");
-  TORCH_CHECK(q.scalar_type() == k_buf.scalar_type() && q.scalar_type() == v_buf.scalar_type() &&
-                  q.scalar_type() == out.scalar_type(),
-              "decode_attention: q, k, v and out must share one dtype");
-  TORCH_CHECK(q.stride(2) == 1 && k_buf.stride(2) == 1 && v_buf.stride(2) == 1 &&
-                  out.stride(2) == 1 && req_to_token.stride(1) == 1,
-              "decode_attention: the last dimension must be contiguous");
+  attn::check_layout("decode_attention", "[bs, heads, dim]", q, k_buf, v_buf, out,
+                     req_to_token);
   TORCH_CHECK(req_pool_indices.scalar_type() == at::kLong && seq_lens.scalar_type() == at::kLong &&
                   req_pool_indices.is_contiguous() && seq_lens.is_contiguous(),
               "decode_attention: req_pool_indices and seq_lens must be contiguous int64");
   const int64_t bs = q.size(0);
   const int heads = static_cast<int>(q.size(1)), kv_heads = static_cast<int>(k_buf.size(1));
   const int dim = static_cast<int>(q.size(2));
-  TORCH_CHECK(heads % kv_heads == 0, "decode_attention: heads must be a multiple of kv_heads");
-  TORCH_CHECK(k_buf.size(2) == dim && v_buf.size(2) == dim, "decode_attention: head_dim mismatch");
-  TORCH_CHECK(dim % kLanes == 0 && dim <= 256,
-              "decode_attention: head_dim must be a multiple of 16, at most 256");
-  TORCH_CHECK(window >= 0 && softcap >= 0, "decode_attention: window and softcap are >= 0");
+  attn::check_heads("decode_attention", q, k_buf, v_buf, window, softcap);
   const int dp = padded_lanes(dim) * kLanes;
   int max_splits = 1;
   const int64_t* lens = seq_lens.data_ptr<int64_t>();

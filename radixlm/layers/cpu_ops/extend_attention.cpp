@@ -251,14 +251,8 @@ void extend_attention(const at::Tensor& q, const at::Tensor& k_buf, const at::Te
                       const at::Tensor& req_pool_indices, const at::Tensor& prefix_lens,
                       const at::Tensor& extend_lens, double scale, int64_t window,
                       double softcap) {
-  TORCH_CHECK(q.dim() == 3 && out.dim() == 3 && k_buf.dim() == 3 && v_buf.dim() == 3,
-              "extend_attention: q/out [tokens, heads, dim], k/v [pool, kv_heads, dim]");
-  TORCH_CHECK(q.scalar_type() == k_buf.scalar_type() && q.scalar_type() == v_buf.scalar_type() &&
-                  q.scalar_type() == out.scalar_type(),
-              "extend_attention: q, k, v and out must share one dtype");
-  TORCH_CHECK(q.stride(2) == 1 && k_buf.stride(2) == 1 && v_buf.stride(2) == 1 &&
-                  out.stride(2) == 1 && req_to_token.stride(1) == 1,
-              "extend_attention: the last dimension must be contiguous");
+  attn::check_layout("extend_attention", "[tokens, heads, dim]", q, k_buf, v_buf, out,
+                     req_to_token);
   for (const at::Tensor* t : {&req_pool_indices, &prefix_lens, &extend_lens})
     TORCH_CHECK(t->scalar_type() == at::kLong && t->is_contiguous() &&
                     t->numel() == req_pool_indices.numel(),
@@ -266,11 +260,7 @@ void extend_attention(const at::Tensor& q, const at::Tensor& k_buf, const at::Te
                 "contiguous int64 of one length");
   const int heads = static_cast<int>(q.size(1)), kv_heads = static_cast<int>(k_buf.size(1));
   const int dim = static_cast<int>(q.size(2));
-  TORCH_CHECK(heads % kv_heads == 0, "extend_attention: heads must be a multiple of kv_heads");
-  TORCH_CHECK(k_buf.size(2) == dim && v_buf.size(2) == dim, "extend_attention: head_dim mismatch");
-  TORCH_CHECK(dim % kLanes == 0 && dim <= 256,
-              "extend_attention: head_dim must be a multiple of 16, at most 256");
-  TORCH_CHECK(window >= 0 && softcap >= 0, "extend_attention: window and softcap are >= 0");
+  attn::check_heads("extend_attention", q, k_buf, v_buf, window, softcap);
   const int64_t count = req_pool_indices.numel();
   const int64_t* pre = prefix_lens.data_ptr<int64_t>();
   const int64_t* ext = extend_lens.data_ptr<int64_t>();
