@@ -10,6 +10,8 @@ never a dense loop over all of them. Same signature as `torch_ref.fused_experts`
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 
@@ -30,21 +32,20 @@ def group_by_expert(topk_ids: torch.Tensor, num_experts: int
     return order, counts[1:], counts[0]
 
 
-def fused_experts(hidden_states: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
-                  topk_weights: torch.Tensor, topk_ids: torch.Tensor, *,
-                  activation: str = "silu", out: torch.Tensor | None = None) -> torch.Tensor:
-    """See `torch_ref.fused_experts`; products in the weights' dtype, sums in float32."""
-    check_inputs(hidden_states, w13, w2, topk_weights, topk_ids, activation)
-    act = _GATED[activation]
+def routed_sum(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+               num_experts: int, expert_mlp: Callable[[int, torch.Tensor], torch.Tensor]
+               ) -> torch.Tensor:
+    """Each token's chosen experts' outputs `expert_mlp(expert, rows)`, weighted
+    and summed in float32 [T, H]: one expert call per expert with tokens (one
+    per choice for a lone token, which needs no grouping); ids -1 add nothing."""
+    acc = torch.zeros(x.shape, dtype=torch.float32)
     tokens, k = topk_ids.shape
-    acc = torch.zeros(hidden_states.shape, dtype=torch.float32)
     if tokens == 1:  # decode at batch 1: no grouping, one weighted add per expert
         for expert, weight in zip(topk_ids[0].tolist(), topk_weights[0].tolist(), strict=True):
             if expert >= 0:
-                y = F.linear(act(F.linear(hidden_states, w13[expert])), w2[expert])
-                acc.add_(y, alpha=weight)
-        return _finish(acc, hidden_states.dtype, out)
-    order, counts, start = group_by_expert(topk_ids, w13.shape[0])
+                acc.add_(expert_mlp(expert, x), alpha=weight)
+        return acc
+    order, counts, start = group_by_expert(topk_ids, num_experts)
     pair_tokens = order // k
     pair_weights = topk_weights.reshape(-1)[order].float()
     for expert, count in enumerate(counts):
@@ -53,8 +54,18 @@ def fused_experts(hidden_states: torch.Tensor, w13: torch.Tensor, w2: torch.Tens
         rows = pair_tokens[start:start + count]
         weights = pair_weights[start:start + count, None]
         start += count
-        y = F.linear(act(F.linear(hidden_states[rows], w13[expert])), w2[expert])
-        acc.index_add_(0, rows, y * weights)
+        acc.index_add_(0, rows, expert_mlp(expert, x[rows]) * weights)
+    return acc
+
+
+def fused_experts(hidden_states: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+                  topk_weights: torch.Tensor, topk_ids: torch.Tensor, *,
+                  activation: str = "silu", out: torch.Tensor | None = None) -> torch.Tensor:
+    """See `torch_ref.fused_experts`; products in the weights' dtype, sums in float32."""
+    check_inputs(hidden_states, w13, w2, topk_weights, topk_ids, activation)
+    act = _GATED[activation]
+    acc = routed_sum(hidden_states, topk_weights, topk_ids, w13.shape[0],
+                     lambda e, rows: F.linear(act(F.linear(rows, w13[e])), w2[e]))
     return _finish(acc, hidden_states.dtype, out)
 
 

@@ -124,36 +124,16 @@ class GGUFFusedMoEMethod(FusedMoEMethod):
 
     def apply(self, layer: Any, x: torch.Tensor, topk_weights: torch.Tensor,
               topk_ids: torch.Tensor) -> torch.Tensor:
-        from radixlm.layers.moe.cpu import group_by_expert
+        from radixlm.layers.moe.cpu import routed_sum
 
         experts = layer.packed_experts
         assert experts is not None, "process_weights_after_loading has not run on this layer"
-        tokens, k = topk_ids.shape
-        if tokens == 1:  # decode at batch 1: no grouping, one weighted add per expert
-            return self._one_token(experts, x, topk_weights, topk_ids)
-        acc = torch.zeros(x.shape, dtype=torch.float32)
-        order, counts, start = group_by_expert(topk_ids, len(experts))
-        pair_tokens = order // k
-        pair_weights = topk_weights.reshape(-1)[order].float()
-        for expert, count in enumerate(counts):
-            if count == 0:
-                continue
-            rows = pair_tokens[start:start + count]
-            weights = pair_weights[start:start + count, None]
-            start += count
-            gate_up, down = experts[expert]
-            y = _product(self.act(_product(x[rows], gate_up)), down)
-            acc.index_add_(0, rows, y * weights)
-        return acc.to(x.dtype)
 
-    def _one_token(self, experts: list[Any], x: torch.Tensor, topk_weights: torch.Tensor,
-                   topk_ids: torch.Tensor) -> torch.Tensor:
-        acc = torch.zeros(x.shape, dtype=torch.float32)
-        for expert, weight in zip(topk_ids[0].tolist(), topk_weights[0].tolist(), strict=True):
-            if expert >= 0:
-                gate_up, down = experts[expert]
-                acc.add_(_product(self.act(_product(x, gate_up)), down), alpha=weight)
-        return acc.to(x.dtype)
+        def expert_mlp(expert: int, rows: torch.Tensor) -> torch.Tensor:
+            gate_up, down = experts[expert]
+            return _product(self.act(_product(rows, gate_up)), down)
+
+        return routed_sum(x, topk_weights, topk_ids, len(experts), expert_mlp).to(x.dtype)
 
     def describe(self, layer: Any) -> str:
         kinds = ", ".join(f"{n} {'/'.join(sorted(set(f)))}" for n, f in self.formats.items())
