@@ -149,6 +149,19 @@ def dtype_name(dtype: torch.dtype | str) -> str:
     return str(dtype).removeprefix("torch.")
 
 
+
+def check_shard(layer: Any, shard_id: ShardId) -> None:
+    """ValueError unless `shard_id` is None or one of the layer's fused parts."""
+    if shard_id is not None and shard_id not in layer.shard_ids:
+        raise ValueError(f"shard {shard_id!r} is not one of this layer's "
+                         f"{list(layer.shard_ids)}")
+
+
+def layer_shards(layer: Any, shard_id: ShardId) -> tuple[ShardId, ...]:
+    """The parts a checkpoint tensor for `shard_id` covers (None: all of them)."""
+    check_shard(layer, shard_id)
+    return layer.shard_ids if shard_id is None else (shard_id,)
+
 class WeightSpec:
     """A replicated parameter: the checkpoint tensor is the parameter, whole, on
     every rank, with no shard ids. Subclasses map split or quantized
@@ -252,12 +265,7 @@ class AxisSpec(WeightSpec):
         if self.output_dim is None:
             self._no_shard(shard_id)
             return (None,)
-        if shard_id is None:
-            return layer.shard_ids
-        if shard_id not in layer.shard_ids:
-            raise ValueError(f"shard {shard_id!r} is not one of this layer's "
-                             f"{list(layer.shard_ids)}")
-        return (shard_id,)
+        return layer_shards(layer, shard_id)
 
     def _pieces(self, layer: Sharded, shard_id: ShardId) -> list[tuple[int, Piece]]:
         pieces = []

@@ -49,6 +49,7 @@ from radixlm.layers.sharding import (
     WeightSpec,
     copy_checked,
     gather_pieces,
+    layer_shards,
 )
 from radixlm.utils import lazy_import, triton_installed
 
@@ -186,7 +187,7 @@ class Fp8OnlineSpec(WeightSpec):
 
     def hf_shape(self, layer: Any, param: torch.nn.Parameter,
                  shard_id: ShardId) -> tuple[int, ...]:
-        rows = sum(layer.output_piece(s).total for s in self._shards(layer, shard_id))
+        rows = sum(layer.output_piece(s).total for s in layer_shards(layer, shard_id))
         return (rows, layer.input_piece().total)
 
     def required_shards(self, layer: Any, param: torch.nn.Parameter) -> set[ShardId]:
@@ -194,7 +195,7 @@ class Fp8OnlineSpec(WeightSpec):
 
     def load(self, layer: Any, param: torch.nn.Parameter, loaded: torch.Tensor,
              shard_id: ShardId) -> None:
-        shards = self._shards(layer, shard_id)
+        shards = layer_shards(layer, shard_id)
         if len(shards) > 1:  # the fused tensor whole
             totals = [layer.output_piece(s).total for s in shards]
             if loaded.dim() != 2 or loaded.shape[0] != sum(totals):
@@ -214,7 +215,7 @@ class Fp8OnlineSpec(WeightSpec):
         dst.view(torch.uint8)[:, -4:].copy_(scales.view(torch.uint8).view(-1, 4))
 
     def gather(self, layer: Any, param: torch.nn.Parameter, shard_id: ShardId) -> torch.Tensor:
-        shards = self._shards(layer, shard_id)
+        shards = layer_shards(layer, shard_id)
         if len(shards) > 1:
             return torch.cat([self.gather(layer, param, s) for s in shards])
         rows, features = layer.output_piece(shards[0]), layer.input_piece()
@@ -226,14 +227,6 @@ class Fp8OnlineSpec(WeightSpec):
             values = gather_pieces(values, features.start, 1, features.total)
         return values
 
-    @staticmethod
-    def _shards(layer: Any, shard_id: ShardId) -> tuple[ShardId, ...]:
-        if shard_id is None:
-            return layer.shard_ids
-        if shard_id not in layer.shard_ids:
-            raise ValueError(f"shard {shard_id!r} is not one of this layer's "
-                             f"{list(layer.shard_ids)}")
-        return (shard_id,)
 
 
 def online_scales(rows: torch.Tensor) -> torch.Tensor:

@@ -25,6 +25,7 @@ from radixlm.layers.sharding import (
     Sharded,
     ShardId,
     WeightSpec,
+    check_shard,
     copy_checked,
     gather_pieces,
 )
@@ -77,12 +78,8 @@ class PartScalarSpec(WeightSpec):
 
     @staticmethod
     def _index(layer: Sharded, shard_id: ShardId) -> int:
-        if shard_id is None:
-            return 0
-        if shard_id not in layer.shard_ids:
-            raise ValueError(f"shard {shard_id!r} is not one of this layer's "
-                             f"{list(layer.shard_ids)}")
-        return layer.shard_ids.index(shard_id)
+        check_shard(layer, shard_id)
+        return 0 if shard_id is None else layer.shard_ids.index(shard_id)
 
 
 class PartVectorSpec(WeightSpec):
@@ -202,12 +199,8 @@ class BlockScaleSpec(WeightSpec):
 
     @staticmethod
     def _shard(layer: Sharded, shard_id: ShardId) -> ShardId:
-        if shard_id is None:
-            return layer.shard_ids[0]
-        if shard_id not in layer.shard_ids:
-            raise ValueError(f"shard {shard_id!r} is not one of this layer's "
-                             f"{list(layer.shard_ids)}")
-        return shard_id
+        check_shard(layer, shard_id)
+        return layer.shard_ids[0] if shard_id is None else shard_id
 
 
 def _blocks(piece: Piece, block: int, what: str) -> tuple[int, int]:
