@@ -431,3 +431,15 @@ def test_quantized_experts_are_refused_by_name(tmp_path: Path, quantization: str
     with pytest.raises(ValueError, match=rf"quantization '{quantization}': the mixture-of-"
                                          r"experts layer model\.layers\.1\.mlp\.experts"):
         load_model(str(tmp_path), config, "dummy", torch.float32, "cpu", quant_config=quant)
+
+
+def test_deterministic_inference_refuses_the_expert_layers_by_name(tmp_path: Path) -> None:
+    """No expert kernel is batch-invariant: the mode names the first MoE layer."""
+    import radixlm
+
+    MOE_FAMILIES["qwen3_moe"]().save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match=r"layer model\.layers\.1\.mlp\.experts multiplies "
+                                         r"through UnquantizedFusedMoEMethod"):
+        radixlm.Engine(model_path=str(tmp_path), skip_tokenizer_init=True, dtype="float32",
+                       quantization="none", load_format="dummy",
+                       enable_deterministic_inference=True)

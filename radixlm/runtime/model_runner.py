@@ -114,15 +114,10 @@ class ModelRunner:
                              "triton on CUDA, and a KV cache in the model's dtype")
         for name, module in self.model.named_modules():
             method = getattr(module, "quant_method", None)
-            if method is not None and not getattr(method, "batch_invariant", True):
+            if method is not None and not getattr(method, "batch_invariant", False):
                 raise ValueError(f"enable_deterministic_inference: layer {name} multiplies "
                                  f"through {type(method).__name__}, whose rows depend on the "
                                  "batch")
-        experts = (getattr(self.config, "num_experts", None)
-                   or getattr(self.config, "num_local_experts", None))
-        if experts:
-            raise ValueError("enable_deterministic_inference: mixture-of-experts layers "
-                             f"({experts} experts) have no batch-invariant kernels yet")
 
     def _set_cpu_threads(self) -> None:
         if self.args.num_threads:

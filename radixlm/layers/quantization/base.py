@@ -133,6 +133,11 @@ class FusedMoEMethod(ABC):
     or a format's stacks of the same tensors, with `ExpertSpec`s
     (`layers/sharding.py`)."""
 
+    # No expert kernel yet gives a row the same bits at every batch size (the
+    # grouping by expert changes with the batch): --enable-deterministic-inference
+    # refuses these layers.
+    batch_invariant = False
+
     @abstractmethod
     def create_weights(self, layer: FusedMoE, params_dtype: torch.dtype) -> None:
         """Register the stacked expert parameters on `layer`."""
@@ -161,6 +166,8 @@ class EmbeddingMethod(ABC):
     method: parameters registered with `layer.add_weight` in `create_weights`
     (a table of [rows of this rank (padded), embedding_dim]), derived state in
     `process_weights_after_loading`."""
+
+    batch_invariant = True  # a lookup reads each token's own row
 
     @abstractmethod
     def create_weights(self, layer: Any, embedding_dim: int, num_rows: int,
