@@ -425,26 +425,3 @@ def test_our_int4_packers_write_what_the_tools_write():
     q = torch.randint(0, 16, (40, 24), generator=torch.Generator().manual_seed(4))
     assert torch.equal(I.unpack_cols(I.pack_cols(q, I.AWQ_ORDER), I.AWQ_ORDER), q)
     assert torch.equal(I.unpack_rows(I.pack_rows(q)), q)
-
-
-def test_fp8_weights_served_dequantized_where_the_kernels_are_not_trusted(monkeypatch):
-    """Where the FP8 kernels are not trusted (CUDA today), a layer keeps a dequantized
-    copy made once at load and multiplies by it: the product of the dequantized
-    weight, and no fused SiLU (the caller's unfused path)."""
-    from radixlm.layers import linear as linear_mod
-    from radixlm.layers.quantization import fp8
-
-    monkeypatch.setattr(fp8, "_dense_on_cuda", lambda layer: True)
-    quant = get_quantization_config(tiny_llama(), "fp8")
-    layer = linear_mod.MergedColumnParallelLinear(64, [32, 32], params_dtype=torch.bfloat16,
-                                                  fused_silu_mul=True, quant_config=quant)
-    w = torch.randn(64, 64) * 0.05
-    layer.weight.weight_loader(layer.weight, w)
-    layer.quant_method.process_weights_after_loading(layer)
-    assert layer.fp8_dense.dtype == torch.bfloat16
-    assert torch.equal(layer.fp8_dense, layer.fp8.dequantize().bfloat16())
-    x = torch.randn(3, 64).bfloat16()
-    assert torch.equal(layer.quant_method.apply(layer, x), x @ layer.fp8_dense.T)
-    assert layer.quant_method.apply_silu_mul(layer, x) is None
-    layer.quant_method.drop_derived(layer)
-    assert layer.fp8_dense is None

@@ -9,6 +9,13 @@ rows) and decode reads the weights at bf16 precision, and int4 tiles are
 dequantized to bf16 for the tensor cores, so the quantized engine is close to,
 not equal to, the dequantized one: prompt logprobs within 0.2 nats on average
 and the first greedy tokens agreeing. The figures print (`pytest -s`) for the report.
+
+The random model's projections are scaled down (`TAME`) so that rounding is
+not amplified layer after layer: at 0.3 (where these tests first ran) the
+same weights in bf16 differ from fp32 by 0.33 nats per prompt token, and an
+exact torch simulation of per-token FP8 activations (fp32, no kernel of ours)
+by 0.95-1.12 nats, which is what the kernels showed; a trained model is far
+less sensitive. At 0.05 those are 0.035 and 0.05 nats.
 """
 
 from __future__ import annotations
@@ -46,13 +53,13 @@ from quant_checkpoints import (  # noqa: E402
 import radixlm  # noqa: E402
 from radixlm.layers.linear import MergedColumnParallelLinear  # noqa: E402
 from radixlm.layers.quantization import get_quantization_config  # noqa: E402
-from radixlm.layers.quantization.fp8 import FP8_KERNELS_ENV  # noqa: E402
 from radixlm.layers.quantization.triton_ops import fp8 as F  # noqa: E402
 
 SIZES = dict(vocab_size=4096, hidden_size=1024, intermediate_size=2816, num_hidden_layers=4,
              num_attention_heads=8, num_key_value_heads=2, head_dim=128,
              max_position_embeddings=4096)
 NEW = 16
+TAME = 0.05  # the projections' scale: see the module docstring
 FORMATS = {
     "fp8-block": (hf_fp8_block(), HF_FP8_BLOCK_CONFIG),
     "ct-fp8-channel": (compressed_tensors("channel"),
@@ -67,8 +74,7 @@ def model(tmp_path_factory):
     root = tmp_path_factory.mktemp("quant-gpu")
     config = tiny_llama(**SIZES)
     floats = save_float_model(config, root / "float")
-    # Scale the random weights down so that a 4-layer residual stream stays tame in bf16.
-    floats = {k: v * 0.3 if k.endswith("proj.weight") else v for k, v in floats.items()}
+    floats = {k: v * TAME if k.endswith("proj.weight") else v for k, v in floats.items()}
     write(root / "float", config, floats, None)
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(10, SIZES["vocab_size"], (n,), generator=g).tolist()
@@ -101,42 +107,16 @@ def _compare(ours, ref, label: str) -> None:
     assert mean < 0.2 and first >= len(ours) - 1, label
 
 
-FP8_FORMATS = sorted(f for f in FORMATS if "fp8" in f)
-# On the H200 the FP8 kernels pass tests/gpu/test_quant_kernels.py, yet a whole model
-# on them is far from its dequantized twin (mean |diff| ~1 nat); until that is found,
-# FP8 checkpoints on CUDA are dequantized at load. Strict: a fix makes these pass.
-KERNELS_OPEN_BUG = pytest.mark.xfail(strict=True, reason="a whole model on the FP8 kernels "
-                                     "does not track its dequantized twin yet")
-
-
 @pytest.mark.parametrize("fmt", sorted(FORMATS))
 def test_quantized_checkpoint_on_cuda_tracks_its_dequantized_model(fmt, model):
-    """The default path: int4 on our kernels, FP8 dequantized once at load."""
+    """FP8 and int4 checkpoints on our kernels (GEMV, W8A8 GEMM, int4 tiles)."""
     root, config, floats, prompts = model
     quantize, qconfig = FORMATS[fmt]
     q, deq = write_pair(root, fmt, config, floats, quantize, qconfig)
     _compare(_run(q, None, prompts), _run(deq, None, prompts), fmt)
 
 
-@KERNELS_OPEN_BUG
-@pytest.mark.parametrize("fmt", FP8_FORMATS)
-def test_fp8_kernels_track_the_dequantized_model(fmt, model, monkeypatch):
-    monkeypatch.setenv(FP8_KERNELS_ENV, "1")
-    root, config, floats, prompts = model
-    quantize, qconfig = FORMATS[fmt]
-    q, deq = write_pair(root, fmt, config, floats, quantize, qconfig)
-    _compare(_run(q, None, prompts), _run(deq, None, prompts), f"{fmt} on the kernels")
-
-
-def test_online_fp8_on_cuda_is_refused_until_the_kernels_are_trusted(model):
-    root = model[0]
-    with pytest.raises(ValueError, match="quantization='fp8' of a float checkpoint on CUDA"):
-        _run(str(root / "float"), "fp8", model[3])
-
-
-@KERNELS_OPEN_BUG
-def test_online_fp8_on_cuda_tracks_its_dequantized_model(model, monkeypatch):
-    monkeypatch.setenv(FP8_KERNELS_ENV, "1")
+def test_online_fp8_on_cuda_tracks_its_dequantized_model(model):
     root, config, floats, prompts = model
     deq = {k: fp8_per_channel(w)[2] if k.endswith("proj.weight") else w
            for k, w in floats.items()}
@@ -144,8 +124,7 @@ def test_online_fp8_on_cuda_tracks_its_dequantized_model(model, monkeypatch):
     _compare(_run(str(root / "float"), "fp8", prompts), _run(ref, None, prompts), "fp8 online")
 
 
-def test_dummy_fp8_and_awq_engines_run(model, monkeypatch):
-    monkeypatch.setenv(FP8_KERNELS_ENV, "1")  # random FP8 weights: only that it runs
+def test_dummy_fp8_and_awq_engines_run(model):
     root, config, _, prompts = model
     for quantization in ("fp8", "awq"):
         with radixlm.Engine(str(root / "float"), dtype="bfloat16", skip_tokenizer_init=True,
@@ -156,9 +135,8 @@ def test_dummy_fp8_and_awq_engines_run(model, monkeypatch):
             assert all(len(o["output_ids"]) == 4 for o in out)
 
 
-def test_layer_methods_run_our_kernels(monkeypatch):
+def test_layer_methods_run_our_kernels():
     """A layer built on CUDA runs the kernels (the fused SiLU GEMV at 1-8 rows)."""
-    monkeypatch.setenv(FP8_KERNELS_ENV, "1")
     quant = get_quantization_config(tiny_llama(), "fp8")
     with torch.device("cuda"):
         layer = MergedColumnParallelLinear(1024, [2816, 2816], params_dtype=torch.bfloat16,

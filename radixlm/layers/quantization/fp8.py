@@ -16,11 +16,9 @@ Formats (`Fp8Scheme`: where the scales are and what they are called):
 - compressed-tensors FP8 (`compressed_tensors.py`): `weight_scale` per tensor,
   per channel ([out, 1]) or per block, `input_scale` when static.
 
-Products (`Fp8LinearMethod.apply`): on CUDA in bf16/fp16 (for now only with
-RADIXLM_FP8_KERNELS=1, see `FP8_KERNELS_ENV`; otherwise the weight is
-dequantized once at load), 1-8 rows go through our FP8 GEMV (weights read once
-and multiplied at the activations' precision); more rows quantize the
-activations to FP8 (per token, per group of bk for block weights, or the
+Products (`Fp8LinearMethod.apply`): on CUDA in bf16/fp16, 1-8 rows go through
+our FP8 GEMV (weights read once and multiplied at the activations' precision);
+more rows quantize the activations to FP8 (per token, per group of bk for block weights, or the
 static scale) and run our W8A8 GEMM on the FP8 tensor cores
 (`triton_ops/fp8.py`). Elsewhere (the CPU, fp32) the weight is dequantized at
 matmul time and multiplied in the activations' dtype: no copy is kept, the
@@ -83,23 +81,6 @@ def kernels_run(x: torch.Tensor) -> bool:
     return x.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"
 
 
-# The FP8 kernels pass their own tests on the H200, but a whole model on them
-# does not yet match its dequantized twin (tests/gpu/test_quant_gpu.py, strict
-# xfail): until it does, FP8 checkpoints on CUDA are dequantized once at load
-# and run as bf16/fp16 weights. This variable puts the kernels back, for the
-# GPU tests that must find the fault.
-FP8_KERNELS_ENV = "RADIXLM_FP8_KERNELS"
-
-
-def fp8_kernels_trusted() -> bool:
-    return os.environ.get(FP8_KERNELS_ENV) == "1"
-
-
-def _dense_on_cuda(layer: LinearBase) -> bool:
-    """Whether this layer's FP8 weight is served dequantized (see FP8_KERNELS_ENV)."""
-    return layer.weight.is_cuda and not fp8_kernels_trusted()
-
-
 @dataclass(frozen=True)
 class Fp8Weight:
     """What the products read, derived after loading (views of the parameters
@@ -132,9 +113,6 @@ def fp8_product(layer: LinearBase, x: torch.Tensor, bias: torch.Tensor | None,
                 out: torch.Tensor | None, silu_mul: bool = False) -> torch.Tensor | None:
     w: Fp8Weight | None = getattr(layer, "fp8", None)
     assert w is not None, "process_weights_after_loading has not run on this layer"
-    dense = getattr(layer, "fp8_dense", None)
-    if dense is not None:
-        return None if silu_mul else plain_linear(x, dense, bias, out)
     if kernels_run(x):
         return _ops.fp8_linear(x, w.weight, w.scales, w.block_k, w.scale_rows, w.input_scale,
                                bias, out=out, silu_mul=silu_mul, weight_only=w.weight_only)
@@ -144,13 +122,10 @@ def fp8_product(layer: LinearBase, x: torch.Tensor, bias: torch.Tensor | None,
 
 
 class _Fp8Method(LinearMethod):
-    """Products on the layer's derived `fp8` (an `Fp8Weight`); on CUDA, until the
-    kernels are trusted, on `fp8_dense`, its dequantized copy."""
+    """Products on the layer's derived `fp8` (an `Fp8Weight`)."""
 
     def process_weights_after_loading(self, layer: LinearBase) -> None:
         self.derive_fp8(layer)
-        layer.fp8_dense = (layer.fp8.dequantize().to(layer.params_dtype)
-                           if _dense_on_cuda(layer) else None)
 
     def derive_fp8(self, layer: LinearBase) -> None:
         """Set `layer.fp8` from the freshly loaded parameters."""
@@ -166,7 +141,7 @@ class _Fp8Method(LinearMethod):
         return fp8_product(layer, x, None, None, silu_mul=True)
 
     def drop_derived(self, layer: LinearBase) -> None:
-        layer.fp8 = layer.fp8_dense = None
+        layer.fp8 = None
 
 
 # ---- a float checkpoint quantized at load ------------------------------------------------
@@ -407,11 +382,6 @@ class Fp8Config(QuantizationConfig):
             return self.fallback.get_linear_method(layer, prefix)
         self.counts["fp8"] += 1
         if self.scheme is None:
-            if torch.get_default_device().type == "cuda" and not fp8_kernels_trusted():
-                raise ValueError(
-                    "quantization='fp8' of a float checkpoint on CUDA: our FP8 kernels have "
-                    "not passed whole-model validation yet, and dequantized FP8 weights "
-                    "would only lose accuracy; serve the checkpoint unquantized")
             return Fp8OnlineLinearMethod()
         return Fp8LinearMethod(self.scheme)
 
@@ -421,8 +391,5 @@ class Fp8Config(QuantizationConfig):
         return (f"quantization fp8 ({self.source}): {self.counts['fp8']} linear layers in FP8 "
                 f"e4m3 ({how}), {self.counts['float']} in floats (the LM head, layers the "
                 "checkpoint leaves unquantized); "
-                + ("CUDA: our FP8 GEMV at 1-8 rows, W8A8 GEMM above"
-                   if fp8_kernels_trusted() else
-                   "CUDA: dequantized once at load (the FP8 kernels await whole-model "
-                   "validation)")
-                + "; the CPU dequantizes at matmul time")
+                "CUDA: our FP8 GEMV at 1-8 rows, W8A8 GEMM above; the CPU dequantizes "
+                "at matmul time")

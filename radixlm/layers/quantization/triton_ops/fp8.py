@@ -24,8 +24,9 @@ scale `scales[r // scale_rows, j]`). w_true = w * scale.
   row), per token and group of `block_k` features, or by a given static
   scale; scale = max |x| / 448 over the group.
 - `fp8_gemm` (any rows): the quantized activations times the weight on the
-  FP8 tensor cores, fp32 accumulation: per-row scales applied once at the
-  end, block scales per K block (DeepSeek-V3's recipe).
+  FP8 tensor cores, promoted to fp32 every K block (Hopper's FP8 MMA itself
+  sums in less): per-row scales applied once at the end, block scales per K
+  block (DeepSeek-V3's recipe).
 No host sync and no allocation but the outputs (CUDA graphs capture these);
 configs come from fixed heuristics, so the only warm-up is Triton's compile.
 """
@@ -419,6 +420,11 @@ def _fp8_gemm_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, bias_ptr, c_ptr, M, N, K,
                 acc += tl.dot(a, b) * a_s[:, None] * b_s[None, :]
             else:
                 acc += tl.dot(a, b) * b_s[None, :]
+        elif A_FP8:
+            # Hopper's FP8 MMA sums in less than fp32 (Triton's default lets it
+            # run the whole K): promote into the fp32 accumulator every BK terms,
+            # as the block path does by construction (DeepSeek-V3's recipe).
+            acc = tl.dot(a, b, acc, max_num_imprecise_acc=BK)
         else:
             acc = tl.dot(a, b, acc)
     if not BLOCK_K:
