@@ -110,7 +110,7 @@ def ours(model_dir: str, prompt: list[int], offline: list[list[int]] | None) -> 
             t2 = time.perf_counter()
             rates.append(DECODE / ((t2 - t1) - (t1 - t0)))
         out["decode"] = rates
-        runner = e.scheduler.runner
+        runner = e.scheduler.worker.runner
         out["moe"] = [m.describe() for m in runner.model.modules()
                       if type(m).__name__ == "FusedMoE"][:1]
         out["cuda_graphs"] = runner.graph_runner is not None

@@ -425,3 +425,16 @@ def test_our_int4_packers_write_what_the_tools_write():
     q = torch.randint(0, 16, (40, 24), generator=torch.Generator().manual_seed(4))
     assert torch.equal(I.unpack_cols(I.pack_cols(q, I.AWQ_ORDER), I.AWQ_ORDER), q)
     assert torch.equal(I.unpack_rows(I.pack_rows(q)), q)
+
+
+def test_bench_quant_prints_each_method_beside_the_first(aligned, capsys):
+    """`bench quant` end to end on the CPU (it runs on the GPU only when a device is
+    lent, so a broken attribute there would cost a device call)."""
+    from radixlm.bench import quant as bench_quant
+
+    bench_quant.main(["--model-path", aligned[2], "--quantizations", "none,fp8",
+                      "--input-len", "8", "--output-len", "4", "--device", "cpu",
+                      "--dtype", "float32", "--skip-tokenizer-init"])
+    table = capsys.readouterr().out.split("quantization", 1)[1]
+    rows = {line.split()[0] for line in table.splitlines()[1:] if line.strip()}
+    assert {"none", "fp8"} <= rows

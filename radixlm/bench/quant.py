@@ -51,7 +51,7 @@ def run_one(server_args: ServerArgs, quantization: str, args: argparse.Namespace
 
     engine = Engine(**{**vars(server_args), "quantization": quantization})
     try:
-        runner = engine.scheduler.runner
+        runner = engine.scheduler.worker.runner
         prompts = random_prompts(args.num_prompts, args.input_len, engine.scheduler.vocab_size,
                                  args.seed)
         result, ttft = run_ours(engine, prompts, args.output_len)
