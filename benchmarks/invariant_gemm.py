@@ -26,9 +26,10 @@ from radixlm.layers import invariant_gemm as ig
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096),
           "down": (4096, 14336)}
-CANDIDATES = [ig.CONFIGS[0][1], ig.GemmConfig(64, 32, 4, 8), ig.GemmConfig(64, 16, 4, 8),
-              ig.GemmConfig(64, 64, 4, 6), ig.GemmConfig(64, 32, 4, 12),
-              ig.GemmConfig(16, 32, 4, 8), ig.GemmConfig(16, 64, 4, 8)]
+# The one small-M tile used before, the two in use (ig.DEEP, ig.WIDE), other candidates.
+CANDIDATES = [ig.GemmConfig(64, 32, 4, 5), ig.DEEP, ig.WIDE, ig.GemmConfig(64, 32, 4, 8),
+              ig.GemmConfig(64, 16, 4, 8), ig.GemmConfig(64, 32, 4, 16),
+              ig.GemmConfig(64, 64, 4, 8), ig.GemmConfig(16, 64, 4, 8)]
 CALLS = 32
 
 

@@ -57,9 +57,11 @@ def run_one(server_args: ServerArgs, quantization: str, args: argparse.Namespace
         result, ttft = run_ours(engine, prompts, args.output_len)
         result.prefill_seconds, result.num_seqs = ttft, args.num_prompts
         nbytes = step_bytes(runner.model)
+        device = runner.device
+        del runner  # the engine's memory must go with it, for the next method's
         roofline = None
-        if runner.device.type == "cuda":
-            roofline = measure_copy_bandwidth(runner.device) / nbytes * args.num_prompts
+        if device.type == "cuda":
+            roofline = measure_copy_bandwidth(device) / nbytes * args.num_prompts
         return Row(quantization, nbytes, result.decode_tok_s, result.tok_s, ttft, roofline)
     finally:
         engine.shutdown()

@@ -228,7 +228,13 @@ def simulated(args: argparse.Namespace) -> None:
     import radixlm
 
     kw = dict(device=args.device, dtype=args.dtype, load_format=args.load_format,
-              skip_tokenizer_init=True, max_total_tokens=args.kv_tokens)
+              skip_tokenizer_init=True, max_total_tokens=args.kv_tokens,
+              enable_deterministic_inference=args.enable_deterministic_inference)
+    # Losslessness is exact in fp32 and under the deterministic flag; in bf16 without
+    # it a verify row is not computed as a decode row is, so greedy tokens may part
+    # at a near-tie (reported; acceptance is then below the replayed L).
+    exact = args.dtype == "float32" or args.enable_deterministic_inference
+    parted: dict[str, int] = {}
     g = torch.Generator().manual_seed(0)
     with radixlm.Engine(args.model_path, **kw) as e:
         vocab = e.scheduler.vocab_size
@@ -247,12 +253,19 @@ def simulated(args: argparse.Namespace) -> None:
                 t0 = time.perf_counter()
                 out = e.generate(input_ids=prompt, sampling_params=sp)["output_ids"]
                 rates[name].append(len(out) / (time.perf_counter() - t0))
-                assert out == plain, f"{name}: tokens changed"
+                if out != plain:
+                    assert not exact, f"{name}: tokens changed"
+                    parted[name] = next(i for i, (a, b) in enumerate(zip(out, plain))
+                                        if a != b)
         base = statistics.median(rates["plain"])
         print(f"{'config':12} {'tok/s min   med     max':>24} {'x plain':>8}")
         for name, _, _ in rows:
             print(f"{name:12} {_stats(rates[name]):>24} "
                   f"{statistics.median(rates[name]) / base:8.2f}")
+        for name, at in parted.items():
+            print(f"{name}: greedy tokens parted from the plain run at token {at} (bf16 "
+                  "without --enable-deterministic-inference; the acceptance after it is "
+                  "below the replayed L)")
 
 
 def main(argv: list[str]) -> None:
@@ -271,6 +284,9 @@ def main(argv: list[str]) -> None:
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--kv-tokens", type=int, default=65536)
     p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 4, 16, 64])
+    p.add_argument("--enable-deterministic-inference", action="store_true",
+                   help="simulated: batch-invariant kernels, so bf16 greedy tokens must "
+                        "match the plain run exactly")
     p.add_argument("--cases", type=lambda s: tuple(int(x) for x in s.split(",")), nargs="+",
                    default=[(2, 3), (3, 3), (4, 4), (6, 5)],
                    help="k,L pairs: drafts per verify, simulated acceptance length")

@@ -8,8 +8,11 @@ Here every output is one accumulator chained over K in blocks of BLOCK_K, in
 order, never split across programs: a program owns a [BLOCK_M, BLOCK_N] tile
 and walks all of K.
 
-The tile is picked by M from `CONFIGS` (few programs at small M would leave
-the GPU idle). That keeps a row's bits only if the tensor-core instruction
+The tile is picked by M (and, at decode sizes, by the weight's shape, which
+is fixed per layer) from `CONFIGS` / `pick_config` (few programs, or too few
+weight bytes in flight, at small M would leave HBM idle: the small-M tiles
+were measured on an H200 by benchmarks/invariant_gemm.py, 2.5-4.0 TB/s of
+weights at one row). That keeps a row's bits only if the tensor-core instruction
 computes each output from its own row and column whatever the tile's extent,
 which holds for one instruction family: every config has BLOCK_M >= 64 and
 warps in multiples of 4, so on Hopper all of them compile to wgmma, on
@@ -43,19 +46,26 @@ class GemmConfig(NamedTuple):
     stages: int
 
 
-# (largest M, config), by increasing M. Small M: narrow tiles so that enough
-# programs stream the weight; large M: big tiles for reuse.
+# (largest M, config), by increasing M: big tiles for reuse above decode sizes.
 CONFIGS: tuple[tuple[int, GemmConfig], ...] = (
-    (64, GemmConfig(64, 32, 4, 5)),
     (256, GemmConfig(64, 128, 4, 4)),
     (1 << 62, GemmConfig(128, 128, 8, 3)),
 )
+# Up to 64 rows a step streams the weight: by the weight's shape, enough programs
+# and enough stages in flight (H200, Llama-8B's projections, one row: o and down
+# 2.7 and 3.3 TB/s with 12 stages of narrow tiles, qkv and gate_up 2.9 and 4.0
+# with wider ones, against 2.1-3.3 for one tile for all).
+DECODE_ROWS = 64
+DEEP = GemmConfig(64, 32, 4, 12)  # few output rows or a long K: deep pipelines
+WIDE = GemmConfig(64, 64, 4, 6)
 FIXED_CONFIG: GemmConfig | None = None  # one tile for every M when set
 
 
-def pick_config(m: int) -> GemmConfig:
+def pick_config(m: int, n: int, k: int) -> GemmConfig:
     if FIXED_CONFIG is not None:
         return FIXED_CONFIG
+    if m <= DECODE_ROWS:
+        return DEEP if n <= 4096 or k >= 8192 else WIDE
     return next(cfg for limit, cfg in CONFIGS if m <= limit)
 
 
@@ -106,7 +116,7 @@ def matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
          else out.view(m, n))
     if m == 0:
         return y.view(*x.shape[:-1], n)
-    cfg = pick_config(m)
+    cfg = pick_config(m, n, k)
     grid = (triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n),)
     _matmul_kernel[grid](
         x2, weight, bias if bias is not None else weight, y, m, n, k, x2.stride(0),

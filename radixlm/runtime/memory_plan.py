@@ -87,7 +87,11 @@ class MemoryPlan:
         """Memory the KV cache may take, before the reserve."""
         if self.device.type == "cuda":
             free, total = torch.cuda.mem_get_info(self.device)
-            return free - total * (1 - self.args.mem_fraction_static)
+            # Blocks torch's allocator holds but no tensor uses (an earlier engine's,
+            # in this process) are the pools' to reuse, though the driver counts them.
+            cached = (torch.cuda.memory_reserved(self.device)
+                      - torch.cuda.memory_allocated(self.device))
+            return free + cached - total * (1 - self.args.mem_fraction_static)
         return psutil.virtual_memory().available * CPU_KV_FRACTION
 
     def total_tokens(self) -> int:

@@ -101,13 +101,17 @@ def test_attention_rows_do_not_depend_on_chunking_batch_or_decode(dtype, heads, 
 
 # ---- GEMM ---------------------------------------------------------------------------
 
+# Each decode tile of invariant_gemm (DEEP by N, DEEP by K, WIDE) and the large-M ones.
+GEMM_SHAPES = [(4096, 4096), (1024, 8192), (6144, 1024)] if HAS_CUDA else [(100, 130)]
+
+
 @needs_kernels
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_gemm_rows_do_not_depend_on_the_row_count(dtype):
+@pytest.mark.parametrize("n,k", GEMM_SHAPES)
+def test_gemm_rows_do_not_depend_on_the_row_count(dtype, n, k):
     from radixlm.layers import invariant_gemm as ig
 
     gen = torch.Generator().manual_seed(0)
-    n, k = (4096, 4096) if HAS_CUDA else (100, 130)
     rows = [1, 2, 8, 63, 64, 65, 256, 257, 1024] if HAS_CUDA else [1, 3, 64, 65, 130]
     w = (torch.randn(n, k, generator=gen) * 0.02).to(dtype).to(DEV)
     bias = torch.randn(n, generator=gen).to(dtype).to(DEV)
