@@ -407,7 +407,8 @@ def _serve(model: str, prompts, fraction: float, **kw):
                         attention_backend="triton", mem_fraction_static=fraction, **kw) as e:
         worker = e.scheduler.worker
         assert isinstance(worker.runner.attn_backend, TritonAttentionBackend)
-        assert worker.runner.graph_runner is not None  # CUDA graphs on
+        graphs = worker.runner.graph_runner
+        assert graphs is not None and graphs.use_graphs  # CUDA graphs on
         out = e.generate(input_ids=prompts, sampling_params={"max_new_tokens": NEW,
                                                              "temperature": 0,
                                                              "ignore_eos": True},
