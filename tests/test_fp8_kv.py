@@ -92,10 +92,14 @@ def test_scales_from_a_quantization_param_file(tmp_path: Path) -> None:
         radixlm.Engine(kv_cache_dtype="fp8_e4m3", quantization_param_path=str(path), **EXACT)
 
 
-def test_triton_backend_refuses_fp8_kv_it_cannot_read() -> None:
+def test_triton_backend_reads_fp8_kv_and_refuses_other_casts() -> None:
+    """The Triton kernels read FP8 pools (tests/gpu/test_fp8_kv_gpu.py); a pool in
+    another float dtype than the model's is still refused by name."""
     pytest.importorskip("triton")
     from radixlm.layers.attention.triton_backend import TritonAttentionBackend
 
     backend = TritonAttentionBackend(4, 2, 64, "cpu")
+    for fp8 in (torch.float8_e4m3fn, torch.float8_e5m2):
+        backend.check_kv_dtype(torch.bfloat16, fp8)
     with pytest.raises(ValueError, match="needs the KV cache in the model's dtype"):
-        backend.check_kv_dtype(torch.bfloat16, torch.float8_e4m3fn)
+        backend.check_kv_dtype(torch.bfloat16, torch.float32)

@@ -220,6 +220,9 @@ def main(argv: list[str] | None = None, mode: str = "offline") -> None:
              f"tp {server_args.tp_size} x dp {server_args.dp_size}, dtype {server_args.dtype}")
     extra = [f"workload: {args.num_prompts} x {args.input_len} in / {args.output_len} out, "
              + where]
+    if runner is not None:  # the capacity --kv-cache-dtype / --mem-fraction-static gave
+        extra.append(f"KV pool: {runner.kv_pool.size} tokens, "
+                     f"{str(runner.kv_dtype).removeprefix('torch.')}")
     if runner is not None and runner.device.type == "cuda":
         bw = measure_copy_bandwidth(runner.device)
         weight_bytes = sum(p.numel() * p.element_size() for p in runner.model.parameters())

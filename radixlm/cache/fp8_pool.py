@@ -9,6 +9,11 @@ a `--quantization-param-path` JSON (vLLM's and SGLang's `kv_cache.scaling_factor
 layout: per tensor-parallel rank, per layer, one scale for K and V), else 1.0
 with a warning: e4m3 then holds values up to 448 exactly as stored, which
 unscaled K/V of most models fit, at 3 bits of mantissa.
+
+Readers: the torch / CPU backends cast what they gather; the Triton backend's
+kernels read the FP8 codes themselves (store: `triton_ops/kv_store.py`, the
+same codes as `set_kv_buffer`; attention: k_scale folded into the score scale,
+v_scale on the output; docs/kernels.md).
 """
 
 from __future__ import annotations

@@ -8,7 +8,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from radixlm.cache.memory_pool import row_kv_buffers
+from radixlm.cache.fp8_pool import FP8_DTYPES, FP8TokenToKVPool
+from radixlm.cache.memory_pool import KVPool, row_kv_buffers
 from radixlm.layers.attention.base import AttentionBackend, AttentionShape
 from radixlm.layers.attention.triton_ops.cascade_decode import (
     MAX_PREFIX_SPLITS,
@@ -115,6 +116,14 @@ class TritonAttentionBackend(AttentionBackend):
     kernels translate the table's full slots through the pool's slot map, and
     the store writes at the translated slots.
 
+    FP8 KV pools (`FP8TokenToKVPool`, --kv-cache-dtype fp8_e4m3 / fp8_e5m2): the
+    store writes K / k_scale and V / v_scale in FP8 (`store_kv` with the layer's
+    scales: the codes of the pool's `set_kv_buffer`), and every kernel reads
+    FP8 tiles, widened to the queries' dtype, with k_scale folded into the
+    score scale and v_scale applied to the normalized output. The scales are
+    read from the pool's device tensors inside the kernels (no host sync; graphs
+    replay new values). RoPE then runs without the fused store.
+
     Decode never synchronizes with the host. The new tokens' K/V are stored in
     the pool before the kernels read it (extend reads the new keys from there).
 
@@ -189,6 +198,8 @@ class TritonAttentionBackend(AttentionBackend):
         # (full slots, their window-pool slots, made in a graph capture) of the
         # forward's new tokens.
         self._window_loc: tuple[torch.Tensor, torch.Tensor, bool] | None = None
+        # (pool, per-layer (k_scale, v_scale) one-element views) of the last FP8 pool.
+        self._scale_views: tuple[KVPool, list[tuple[torch.Tensor, torch.Tensor]]] | None = None
 
     @classmethod
     def create(cls, shape: AttentionShape) -> TritonAttentionBackend:
@@ -200,6 +211,26 @@ class TritonAttentionBackend(AttentionBackend):
         if head_dim & (head_dim - 1) or head_dim > 256:
             return f"head_dim {head_dim} is not a power of 2 <= 256"
         return None
+
+    def check_kv_dtype(self, model_dtype: torch.dtype, kv_dtype: torch.dtype) -> None:
+        """FP8 pools are read by the kernels (class docstring); other dtypes than
+        the model's are refused."""
+        if kv_dtype in FP8_DTYPES:
+            return
+        super().check_kv_dtype(model_dtype, kv_dtype)
+
+    def _kv_scales(self, pool: KVPool, layer_id: int
+                   ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """An FP8 pool's (k_scale, v_scale) of the layer, one-element device views
+        made once per pool; None for other pools."""
+        if not isinstance(pool, FP8TokenToKVPool):
+            return None
+        views = self._scale_views
+        if views is None or views[0] is not pool:
+            views = self._scale_views = (pool, [
+                (pool.k_scales[i:i + 1], pool.v_scales[i:i + 1])
+                for i in range(pool.num_layers)])
+        return views[1][layer_id]
 
     def num_kv_splits(self, bs: int) -> int:
         target = self.programs_per_sm * self.num_sms
@@ -332,7 +363,9 @@ class TritonAttentionBackend(AttentionBackend):
         if rope is not None:
             emb, positions = rope
             target = self._store_target(layer, fb, k.dtype)
-            if (target is not None and emb.rotary_dim == emb.head_dim
+            # The fused store copies rows as they are: not into an FP8 pool.
+            if (target is not None and target[0].dtype == k.dtype
+                    and emb.rotary_dim == emb.head_dim
                     and k.shape[0] >= self.kv_store_min_tokens):
                 apply_rope_(positions, q, k, emb.head_dim, emb.cos_sin_cache,
                             kv_store=(v, *target), qk_norm=emb.qk_norm)
@@ -350,12 +383,15 @@ class TritonAttentionBackend(AttentionBackend):
     def _store_target(self, layer: RadixAttention, fb: ForwardBatch, dtype: torch.dtype
                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
         """(k buffer, v buffer, rows) a kernel may copy the new K/V rows into, or None
-        (then the pool's `set_kv_buffer`). A window pool's layer is written at the
+        (then the pool's `set_kv_buffer`); an FP8 pool's buffers hold the FP8
+        codes (`_store` quantizes into them). A window pool's layer is written at the
         window slots of the new tokens: one gather per forward, shared by its
         window layers. A CUDA-graph capture must record that gather, so a gather
         made outside the capture (the warm-up runs before it) is not reused in it."""
         pool = fb.token_to_kv_pool
         slot_map = pool.layer_slot_map(layer.layer_id)
+        if isinstance(pool, FP8TokenToKVPool) and slot_map is None:
+            return (*pool.get_kv_buffer(layer.layer_id), fb.out_cache_loc)
         if slot_map is None:
             bufs = row_kv_buffers(pool, layer.layer_id, dtype)
             return None if bufs is None else (*bufs, fb.out_cache_loc)
@@ -373,7 +409,8 @@ class TritonAttentionBackend(AttentionBackend):
                fb: ForwardBatch) -> None:
         target = self._store_target(layer, fb, k.dtype)
         if target is not None and k.shape[0] >= self.kv_store_min_tokens:
-            store_kv(k, v, *target)
+            store_kv(k, v, *target,
+                     kv_scales=self._kv_scales(fb.token_to_kv_pool, layer.layer_id))
         else:
             fb.token_to_kv_pool.set_kv_buffer(layer.layer_id, fb.out_cache_loc, k, v)
 
@@ -385,6 +422,7 @@ class TritonAttentionBackend(AttentionBackend):
         if not kv_stored:
             self._store(k, v, layer, fb)
         k_buf, v_buf = fb.token_to_kv_pool.get_kv_buffer(layer.layer_id)
+        scales = self._kv_scales(fb.token_to_kv_pool, layer.layer_id)
         n, h, d = q.shape[0], layer.num_heads, layer.head_dim
         qv = q.view(n, h, d)
         o = torch.empty((n, h, d), dtype=q.dtype, device=q.device)
@@ -399,7 +437,7 @@ class TritonAttentionBackend(AttentionBackend):
                 fb.extend_prefix_lens, fb.extend_seq_lens, fb.extend_start_loc, tiles,
                 layer.scaling, self.split, window=layer.sliding_window,
                 softcap=layer.logit_softcap,
-                slot_map=fb.token_to_kv_pool.layer_slot_map(layer.layer_id))
+                slot_map=fb.token_to_kv_pool.layer_slot_map(layer.layer_id), kv_scales=scales)
             return o.view(n, h * d)
         cfg = extend_config(d, q.dtype)
         table = meta.tables.get(cfg["block_m"])
@@ -411,7 +449,7 @@ class TritonAttentionBackend(AttentionBackend):
             qv, o, k_buf, v_buf, fb.req_to_token_pool.req_to_token, fb.req_pool_indices,
             fb.extend_prefix_lens, fb.extend_seq_lens, fb.extend_start_loc, table,
             layer.scaling, **cfg, window=layer.sliding_window, softcap=layer.logit_softcap,
-            slot_map=fb.token_to_kv_pool.layer_slot_map(layer.layer_id))
+            slot_map=fb.token_to_kv_pool.layer_slot_map(layer.layer_id), kv_scales=scales)
         return o.view(n, h * d)
 
     def forward_decode(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -422,6 +460,7 @@ class TritonAttentionBackend(AttentionBackend):
         if not kv_stored:
             self._store(k, v, layer, fb)
         k_buf, v_buf = fb.token_to_kv_pool.get_kv_buffer(layer.layer_id)
+        scales = self._kv_scales(fb.token_to_kv_pool, layer.layer_id)
         bs, h, d = q.shape[0], layer.num_heads, layer.head_dim
         o = torch.empty((bs, h, d), dtype=q.dtype, device=q.device)
         if meta.invariant is not None:
@@ -430,7 +469,7 @@ class TritonAttentionBackend(AttentionBackend):
                 meta.req_pool_indices, meta.seq_lens, *meta.invariant, layer.scaling,
                 self.split, meta.programs, window=layer.sliding_window,
                 softcap=layer.logit_softcap,
-                slot_map=fb.token_to_kv_pool.layer_slot_map(layer.layer_id))
+                slot_map=fb.token_to_kv_pool.layer_slot_map(layer.layer_id), kv_scales=scales)
             return o.view(bs, h * d)
         c = meta.cascade
         # Window layers decode plainly: they read at most `window` keys per request,
@@ -440,11 +479,11 @@ class TritonAttentionBackend(AttentionBackend):
                 q.view(bs, h, d), k_buf, v_buf, o, fb.req_to_token_pool.req_to_token,
                 meta.req_pool_indices, meta.seq_lens, meta.mid_o, meta.mid_lse,
                 meta.num_splits, layer.scaling, c.tables, c.mid_po, c.mid_plse,
-                softcap=layer.logit_softcap)
+                softcap=layer.logit_softcap, kv_scales=scales)
             return o.view(bs, h * d)
         decode_attention_fwd(
             q.view(bs, h, d), k_buf, v_buf, o, fb.req_to_token_pool.req_to_token,
             meta.req_pool_indices, meta.seq_lens, meta.mid_o, meta.mid_lse, meta.num_splits,
             layer.scaling, window=layer.sliding_window, softcap=layer.logit_softcap,
-            slot_map=fb.token_to_kv_pool.layer_slot_map(layer.layer_id))
+            slot_map=fb.token_to_kv_pool.layer_slot_map(layer.layer_id), kv_scales=scales)
         return o.view(bs, h * d)

@@ -39,7 +39,13 @@ from radixlm.layers.attention.triton_ops.decode_attention import (
     decode_attention_fwd,
     dot_precision,
 )
-from radixlm.layers.attention.triton_ops.flash_block import attend_block, score_scales
+from radixlm.layers.attention.triton_ops.flash_block import (
+    attend_block,
+    fp8_score_scale,
+    fp8_value_scale,
+    kv_fp8_args,
+    score_scales,
+)
 
 # Pass-1 tiles (H200 sweep, docs/kernels.md). CASCADE_ROWS query rows per program
 # (members x GQA heads): one K/V block read feeds 64 dot rows instead of 16.
@@ -172,7 +178,7 @@ def build_cascade_plan(groups: Sequence[tuple[int, Sequence[int]]], batch_size: 
 @triton.jit
 def _cascade_prefix_kernel(
     Q, K, V, ReqToToken, ReqPoolIdx, Items, Members, MidPO, MidPLse,
-    qk_scale, cap_log2,
+    KScale, VScale, qk_scale, cap_log2,
     stride_qb, stride_qh,
     stride_kn, stride_kh, stride_vn, stride_vh,
     stride_r2t,
@@ -180,7 +186,7 @@ def _cascade_prefix_kernel(
     stride_plb, stride_plh,
     GROUP: tl.constexpr, MEMBERS: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, DOT_PREC: tl.constexpr,
-    SOFTCAP: tl.constexpr,
+    SOFTCAP: tl.constexpr, KV_FP8: tl.constexpr,
 ):
     it = tl.program_id(0)
     g = tl.program_id(1)
@@ -210,6 +216,7 @@ def _cascade_prefix_kernel(
     k_base = K + g * stride_kh + offs_d[None, :]
     v_base = V + g * stride_vh + offs_d[None, :]
 
+    qk_scale = fp8_score_scale(qk_scale, KScale, KV_FP8)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
@@ -221,10 +228,11 @@ def _cascade_prefix_kernel(
         m_i, l_i, acc = attend_block(q, k_base, v_base, slot, stride_kn, stride_vn,
                                      nmask[None, :], m_i, l_i, acc, qk_scale, cap_log2,
                                      DOT_PREC=DOT_PREC, MASKED=True, SOFTCAP=SOFTCAP,
-                                     EMPTY_ROWS=False)
+                                     EMPTY_ROWS=False, KV_FP8=KV_FP8)
 
     po = MidPO + b[:, None] * stride_pob + heads[:, None] * stride_poh + split * stride_pos
-    tl.store(po + offs_d[None, :], acc / l_i[:, None], mask=valid[:, None])
+    tl.store(po + offs_d[None, :], fp8_value_scale(acc / l_i[:, None], VScale, KV_FP8),
+             mask=valid[:, None])
     tl.store(MidPLse + b * stride_plb + heads * stride_plh + split, m_i + tl.log2(l_i),
              mask=valid)
 
@@ -234,8 +242,10 @@ def cascade_prefix_fwd(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.
                        tables: CascadeTables, mid_po: torch.Tensor, mid_plse: torch.Tensor,
                        sm_scale: float, *, block_n: int | None = None,
                        num_warps: int | None = None, num_stages: int | None = None,
-                       softcap: float | None = None) -> None:
-    """Pass 1 over every item of `tables` (grid: all of its rows; empty ones exit)."""
+                       softcap: float | None = None,
+                       kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+    """Pass 1 over every item of `tables` (grid: all of its rows; empty ones exit);
+    `kv_scales` as `decode_attention_fwd`'s."""
     _, num_heads, head_dim = q.shape
     num_kv_heads = k_buffer.shape[1]
     group = num_heads // num_kv_heads
@@ -244,9 +254,10 @@ def cascade_prefix_fwd(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.
     if n_items == 0:
         return
     block_m = max(16, triton.next_power_of_2(members * group))
+    k_scale, v_scale, kv_fp8 = kv_fp8_args(k_buffer, q, kv_scales)
     _cascade_prefix_kernel[(n_items, num_kv_heads)](
         q, k_buffer, v_buffer, req_to_token, req_pool_indices, tables.items, tables.members,
-        mid_po, mid_plse, *score_scales(sm_scale, softcap),
+        mid_po, mid_plse, k_scale, v_scale, *score_scales(sm_scale, softcap),
         q.stride(0), q.stride(1),
         k_buffer.stride(0), k_buffer.stride(1), v_buffer.stride(0), v_buffer.stride(1),
         req_to_token.stride(0),
@@ -254,7 +265,7 @@ def cascade_prefix_fwd(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.
         mid_plse.stride(0), mid_plse.stride(1),
         GROUP=group, MEMBERS=members, BLOCK_M=block_m,
         BLOCK_N=block_n or cascade_block_n(head_dim, q.dtype), HEAD_DIM=head_dim,
-        DOT_PREC=dot_precision(q.dtype), SOFTCAP=softcap is not None,
+        DOT_PREC=dot_precision(q.dtype), SOFTCAP=softcap is not None, KV_FP8=kv_fp8,
         num_warps=num_warps or CASCADE_NUM_WARPS, num_stages=num_stages or CASCADE_NUM_STAGES,
     )
 
@@ -264,7 +275,9 @@ def cascade_decode_fwd(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.
                        req_pool_indices: torch.Tensor, seq_lens: torch.Tensor,
                        mid_o: torch.Tensor, mid_lse: torch.Tensor, num_splits: int,
                        sm_scale: float, tables: CascadeTables, mid_po: torch.Tensor,
-                       mid_plse: torch.Tensor, softcap: float | None = None) -> torch.Tensor:
+                       mid_plse: torch.Tensor, softcap: float | None = None,
+                       kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None
+                       ) -> torch.Tensor:
     """Decode attention with shared prefixes; writes and returns `o`.
 
     Arguments as `decode_attention_fwd`, plus the plan's device `tables` (rows
@@ -273,12 +286,13 @@ def cascade_decode_fwd(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.
     num_heads, >= max partials] fp32. No host synchronization. Softcapped layers
     are fine; sliding-window layers take plain decode (`decode_attention_fwd`
     with `window`): the shared prefix is mostly outside their window, and what
-    is inside differs per request.
+    is inside differs per request. `kv_scales`: an FP8 pool's, as in
+    `decode_attention_fwd` (both passes apply them).
     """
     bs = q.shape[0]
     cascade_prefix_fwd(q, k_buffer, v_buffer, req_to_token, req_pool_indices, tables,
-                       mid_po, mid_plse, sm_scale, softcap=softcap)
+                       mid_po, mid_plse, sm_scale, softcap=softcap, kv_scales=kv_scales)
     prefix = DecodePrefix(tables.prefix_lens[:bs], tables.num_prefix[:bs], mid_po, mid_plse)
     return decode_attention_fwd(q, k_buffer, v_buffer, o, req_to_token, req_pool_indices,
                                 seq_lens, mid_o, mid_lse, num_splits, sm_scale, prefix=prefix,
-                                softcap=softcap)
+                                softcap=softcap, kv_scales=kv_scales)

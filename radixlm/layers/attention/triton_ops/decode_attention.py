@@ -28,7 +28,10 @@ Layer variants, each a compile-time flag (the plain path compiles as before):
 a sliding window W starts each request's range at seq_len - W (a shorter range,
 not a mask: splits divide only the window); a logit softcap c scores
 c * tanh(s / c); a window pool's layer reads its K/V rows through the pool's
-full-to-window slot map.
+full-to-window slot map. An FP8 pool (`kv_scales`) is read as FP8 tiles
+widened to the queries' dtype, its key scale folded into the score scale
+and its value scale applied to each split's normalized output in stage 1
+(`flash_block.kv_fp8_args`); stage 2 merges true-valued partials unchanged.
 
 Exponentials use exp2 with log2(e) folded into the scale; accumulation is fp32.
 """
@@ -42,7 +45,14 @@ import triton
 import triton.language as tl
 
 from radixlm.layers import pdl
-from radixlm.layers.attention.triton_ops.flash_block import attend_block, load_slots, score_scales
+from radixlm.layers.attention.triton_ops.flash_block import (
+    attend_block,
+    fp8_score_scale,
+    fp8_value_scale,
+    kv_fp8_args,
+    load_slots,
+    score_scales,
+)
 from radixlm.layers.pdl import pdl_trigger, pdl_wait
 
 
@@ -76,7 +86,7 @@ def _first_token(PrefixLens, b, seq_len, window, HAS_PREFIX: tl.constexpr,
 @triton.jit
 def _decode_stage1_kernel(
     Q, K, V, ReqToToken, ReqPoolIdx, SeqLens, PrefixLens, SlotMap, MidO, MidLse,
-    qk_scale, cap_log2, window, num_splits,
+    KScale, VScale, qk_scale, cap_log2, window, num_splits,
     stride_qb, stride_qh,
     stride_kn, stride_kh, stride_vn, stride_vh,
     stride_r2t,
@@ -85,7 +95,7 @@ def _decode_stage1_kernel(
     GROUP: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
     HEAD_DIM: tl.constexpr, DOT_PREC: tl.constexpr, HAS_PREFIX: tl.constexpr,
     HAS_WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, TRANSLATE: tl.constexpr,
-    PDL: tl.constexpr,
+    PDL: tl.constexpr, KV_FP8: tl.constexpr,
 ):
     pdl_wait(PDL)
     pdl_trigger(PDL)
@@ -113,6 +123,7 @@ def _decode_stage1_kernel(
     k_base = K + g * stride_kh + offs_d[None, :]
     v_base = V + g * stride_vh + offs_d[None, :]
 
+    qk_scale = fp8_score_scale(qk_scale, KScale, KV_FP8)
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, HEAD_DIM], tl.float32)
@@ -128,10 +139,10 @@ def _decode_stage1_kernel(
         m_i, l_i, acc = attend_block(q, k_base, v_base, slot, stride_kn, stride_vn,
                                      nmask[None, :], m_i, l_i, acc, qk_scale, cap_log2,
                                      DOT_PREC=DOT_PREC, MASKED=True, SOFTCAP=SOFTCAP,
-                                     EMPTY_ROWS=False)
+                                     EMPTY_ROWS=False, KV_FP8=KV_FP8)
 
     mo = MidO + b * stride_mob + heads[:, None] * stride_moh + s * stride_mos + offs_d[None, :]
-    tl.store(mo, acc / l_i[:, None], mask=hmask[:, None])
+    tl.store(mo, fp8_value_scale(acc / l_i[:, None], VScale, KV_FP8), mask=hmask[:, None])
     # log2-domain LSE of this split's scores.
     tl.store(MidLse + b * stride_mlb + heads * stride_mlh + s, m_i + tl.log2(l_i), mask=hmask)
 
@@ -232,6 +243,7 @@ def decode_attention_fwd(
     window: int | None = None,
     softcap: float | None = None,
     slot_map: torch.Tensor | None = None,
+    kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Decode attention; writes and returns `o`.
 
@@ -249,6 +261,8 @@ def decode_attention_fwd(
     slot_map: the table holds full-pool slots and K/V live at slot_map[slot]
     (a window pool's layer; `SWAKVPool.slot_map`). Each of the three is a
     compile-time branch: None costs nothing.
+    kv_scales: (k_scale, v_scale) one-element fp32 device tensors, needed when
+    the buffers are FP8 (`FP8TokenToKVPool`; see `flash_block.kv_fp8_args`).
     """
     bs, num_heads, head_dim = q.shape
     num_kv_heads = k_buffer.shape[1]
@@ -265,9 +279,10 @@ def decode_attention_fwd(
     pl = prefix.prefix_lens if has_prefix else seq_lens
     qk_scale, cap_log2 = score_scales(sm_scale, softcap)
     translate = slot_map is not None
+    k_scale, v_scale, kv_fp8 = kv_fp8_args(k_buffer, q, kv_scales)
     _decode_stage1_kernel[(bs, num_kv_heads, num_splits)](
         q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, pl,
-        slot_map if translate else seq_lens, mid_o, mid_lse,
+        slot_map if translate else seq_lens, mid_o, mid_lse, k_scale, v_scale,
         qk_scale, cap_log2, window or 0, num_splits,
         q.stride(0), q.stride(1),
         k_buffer.stride(0), k_buffer.stride(1), v_buffer.stride(0), v_buffer.stride(1),
@@ -277,6 +292,7 @@ def decode_attention_fwd(
         GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n,
         HEAD_DIM=head_dim, DOT_PREC=dot_precision(q.dtype), HAS_PREFIX=has_prefix,
         HAS_WINDOW=window is not None, SOFTCAP=softcap is not None, TRANSLATE=translate,
+        KV_FP8=kv_fp8,
         num_warps=num_warps or DECODE_NUM_WARPS, num_stages=num_stages or DECODE_NUM_STAGES,
         **pdl.launch_args(),
     )

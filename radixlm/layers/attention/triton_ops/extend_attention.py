@@ -21,7 +21,9 @@ Per program, keys run in two loops: blocks entirely before the first query's
 position (no mask) and the causal tail (masked). A sliding-window layer adds a
 masked loop over the window's leading edge and starts there: keys before the
 first query's window are never read. Online softmax in fp32 with
-exp2, fp32 accumulation.
+exp2, fp32 accumulation. An FP8 pool is read as in decode
+(`flash_block.kv_fp8_args`: tiles widened, k_scale in the score scale,
+v_scale on the normalized output).
 """
 
 from __future__ import annotations
@@ -31,19 +33,26 @@ import triton
 import triton.language as tl
 
 from radixlm.layers.attention.triton_ops.decode_attention import dot_precision
-from radixlm.layers.attention.triton_ops.flash_block import attend_block, load_slots, score_scales
+from radixlm.layers.attention.triton_ops.flash_block import (
+    attend_block,
+    fp8_score_scale,
+    fp8_value_scale,
+    kv_fp8_args,
+    load_slots,
+    score_scales,
+)
 
 
 @triton.jit
 def _extend_kernel(
     Q, K, V, Out, ReqToToken, ReqPoolIdx, PrefixLens, ExtendLens, ExtendStart, BlockTable,
-    SlotMap, qk_scale, cap_log2, window,
+    SlotMap, KScale, VScale, qk_scale, cap_log2, window,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_kn, stride_kh, stride_vn, stride_vh,
     stride_r2t,
     GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HEAD_DIM: tl.constexpr, DOT_PREC: tl.constexpr, HAS_WINDOW: tl.constexpr,
-    SOFTCAP: tl.constexpr, TRANSLATE: tl.constexpr,
+    SOFTCAP: tl.constexpr, TRANSLATE: tl.constexpr, KV_FP8: tl.constexpr,
 ):
     h = tl.program_id(0)
     blk = tl.program_id(1)
@@ -66,6 +75,7 @@ def _extend_kernel(
     k_base = K + g * stride_kh + offs_d[None, :]
     v_base = V + g * stride_vh + offs_d[None, :]
 
+    qk_scale = fp8_score_scale(qk_scale, KScale, KV_FP8)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
@@ -88,14 +98,14 @@ def _extend_kernel(
             m_i, l_i, acc = attend_block(q, k_base, v_base, slot, stride_kn, stride_vn,
                                          visible, m_i, l_i, acc, qk_scale, cap_log2,
                                          DOT_PREC=DOT_PREC, MASKED=True, SOFTCAP=SOFTCAP,
-                                         EMPTY_ROWS=True)
+                                         EMPTY_ROWS=True, KV_FP8=KV_FP8)
     for n0 in range(full_start, full_end, BLOCK_N):
         slot = load_slots(r2t, n0 + tl.arange(0, BLOCK_N), None, SlotMap, False,
                           TRANSLATE)
         m_i, l_i, acc = attend_block(q, k_base, v_base, slot, stride_kn, stride_vn, None,
                                      m_i, l_i, acc, qk_scale, cap_log2,
                                      DOT_PREC=DOT_PREC, MASKED=False, SOFTCAP=SOFTCAP,
-                                     EMPTY_ROWS=HAS_WINDOW)
+                                     EMPTY_ROWS=HAS_WINDOW, KV_FP8=KV_FP8)
 
     # Causal tail: keys [full_end, min(prefix + m0 + BLOCK_M, seq_len)). Key
     # full_end <= every query position, so without a window each row's first
@@ -114,9 +124,9 @@ def _extend_kernel(
         m_i, l_i, acc = attend_block(q, k_base, v_base, slot, stride_kn, stride_vn, visible,
                                      m_i, l_i, acc, qk_scale, cap_log2,
                                      DOT_PREC=DOT_PREC, MASKED=True, SOFTCAP=SOFTCAP,
-                                     EMPTY_ROWS=HAS_WINDOW)
+                                     EMPTY_ROWS=HAS_WINDOW, KV_FP8=KV_FP8)
 
-    out = acc / l_i[:, None]
+    out = fp8_value_scale(acc / l_i[:, None], VScale, KV_FP8)
     tl.store(Out + (q_start + offs_m)[:, None] * stride_ot + h * stride_oh + offs_d[None, :],
              out.to(Out.dtype.element_ty), mask=mmask[:, None])
 
@@ -176,6 +186,7 @@ def extend_attention_fwd(
     window: int | None = None,
     softcap: float | None = None,
     slot_map: torch.Tensor | None = None,
+    kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Extend attention; writes and returns `o`.
 
@@ -183,8 +194,8 @@ def extend_attention_fwd(
     k_buffer, v_buffer: pool buffers [pool_size, num_kv_heads, head_dim], already
     holding the new tokens' K/V. prefix_lens, extend_lens, extend_start_loc,
     req_pool_indices: [bs] device tensors. block_table: `build_extend_block_table`
-    for the same `block_m`. window / softcap / slot_map: as `decode_attention_fwd`
-    (compile-time branches; None costs nothing).
+    for the same `block_m`. window / softcap / slot_map / kv_scales: as
+    `decode_attention_fwd` (compile-time branches; None costs nothing).
     """
     num_heads, head_dim = q.shape[1], q.shape[2]
     num_kv_heads = k_buffer.shape[1]
@@ -195,17 +206,19 @@ def extend_attention_fwd(
     num_blocks = block_table.shape[0]
     if num_blocks == 0:
         return o
+    k_scale, v_scale, kv_fp8 = kv_fp8_args(k_buffer, q, kv_scales)
     _extend_kernel[(num_heads, num_blocks)](
         q, k_buffer, v_buffer, o, req_to_token, req_pool_indices, prefix_lens, extend_lens,
         extend_start_loc, block_table,
-        slot_map if slot_map is not None else prefix_lens, *score_scales(sm_scale, softcap),
+        slot_map if slot_map is not None else prefix_lens, k_scale, v_scale,
+        *score_scales(sm_scale, softcap),
         window or 0,
         q.stride(0), q.stride(1), o.stride(0), o.stride(1),
         k_buffer.stride(0), k_buffer.stride(1), v_buffer.stride(0), v_buffer.stride(1),
         req_to_token.stride(0),
         GROUP=num_heads // num_kv_heads, BLOCK_M=block_m, BLOCK_N=block_n,
         HEAD_DIM=head_dim, DOT_PREC=dot_precision(q.dtype), HAS_WINDOW=window is not None,
-        SOFTCAP=softcap is not None, TRANSLATE=slot_map is not None,
+        SOFTCAP=softcap is not None, TRANSLATE=slot_map is not None, KV_FP8=kv_fp8,
         num_warps=num_warps, num_stages=num_stages,
     )
     return o

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
+
+from radixlm.layers.attention.triton_ops.kv_store import FP8_DTYPES
 
 # Scores are kept in the log2 domain: exp2 is the cheap instruction, so the
 # softmax scale is multiplied by log2(e) once on the host.
@@ -19,6 +22,43 @@ def score_scales(sm_scale: float, softcap: float | None) -> tuple[float, float]:
     return sm_scale / softcap, softcap * LOG2E
 
 
+def kv_fp8_args(k_buffer: torch.Tensor, q: torch.Tensor,
+                kv_scales: tuple[torch.Tensor, torch.Tensor] | None
+                ) -> tuple[torch.Tensor, torch.Tensor, bool]:
+    """(k_scale pointer, v_scale pointer, KV_FP8) for a kernel launch.
+
+    An FP8 pool (`FP8TokenToKVPool`) holds K / k_scale and V / v_scale: the
+    kernels widen each tile to the queries' dtype, fold k_scale into the score
+    scale (dot(q, k_codes) * k_scale is the true score) and multiply the
+    normalized output by v_scale (the softmax weights sum to 1). The scales are
+    one-element fp32 device tensors read inside the kernels: no host sync, and
+    CUDA graphs replay new values. Other pools: KV_FP8 False, the pointers unused."""
+    if k_buffer.dtype not in FP8_DTYPES or k_buffer.dtype == q.dtype:
+        return q, q, False
+    if kv_scales is None:
+        raise ValueError(f"a {k_buffer.dtype} KV pool needs kv_scales (its layer's k_scale, "
+                         "v_scale)")
+    k_scale, v_scale = kv_scales
+    assert k_scale.dtype == v_scale.dtype == torch.float32 and k_scale.device == q.device
+    return k_scale, v_scale, True
+
+
+@triton.jit
+def fp8_score_scale(qk_scale, KScale, KV_FP8: tl.constexpr):
+    """The score scale with an FP8 pool's key scale folded in (see `kv_fp8_args`)."""
+    if KV_FP8:
+        qk_scale = qk_scale * tl.load(KScale)
+    return qk_scale
+
+
+@triton.jit
+def fp8_value_scale(out, VScale, KV_FP8: tl.constexpr):
+    """A normalized output times an FP8 pool's value scale (see `kv_fp8_args`)."""
+    if KV_FP8:
+        out = out * tl.load(VScale)
+    return out
+
+
 @triton.jit
 def _tanh(x):
     # 1 - 2 / (e^2x + 1): saturates to +-1 without overflow (e^2x -> inf gives 1,
@@ -30,7 +70,7 @@ def _tanh(x):
 @triton.jit
 def attend_block(q, k_base, v_base, slot, stride_kn, stride_vn, mask, m_i, l_i, acc,
                  qk_scale, cap_log2, DOT_PREC: tl.constexpr, MASKED: tl.constexpr,
-                 SOFTCAP: tl.constexpr, EMPTY_ROWS: tl.constexpr):
+                 SOFTCAP: tl.constexpr, EMPTY_ROWS: tl.constexpr, KV_FP8: tl.constexpr = False):
     """Online-softmax update of (m_i, l_i, acc) by the keys at pool rows `slot`.
 
     q [M, D] (any dtype), k_base/v_base: K/V pointers of the KV head with the
@@ -40,10 +80,14 @@ def attend_block(q, k_base, v_base, slot, stride_kn, stride_vn, mask, m_i, l_i, 
     where `mask` ([M, N] or [1, N]) is False count as -inf. Without EMPTY_ROWS each
     row must keep at least one visible key over the blocks it has seen, or m_i
     stays -inf (NaN); EMPTY_ROWS (sliding windows, whose rows start at different
-    keys) pays one select per row to allow rows that saw nothing yet.
+    keys) pays one select per row to allow rows that saw nothing yet. KV_FP8:
+    the K/V tiles are FP8 codes, widened to q's dtype here (the caller folds
+    the scales in: `fp8_score_scale`, `fp8_value_scale`).
     Returns the new (m_i, l_i, acc).
     """
     k = tl.load(k_base + slot[:, None] * stride_kn)
+    if KV_FP8:
+        k = k.to(q.dtype)
     qk = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale
     if SOFTCAP:
         qk = cap_log2 * _tanh(qk)
@@ -57,6 +101,8 @@ def attend_block(q, k_base, v_base, slot, stride_kn, stride_vn, mask, m_i, l_i, 
     p = tl.exp2(qk - m_sub[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
     v = tl.load(v_base + slot[:, None] * stride_vn)
+    if KV_FP8:
+        v = v.to(q.dtype)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
     return m_new, l_i, acc
 

@@ -29,6 +29,10 @@ order. Both kernels inline the same helpers with the same tile shape, warps
 and stages, so the same code computes every row. Rows the window hides and
 positions past a request's length read the pool's padding slot 0.
 
+An FP8 pool (`kv_scales`): both kernels fold k_scale into the score scale
+with the same multiply and apply v_scale after the one normalization
+(`flash_block.kv_fp8_args`), so rows stay the same bits across the two.
+
 CUDA graphs: the decode grid depends on the batch size only and the scratch
 is sized for `max_splits(context)` splits, so graphs capture it unchanged.
 """
@@ -40,7 +44,14 @@ import triton
 import triton.language as tl
 
 from radixlm.layers.attention.triton_ops.decode_attention import dot_precision
-from radixlm.layers.attention.triton_ops.flash_block import attend_block, load_slots, score_scales
+from radixlm.layers.attention.triton_ops.flash_block import (
+    attend_block,
+    fp8_score_scale,
+    fp8_value_scale,
+    kv_fp8_args,
+    load_slots,
+    score_scales,
+)
 
 ROWS = 16  # query rows per tile (the MMA's M side)
 MIN_SPLIT = 256  # positions per split, at least
@@ -75,7 +86,7 @@ def _launch_options(x: torch.Tensor) -> dict[str, bool]:
 def _attend_split(q, pos, lo, valid, r2t, k_base, v_base, SlotMap, stride_kn, stride_vn, sb,
                   split, qk_scale, cap_log2, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
                   ROWS_: tl.constexpr, DOT_PREC: tl.constexpr, SOFTCAP: tl.constexpr,
-                  TRANSLATE: tl.constexpr):
+                  TRANSLATE: tl.constexpr, KV_FP8: tl.constexpr):
     """(m, l, acc) of the split [sb, sb + split) for the tile's rows: row i at
     position pos[i] sees keys lo[i]..pos[i] (rows not `valid` see none), m in
     the log2 domain, -inf for a row that sees nothing here."""
@@ -95,7 +106,8 @@ def _attend_split(q, pos, lo, valid, r2t, k_base, v_base, SlotMap, stride_kn, st
                    & (offs_n[None, :] <= pos[:, None]))
         m_i, l_i, acc = attend_block(q, k_base, v_base, slot, stride_kn, stride_vn, visible,
                                      m_i, l_i, acc, qk_scale, cap_log2, DOT_PREC=DOT_PREC,
-                                     MASKED=True, SOFTCAP=SOFTCAP, EMPTY_ROWS=True)
+                                     MASKED=True, SOFTCAP=SOFTCAP, EMPTY_ROWS=True,
+                                     KV_FP8=KV_FP8)
     return m_i, l_i, acc
 
 
@@ -120,12 +132,13 @@ def _first_visible(pos, window, HAS_WINDOW: tl.constexpr):
 @triton.jit
 def _extend_kernel(
     Q, K, V, Out, ReqToToken, ReqPoolIdx, PrefixLens, ExtendLens, ExtendStart, Tiles, SlotMap,
-    qk_scale, cap_log2, window, split,
+    KScale, VScale, qk_scale, cap_log2, window, split,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_kn, stride_kh, stride_vn, stride_vh,
     stride_r2t,
     GROUP: tl.constexpr, NH: tl.constexpr, NP: tl.constexpr, ROWS_: tl.constexpr,
     BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, DOT_PREC: tl.constexpr,
     HAS_WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, TRANSLATE: tl.constexpr,
+    KV_FP8: tl.constexpr,
 ):
     t = tl.program_id(0)
     r = tl.load(Tiles + 4 * t)
@@ -151,6 +164,7 @@ def _extend_kernel(
     r2t = ReqToToken + row * stride_r2t
     k_base = K + g * stride_kh + offs_d[None, :]
     v_base = V + g * stride_vh + offs_d[None, :]
+    qk_scale = fp8_score_scale(qk_scale, KScale, KV_FP8)
     acc_m = tl.full([ROWS_], float("-inf"), tl.float32)
     acc_l = tl.zeros([ROWS_], tl.float32)
     acc_o = tl.zeros([ROWS_, HEAD_DIM], tl.float32)
@@ -160,22 +174,24 @@ def _extend_kernel(
         m, lsum, o = _attend_split(q, pos, lo, valid, r2t, k_base, v_base, SlotMap, stride_kn,
                                    stride_vn, s * split, split, qk_scale, cap_log2,
                                    BLOCK_N=BLOCK_N, HEAD_DIM=HEAD_DIM, ROWS_=ROWS_,
-                                   DOT_PREC=DOT_PREC, SOFTCAP=SOFTCAP, TRANSLATE=TRANSLATE)
+                                   DOT_PREC=DOT_PREC, SOFTCAP=SOFTCAP, TRANSLATE=TRANSLATE,
+                                   KV_FP8=KV_FP8)
         acc_m, acc_l, acc_o = _fold(acc_m, acc_l, acc_o, m, lsum, o)
-    out = acc_o / acc_l[:, None]
+    out = fp8_value_scale(acc_o / acc_l[:, None], VScale, KV_FP8)
     tl.store(Out + tok[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
              out.to(Out.dtype.element_ty), mask=valid[:, None])
 
 
 @triton.jit
 def _decode_kernel(
-    Q, K, V, ReqToToken, ReqPoolIdx, SeqLens, SlotMap, MidO, MidM, MidL,
+    Q, K, V, ReqToToken, ReqPoolIdx, SeqLens, SlotMap, MidO, MidM, MidL, KScale,
     qk_scale, cap_log2, window, split, num_progs,
     stride_qb, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_r2t,
     stride_mob, stride_moh, stride_mos, stride_mlb, stride_mlh,
     GROUP: tl.constexpr, NH: tl.constexpr, HC: tl.constexpr, ROWS_: tl.constexpr,
     BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, DOT_PREC: tl.constexpr,
     HAS_WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, TRANSLATE: tl.constexpr,
+    KV_FP8: tl.constexpr,
 ):
     b = tl.program_id(0)
     g = tl.program_id(1) // HC
@@ -197,13 +213,15 @@ def _decode_kernel(
     r2t = ReqToToken + row * stride_r2t
     k_base = K + g * stride_kh + offs_d[None, :]
     v_base = V + g * stride_vh + offs_d[None, :]
+    qk_scale = fp8_score_scale(qk_scale, KScale, KV_FP8)
     first_split = tl.max(lo, 0) // split
     count = (seq_len - 1) // split - first_split + 1
     for si in range(j, count, num_progs):
         m, lsum, o = _attend_split(q, pos, lo, valid, r2t, k_base, v_base, SlotMap, stride_kn,
                                    stride_vn, (first_split + si) * split, split, qk_scale,
                                    cap_log2, BLOCK_N=BLOCK_N, HEAD_DIM=HEAD_DIM, ROWS_=ROWS_,
-                                   DOT_PREC=DOT_PREC, SOFTCAP=SOFTCAP, TRANSLATE=TRANSLATE)
+                                   DOT_PREC=DOT_PREC, SOFTCAP=SOFTCAP, TRANSLATE=TRANSLATE,
+                                   KV_FP8=KV_FP8)
         tl.store(MidO + b * stride_mob + head[:, None] * stride_moh + si * stride_mos
                  + offs_d[None, :], o, mask=valid[:, None])
         tl.store(MidM + b * stride_mlb + head * stride_mlh + si, m, mask=valid)
@@ -211,9 +229,10 @@ def _decode_kernel(
 
 
 @triton.jit
-def _merge_kernel(MidO, MidM, MidL, Out, SeqLens, window, split,
+def _merge_kernel(MidO, MidM, MidL, Out, SeqLens, VScale, window, split,
                   stride_mob, stride_moh, stride_mos, stride_mlb, stride_mlh,
-                  stride_ob, stride_oh, HEAD_DIM: tl.constexpr, HAS_WINDOW: tl.constexpr):
+                  stride_ob, stride_oh, HEAD_DIM: tl.constexpr, HAS_WINDOW: tl.constexpr,
+                  KV_FP8: tl.constexpr):
     b = tl.program_id(0)
     h = tl.program_id(1)
     seq_len = tl.load(SeqLens + b)
@@ -232,7 +251,8 @@ def _merge_kernel(MidO, MidM, MidL, Out, SeqLens, window, split,
                     + offs_d[None, :])
         acc_m, acc_l, acc_o = _fold(acc_m, acc_l, acc_o, m, lsum, o)
     # seq_len 0 (padding rows): zeros.
-    out = tl.where(acc_l[:, None] > 0, acc_o / acc_l[:, None], 0.0)
+    out = fp8_value_scale(tl.where(acc_l[:, None] > 0, acc_o / acc_l[:, None], 0.0), VScale,
+                          KV_FP8)
     tl.store(Out + b * stride_ob + h * stride_oh + offs_d[None, :],
              out.to(Out.dtype.element_ty))
 
@@ -270,7 +290,9 @@ def invariant_extend_fwd(q: torch.Tensor, o: torch.Tensor, k_buffer: torch.Tenso
                          extend_lens: torch.Tensor, extend_start_loc: torch.Tensor,
                          tiles: torch.Tensor, sm_scale: float, split: int, *,
                          window: int | None = None, softcap: float | None = None,
-                         slot_map: torch.Tensor | None = None) -> torch.Tensor:
+                         slot_map: torch.Tensor | None = None,
+                         kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None
+                         ) -> torch.Tensor:
     """Extend attention with `extend_attention_fwd`'s arguments (q, o: [tokens,
     heads, dim]; the new K/V already in the pool), `tiles` from `build_tiles` and
     the process's `split` (`split_size`); writes and returns `o`."""
@@ -284,16 +306,17 @@ def invariant_extend_fwd(q: torch.Tensor, o: torch.Tensor, k_buffer: torch.Tenso
     assert split % cfg["block_n"] == 0
     if tiles.shape[0] == 0:
         return o
+    k_scale, v_scale, kv_fp8 = kv_fp8_args(k_buffer, q, kv_scales)
     _extend_kernel[(tiles.shape[0],)](
         q, k_buffer, v_buffer, o, req_to_token, req_pool_indices, prefix_lens, extend_lens,
         extend_start_loc, tiles, slot_map if slot_map is not None else prefix_lens,
-        *score_scales(sm_scale, softcap), window or 0, split,
+        k_scale, v_scale, *score_scales(sm_scale, softcap), window or 0, split,
         q.stride(0), q.stride(1), o.stride(0), o.stride(1),
         k_buffer.stride(0), k_buffer.stride(1), v_buffer.stride(0), v_buffer.stride(1),
         req_to_token.stride(0),
         GROUP=group, NH=nh, NP=ROWS // nh, ROWS_=ROWS, BLOCK_N=cfg["block_n"],
         HEAD_DIM=head_dim, DOT_PREC=dot_precision(q.dtype), HAS_WINDOW=window is not None,
-        SOFTCAP=softcap is not None, TRANSLATE=slot_map is not None,
+        SOFTCAP=softcap is not None, TRANSLATE=slot_map is not None, KV_FP8=kv_fp8,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **_launch_options(q))
     return o
 
@@ -321,7 +344,9 @@ def invariant_decode_fwd(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torc
                          mid_o: torch.Tensor, mid_m: torch.Tensor, mid_l: torch.Tensor,
                          sm_scale: float, split: int, programs: int, *,
                          window: int | None = None, softcap: float | None = None,
-                         slot_map: torch.Tensor | None = None) -> torch.Tensor:
+                         slot_map: torch.Tensor | None = None,
+                         kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None
+                         ) -> torch.Tensor:
     """Decode attention (q, o: [bs, heads, dim]); scratch from
     `alloc_invariant_scratch` with room for every split of the longest request;
     `programs` from `decode_programs`. No host synchronization."""
@@ -337,20 +362,21 @@ def invariant_decode_fwd(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torc
     assert split % cfg["block_n"] == 0
     translate = slot_map is not None
     opts = _launch_options(q)
+    k_scale, v_scale, kv_fp8 = kv_fp8_args(k_buffer, q, kv_scales)
     _decode_kernel[(bs, num_kv_heads * hc, programs)](
         q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens,
-        slot_map if translate else seq_lens, mid_o, mid_m, mid_l,
+        slot_map if translate else seq_lens, mid_o, mid_m, mid_l, k_scale,
         *score_scales(sm_scale, softcap), window or 0, split, programs,
         q.stride(0), q.stride(1), k_buffer.stride(0), k_buffer.stride(1),
         v_buffer.stride(0), v_buffer.stride(1), req_to_token.stride(0),
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_m.stride(0), mid_m.stride(1),
         GROUP=group, NH=nh, HC=hc, ROWS_=ROWS, BLOCK_N=cfg["block_n"], HEAD_DIM=head_dim,
         DOT_PREC=dot_precision(q.dtype), HAS_WINDOW=window is not None,
-        SOFTCAP=softcap is not None, TRANSLATE=translate,
+        SOFTCAP=softcap is not None, TRANSLATE=translate, KV_FP8=kv_fp8,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **opts)
     _merge_kernel[(bs, num_heads)](
-        mid_o, mid_m, mid_l, o, seq_lens, window or 0, split,
+        mid_o, mid_m, mid_l, o, seq_lens, v_scale, window or 0, split,
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_m.stride(0), mid_m.stride(1),
         o.stride(0), o.stride(1), HEAD_DIM=head_dim, HAS_WINDOW=window is not None,
-        num_warps=4 if head_dim >= 128 else 2, **opts)
+        KV_FP8=kv_fp8, num_warps=4 if head_dim >= 128 else 2, **opts)
     return o
