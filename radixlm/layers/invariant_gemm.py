@@ -61,6 +61,16 @@ WIDE = GemmConfig(64, 64, 4, 6)
 FIXED_CONFIG: GemmConfig | None = None  # one tile for every M when set
 
 
+SHARED_MEMORY = 200 * 1024  # of an H100/H200 SM's 227 KiB, with room for the epilogue
+
+
+def fit_stages(cfg: GemmConfig, elem_bytes: int) -> GemmConfig:
+    """cfg with as many of its pipeline stages as fit shared memory (fp32 tiles take
+    twice bf16's); stages change only timing, never a sum's order."""
+    per_stage = (cfg.block_m + cfg.block_n) * BLOCK_K * elem_bytes
+    return cfg._replace(stages=max(2, min(cfg.stages, SHARED_MEMORY // per_stage)))
+
+
 def pick_config(m: int, n: int, k: int) -> GemmConfig:
     if FIXED_CONFIG is not None:
         return FIXED_CONFIG
@@ -116,7 +126,7 @@ def matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
          else out.view(m, n))
     if m == 0:
         return y.view(*x.shape[:-1], n)
-    cfg = pick_config(m, n, k)
+    cfg = fit_stages(pick_config(m, n, k), x.element_size())
     grid = (triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n),)
     _matmul_kernel[grid](
         x2, weight, bias if bias is not None else weight, y, m, n, k, x2.stride(0),
