@@ -17,6 +17,7 @@ count any rank can hold.
 
 from __future__ import annotations
 
+import gc
 import logging
 from dataclasses import dataclass
 
@@ -86,6 +87,9 @@ class MemoryPlan:
     def available_bytes(self) -> float:
         """Memory the KV cache may take, before the reserve."""
         if self.device.type == "cuda":
+            # An earlier engine of this process may be garbage still (its model and
+            # graph runner hold each other): collected, its tensors' blocks count below.
+            gc.collect()
             free, total = torch.cuda.mem_get_info(self.device)
             # Blocks torch's allocator holds but no tensor uses (an earlier engine's,
             # in this process) are the pools' to reuse, though the driver counts them.

@@ -413,6 +413,7 @@ def _serve(model: str, prompts, **kw):
                          return_logprob=True, logprob_start_len=0)
         pool = worker.kv_pool
         info = (type(pool), pool.size, pool.k_buffer[0].dtype)
+        del worker, graphs, pool  # nothing of this engine may outlive it: the next needs its memory
     gc.collect()
     torch.cuda.empty_cache()
     return out, info
