@@ -6,50 +6,38 @@ llamacpp-serving, gguf-agreement, quant, quant-perplexity, moe-gguf, speculative
 
 from __future__ import annotations
 
+import importlib
 import sys
+
+# mode -> (module under radixlm.bench, whether its main takes the mode name too,
+# whether its return value is the exit status)
+MODES: dict[str, tuple[str, bool, bool]] = {
+    "offline": ("offline", True, False),
+    "one-batch": ("offline", True, False),
+    "shared-prefix": ("shared_prefix", False, False),
+    "serving": ("serving", False, False),
+    "ttft": ("ttft", False, False),
+    "mixed-chunk": ("scheduling", True, False),
+    "priority": ("scheduling", True, False),
+    "llamacpp-serving": ("llamacpp_serving", False, True),
+    "gguf-agreement": ("gguf_agreement", False, False),
+    "quant": ("quant", False, False),
+    "quant-perplexity": ("quant_perplexity", False, False),
+    "moe-gguf": ("moe_gguf", False, False),
+    "speculative": ("speculative", False, False),
+}
 
 
 def main() -> None:
-    modes = ("offline", "one-batch", "shared-prefix", "serving", "ttft", "mixed-chunk",
-             "priority", "llamacpp-serving", "gguf-agreement", "quant", "quant-perplexity",
-             "moe-gguf", "speculative")
-    if len(sys.argv) < 2 or sys.argv[1] not in modes:
-        print(f"usage: python -m radixlm.bench {{{','.join(modes)}}} [options]")
+    if len(sys.argv) < 2 or sys.argv[1] not in MODES:
+        print(f"usage: python -m radixlm.bench {{{','.join(MODES)}}} [options]")
         sys.exit(2)
     mode, argv = sys.argv[1], sys.argv[2:]
-    if mode in ("offline", "one-batch"):
-        from radixlm.bench.offline import main as run
-        run(argv, mode)
-    elif mode in ("mixed-chunk", "priority"):
-        from radixlm.bench.scheduling import main as run
-        run(argv, mode)
-    elif mode == "llamacpp-serving":
-        from radixlm.bench.llamacpp_serving import main as run
-        sys.exit(run(argv))
-    elif mode == "gguf-agreement":
-        from radixlm.bench.gguf_agreement import main as run
-        run(argv)
-    elif mode == "quant":
-        from radixlm.bench.quant import main as run
-        run(argv)
-    elif mode == "quant-perplexity":
-        from radixlm.bench.quant_perplexity import main as run
-        run(argv)
-    elif mode == "moe-gguf":
-        from radixlm.bench.moe_gguf import main as run
-        run(argv)
-    elif mode == "shared-prefix":
-        from radixlm.bench.shared_prefix import main as run
-        run(argv)
-    elif mode == "speculative":
-        from radixlm.bench.speculative import main as run
-        run(argv)
-    elif mode == "ttft":
-        from radixlm.bench.ttft import main as run
-        run(argv)
-    else:
-        from radixlm.bench.serving import main as run
-        run(argv)
+    module, takes_mode, returns_status = MODES[mode]
+    run = importlib.import_module(f"radixlm.bench.{module}").main
+    status = run(argv, mode) if takes_mode else run(argv)
+    if returns_status:
+        sys.exit(status)
 
 
 if __name__ == "__main__":
