@@ -126,41 +126,30 @@ void store_tile(const float* acc, int mr, int64_t p, int64_t n, const float* bia
   }
 }
 
-template <typename T>
-void linear_f32(const at::Tensor& x, const float* packed, int64_t n, int64_t k,
-                const float* bias, const at::Tensor& y) {
-  const int64_t m = x.size(0), panels = (n + kPanel - 1) / kPanel;
-  const T* xp = static_cast<const T*>(x.data_ptr());
-  T* yp = static_cast<T*>(y.data_ptr());
-  const int64_t x_s = x.stride(0), y_s = y.stride(0);
+// The work split both flavours share: tasks of (a block of kBlockRows rows, a run of
+// panels), enough for every thread; a task's panels share its block's rows. `rows_of(m0,
+// mb, scratch, stride)` returns the block's rows as the tile reads them (in place or
+// widened into `scratch`), `tile(rows_c, rows, stride, p, acc)` computes one tile of
+// rows_c::value rows by panel p into acc. Threads split rows and panels, never K.
+template <typename R, typename T, typename RowsOf, typename Tile>
+void for_each_tile(int64_t m, int64_t n, const float* bias, T* yp, int64_t y_s,
+                   RowsOf&& rows_of, Tile&& tile) {
+  const int64_t panels = (n + kPanel - 1) / kPanel;
   const int64_t blocks = (m + kBlockRows - 1) / kBlockRows;
-  // Enough tasks for every thread; a task's panels share its widened rows.
   const int64_t per = std::max<int64_t>(1, panels * blocks / (4 * at::get_num_threads()));
   const int64_t chunks = (panels + per - 1) / per;
   at::parallel_for(0, blocks * chunks, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> rows, acc(kRows * kPanel);
+    std::vector<R> scratch;
+    std::vector<float> acc(kRows * kPanel);
     for (int64_t t = begin; t < end; ++t) {
       const int64_t b = t / chunks, p0 = (t % chunks) * per, p1 = std::min(panels, p0 + per);
       const int64_t m0 = b * kBlockRows, mb = std::min(kBlockRows, m - m0);
-      const float* xr;
-      int64_t xr_s;
-      if constexpr (std::is_same_v<T, float>) {
-        xr = xp + m0 * x_s;
-        xr_s = x_s;
-      } else {
-        rows.resize(mb * k);
-        for (int64_t r = 0; r < mb; ++r)
-          for (int64_t i = 0; i < k; ++i) rows[r * k + i] = static_cast<float>(xp[(m0 + r) * x_s + i]);
-        xr = rows.data();
-        xr_s = k;
-      }
+      int64_t xr_s = 0;
+      const R* xr = rows_of(m0, mb, scratch, xr_s);
       for (int64_t p = p0; p < p1; ++p) {
-        const float* panel = packed + p * k * kPanel;
         for (int64_t r0 = 0; r0 < mb; r0 += kRows) {
           const int mr = static_cast<int>(std::min<int64_t>(kRows, mb - r0));
-          with_rows(mr, [&](auto rows_c) {
-            tile_f32<decltype(rows_c)::value>(xr + r0 * xr_s, xr_s, panel, k, acc.data());
-          });
+          with_rows(mr, [&](auto rows_c) { tile(rows_c, xr + r0 * xr_s, xr_s, p, acc.data()); });
           store_tile(acc.data(), mr, p, n, bias, yp + (m0 + r0) * y_s, y_s);
         }
       }
@@ -168,48 +157,54 @@ void linear_f32(const at::Tensor& x, const float* packed, int64_t n, int64_t k,
   });
 }
 
+template <typename T>
+void linear_f32(const at::Tensor& x, const float* packed, int64_t n, int64_t k,
+                const float* bias, const at::Tensor& y) {
+  const T* xp = static_cast<const T*>(x.data_ptr());
+  const int64_t x_s = x.stride(0);
+  auto rows_of = [&](int64_t m0, int64_t mb, std::vector<float>& rows, int64_t& stride) {
+    if constexpr (std::is_same_v<T, float>) {
+      stride = x_s;
+      return xp + m0 * x_s;
+    } else {  // widened to fp32 once per task
+      rows.resize(mb * k);
+      for (int64_t r = 0; r < mb; ++r)
+        for (int64_t i = 0; i < k; ++i) rows[r * k + i] = static_cast<float>(xp[(m0 + r) * x_s + i]);
+      stride = k;
+      return static_cast<const float*>(rows.data());
+    }
+  };
+  auto tile = [&](auto rows_c, const float* xr, int64_t xr_s, int64_t p, float* acc) {
+    tile_f32<decltype(rows_c)::value>(xr, xr_s, packed + p * k * kPanel, k, acc);
+  };
+  for_each_tile<float>(x.size(0), n, bias, static_cast<T*>(y.data_ptr()), y.stride(0),
+                       rows_of, tile);
+}
+
 #if defined(__AVX512BF16__)
 void linear_bf16(const at::Tensor& x, const uint32_t* packed, int64_t n, int64_t k,
                  const float* bias, const at::Tensor& y) {
   using T = c10::BFloat16;
-  const int64_t m = x.size(0), panels = (n + kPanel - 1) / kPanel, k2 = (k + 1) / 2;
+  const int64_t k2 = (k + 1) / 2;
   const T* xp = static_cast<const T*>(x.data_ptr());
-  T* yp = static_cast<T*>(y.data_ptr());
-  const int64_t x_s = x.stride(0), y_s = y.stride(0);
-  const int64_t blocks = (m + kBlockRows - 1) / kBlockRows;
-  const int64_t per = std::max<int64_t>(1, panels * blocks / (4 * at::get_num_threads()));
-  const int64_t chunks = (panels + per - 1) / per;
+  const int64_t x_s = x.stride(0);
   const bool direct = k % 2 == 0 && x_s % 2 == 0;  // rows readable as bf16 pairs in place
-  at::parallel_for(0, blocks * chunks, 1, [&](int64_t begin, int64_t end) {
-    std::vector<uint32_t> rows;
-    std::vector<float> acc(kRows * kPanel);
-    for (int64_t t = begin; t < end; ++t) {
-      const int64_t b = t / chunks, p0 = (t % chunks) * per, p1 = std::min(panels, p0 + per);
-      const int64_t m0 = b * kBlockRows, mb = std::min(kBlockRows, m - m0);
-      const uint32_t* xr;
-      int64_t xr_s;
-      if (direct) {
-        xr = reinterpret_cast<const uint32_t*>(xp + m0 * x_s);
-        xr_s = x_s / 2;
-      } else {  // an odd K: pad each row with a zero
-        rows.assign(mb * k2, 0u);
-        for (int64_t r = 0; r < mb; ++r)
-          std::memcpy(rows.data() + r * k2, xp + (m0 + r) * x_s, sizeof(T) * k);
-        xr = rows.data();
-        xr_s = k2;
-      }
-      for (int64_t p = p0; p < p1; ++p) {
-        const uint32_t* panel = packed + p * k2 * kPanel;
-        for (int64_t r0 = 0; r0 < mb; r0 += kRows) {
-          const int mr = static_cast<int>(std::min<int64_t>(kRows, mb - r0));
-          with_rows(mr, [&](auto rows_c) {
-            tile_bf16<decltype(rows_c)::value>(xr + r0 * xr_s, xr_s, panel, k2, acc.data());
-          });
-          store_tile(acc.data(), mr, p, n, bias, yp + (m0 + r0) * y_s, y_s);
-        }
-      }
+  auto rows_of = [&](int64_t m0, int64_t mb, std::vector<uint32_t>& rows, int64_t& stride) {
+    if (direct) {
+      stride = x_s / 2;
+      return reinterpret_cast<const uint32_t*>(xp + m0 * x_s);
     }
-  });
+    rows.assign(mb * k2, 0u);  // an odd K: pad each row with a zero
+    for (int64_t r = 0; r < mb; ++r)
+      std::memcpy(rows.data() + r * k2, xp + (m0 + r) * x_s, sizeof(T) * k);
+    stride = k2;
+    return static_cast<const uint32_t*>(rows.data());
+  };
+  auto tile = [&](auto rows_c, const uint32_t* xr, int64_t xr_s, int64_t p, float* acc) {
+    tile_bf16<decltype(rows_c)::value>(xr, xr_s, packed + p * k2 * kPanel, k2, acc);
+  };
+  for_each_tile<uint32_t>(x.size(0), n, bias, static_cast<T*>(y.data_ptr()), y.stride(0),
+                          rows_of, tile);
 }
 #endif
 
