@@ -240,3 +240,44 @@ def test_benchmark_file_serves(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) 
         out = e.generate(input_ids=[5, 7, 9, 11], sampling_params={
             "max_new_tokens": 8, "temperature": 0, "ignore_eos": True})
     assert len(out["output_ids"]) == 8
+
+
+def test_benchmark_file_has_llamacpps_olmoe_layout(tmp_path: Path) -> None:
+    """`bench moe-gguf`'s file holds what llama.cpp's `olmoe` loader creates: gguf-py's
+    tensor names for the arch, ggml dims (fastest first) as its loader asks
+    (token_embd {n_embd, n_vocab}, ffn_gate_exps {n_embd, n_ff_exp, n_expert}, ...)
+    and the MoE hparams."""
+    from radixlm.bench import moe_gguf
+
+    path = tmp_path / "bench.gguf"
+    hidden, heads, experts, top_k, inter, vocab, layers = 64, 4, 8, 2, 32, 160, 2
+    moe_gguf.write(path, layers, "Q8_0", "Q4_0", hidden=hidden, heads=heads, experts=experts,
+                   top_k=top_k, inter=inter, vocab=vocab)
+    r = gguf.GGUFReader(str(path))
+    arch = gguf.MODEL_ARCH.OLMOE
+    name = gguf.MODEL_ARCH_NAMES[arch]
+    assert r.fields["general.architecture"].contents() == name
+    known = {gguf.TENSOR_NAMES[t].format(bid=i) + ".weight"
+             for t in gguf.MODEL_TENSORS[arch] for i in range(layers)}
+    shapes = {t.name: tuple(int(d) for d in t.shape) for t in r.tensors}
+    assert set(shapes) <= known, set(shapes) - known
+    want = {"token_embd.weight": (hidden, vocab), "output_norm.weight": (hidden,),
+            "output.weight": (hidden, vocab)}
+    for i in range(layers):
+        for part in ("attn_q", "attn_k", "attn_v", "attn_output"):
+            want[f"blk.{i}.{part}.weight"] = (hidden, hidden)
+        for part in ("attn_norm", "attn_q_norm", "attn_k_norm", "ffn_norm"):
+            want[f"blk.{i}.{part}.weight"] = (hidden,)
+        want[f"blk.{i}.ffn_gate_inp.weight"] = (hidden, experts)
+        want[f"blk.{i}.ffn_gate_exps.weight"] = (hidden, inter, experts)
+        want[f"blk.{i}.ffn_up_exps.weight"] = (hidden, inter, experts)
+        want[f"blk.{i}.ffn_down_exps.weight"] = (inter, hidden, experts)
+    assert shapes == want
+    types = {t.name: t.tensor_type for t in r.tensors}
+    assert types["blk.0.ffn_gate_exps.weight"] == gguf.GGMLQuantizationType.Q4_0
+    assert types["blk.0.ffn_gate_inp.weight"] == gguf.GGMLQuantizationType.F32
+    hp = {"block_count": layers, "embedding_length": hidden, "expert_count": experts,
+          "expert_used_count": top_k, "expert_feed_forward_length": inter,
+          "attention.head_count": heads, "attention.head_count_kv": heads,
+          "vocab_size": vocab}
+    assert {k: r.fields[f"{name}.{k}"].contents() for k in hp} == hp

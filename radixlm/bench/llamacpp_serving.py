@@ -192,11 +192,25 @@ def kv_pool_mib(dtype_name: str, model: str, tokens: int) -> float:
     return tokens * per_token / 2**20
 
 
+def check_alive(server: Server) -> None:
+    """Raise if the server died during the run (its requests then all failed)."""
+    rc = server.proc.poll() if server.proc is not None else None
+    if rc is None:
+        return
+    hint = ""
+    if rc == -11 and not server.name.startswith("radixlm"):
+        hint = (" (SIGSEGV: a llama.cpp built with its AMX backend, `AMX_INT8 = 1` in the "
+                "log, faults in ldtilecfg on this machine; use a build without it)")
+    raise RuntimeError(f"{server.name} exited with {rc} during the run{hint}; log "
+                       f"{server.log_path}:\n{server.log()[-3000:]}")
+
+
 def run(args: argparse.Namespace, server: Server) -> None:
     print(f"starting {server.name}: {' '.join(server.cmd)}", flush=True)
     server.start()
     try:
         asyncio.run(measure(args, server))
+        check_alive(server)
         server.rss_mb, server.extra = rss_mb(server, args.model)
     finally:
         server.stop()

@@ -13,6 +13,19 @@ trained model's weights (std ~0.02); norms are one. The vocabulary and
 tokenizer are the embedded SmolLM2 file's (49152 tokens: both servers need a
 real tokenizer to serve text), so the embedding and head are [49152, hidden].
 Tensors are written one at a time: the file is never all in memory.
+`--hidden/--heads/--inter/--experts/--top-k` shrink the shape (a `--layers 1
+--hidden 256` file takes seconds: for trying a peer on it).
+
+llama.cpp's `olmoe` loader takes the file as written (tensor names, ggml dims,
+hparams and vocabulary: `tests/test_moe_gguf.py` checks them against gguf-py's
+tables), and a llama.cpp build without its AMX backend serves it. A build with
+the AMX backend (llama-cpp-python 0.3.36 built natively here: `AMX_INT8 = 1` in
+its log) segfaults on its first forward of any file whose Q4_0/Q4_1/Q8_0
+matrices it places in its AMX buffer, the embedded dense SmolLM2 included: its
+compiled tile-config init loads a half-initialized 64-byte config with
+`ldtilecfg`, a general-protection fault (SIGSEGV). So the peer for this file is
+a llama-cpp-python built without that backend (no `AMX_INT8` in the log's `CPU :`
+line; moe_gguf_peer_report.md has the crash and the figures).
 """
 
 from __future__ import annotations
@@ -133,10 +146,14 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--type", default="Q8_0", choices=sorted(_BLOCKS),
                    help="attention, embedding and head blocks")
     p.add_argument("--experts-type", default="Q4_0", choices=sorted(_BLOCKS))
+    p.add_argument("--hidden", type=int, default=2048)
+    p.add_argument("--heads", type=int, default=16)
+    p.add_argument("--inter", type=int, default=1024, help="each expert's intermediate size")
     p.add_argument("--experts", type=int, default=64)
     p.add_argument("--top-k", type=int, default=8)
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
     write(Path(args.out), args.layers, args.type, args.experts_type, args.seed,
-          experts=args.experts, top_k=args.top_k)
+          hidden=args.hidden, heads=args.heads, inter=args.inter, experts=args.experts,
+          top_k=args.top_k)
     print(f"wrote {args.out} ({Path(args.out).stat().st_size / 2**20:.0f} MiB)")
