@@ -149,6 +149,44 @@ def test_attention_rows_do_not_depend_on_chunking_or_decode(dtype, heads, kv_hea
 
 @needs_kernels
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads,kv_heads,dim", [(9, 3, 64), (4, 1, 80)])
+@pytest.mark.parametrize("window,softcap", [(None, None), (40, 5.0)])
+@pytest.mark.parametrize("layout", ["contiguous", "strided", "offset"])
+def test_attention_rows_do_not_depend_on_the_batch_or_the_query_layout(
+        dtype, heads, kv_heads, dim, window, softcap, layout) -> None:
+    """A long request alone is cut into several work units; in a batch of others it
+    is one (on two threads; fewer than alone on more); the queries are read in place
+    or copied depending on their layout: the rows are the same bits every way."""
+    gen = torch.Generator().manual_seed(dim + 1)
+    n = 560
+    k, v, r2t = _pool(dtype, kv_heads, dim, n, gen)
+    q = torch.randn(n, heads, dim, generator=gen).to(dtype)
+    scale = dim ** -0.5
+    whole = _extend(q, k, v, r2t, [(0, n)], scale, window, softcap)
+    # Every request is a piece of the same context (one req_to_token row): each of
+    # its rows must equal the row prefilled alone.
+    batch = [(0, 40), (300, 20), (0, n), (10, 5), (255, 2)] + [(0, 256)] * 64
+    rows = sum(ext for _, ext in batch)
+    pad = {"contiguous": 0, "strided": 16, "offset": 1}[layout]
+    buf = torch.zeros(rows, heads * dim + pad, dtype=dtype)
+    qb = (buf[:, pad:] if layout == "offset" else buf[:, :heads * dim]).view(rows, heads, dim)
+    at = 0
+    for pre, ext in batch:
+        qb[at:at + ext] = q[pre:pre + ext]
+        at += ext
+    out = torch.empty(rows, heads, dim, dtype=dtype)
+    t = torch.tensor
+    cpu_ops.extend_attention(qb, k, v, out, r2t, torch.ones(len(batch), dtype=torch.int64),
+                             t([pre for pre, _ in batch]), t([ext for _, ext in batch]),
+                             scale, window, softcap)
+    at = 0
+    for pre, ext in batch:
+        assert torch.equal(out[at:at + ext], whole[pre:pre + ext]), (pre, ext)
+        at += ext
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_dense_products_do_not_depend_on_the_row_count(dtype) -> None:
     gen = torch.Generator().manual_seed(0)
     n, k = 200, 577  # a partial panel, an odd K

@@ -133,7 +133,7 @@ inline void block_range(const int64_t* pos, const int64_t* lo, int rows, int64_t
 // not visible); `vis` gets the mask. FULL: every key of the block is visible to
 // every row of the tile, so the mask (all ones) is not applied: the same values.
 template <bool FULL>
-inline vfloat masked_scores(vfloat s, float scale, float softcap, int64_t j0, int half,
+__attribute__((always_inline)) inline vfloat masked_scores(vfloat s, float scale, float softcap, int64_t j0, int half,
                             int64_t lo, int64_t pos, vint& vis) {
   s = s * scale;
   if (softcap > 0.f) s = softcap_vec(s, softcap);
@@ -147,7 +147,7 @@ inline vfloat masked_scores(vfloat s, float scale, float softcap, int64_t j0, in
 // returns alpha (what o is rescaled by) and the probabilities pa/pb (exactly 0
 // where not visible); false when the row sees nothing yet (state untouched).
 template <bool FULL>
-inline bool softmax_step(vfloat a, vfloat b, vint va, vint vb, float& m, vfloat& l,
+__attribute__((always_inline)) inline bool softmax_step(vfloat a, vfloat b, vint va, vint vb, float& m, vfloat& l,
                          float& alpha, vfloat& pa, vfloat& pb) {
   const float mx = std::max(m, hmax(a > b ? a : b));
   if (mx == kNegInf) return false;
@@ -171,144 +171,211 @@ inline bool block_full(const int64_t* pos, const int64_t* lo, int rows, int64_t 
   return true;
 }
 
+// The split loops below keep their accumulators in registers: the scores of a
+// block and the outputs are register arrays indexed only by unrolled constants
+// inside the product loops, and cross into memory (`sc`, `ob`) once per block
+// for the per-row softmax step, whose loop indexes rows at run time. (When the
+// step indexed the register arrays directly, GCC kept them in memory and stored
+// every accumulator on every iteration of both product loops, which made them
+// store-bound.) The operations and their order are those of one row alone.
+
+// The per-row softmax step of a block over the scores in sc[r] (2 x 16 lanes):
+// probabilities to prob (F: the element type, see below, via `emit`), alpha[r]
+// the rescale of row r's output, scaled[r] whether it applies (false: the row
+// sees nothing yet, its state untouched).
+template <int R, typename Emit>
+inline void rows_step(const float (*sc)[kBlock], const int64_t* pos, const int64_t* lo, int rows,
+                      int64_t j0, float scale, float softcap, float* m, vfloat* l,
+                      float* alpha, bool* scaled, Emit emit) {
+  auto step = [&](auto full) {
+    constexpr bool F = decltype(full)::value;
+    for (int r = 0; r < R; ++r) {
+      const int rr = std::min(r, rows - 1);
+      vint va, vb;
+      const vfloat a = masked_scores<F>(load_vec(sc[r]), scale, softcap, j0, 0, lo[rr], pos[rr], va);
+      const vfloat b =
+          masked_scores<F>(load_vec(sc[r] + kLanes), scale, softcap, j0, 1, lo[rr], pos[rr], vb);
+      vfloat pa, pb;
+      scaled[r] = softmax_step<F>(a, b, va, vb, m[r], l[r], alpha[r], pa, pb);
+      emit(r, scaled[r], pa, pb);
+    }
+  };
+  if (block_full(pos, lo, rows, j0)) step(std::true_type{});
+  else step(std::false_type{});
+}
+
 template <int DV, int R>
-__attribute__((noinline)) void split_f32(const float* const* q, const int64_t* pos, const int64_t* lo, int rows,
-               const float* kt, const float* vr, int64_t n, int64_t base, int64_t sb,
-               float scale, float softcap, const SplitOut& out) {
+__attribute__((noinline)) void split_f32(const float* const* q, const int64_t* pos,
+                                         const int64_t* lo, int rows, const float* kt,
+                                         const float* vr, int64_t n, int64_t base, int64_t sb,
+                                         float scale, float softcap, const SplitOut& out) {
   // q[r]: D floats. kt: [D][n] keys, vr: [n][D] values (fp32).
   constexpr int D = DV * kLanes;
-  vfloat o[R][DV], l[R];
-  float m[R];
+  alignas(64) float ob[R][D];  // outputs between blocks
+  alignas(64) float sc[R][kBlock];
+  alignas(64) float p[R][kBlock];
+  vfloat l[R];
+  float m[R], alpha[R];
+  bool scaled[R];
   const float* qr[R];
   for (int r = 0; r < R; ++r) {
-    for (int c = 0; c < DV; ++c) o[r][c] = vfloat{};
+    std::memset(ob[r], 0, sizeof(ob[r]));
     l[r] = vfloat{};
     m[r] = kNegInf;
     qr[r] = q[std::min(r, rows - 1)];  // rows past `rows` repeat the last: results dropped
   }
   int64_t first, last;
   block_range(pos, lo, rows, sb, first, last);
-  alignas(64) float p[R][kBlock];
   for (int64_t j0 = first; j0 <= last; j0 += kBlock) {
-    const float* kb = kt + (j0 - base);
-    vfloat s[R][2];
-    for (int r = 0; r < R; ++r) s[r][0] = s[r][1] = vfloat{};
-    for (int c = 0; c < D; ++c) {
-      const vfloat k0 = load_vec(kb + c * n), k1 = load_vec(kb + c * n + kLanes);
+    {
+      const float* kb = kt + (j0 - base);
+      vfloat s[R][2];
+#pragma GCC unroll 16
+      for (int r = 0; r < R; ++r) s[r][0] = s[r][1] = vfloat{};
+      for (int c = 0; c < D; ++c) {
+        const vfloat k0 = load_vec(kb + c * n), k1 = load_vec(kb + c * n + kLanes);
+#pragma GCC unroll 16
+        for (int r = 0; r < R; ++r) {
+          const vfloat qc = splat(qr[r][c]);
+          s[r][0] = fma_vec(qc, k0, s[r][0]);
+          s[r][1] = fma_vec(qc, k1, s[r][1]);
+        }
+      }
+#pragma GCC unroll 16
       for (int r = 0; r < R; ++r) {
-        const vfloat qc = splat(qr[r][c]);
-        s[r][0] = fma_vec(qc, k0, s[r][0]);
-        s[r][1] = fma_vec(qc, k1, s[r][1]);
+        store_vec(sc[r], s[r][0]);
+        store_vec(sc[r] + kLanes, s[r][1]);
       }
     }
-    auto rows_step = [&](auto full) {
-      constexpr bool F = decltype(full)::value;
-      for (int r = 0; r < R; ++r) {
-        const int rr = std::min(r, rows - 1);
-        vint va, vb;
-        const vfloat a = masked_scores<F>(s[r][0], scale, softcap, j0, 0, lo[rr], pos[rr], va);
-        const vfloat b = masked_scores<F>(s[r][1], scale, softcap, j0, 1, lo[rr], pos[rr], vb);
-        float alpha;
-        vfloat pa, pb;
-        if (!softmax_step<F>(a, b, va, vb, m[r], l[r], alpha, pa, pb)) {
-          std::memset(p[r], 0, sizeof(p[r]));
-          continue;
-        }
-        for (int c = 0; c < DV; ++c) o[r][c] = o[r][c] * alpha;
-        store_vec(p[r], pa);
-        store_vec(p[r] + kLanes, pb);
-      }
-    };
-    if (block_full(pos, lo, rows, j0)) rows_step(std::true_type{});
-    else rows_step(std::false_type{});
+    rows_step<R>(sc, pos, lo, rows, j0, scale, softcap, m, l, alpha, scaled,
+                 [&](int r, bool ok, vfloat pa, vfloat pb) {
+                   if (!ok) {
+                     std::memset(p[r], 0, sizeof(p[r]));
+                     return;
+                   }
+                   store_vec(p[r], pa);
+                   store_vec(p[r] + kLanes, pb);
+                 });
     // Keys past every row's position have probability 0 for all: not read.
     const int count = static_cast<int>(std::min<int64_t>(kBlock, last + 1 - j0));
     const float* vb = vr + (j0 - base) * D;
+    vfloat o[R][DV];
+#pragma GCC unroll 16
+    for (int r = 0; r < R; ++r) {
+      const vfloat al = splat(alpha[r]);
+#pragma GCC unroll 16
+      for (int c = 0; c < DV; ++c) {
+        o[r][c] = load_vec(ob[r] + c * kLanes);
+        if (scaled[r]) o[r][c] = o[r][c] * al;
+      }
+    }
     for (int j = 0; j < count; ++j) {
+#pragma GCC unroll 16
       for (int c = 0; c < DV; ++c) {
         const vfloat v = load_vec(vb + j * D + c * kLanes);
+#pragma GCC unroll 16
         for (int r = 0; r < R; ++r) o[r][c] = fma_vec(splat(p[r][j]), v, o[r][c]);
       }
     }
+#pragma GCC unroll 16
+    for (int r = 0; r < R; ++r)
+#pragma GCC unroll 16
+      for (int c = 0; c < DV; ++c) store_vec(ob[r] + c * kLanes, o[r][c]);
   }
   for (int r = 0; r < rows; ++r) {
     out.m[r * out.stride] = m[r];
     out.l[r * out.stride] = hsum(l[r]);
-    for (int c = 0; c < DV; ++c) store_vec(out.o + r * out.stride * D + c * kLanes, o[r][c]);
+    std::memcpy(out.o + r * out.stride * D, ob[r], sizeof(ob[r]));
   }
 }
 
 #if defined(__AVX512BF16__)
 template <int DV, int R>
-__attribute__((noinline)) void split_bf16(const uint32_t* const* q, const int64_t* pos, const int64_t* lo, int rows,
-                const uint32_t* kt, const uint32_t* vr, int64_t n, int64_t base, int64_t sb,
-                float scale, float softcap, const SplitOut& out) {
+__attribute__((noinline)) void split_bf16(const uint32_t* const* q, const int64_t* pos,
+                                          const int64_t* lo, int rows, const uint32_t* kt,
+                                          const uint32_t* vr, int64_t n, int64_t base,
+                                          int64_t sb, float scale, float softcap,
+                                          const SplitOut& out) {
   // q[r]: D / 2 bf16 pairs. kt: [D / 2][n] key pairs, vr: [n / 2][D] pairs of value rows.
   constexpr int D = DV * kLanes, DP = D / 2;
-  __m512 o[R][DV], l[R];
-  float m[R];
+  alignas(64) float ob[R][D];  // outputs between blocks
+  alignas(64) float sc[R][kBlock];
+  alignas(64) uint32_t pp[R][kBlock / 2];
+  vfloat l[R];
+  float m[R], alpha[R];
+  bool scaled[R];
   const uint32_t* qr[R];
   for (int r = 0; r < R; ++r) {
-    for (int c = 0; c < DV; ++c) o[r][c] = _mm512_setzero_ps();
-    l[r] = _mm512_setzero_ps();
+    std::memset(ob[r], 0, sizeof(ob[r]));
+    l[r] = vfloat{};
     m[r] = kNegInf;
     qr[r] = q[std::min(r, rows - 1)];
   }
   int64_t first, last;
   block_range(pos, lo, rows, sb, first, last);
-  alignas(64) uint32_t pp[R][kBlock / 2];
   for (int64_t j0 = first; j0 <= last; j0 += kBlock) {
-    const uint32_t* kb = kt + (j0 - base);
-    __m512 s[R][2];
-    for (int r = 0; r < R; ++r) s[r][0] = s[r][1] = _mm512_setzero_ps();
-    for (int p = 0; p < DP; ++p) {
-      const __m512bh k0 = (__m512bh)_mm512_loadu_si512(kb + p * n);
-      const __m512bh k1 = (__m512bh)_mm512_loadu_si512(kb + p * n + kLanes);
+    {
+      const uint32_t* kb = kt + (j0 - base);
+      __m512 s[R][2];
+#pragma GCC unroll 16
+      for (int r = 0; r < R; ++r) s[r][0] = s[r][1] = _mm512_setzero_ps();
+      for (int p = 0; p < DP; ++p) {
+        const __m512bh k0 = (__m512bh)_mm512_loadu_si512(kb + p * n);
+        const __m512bh k1 = (__m512bh)_mm512_loadu_si512(kb + p * n + kLanes);
+#pragma GCC unroll 16
+        for (int r = 0; r < R; ++r) {
+          const __m512bh qq = (__m512bh)_mm512_set1_epi32(static_cast<int>(qr[r][p]));
+          s[r][0] = _mm512_dpbf16_ps(s[r][0], qq, k0);
+          s[r][1] = _mm512_dpbf16_ps(s[r][1], qq, k1);
+        }
+      }
+#pragma GCC unroll 16
       for (int r = 0; r < R; ++r) {
-        const __m512bh qq = (__m512bh)_mm512_set1_epi32(static_cast<int>(qr[r][p]));
-        s[r][0] = _mm512_dpbf16_ps(s[r][0], qq, k0);
-        s[r][1] = _mm512_dpbf16_ps(s[r][1], qq, k1);
+        _mm512_store_ps(sc[r], s[r][0]);
+        _mm512_store_ps(sc[r] + kLanes, s[r][1]);
       }
     }
-    auto rows_step = [&](auto full) {
-      constexpr bool F = decltype(full)::value;
-      for (int r = 0; r < R; ++r) {
-        const int rr = std::min(r, rows - 1);
-        vint va, vb;
-        const vfloat a =
-            masked_scores<F>((vfloat)s[r][0], scale, softcap, j0, 0, lo[rr], pos[rr], va);
-        const vfloat b =
-            masked_scores<F>((vfloat)s[r][1], scale, softcap, j0, 1, lo[rr], pos[rr], vb);
-        float alpha;
-        vfloat pa, pb, lr = (vfloat)l[r];
-        if (!softmax_step<F>(a, b, va, vb, m[r], lr, alpha, pa, pb)) {
-          std::memset(pp[r], 0, sizeof(pp[r]));
-          continue;
-        }
-        l[r] = (__m512)lr;
-        const __m512 al = _mm512_set1_ps(alpha);
-        for (int c = 0; c < DV; ++c) o[r][c] = _mm512_mul_ps(o[r][c], al);
-        // P as bf16 pairs (keys 2i, 2i + 1) for the second product.
-        _mm512_store_si512(pp[r], (__m512i)_mm512_cvtne2ps_pbh((__m512)pb, (__m512)pa));
-      }
-    };
-    if (block_full(pos, lo, rows, j0)) rows_step(std::true_type{});
-    else rows_step(std::false_type{});
+    rows_step<R>(sc, pos, lo, rows, j0, scale, softcap, m, l, alpha, scaled,
+                 [&](int r, bool ok, vfloat pa, vfloat pb) {
+                   if (!ok) {
+                     std::memset(pp[r], 0, sizeof(pp[r]));
+                     return;
+                   }
+                   // P as bf16 pairs (keys 2i, 2i + 1) for the second product.
+                   _mm512_store_si512(pp[r], (__m512i)_mm512_cvtne2ps_pbh((__m512)pb, (__m512)pa));
+                 });
     const int pairs = static_cast<int>(std::min<int64_t>(kBlock, last + 1 - j0) + 1) / 2;
     const uint32_t* vb = vr + ((j0 - base) / 2) * D;
+    __m512 o[R][DV];
+#pragma GCC unroll 16
+    for (int r = 0; r < R; ++r) {
+      const __m512 al = _mm512_set1_ps(alpha[r]);
+#pragma GCC unroll 16
+      for (int c = 0; c < DV; ++c) {
+        o[r][c] = _mm512_load_ps(ob[r] + c * kLanes);
+        if (scaled[r]) o[r][c] = _mm512_mul_ps(o[r][c], al);
+      }
+    }
     for (int i = 0; i < pairs; ++i) {
       __m512bh vv[DV];
+#pragma GCC unroll 16
       for (int c = 0; c < DV; ++c) vv[c] = (__m512bh)_mm512_loadu_si512(vb + i * D + c * kLanes);
+#pragma GCC unroll 16
       for (int r = 0; r < R; ++r) {
         const __m512bh pv = (__m512bh)_mm512_set1_epi32(static_cast<int>(pp[r][i]));
+#pragma GCC unroll 16
         for (int c = 0; c < DV; ++c) o[r][c] = _mm512_dpbf16_ps(o[r][c], pv, vv[c]);
       }
     }
+#pragma GCC unroll 16
+    for (int r = 0; r < R; ++r)
+#pragma GCC unroll 16
+      for (int c = 0; c < DV; ++c) _mm512_store_ps(ob[r] + c * kLanes, o[r][c]);
   }
   for (int r = 0; r < rows; ++r) {
     out.m[r * out.stride] = m[r];
-    out.l[r * out.stride] = hsum((vfloat)l[r]);
-    for (int c = 0; c < DV; ++c) _mm512_storeu_ps(out.o + r * out.stride * D + c * kLanes, o[r][c]);
+    out.l[r * out.stride] = hsum(l[r]);
+    std::memcpy(out.o + r * out.stride * D, ob[r], sizeof(ob[r]));
   }
 }
 #endif

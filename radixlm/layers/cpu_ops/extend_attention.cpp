@@ -6,15 +6,19 @@
 // about a fifth of the whole prefill: its inner products are not the
 // bottleneck, its per-block bookkeeping is. Here, in bf16 on CPUs with
 // AVX512-BF16, both products run on `vdpbf16ps` (attention.h has the layouts).
-// Each request's keys and values (from the first one its first new row sees to
-// its last) are packed once from the pool, in parallel. Work unit: one
-// (request, KV head, chunk of up to kChunkRows new rows): every query row of
-// the GROUP heads that share the KV head walks the key blocks up to its
-// position, R rows at a time with their output in registers, split by split
-// (attention.h), so each row gets the bits a decode step at its position
-// would: the result of a row does not depend on where its chunk began, how
-// much of the prompt was cached, or what else is in the batch. Units are
-// handed to threads longest first.
+// Work unit: one (request, KV head, chunk of new rows), pulled by idle threads
+// longest first, in one parallel pass. A unit packs its keys and values (from
+// the first position its first row sees, block-aligned, to its last row) from
+// the pool into its thread's buffers, which stay hot in cache and are kept from
+// call to call; then every query row of the GROUP heads that share the KV head
+// walks the key blocks up to its position, R rows at a time with their output in
+// registers, split by split (attention.h), so each row gets the bits a decode
+// step at its position would: the result of a row does not depend on where its
+// chunk began, how much of the prompt was cached, or what else is in the batch.
+// A request is cut into chunks only when it is more than an eighth of a thread's
+// share of the call's work (a long prompt spreads over the threads; a batch of
+// short ones packs each request's keys once per KV head, as the fresh-prompt
+// kernel this one replaced did).
 //
 // Layer variants: with a sliding window W the query at position p sees keys
 // p - W + 1 .. p only (key blocks wholly before a row's window are skipped,
@@ -27,7 +31,6 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
-#include <array>
 #include <atomic>
 #include <type_traits>
 #include <vector>
@@ -36,8 +39,6 @@ namespace {
 
 using namespace radixlm_cpu;
 using namespace radixlm_cpu::attn;
-
-constexpr int64_t kChunkRows = 128;  // new rows per work unit
 
 template <typename T>
 struct Args {
@@ -56,42 +57,33 @@ struct Args {
   float softcap;   // 0: none
 };
 
-// Request i's packed keys and values: positions [first, first + n) of every KV
-// head, head g's at kt + g * kt_head, vr + g * vr_head (P: the flavour's element).
-struct Packed {
-  int64_t first, n, offset;  // offset of the request's block in the shared buffers
-};
-
 struct Unit {
   int64_t req, kv_head, first_pos, stop_pos;  // new rows at positions [first_pos, stop_pos)
+  int64_t work;                               // its cost (for the order)
 };
 
+// One thread's buffers, kept from call to call (no allocation, no page faults
+// per layer): the unit's packed keys and values (one KV head, P: the flavour's
+// element), query rows padded to the compiled width, the splits' results.
 template <typename P>
-struct Shared {
-  std::vector<P> kt, vr;
-  std::vector<Packed> packs;
-  int64_t kt_per_key, vr_per_key;  // elements per packed position (one head)
-  P* keys(int64_t req, int g) {
-    const Packed& p = packs[req];
-    return kt.data() + p.offset * kt_per_key + g * p.n * kt_per_key;
-  }
-  P* values(int64_t req, int g) {
-    const Packed& p = packs[req];
-    return vr.data() + p.offset * vr_per_key + g * p.n * vr_per_key;
-  }
-};
-
 struct Scratch {
-  std::vector<float> qf, acc, part;
-  std::vector<uint32_t> qp;
+  std::vector<P> kt, vr, qrows;
+  std::vector<float> acc, part;
   std::vector<int64_t> slots;
 };
 
+template <typename P>
+Scratch<P>& scratch() {
+  thread_local Scratch<P> w;
+  return w;
+}
+
 // Rows [p0, p0 + rows) of head h: every split they see, folded in order, then
-// normalized into out.
-template <int DV, int R, typename T, typename Split>
+// normalized into out. The first split is written straight into the
+// accumulator: what `fold` makes of (m, l, o) into a fresh (-inf) state.
+template <int DV, int R, typename T, typename P, typename Split>
 void attend_rows(const Args<T>& a, const Unit& u, int h, int64_t p0, int rows,
-                 const void* const* q, Split split, Scratch& w) {
+                 const void* const* q, Split split, Scratch<P>& w) {
   constexpr int D = DV * kLanes;
   int64_t pos[R], lo[R];
   for (int r = 0; r < R; ++r) {
@@ -99,70 +91,92 @@ void attend_rows(const Args<T>& a, const Unit& u, int h, int64_t p0, int rows,
     lo[r] = first_visible(pos[r], a.window);
   }
   float M[R], L[R], pm[R], pl[R];
-  std::fill(M, M + R, kNegInf);
-  std::fill(L, L + R, 0.f);
-  w.acc.resize(static_cast<size_t>(R) * D);
-  w.part.resize(static_cast<size_t>(R) * D);
-  for (int64_t s = lo[0] / kSplit; s <= pos[rows - 1] / kSplit; ++s) {
+  float* acc = w.acc.data();
+  const int64_t s0 = lo[0] / kSplit, s1 = pos[rows - 1] / kSplit;
+  split(q, pos, lo, rows, s0 * kSplit, SplitOut{M, L, acc, 1});
+  for (int64_t s = s0 + 1; s <= s1; ++s) {
     split(q, pos, lo, rows, s * kSplit, SplitOut{pm, pl, w.part.data(), 1});
     for (int r = 0; r < rows; ++r)
-      fold(M[r], L[r], w.acc.data() + r * D, pm[r], pl[r], w.part.data() + r * D, D);
+      fold(M[r], L[r], acc + r * D, pm[r], pl[r], w.part.data() + r * D, D);
   }
   const int64_t row0 = a.starts[u.req] + (p0 - a.prefix_lens[u.req]);
   for (int r = 0; r < rows; ++r) {
     T* dst = a.out + (row0 + r) * a.o_st + h * a.o_sh;
     if (a.dim == D) {
-      finish(w.acc.data() + r * D, L[r], dst, D);
+      finish(acc + r * D, L[r], dst, D);
     } else {
       T tmp[D];
-      finish(w.acc.data() + r * D, L[r], tmp, D);
+      finish(acc + r * D, L[r], tmp, D);
       std::memcpy(dst, tmp, sizeof(T) * a.dim);
     }
   }
 }
 
-// Every query row of the unit (the group's heads over its positions), R rows at a time.
+// One unit: its keys and values (from the first position its first row sees,
+// block-aligned, to its last row) packed from the pool into the thread's
+// buffers, then every query row of the group's heads over its positions, R
+// rows at a time.
 template <int DV, typename T, typename P>
-void attend_unit(const Args<T>& a, const Unit& u, Shared<P>& sh, Scratch& w) {
+void attend_unit(const Args<T>& a, const Unit& u, Scratch<P>& w) {
   constexpr int D = DV * kLanes;
   constexpr int R = rows_per_tile<DV>();
-  const int group = a.heads / a.kv_heads, g = static_cast<int>(u.kv_head);
-  const Packed& pk = sh.packs[u.req];
-  const P* kt = sh.keys(u.req, g);
-  const P* vr = sh.values(u.req, g);
-  const int64_t row_of_first = a.starts[u.req] - a.prefix_lens[u.req];  // q row of position 0
   constexpr bool pairs = std::is_same_v<P, uint32_t>;
-  constexpr int qw = pairs ? D / 2 : D;  // a query row's packed width
+  constexpr int per_key = pairs ? D / 2 : D;  // elements per packed position (and query row)
+  const int group = a.heads / a.kv_heads, g = static_cast<int>(u.kv_head);
+  const int64_t i = u.req, lo_first = first_visible(u.first_pos, a.window);
+  const int64_t first = lo_first / kBlock * kBlock, count = u.stop_pos - first;
+  const int64_t n = round_up(count, kBlock);
+  w.kt.resize(static_cast<size_t>(n) * per_key);
+  w.vr.resize(static_cast<size_t>(n) * per_key);
+  a.r2t.copy(a.rows[i], first, count, w.slots);
+  const KvRows<T> kv{a.k, a.v, a.k_sn, a.v_sn, a.k_sh, a.v_sh, w.slots.data(), lo_first - first};
+  pack_range(kv, g, count, 0, n, a.dim, D, n, w.kt.data(), w.vr.data());
+  const P* kt = w.kt.data();
+  const P* vr = w.vr.data();
   auto split = [&](const void* const* q, const int64_t* pos, const int64_t* lo, int rows,
                    int64_t sb, const SplitOut& out) {
 #if defined(__AVX512BF16__)
     if constexpr (pairs) {
-      split_bf16<DV, R>(reinterpret_cast<const uint32_t* const*>(q), pos, lo, rows, kt, vr,
-                        pk.n, pk.first, sb, a.scale, a.softcap, out);
+      split_bf16<DV, R>(reinterpret_cast<const uint32_t* const*>(q), pos, lo, rows, kt, vr, n,
+                        first, sb, a.scale, a.softcap, out);
       return;
     }
 #endif
     if constexpr (!pairs)
-      split_f32<DV, R>(reinterpret_cast<const float* const*>(q), pos, lo, rows, kt, vr, pk.n,
-                       pk.first, sb, a.scale, a.softcap, out);
+      split_f32<DV, R>(reinterpret_cast<const float* const*>(q), pos, lo, rows, kt, vr, n,
+                       first, sb, a.scale, a.softcap, out);
   };
-  if constexpr (pairs) w.qp.assign(static_cast<size_t>(R) * qw, 0u);
-  else w.qf.resize(static_cast<size_t>(R) * qw);
+  // Query rows are read in place when they are already in the flavour's layout
+  // (bf16 pairs, or fp32, at the compiled width); else copied, widened, zero-padded.
+  constexpr bool same = pairs ? std::is_same_v<T, c10::BFloat16> : std::is_same_v<T, float>;
+  const bool in_place = same && a.dim == D && (a.q_st * sizeof(T)) % 4 == 0 &&
+                        (a.q_sh * sizeof(T)) % 4 == 0 &&
+                        reinterpret_cast<uintptr_t>(a.q) % 4 == 0;
+  if (!in_place) {
+    if constexpr (pairs) w.qrows.assign(static_cast<size_t>(R) * per_key, 0u);
+    else w.qrows.resize(static_cast<size_t>(R) * per_key);
+  }
+  w.acc.resize(static_cast<size_t>(R) * D);
+  w.part.resize(static_cast<size_t>(R) * D);
+  const int64_t row_of_first = a.starts[i] - a.prefix_lens[i];  // q row of position 0
   for (int hh = 0; hh < group; ++hh) {
     const int h = g * group + hh;
     for (int64_t p0 = u.first_pos; p0 < u.stop_pos; p0 += R) {
       const int rows = static_cast<int>(std::min<int64_t>(R, u.stop_pos - p0));
       const void* q[R];
       for (int r = 0; r < R; ++r) {
-        const T* src = a.q + (row_of_first + p0 + r) * a.q_st + h * a.q_sh;
+        const T* src = a.q + (row_of_first + p0 + std::min(r, rows - 1)) * a.q_st + h * a.q_sh;
+        if (in_place) {
+          q[r] = src;
+          continue;
+        }
+        P* dst = w.qrows.data() + std::min(r, rows - 1) * per_key;
+        q[r] = dst;
+        if (r >= rows) continue;
         if constexpr (pairs) {
-          if (r < rows) std::memcpy(w.qp.data() + r * qw, src, a.dim * sizeof(T));
-          q[r] = w.qp.data() + std::min(r, rows - 1) * qw;
+          std::memcpy(dst, src, a.dim * sizeof(T));
         } else {
-          if (r < rows)
-            for (int c = 0; c < D; c += kLanes)
-              store_vec(w.qf.data() + r * qw + c, load_widened(src, c, a.dim));
-          q[r] = w.qf.data() + std::min(r, rows - 1) * qw;
+          for (int c = 0; c < D; c += kLanes) store_vec(dst + c, load_widened(src, c, a.dim));
         }
       }
       attend_rows<DV, R>(a, u, h, p0, rows, q, split, w);
@@ -170,65 +184,75 @@ void attend_unit(const Args<T>& a, const Unit& u, Shared<P>& sh, Scratch& w) {
   }
 }
 
-// Jobs pulled by idle threads, in order: `jobs` of them, job(i, scratch).
-template <typename F>
-void pull(int64_t jobs, F&& job) {
-  std::atomic<int64_t> next{0};
-  const int64_t workers = std::min<int64_t>(at::get_num_threads(), jobs);
-  if (workers <= 0) return;
-  at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
-    Scratch w;
-    for (int64_t i = next++; i < jobs; i = next++) job(i, w);
-  });
+// The cost of the rows at positions [p0, p1): the blocks they walk, plus a block each.
+inline int64_t rows_work(int64_t p0, int64_t p1, int64_t window) {
+  int64_t work = 0;
+  for (int64_t p = p0; p < p1; ++p) work += p / kBlock - first_visible(p, window) / kBlock + 2;
+  return work;
+}
+
+// Work units: each request's new rows for one KV head, cut into chunks when the
+// request alone is more than a small share of the call's work (a long prompt
+// spreads over the threads; a batch of short ones keeps one unit per (request,
+// KV head), packing its keys once). Chunks hold whole register tiles of R rows.
+template <int R, typename T>
+std::vector<Unit> make_units(const Args<T>& a, int64_t count) {
+  constexpr int64_t kMinChunkRows = 32;
+  std::vector<int64_t> work(count);
+  int64_t total = 0;
+  for (int64_t i = 0; i < count; ++i) {
+    const int64_t pre = a.prefix_lens[i];
+    work[i] = rows_work(pre, pre + a.extend_lens[i], a.window);
+    total += work[i] * a.kv_heads;
+  }
+  const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
+  const int64_t target = std::max<int64_t>(1, total / (threads * 8));
+  std::vector<Unit> units;
+  for (int64_t i = 0; i < count; ++i) {
+    const int64_t pre = a.prefix_lens[i], stop = pre + a.extend_lens[i];
+    for (int64_t p = pre; p < stop;) {
+      int64_t end = stop, w = work[i];
+      if (work[i] > target) {  // cut after the tile that reaches the target
+        end = p;
+        w = 0;
+        while (end < stop && (w < target || end - p < kMinChunkRows)) {
+          const int64_t e = std::min(stop, end + R);
+          w += rows_work(end, e, a.window);
+          end = e;
+        }
+        if (stop - end < kMinChunkRows) {  // no runt at the end
+          w += rows_work(end, stop, a.window);
+          end = stop;
+        }
+      }
+      for (int g = 0; g < a.kv_heads; ++g) units.push_back({i, g, p, end, w});
+      p = end;
+    }
+  }
+  // Longest first.
+  std::stable_sort(units.begin(), units.end(),
+                   [](const Unit& x, const Unit& y) { return x.work > y.work; });
+  return units;
 }
 
 template <int DV, typename T, typename P>
 void run_flavour(const Args<T>& a, int64_t count) {
-  constexpr int D = DV * kLanes;
-  constexpr int64_t kPackCols = 256;  // positions per packing job
-  Shared<P> sh;
-  sh.kt_per_key = std::is_same_v<P, uint32_t> ? D / 2 : D;
-  sh.vr_per_key = std::is_same_v<P, uint32_t> ? D / 2 : D;
-  // Each request's keys and values are packed once, from the first position its
-  // first new row sees (block-aligned) to its last, for every KV head.
-  int64_t total = 0;
-  std::vector<std::array<int64_t, 4>> pack_jobs;  // request, head, first column, end column
-  sh.packs.resize(count);
-  for (int64_t i = 0; i < count; ++i) {
-    const int64_t pre = a.prefix_lens[i], stop = pre + a.extend_lens[i];
-    const int64_t first = first_visible(pre, a.window) / kBlock * kBlock;
-    const int64_t n = a.extend_lens[i] ? round_up(stop - first, kBlock) : 0;
-    sh.packs[i] = {first, n, total};
-    total += n * a.kv_heads;
-    for (int g = 0; g < a.kv_heads; ++g)
-      for (int64_t c = 0; c < n; c += kPackCols) pack_jobs.push_back({i, g, c, std::min(n, c + kPackCols)});
-  }
-  sh.kt.resize(total * sh.kt_per_key);
-  sh.vr.resize(total * sh.vr_per_key);
-  pull(static_cast<int64_t>(pack_jobs.size()), [&](int64_t j, Scratch& w) {
-    const auto [i, g, c0, c1] = pack_jobs[j];
-    const Packed& pk = sh.packs[i];
-    const int64_t stop = a.prefix_lens[i] + a.extend_lens[i];
-    a.r2t.copy(a.rows[i], pk.first + c0, std::min(stop, pk.first + c1) - pk.first - c0, w.slots);
-    // The slots cover [first + c0, ...): index them from c0.
-    const KvRows<T> kv{a.k, a.v, a.k_sn, a.v_sn, a.k_sh, a.v_sh, w.slots.data() - c0,
-                       first_visible(a.prefix_lens[i], a.window) - pk.first};
-    pack_range(kv, static_cast<int>(g), stop - pk.first, c0, c1, a.dim, D, pk.n,
-               sh.keys(i, static_cast<int>(g)), sh.values(i, static_cast<int>(g)));
+  const std::vector<Unit> units = make_units<rows_per_tile<DV>()>(a, count);
+  const int64_t jobs = static_cast<int64_t>(units.size());
+  std::atomic<int64_t> next{0};
+  const int64_t workers = std::min<int64_t>(at::get_num_threads(), jobs);
+  if (workers <= 0) return;
+  // Units pulled by idle threads, in order.
+  at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
+    Scratch<P>& w = scratch<P>();
+    for (int64_t j = next++; j < jobs; j = next++) attend_unit<DV>(a, units[j], w);
+    // A long prompt's buffers are not kept for the rest of the process.
+    constexpr size_t kKeep = size_t{4} << 20;
+    if (w.kt.capacity() * sizeof(P) > kKeep) {
+      std::vector<P>().swap(w.kt);
+      std::vector<P>().swap(w.vr);
+    }
   });
-  std::vector<Unit> units;
-  for (int64_t i = 0; i < count; ++i) {
-    const int64_t pre = a.prefix_lens[i], stop = pre + a.extend_lens[i];
-    for (int64_t p = pre; p < stop; p += kChunkRows)
-      for (int g = 0; g < a.kv_heads; ++g)
-        units.push_back({i, g, p, std::min(stop, p + kChunkRows)});
-  }
-  // Longest first (work grows with the last position).
-  std::stable_sort(units.begin(), units.end(), [&](const Unit& x, const Unit& y) {
-    return (x.stop_pos - x.first_pos) * x.stop_pos > (y.stop_pos - y.first_pos) * y.stop_pos;
-  });
-  pull(static_cast<int64_t>(units.size()),
-       [&](int64_t j, Scratch& w) { attend_unit<DV>(a, units[j], sh, w); });
 }
 
 template <int DV, typename T>
