@@ -140,3 +140,91 @@ def test_backends_without_tree_attention_refuse_trees() -> None:
     import radixlm.layers.attention as attn
     source = (Path(attn.__file__).parent / "triton_backend.py").read_text()
     assert "supports_tree_mask = True" not in source  # inherits the refusal
+
+
+# ---- through the scheduler ----------------------------------------------------------
+PROMPTS = ["The capital of France is", "def add(a, b):\n    return", "Once upon a time"]
+NEW_TOKENS = 12
+
+
+class TreeScriptDrafter:
+    """Proposes trees over a known continuation: at each of `depth` levels `topk`
+    children, the right token among wrong ones (at a varying place), the right one
+    expanded further and (with `bushy`) the first wrong one given a wrong child too.
+    `wrong`: output indices where even the right child is wrong."""
+
+    needs_host_tokens = True
+    drafts_on_device = False
+
+    def __init__(self, continuations: dict[str, list[int]], depth: int, topk: int,
+                 wrong: frozenset[int] = frozenset(), bushy: bool = True) -> None:
+        self.continuations, self.depth, self.topk = continuations, depth, topk
+        self.wrong, self.bushy = wrong, bushy
+
+    def forget(self, rid: str) -> None:
+        return None
+
+    def propose(self, reqs: list[Any]) -> dict[str, tree.DraftTree]:
+        out = {}
+        for r in reqs:
+            n = len(r.output_ids)
+            ahead = self.continuations[r.rid][n:n + self.depth]
+            tokens: list[int] = []
+            parents: list[int] = []
+            at = 0  # the row of the right path so far
+            for j, t in enumerate(ahead):
+                right = (t + 1) % 1000 if n + j in self.wrong else t
+                place = (n + j) % self.topk
+                kids = [(t + 3 + c) % 1000 for c in range(self.topk - 1)]
+                kids.insert(place, right)
+                first_row = len(tokens) + 1
+                for c in kids:
+                    tokens.append(c)
+                    parents.append(at)
+                if self.bushy and self.topk > 1:
+                    wrong_row = first_row + (1 if place == 0 else 0)
+                    tokens.append((t + 7) % 1000)
+                    parents.append(wrong_row)
+                at = first_row + place
+            if tokens:
+                out[r.rid] = tree.DraftTree(tokens, parents)
+        return out
+
+
+def _serve(model_dir: str, tokenizer: Any, params: dict[str, Any], drafter: Any = None,
+           backend: str = "cpu") -> tuple[dict[str, list[int]], Any]:
+    from radixlm.config import ServerArgs
+    from radixlm.protocol import GenerateReq
+    from radixlm.scheduler.scheduler import Scheduler
+
+    args = ServerArgs(device="cpu", dtype="float32", quantization="none",
+                      max_total_tokens=2048, chunked_prefill_size=64, attention_backend=backend)
+    sched = Scheduler(args, model_dir, load_config(model_dir), tokenizer, drafter=drafter)
+    for i, text in enumerate(PROMPTS):
+        sched.add_request(GenerateReq(rid=f"r{i}", input_ids=tokenizer.encode(text),
+                                      sampling_params={**params, "max_new_tokens": NEW_TOKENS}))
+    ids: dict[str, list[int]] = {f"r{i}": [] for i in range(len(PROMPTS))}
+    while sched.has_work:
+        for out in sched.step():
+            ids[out.rid] += out.new_token_ids
+        sched.check_invariants()
+    assert sched.worker.kv_pool.available_size() + sched.cache.total_size() == 2048
+    return ids, sched
+
+
+@pytest.mark.parametrize("params", [{"temperature": 0.0},
+                                    {"temperature": 0.8, "top_p": 0.9, "seed": 7}],
+                         ids=["greedy", "seeded"])
+def test_tree_drafts_change_forwards_not_tokens(model_dir: str, tokenizer: Any,
+                                                params: dict[str, Any]) -> None:
+    plain, base = _serve(model_dir, tokenizer, params)
+    assert all(len(v) == NEW_TOKENS for v in plain.values())
+    right, sched = _serve(model_dir, tokenizer, params, TreeScriptDrafter(plain, 3, 3))
+    assert right == plain
+    assert sched.forward_ct < base.forward_ct
+    assert sched.stats.num_accepted_drafts > 0
+    partly, sched = _serve(model_dir, tokenizer, params,
+                           TreeScriptDrafter(plain, 4, 2, wrong=frozenset({2, 5, 6, 9})),
+                           backend="torch_native")
+    assert partly == plain
+    assert 0 < sched.stats.num_accepted_drafts

@@ -285,6 +285,11 @@ class Scheduler:
         self.stats.num_stale_results += _drop_stale(batch, result)
         if batch.drafts is not None:
             self._count_drafts(batch, result)
+        if result.paths is not None:  # a tree's kept path becomes the next positions
+            for i, req in enumerate(batch.reqs):
+                if result.tokens[i] and req.req_pool_idx is not None:
+                    self.kv.keep_rows(req, batch.prefix_lens[i], result.paths[i],
+                                      batch.extend_lens[i])
         self.output.process(batch, result, self._finish)
         ahead = _valid_rows_ahead(launched.batch) if launched is not None else {}
         for i, req in enumerate(batch.reqs):
