@@ -227,4 +227,4 @@ def test_tree_drafts_change_forwards_not_tokens(model_dir: str, tokenizer: Any,
                            TreeScriptDrafter(plain, 4, 2, wrong=frozenset({2, 5, 6, 9})),
                            backend="torch_native")
     assert partly == plain
-    assert 0 < sched.stats.num_accepted_drafts
+    assert sched.stats.num_accepted_drafts > 0

@@ -1,0 +1,149 @@
+"""Tree drafts through the real scheduler and worker, on tiny random models (CPU
+fp32): a STANDALONE draft model's trees (topk 2-4, several depths) keep the plain
+run's greedy and seeded tokens, verify at least as many tokens per step as its
+chain of the same depth, and keep the KV accounting through retraction and abort
+mid-speculation; the flags' refusals."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from spec_models import save_tiny_target
+from test_speculative_engine import NEW_TOKENS, _prompts, _scheduler, _serve, _spec
+
+from radixlm.config import ServerArgs
+from radixlm.protocol import GenerateReq
+
+
+def _save_noisy_copy(path: Path, src: str, scale: float, seed: int = 0) -> str:
+    """The model at `src` with every weight matrix perturbed: a draft model that
+    agrees with it often, not always (its second choices then matter)."""
+    path.mkdir(parents=True)
+    g = torch.Generator().manual_seed(seed)
+    for f in Path(src).iterdir():
+        if f.suffix == ".safetensors":
+            tensors = {k: (v + scale * v.std() * torch.randn(v.shape, generator=g)
+                           if v.dim() == 2 else v) for k, v in load_file(f).items()}
+            save_file(tensors, path / f.name)
+        elif f.is_file():
+            shutil.copy(f, path / f.name)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory: Any) -> dict[str, str]:
+    root = tmp_path_factory.mktemp("tree")
+    target = save_tiny_target(root / "target", seed=1)
+    return {"target": target, "draft": save_tiny_target(root / "draft", seed=2),
+            "near": _save_noisy_copy(root / "near", target, 0.1)}
+
+
+@pytest.fixture(scope="module")
+def plain(models: dict[str, str]) -> dict[str, list[int]]:
+    out, _, _ = _serve(models["target"], _prompts())
+    assert all(len(v) == NEW_TOKENS for v in out.values())
+    return out
+
+
+def _tokens_per_verify(sched: Any) -> float:
+    st = sched.stats
+    return (st.num_spec_verifies + st.num_accepted_drafts) / max(st.num_spec_verifies, 1)
+
+
+@pytest.mark.parametrize("topk, steps", [(2, 2), (3, 3), (4, 2)])
+def test_tree_drafts_keep_the_greedy_tokens(models: dict[str, str],
+                                            plain: dict[str, list[int]], topk: int,
+                                            steps: int) -> None:
+    out, sched, _ = _serve(models["target"], _prompts(), **_spec(
+        "STANDALONE", models["draft"], speculative_num_steps=steps,
+        speculative_eagle_topk=topk))
+    assert out == plain
+    st = sched.stats
+    assert st.num_spec_verifies > 0
+    assert st.num_draft_tokens > st.num_spec_verifies * steps  # trees: more nodes than depth
+
+
+def test_tree_verifies_at_least_the_chains_tokens(models: dict[str, str],
+                                                  plain: dict[str, list[int]]) -> None:
+    """A draft model close to the target (a perturbed copy): the tree's leaves catch
+    some of the chain's misses."""
+    prompts = _prompts()
+    base, chain, _ = _serve(models["target"], prompts, new_tokens=32,
+                            **_spec("STANDALONE", models["near"], speculative_num_steps=3))
+    out, tree, _ = _serve(models["target"], prompts, new_tokens=32, **_spec(
+        "STANDALONE", models["near"], speculative_num_steps=3, speculative_eagle_topk=4))
+    assert out == base
+    c, t = _tokens_per_verify(chain), _tokens_per_verify(tree)
+    print(f"tokens per verify (depth 3): chain {c:.3f}, tree topk 4 {t:.3f}; forwards "
+          f"{chain.forward_ct} vs {tree.forward_ct}")
+    assert 1.1 < c <= t
+    assert tree.forward_ct <= chain.forward_ct
+
+
+def test_seeded_sampling_with_tree_drafts_is_unchanged(models: dict[str, str]) -> None:
+    """Tree drafts are kept by equality with the target's seeded token at each node:
+    a sampling request's tokens are those of the run without drafts."""
+    params = {"temperature": 0.7, "top_p": 0.95, "seed": 11}
+    base, _, _ = _serve(models["target"], _prompts(), params)
+    out, sched, _ = _serve(models["target"], _prompts(), params, **_spec(
+        "STANDALONE", models["target"], speculative_num_steps=3, speculative_eagle_topk=2))
+    assert out == base and sched.stats.num_accepted_drafts > 0
+
+
+def test_retraction_mid_tree_speculation(models: dict[str, str]) -> None:
+    g = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(0, 96, (20,), generator=g).tolist() for _ in range(4)]
+    small = dict(max_total_tokens=150, new_tokens=24)
+    plain, base, _ = _serve(models["target"], prompts, **small)
+    out, sched, _ = _serve(models["target"], prompts, **small, **_spec(
+        "STANDALONE", models["draft"], speculative_num_steps=3, speculative_eagle_topk=3))
+    assert out == plain
+    assert sched.stats.num_retractions > 0 and sched.stats.num_draft_tokens > 0
+
+
+def test_abort_mid_tree_speculation(models: dict[str, str],
+                                    plain: dict[str, list[int]]) -> None:
+    sched = _scheduler(models["target"], **_spec("STANDALONE", models["draft"],
+                                                 speculative_eagle_topk=3))
+    for i, ids in enumerate(_prompts()):
+        sched.add_request(GenerateReq(rid=f"r{i}", input_ids=ids, sampling_params={
+            "max_new_tokens": NEW_TOKENS, "temperature": 0}))
+    out: dict[str, list[int]] = {f"r{i}": [] for i in range(3)}
+    finish = {}
+    while sched.has_work:
+        for o in sched.step():
+            out[o.rid] += o.new_token_ids
+            finish[o.rid] = o.finish_reason
+        if sched.stats.num_draft_tokens > 0 and "r1" not in finish:
+            sched.abort("r1")
+        sched.check_invariants()
+    assert finish["r1"]["type"] == "abort"
+    assert out["r0"] == plain["r0"] and out["r2"] == plain["r2"]
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(speculative_algorithm="EAGLE", speculative_draft_model_path="/x",
+          speculative_eagle_topk=4), "draft head are not implemented"),
+    (dict(speculative_algorithm="NGRAM", speculative_eagle_topk=2, speculative_num_steps=3,
+          speculative_num_draft_tokens=8), "at most num_steps x topk \\+ 1 = 7"),
+    (dict(speculative_algorithm="NGRAM", speculative_eagle_topk=0), ">= 1"),
+])
+def test_tree_flags_refused(kwargs: dict[str, Any], match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        ServerArgs(**kwargs)
+
+
+def test_tree_flags() -> None:
+    args = ServerArgs(speculative_algorithm="NGRAM", speculative_eagle_topk=2,
+                      speculative_num_steps=3)
+    assert (args.speculative_num_drafts, args.speculative_tree_nodes) == (3, 6)
+    args = ServerArgs(speculative_algorithm="NGRAM", speculative_eagle_topk=2,
+                      speculative_num_steps=3, speculative_num_draft_tokens=5)
+    assert (args.speculative_num_drafts, args.speculative_tree_nodes) == (3, 4)
+    chain = ServerArgs(speculative_algorithm="NGRAM", speculative_num_draft_tokens=6)
+    assert (chain.speculative_num_drafts, chain.speculative_tree_nodes) == (5, 5)
