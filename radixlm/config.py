@@ -296,11 +296,6 @@ class ServerArgs:
                              f"{depth} and speculative_eagle_topk={topk}: a tree of that depth "
                              f"and branching verifies at most num_steps x topk + 1 = "
                              f"{depth * topk + 1} tokens")
-        if self.speculative_algorithm in ("EAGLE", "EAGLE3"):
-            raise ValueError(f"speculative_eagle_topk={topk} with speculative_algorithm="
-                             f"{self.speculative_algorithm}: tree drafts from a draft head are "
-                             "not implemented yet (STANDALONE and NGRAM draft trees); use "
-                             "speculative_eagle_topk 1")
         if self.tp_size > 1:
             raise ValueError(f"speculative_eagle_topk={topk} with tp_size={self.tp_size}: tree "
                              "drafts are not supported under tensor parallelism yet")

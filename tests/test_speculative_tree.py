@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from spec_models import save_tiny_target
+from spec_models import save_eagle_head, save_tiny_target
 from test_speculative_engine import NEW_TOKENS, _prompts, _scheduler, _serve, _spec
 
 from radixlm.config import ServerArgs
@@ -39,8 +39,13 @@ def _save_noisy_copy(path: Path, src: str, scale: float, seed: int = 0) -> str:
 def models(tmp_path_factory: Any) -> dict[str, str]:
     root = tmp_path_factory.mktemp("tree")
     target = save_tiny_target(root / "target", seed=1)
+    looping = save_tiny_target(root / "looping", seed=3, std=0.02, tie_word_embeddings=True)
     return {"target": target, "draft": save_tiny_target(root / "draft", seed=2),
-            "near": _save_noisy_copy(root / "near", target, 0.1)}
+            "near": _save_noisy_copy(root / "near", target, 0.1), "looping": looping,
+            "eagle": save_eagle_head(root / "eagle", target, "EAGLE", identity=False, std=0.3),
+            "eagle3": save_eagle_head(root / "eagle3", target, "EAGLE3", identity=False,
+                                      std=0.3),
+            "eagle3_id": save_eagle_head(root / "eagle3_id", looping, "EAGLE3")}
 
 
 @pytest.fixture(scope="module")
@@ -127,8 +132,8 @@ def test_abort_mid_tree_speculation(models: dict[str, str],
 
 
 @pytest.mark.parametrize("kwargs, match", [
-    (dict(speculative_algorithm="EAGLE", speculative_draft_model_path="/x",
-          speculative_eagle_topk=4), "draft head are not implemented"),
+    (dict(speculative_algorithm="NGRAM", speculative_eagle_topk=2, tp_size=2),
+      "tensor parallelism"),
     (dict(speculative_algorithm="NGRAM", speculative_eagle_topk=2, speculative_num_steps=3,
           speculative_num_draft_tokens=8), "at most num_steps x topk \\+ 1 = 7"),
     (dict(speculative_algorithm="NGRAM", speculative_eagle_topk=0), ">= 1"),
@@ -147,3 +152,49 @@ def test_tree_flags() -> None:
     assert (args.speculative_num_drafts, args.speculative_tree_nodes) == (3, 4)
     chain = ServerArgs(speculative_algorithm="NGRAM", speculative_num_draft_tokens=6)
     assert (chain.speculative_num_drafts, chain.speculative_tree_nodes) == (5, 5)
+
+
+def test_ngram_tree_merges_continuations() -> None:
+    from radixlm.speculative.ngram import _Index
+
+    index = _Index()
+    index.extend([1, 2, 3, 4, 9, 1, 2, 5, 6, 9, 1, 2, 3, 7, 9, 1, 2])
+    assert index.propose(3, 1, 12) == [3, 7, 9]
+    found = index.propose_tree(3, 3, 9, 1, 12)
+    # The best continuation first (the chain), the others merged where they agree.
+    assert found.tokens == [3, 7, 9, 5, 6, 9, 4, 9]
+    assert found.parents == [0, 1, 2, 0, 4, 5, 1, 7]
+    small = index.propose_tree(3, 3, 4, 1, 12)
+    assert small.tokens == [3, 7, 9, 5] and small.parents == [0, 1, 2, 0]
+
+
+def test_ngram_trees_keep_the_greedy_tokens(models: dict[str, str],
+                                            plain: dict[str, list[int]]) -> None:
+    out, sched, _ = _serve(models["target"], _prompts(), **_spec(
+        "NGRAM", None, speculative_num_steps=3, speculative_eagle_topk=3))
+    assert out == plain and sched.stats.num_draft_tokens > 0
+
+
+@pytest.mark.parametrize("kind", ["EAGLE", "EAGLE3"])
+def test_head_trees_keep_the_greedy_tokens(models: dict[str, str],
+                                           plain: dict[str, list[int]], kind: str) -> None:
+    """A head's features after a tree verify are the kept path's rows' states."""
+    head = models["eagle" if kind == "EAGLE" else "eagle3"]
+    out, sched, _ = _serve(models["target"], _prompts(), **_spec(
+        kind, head, speculative_num_steps=3, speculative_eagle_topk=3))
+    assert out == plain
+    st = sched.stats
+    assert st.num_draft_tokens > 3 * st.num_spec_verifies > 0  # trees, not chains
+
+
+def test_head_trees_draft_right(models: dict[str, str]) -> None:
+    looping = models["looping"]
+    base, _, _ = _serve(looping, _prompts())
+    _, chain, _ = _serve(looping, _prompts(), **_spec(
+        "EAGLE3", models["eagle3_id"], speculative_num_steps=3))
+    out, tree, _ = _serve(looping, _prompts(), **_spec(
+        "EAGLE3", models["eagle3_id"], speculative_num_steps=3, speculative_eagle_topk=2))
+    assert out == base
+    c, t = _tokens_per_verify(chain), _tokens_per_verify(tree)
+    print(f"EAGLE3 tokens per verify (depth 3): chain {c:.3f}, tree topk 2 {t:.3f}")
+    assert t >= c > 1.5

@@ -69,6 +69,9 @@ class DraftState:
     # Draft heads: the target's features of positions feats_start.. (one row each).
     feats_start: int = 0
     feats: torch.Tensor | None = None
+    # Draft heads after a tree verify: (its first position, the target's states of
+    # its rows, its drafts, their parents) until the kept path is known.
+    tree: tuple[int, torch.Tensor, list[int], list[int]] | None = None
 
     def put_features(self, start: int, rows: torch.Tensor) -> None:
         """Record the target's features of positions start..; what the state had
@@ -136,8 +139,10 @@ class ModelDrafter(Drafter):
         if k == 0:
             return {}
         # Placeholders: `draft` writes the tokens (and a tree's parents) once the
-        # verify's slots exist.
-        return {r.rid: [0] * k for r in reqs if r.rid in self.states}
+        # verify's slots exist. A request with a grammar drafts a chain.
+        chain = min(k, self.num_drafts)
+        return {r.rid: [0] * (chain if r.grammar is not None else k) for r in reqs
+                if r.rid in self.states}
 
     # ---- drafting, inside the worker's verify ----------------------------------------------
     @torch.inference_mode()
@@ -239,6 +244,7 @@ class ModelDrafter(Drafter):
                 for _, d, t in sorted(best, key=lambda x: x[1]):
                     toks.append(t)
                     parents.append(d)
+            assert len(toks) == n, "a tree fills the verify's slots"
             batch.drafts[i] = toks
             parents_all[i] = parents
             self._after_draft(reqs[a], newest[a], chain)
