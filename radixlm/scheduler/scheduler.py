@@ -214,6 +214,8 @@ class Scheduler:
     def _needs_sync(self) -> bool:
         if self.drafter is not None and self.drafter.needs_host_tokens and self.running:
             return True
+        if self.drafter is not None and self.args.speculative_topk > 1 and self.running:
+            return True  # a tree's kept path re-points its slots before the next step
         return any(r.needs_host_tokens for r in self.running)
 
     def _admit_compiled_grammars(self) -> None:

@@ -12,15 +12,16 @@ from a draft model's distribution: `rejection.py`) have the target's
 distribution.
 
 Tree drafts (`--speculative-eagle-topk` > 1, `tree.py`): NGRAM merges several
-continuations, STANDALONE adds each draft step's next best tokens beside its
-chain (up to `--speculative-num-draft-tokens` - 1 nodes by cumulative draft
-probability). The verify forward attends each node to the request's KV and its
-own ancestors (the cpu and torch_native backends; Triton refuses trees at
+continuations, the model drafters (STANDALONE, EAGLE, EAGLE3) add each draft
+step's next best tokens beside their chain (up to
+`--speculative-num-draft-tokens` - 1 nodes by cumulative draft probability).
+The verify forward attends each node to the request's KV and its own
+ancestors (the cpu and torch_native backends; Triton refuses trees at
 start-up), the longest path whose drafts equal the target's tokens is kept
 and its slots become the request's next positions; tree drafts are chosen
 without sampling and kept by equality, so outputs are the plain run's, greedy
-or seeded. Refused: trees from EAGLE / EAGLE3 heads or under tensor
-parallelism, and DeepSeek's NextN/MTP heads (no MLA model yet).
+or seeded. Refused: trees under tensor parallelism or on a backend without
+tree attention, and DeepSeek's NextN/MTP heads (no MLA model yet).
 """
 
 from __future__ import annotations
