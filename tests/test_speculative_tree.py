@@ -198,3 +198,29 @@ def test_head_trees_draft_right(models: dict[str, str]) -> None:
     c, t = _tokens_per_verify(chain), _tokens_per_verify(tree)
     print(f"EAGLE3 tokens per verify (depth 3): chain {c:.3f}, tree topk 2 {t:.3f}")
     assert t >= c > 1.5
+
+
+def test_deterministic_tree_rows_are_the_decode_steps(models: dict[str, str]) -> None:
+    """With --enable-deterministic-inference on the cpu backend a tree row is
+    computed as the decode step it stands for (the decode kernel over the same
+    positions and K/V): the logprobs are the plain run's bit for bit."""
+    import radixlm
+    from radixlm.layers.attention.cpu_backend import CpuAttentionBackend
+
+    if not CpuAttentionBackend.supports(16):
+        pytest.skip("the CPU kernels need a C++ compiler")
+    common = dict(model_path=models["target"], skip_tokenizer_init=True, device="cpu",
+                  dtype="float32", quantization="none", enable_deterministic_inference=True,
+                  log_level="warning")
+    params = {"max_new_tokens": 10, "temperature": 0, "ignore_eos": True}
+    outs = []
+    for spec in ({}, _spec("STANDALONE", models["near"], speculative_num_steps=3,
+                           speculative_eagle_topk=3)):
+        with radixlm.Engine(**common, **spec) as e:
+            outs.append(e.generate(input_ids=_prompts(), sampling_params=params,
+                                   return_logprob=True))
+            if spec:
+                assert e.scheduler.stats.num_accepted_drafts > 0
+    for a, b in zip(*outs):
+        assert a["output_ids"] == b["output_ids"]
+        assert a["meta_info"]["output_token_logprobs"] == b["meta_info"]["output_token_logprobs"]
