@@ -224,3 +224,45 @@ def test_deterministic_tree_rows_are_the_decode_steps(models: dict[str, str]) ->
     for a, b in zip(*outs):
         assert a["output_ids"] == b["output_ids"]
         assert a["meta_info"]["output_token_logprobs"] == b["meta_info"]["output_token_logprobs"]
+
+
+def test_sampled_tree_walk_keeps_the_target_distribution() -> None:
+    """Deterministic tree drafts (q one-hot) kept where they equal the target's
+    seeded draw at their node: each kept token is distributed as p (the multi-
+    candidate rejection rule for one-hot q), whatever the tree. Chi-square of each
+    position and of the first pair against p, as for chains (test_speculative.py)."""
+    from test_speculative import N_SEQS, P_LOGITS, V, _chi2_critical, _fit
+
+    from radixlm.layers.sampler import Sampler, SamplingBatchInfo
+    from radixlm.sampling_params import SamplingParams
+    from radixlm.speculative import tree
+
+    # Two children per node, depth 2: the draft's two best tokens under q, where
+    # q disagrees with p (tokens 2 and 3 are p's third and fourth choices).
+    drafts, parents = [2, 3, 2, 3, 2, 3], [0, 0, 1, 1, 2, 2]
+    depth = tree.depths(parents)
+    k = len(drafts)
+    out: list[list[int]] = [[] for _ in range(N_SEQS)]
+    accepted = 0
+    while True:
+        live = [i for i in range(N_SEQS) if len(out[i]) < 3]
+        if not live:
+            break
+        m = len(live)
+        logits = P_LOGITS.expand(m * (k + 1), V).clone()
+        params = [SamplingParams(temperature=1.0)] * (m * (k + 1))
+        steps = [len(out[i]) + depth[r] for i in live for r in range(k + 1)]
+        seeds = [1000 + i for i in live for _ in range(k + 1)]
+        info = SamplingBatchInfo.build(params, seeds, steps, [[]] * len(params),
+                                       [[]] * len(params), [set()] * len(params), V, "cpu")
+        sampled = Sampler()(logits, info).next_token_ids
+        tokens, counts, _ = tree.accept_path(sampled, [drafts] * m, [parents] * m,
+                                             torch.device("cpu"))
+        accepted += int((counts - 1).sum())
+        for a, i in enumerate(live):
+            out[i] += tokens[a, :counts[a]].tolist()
+    stats = _fit(torch.tensor([s[:3] for s in out]))
+    crit = _chi2_critical(V - 1)
+    assert all(s < crit for s in stats[:3]), (stats, crit)
+    assert stats[3] < _chi2_critical(V * V - 1), stats
+    assert accepted > N_SEQS // 4  # the trees were used
