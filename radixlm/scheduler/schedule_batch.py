@@ -67,13 +67,6 @@ class ScheduleBatch:
     drafts: list[list[int]] | None = None  # verify mode: each request's draft tokens
     draft_parents: list[list[int]] | None = None  # verify mode: trees (None: chains)
 
-    def row_parents(self, i: int) -> list[int]:
-        """Verify request i's draft parents (a chain's when it verifies one)."""
-        assert self.drafts is not None
-        if self.draft_parents is None:
-            return list(range(len(self.drafts[i])))
-        return self.draft_parents[i]
-
     def sample_rows(self, i: int) -> int:
         """How many of request i's last logit rows are sampled: 0, 1, or k + 1 (verify)."""
         if not self.sample[i]:
