@@ -189,11 +189,13 @@ class ServerArgs:
         "speculative", "Draft tokens per verify (the draft model's steps; default 3, NGRAM 4)",
         default=None)
     speculative_eagle_topk: int | None = _opt(
-        "speculative", "Draft candidates per step; only 1 (a chain): tree drafts are not "
-        "supported", default=None)
+        "speculative", "Draft candidates per step: 1 a chain, > 1 a tree (the draft models "
+        "also verify each step's next best tokens; NGRAM several continuations); trees need "
+        "the cpu or torch_native attention backend", default=None)
     speculative_num_draft_tokens: int | None = _opt(
         "speculative", "Tokens one verify checks per request, its newest included: "
-        "speculative_num_steps + 1 for a chain", default=None)
+        "speculative_num_steps + 1 for a chain; with speculative_eagle_topk > 1 the tree's "
+        "nodes + 1 (default num_steps x topk + 1)", default=None)
     speculative_ngram_min_match_window_size: int = _opt(
         "speculative", "NGRAM: shortest suffix of the text that must recur for a draft",
         default=1)
@@ -266,12 +268,37 @@ class ServerArgs:
 
     @property
     def speculative_num_drafts(self) -> int:
-        """Draft tokens per verify (a chain's length), from whichever flag gave it."""
+        """Draft tokens per verify (a chain's length; a tree's depth), from whichever
+        flag gave it."""
         if self.speculative_num_steps is not None:
             return self.speculative_num_steps
-        if self.speculative_num_draft_tokens is not None:
+        if self.speculative_num_draft_tokens is not None and self.speculative_topk == 1:
             return self.speculative_num_draft_tokens - 1
         return 4 if self.speculative_algorithm == "NGRAM" else 3
+
+    @property
+    def speculative_topk(self) -> int:
+        """Branching of draft trees (1: chains)."""
+        return self.speculative_eagle_topk or 1
+
+    @property
+    def speculative_tree_nodes(self) -> int:
+        """Draft tokens per verify (a tree's nodes, the root not counted)."""
+        if self.speculative_num_draft_tokens is not None:
+            return self.speculative_num_draft_tokens - 1
+        return self.speculative_num_drafts * self.speculative_topk
+
+    def _check_trees(self) -> None:
+        topk, depth = self.speculative_topk, self.speculative_num_drafts
+        nodes = self.speculative_num_draft_tokens
+        if nodes is not None and nodes - 1 > depth * topk:
+            raise ValueError(f"speculative_num_draft_tokens={nodes} with speculative_num_steps="
+                             f"{depth} and speculative_eagle_topk={topk}: a tree of that depth "
+                             f"and branching verifies at most num_steps x topk + 1 = "
+                             f"{depth * topk + 1} tokens")
+        if self.tp_size > 1:
+            raise ValueError(f"speculative_eagle_topk={topk} with tp_size={self.tp_size}: tree "
+                             "drafts are not supported under tensor parallelism yet")
 
     def _check_speculative(self) -> None:
         algo, draft = self.speculative_algorithm, self.speculative_draft_model_path
@@ -288,14 +315,16 @@ class ServerArgs:
             raise ValueError(f"speculative_algorithm={algo} needs speculative_draft_model_path"
                              if draft is None else "speculative_draft_model_path: NGRAM drafts "
                              "from the request's own text, it loads no draft model")
-        if self.speculative_eagle_topk not in (None, 1):
-            raise ValueError(f"speculative_eagle_topk={self.speculative_eagle_topk}: tree drafts "
-                             "(several candidates per step) are not supported; chains only (1)")
+        topk = self.speculative_eagle_topk
+        if topk is not None and topk < 1:
+            raise ValueError(f"speculative_eagle_topk={topk}: must be >= 1 (1: chains)")
         steps, tokens = self.speculative_num_steps, self.speculative_num_draft_tokens
-        if steps is not None and tokens is not None and tokens != steps + 1:
+        if self.speculative_topk > 1:
+            self._check_trees()
+        elif steps is not None and tokens is not None and tokens != steps + 1:
             raise ValueError(f"speculative_num_draft_tokens={tokens} with speculative_num_steps="
                              f"{steps}: a chain verifies num_steps + 1 tokens")
-        if self.speculative_num_drafts < 1:
+        if self.speculative_num_drafts < 1 or self.speculative_tree_nodes < 1:
             raise ValueError("speculative_num_steps must be >= 1 (speculative_num_draft_tokens "
                              ">= 2)")
         lo, hi = (self.speculative_ngram_min_match_window_size,

@@ -103,9 +103,11 @@ class ForwardBatch:
     prefix_groups: PrefixGroups | None = None
     num_extend: int = 0  # mixed mode: how many requests (from the first) extend
     input_embeds: torch.Tensor | None = None
-    # Verify mode: a tree of drafts instead of a chain (a backend with
-    # `supports_tree_mask` reads it); None: each row sees the rows before it.
-    tree_mask: torch.Tensor | None = None
+    # Verify mode: per request, the parent row of each draft (`speculative/tree.py`)
+    # when some request verifies a tree; None: chains, each row sees the rows
+    # before it. A backend with `supports_tree_mask` attends a tree through
+    # `verify_decode_view`'s per-row slot table.
+    tree: list[list[int]] | None = None
     # What hidden states to keep; the model appends them to `captured`
     # ([num_tokens, hidden] each, `HiddenCapture`'s order).
     capture: HiddenCapture | None = None
@@ -129,31 +131,69 @@ class ForwardBatch:
 
     def verify_decode_view(self) -> ForwardBatch:
         """A verify batch as a decode batch of one row per token: row j of a request
-        is its own pseudo-request (the same request slot) with sequence length
-        prefix + j + 1, so it sees the request's KV and the rows before it (their
-        K/V are stored first, as every row's is). Backends attend it with their
-        decode path; made once (views and one small device tensor)."""
+        is its own pseudo-request with sequence length position + 1, so it sees the
+        request's KV and the rows before it on its path (their K/V are stored first,
+        as every row's is). A chain's rows use the request's own table row (row j
+        at column prefix + j); a tree's (`tree`) each get a row of a small table
+        of their own: the request's prefix slots, then the slots of the row's
+        ancestors and its own at their positions, so a node never reads a
+        sibling and computes exactly what a decode step after its path would.
+        Backends attend it with their decode path; made once."""
         assert self.mode.is_verify(), "verify_decode_view of a batch that is not a verify"
         if self._verify_view is None:
             lens = torch.tensor(self.extend_seq_lens_cpu, dtype=torch.int64)
             rows = torch.repeat_interleave(torch.arange(self.batch_size), lens)
-            seq_lens_cpu = [p + j + 1 for p, e in zip(self.extend_prefix_lens_cpu,
-                                                        self.extend_seq_lens_cpu)
-                            for j in range(e)]
+            positions_cpu = _verify_positions(self.extend_prefix_lens_cpu,
+                                              self.extend_seq_lens_cpu, self.tree)
+            seq_lens_cpu = [p + 1 for p in positions_cpu]
             n = self.num_tokens
             seq_lens = self.positions + 1
+            device = self.positions.device
+            pool = self.req_to_token_pool
+            req_pool_indices = self.req_pool_indices[to_device(rows, device)]
+            if self.tree is not None:
+                pool = _PathTable(self._tree_table(req_pool_indices, seq_lens_cpu))
+                req_pool_indices = torch.arange(n, device=device)
             self._verify_view = ForwardBatch(
                 mode=ForwardMode.DECODE, batch_size=n, input_ids=self.input_ids,
-                positions=self.positions,
-                req_pool_indices=self.req_pool_indices[to_device(rows, self.positions.device)],
+                positions=self.positions, req_pool_indices=req_pool_indices,
                 seq_lens=seq_lens, out_cache_loc=self.out_cache_loc,
                 extend_seq_lens=torch.ones_like(seq_lens), extend_prefix_lens=self.positions,
-                extend_start_loc=torch.arange(n, device=seq_lens.device),
+                extend_start_loc=torch.arange(n, device=device),
                 seq_lens_cpu=seq_lens_cpu, extend_seq_lens_cpu=[1] * n,
                 extend_prefix_lens_cpu=[s - 1 for s in seq_lens_cpu],
-                req_to_token_pool=self.req_to_token_pool,
-                token_to_kv_pool=self.token_to_kv_pool, attn_backend=self.attn_backend)
+                req_to_token_pool=pool, token_to_kv_pool=self.token_to_kv_pool,
+                attn_backend=self.attn_backend)
         return self._verify_view
+
+    def _tree_table(self, req_pool_indices: torch.Tensor, seq_lens_cpu: list[int]
+                    ) -> torch.Tensor:
+        """[num_tokens, max seq len] slots: each verify row's request prefix, then its
+        path's slots (the rows' own, from `out_cache_loc`) at columns prefix + depth."""
+        from radixlm.speculative.tree import chain_parents, path_rows
+
+        assert self.tree is not None
+        width = max(seq_lens_cpu)
+        table = self.req_to_token_pool.req_to_token[req_pool_indices, :width].clone()
+        dst_r, dst_c, src = [], [], []
+        row = offset = 0
+        for pre, ext, parents in zip(self.extend_prefix_lens_cpu, self.extend_seq_lens_cpu,
+                                     self.tree):
+            parents = parents if len(parents) == ext - 1 else chain_parents(ext - 1)
+            for r in range(ext):
+                for d, a in enumerate(path_rows(parents, r)):
+                    dst_r.append(row + r)
+                    dst_c.append(pre + d)
+                    src.append(offset + a)
+            row += ext
+            offset += ext
+        device = table.device
+
+        def t(x: list[int]) -> torch.Tensor:
+            return to_device(torch.tensor(x, dtype=torch.int64), device)
+
+        table[t(dst_r), t(dst_c)] = self.out_cache_loc[t(src)].to(table.dtype)
+        return table
 
     def _part(self, mode: ForwardMode, lo: int, hi: int) -> ForwardBatch:
         first = sum(self.extend_seq_lens_cpu[:lo])
@@ -177,12 +217,14 @@ class ForwardBatch:
               prefix_lens: list[int], extend_lens: list[int], out_cache_loc: torch.Tensor,
               req_to_token_pool: ReqToTokenPool, token_to_kv_pool: KVPool,
               attn_backend: AttentionBackend, device: torch.device,
-              logit_rows: list[int] | None = None, num_extend: int | None = None
-              ) -> ForwardBatch:
+              logit_rows: list[int] | None = None, num_extend: int | None = None,
+              tree: list[list[int]] | None = None) -> ForwardBatch:
         """`num_extend`: for a MIXED batch, how many requests (the first) extend.
-        `logit_rows` default: each request's last row (every row in verify mode)."""
+        `logit_rows` default: each request's last row (every row in verify mode).
+        `tree` (verify): each request's draft parents (its rows sit at prefix +
+        depth); None: chains."""
         seq_lens = [p + e for p, e in zip(prefix_lens, extend_lens)]
-        positions = [p + j for p, e in zip(prefix_lens, extend_lens) for j in range(e)]
+        positions = _verify_positions(prefix_lens, extend_lens, tree)
         starts, acc = [], 0
         for e in extend_lens:
             starts.append(acc)
@@ -203,7 +245,27 @@ class ForwardBatch:
             extend_prefix_lens_cpu=prefix_lens, req_to_token_pool=req_to_token_pool,
             token_to_kv_pool=token_to_kv_pool, attn_backend=attn_backend,
             logit_rows=t(logit_rows),
-            num_extend=len(extend_lens) if num_extend is None else num_extend)
+            num_extend=len(extend_lens) if num_extend is None else num_extend, tree=tree)
+
+
+class _PathTable:
+    """A verify tree's per-row slot table where backends read `req_to_token`."""
+
+    def __init__(self, req_to_token: torch.Tensor) -> None:
+        self.req_to_token = req_to_token
+
+
+def _verify_positions(prefix_lens: Sequence[int], extend_lens: Sequence[int],
+                      tree: Sequence[Sequence[int]] | None) -> list[int]:
+    """Every row's position: prefix + j, or in a tree prefix + the row's depth."""
+    if tree is None:
+        return [p + j for p, e in zip(prefix_lens, extend_lens) for j in range(e)]
+    from radixlm.speculative.tree import depths
+
+    out: list[int] = []
+    for p, e, parents in zip(prefix_lens, extend_lens, tree):
+        out += [p + d for d in (depths(parents) if len(parents) == e - 1 else range(e))]
+    return out
 
 
 # ---- shared prefixes in a decode batch (cascade attention) ------------------------

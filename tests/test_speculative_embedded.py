@@ -2,7 +2,8 @@
 every algorithm gives the plain run's greedy tokens for a copy task, a stop
 string, a regex grammar and n = 2 samples, in a KV pool small enough that
 requests are retracted mid-speculation. STANDALONE drafts with the model itself,
-EAGLE / EAGLE-3 with random heads in the published layout (built here)."""
+EAGLE / EAGLE-3 with random heads in the published layout (built here); NGRAM and
+STANDALONE also as trees (--speculative-eagle-topk > 1)."""
 
 from __future__ import annotations
 
@@ -62,14 +63,17 @@ def plain(model_dir: str) -> tuple[list[dict], str]:
     return out, stop
 
 
-@pytest.mark.parametrize("algo", ["NGRAM", "STANDALONE", "EAGLE", "EAGLE3"])
+@pytest.mark.parametrize("algo", ["NGRAM", "STANDALONE", "EAGLE", "EAGLE3", "NGRAM-tree",
+                                  "STANDALONE-tree"])
 def test_every_algorithm_keeps_the_greedy_tokens(model_dir: str, heads: dict[str, str],
                                                  plain: tuple[list[dict], str],
                                                  algo: str) -> None:
     expected, stop = plain
+    algo, _, shape = algo.partition("-")
+    tree = dict(speculative_eagle_topk=3, speculative_num_steps=3) if shape else {}
     draft = {"NGRAM": None, "STANDALONE": model_dir}.get(algo, heads.get(algo))
     out, stats = _run(model_dir, stop=stop, speculative_algorithm=algo,
-                      speculative_draft_model_path=draft)
+                      speculative_draft_model_path=draft, **tree)
     assert [o["output_ids"] for o in out] == [o["output_ids"] for o in expected]
     assert [o["meta_info"]["finish_reason"] for o in out] == \
         [o["meta_info"]["finish_reason"] for o in expected]

@@ -101,7 +101,7 @@ class CudaGraphRunner:
 
     def can_run(self, fb: ForwardBatch) -> bool:
         return fb.mode.is_decode_like() and fb.num_tokens <= self.max_bs \
-            and fb.input_embeds is None
+            and fb.input_embeds is None and fb.tree is None  # graphs read the request table
 
     def replay(self, fb: ForwardBatch) -> torch.Tensor:
         """Logits of `fb`'s rows; captured hidden states (a `HiddenCapture`) land in

@@ -96,6 +96,7 @@ class ModelRunner:
         spec = self.model.kv_spec()
         self.backend_class = attention_backend_class(args.attention_backend, self.device,
                                                      spec.k_head_dim)
+        self.backend_class.check_tree_drafts(args.speculative_eagle_topk)
         self.kv_spec = self._pooled_spec(spec)
         self.req_to_token_pool: ReqToTokenPool | None = None
         self.kv_pool: KVPool | None = None

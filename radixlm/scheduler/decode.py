@@ -19,6 +19,8 @@ from radixlm.scheduler.kv_manager import KVManager
 from radixlm.scheduler.req import Req
 from radixlm.scheduler.schedule_batch import ScheduleBatch
 from radixlm.scheduler.stats import Stats
+from radixlm.speculative import tree
+from radixlm.speculative.tree import DraftTree
 
 logger = logging.getLogger(__name__)
 
@@ -50,13 +52,14 @@ class DecodeManager:
             self.running.remove(req)
 
     # ---- one decode step ------------------------------------------------------------
-    def schedule(self, drafts: dict[str, list[int]] | None = None
+    def schedule(self, drafts: dict[str, list[int] | DraftTree] | None = None
                  ) -> tuple[list[Req], ScheduleBatch | None]:
         """KV for the next step of every running request: (requests that must first
         catch up on tokens without KV, admitted as extends; the decode batch of the
         rest). Retracts first if the step would not fit. `drafts` (by rid, from a
         drafter): those requests verify them, which takes a KV slot per draft too,
-        and the batch is a verify batch (the others verify no draft)."""
+        and the batch is a verify batch (the others verify no draft). A `DraftTree`
+        verifies a tree: a slot per node, the same verify batch."""
         behind = [r for r in self.running if r.kv_behind > 0]
         # Catch-up extends and a verify do not share a forward: no drafts this step.
         drafts = {} if behind or not drafts else drafts
@@ -69,7 +72,9 @@ class DecodeManager:
             assert slots is not None, "decode memory was checked"
         if not batch:
             return behind, None
-        proposed = [self._fit(r, drafts.get(r.rid, ())) for r in batch]
+        fitted = [self._fit(r, drafts.get(r.rid, ())) for r in batch]
+        proposed = [d for d, _ in fitted]
+        parents = [p for _, p in fitted]
         counts = [len(d) + 1 for d in proposed]
         locs = self.kv.alloc(sum(counts))
         assert locs is not None, "decode memory was checked"
@@ -78,16 +83,27 @@ class DecodeManager:
         self.new_token_ratio = max(MIN_NEW_TOKEN_RATIO,
                                    self.new_token_ratio - NEW_TOKEN_RATIO_DECAY)
         if any(proposed):
-            return behind, ScheduleBatch.verify(batch, prefix_lens, proposed, locs)
+            trees = None if all(tree.is_chain(p) for p in parents) else parents
+            return behind, ScheduleBatch.verify(batch, prefix_lens, proposed, locs, trees)
         return behind, ScheduleBatch.decode(batch, prefix_lens, locs)
 
-    def _fit(self, req: Req, drafts: Sequence[int]) -> list[int]:
-        """The drafts worth verifying: no more than the request may still generate
-        after the target's own token, nor past its context."""
-        room = min(req.remaining_new_tokens() - 1, self.context_len - req.kv_len - 1)
-        return list(drafts[:max(room, 0)])
+    def _fit(self, req: Req, drafts: Sequence[int] | DraftTree
+             ) -> tuple[list[int], list[int]]:
+        """The drafts worth verifying and their parents: no deeper than the request
+        may still generate after the target's own token, no more than its context
+        has positions for. A request with a grammar verifies a tree's first branch
+        (its masks follow one path of drafts)."""
+        depth = max(min(req.remaining_new_tokens() - 1, self.context_len - req.kv_len - 1), 0)
+        if not isinstance(drafts, DraftTree):
+            kept = list(drafts[:depth])
+            return kept, tree.chain_parents(len(kept))
+        if req.grammar is not None:
+            kept = tree.first_branch(drafts.tokens, drafts.parents)[:depth]
+            return kept, tree.chain_parents(len(kept))
+        return tree.fit(drafts.tokens, drafts.parents, depth,
+                        max(self.context_len - req.kv_len - 1, 0))
 
-    def _ensure_memory(self, drafts: dict[str, list[int]]) -> None:
+    def _ensure_memory(self, drafts: dict[str, list[int] | DraftTree]) -> None:
         """Retract requests until one decode step fits with some headroom."""
         def need() -> int:
             steps = sum(min(r.remaining_new_tokens(), RETRACT_HEADROOM_STEPS)

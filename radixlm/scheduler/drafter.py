@@ -15,6 +15,7 @@ by `--speculative-algorithm`); a drafter that runs a model on the device
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from typing import Any
 
 from radixlm.scheduler.req import Req
 
@@ -22,7 +23,10 @@ from radixlm.scheduler.req import Req
 class Drafter(ABC):
     """Contract:
     - `propose(reqs)` returns {rid: draft tokens} for some of the running
-      requests (absent or empty: that request decodes normally). It may read
+      requests (absent or empty: that request decodes normally); a
+      `speculative.tree.DraftTree` instead of a list proposes a tree (each
+      draft with its parent row; the verify keeps its longest agreeing path,
+      on backends with tree attention). It may read
       each request's `origin_input_ids` and `output_ids`. A drafter whose
       `drafts_on_device` is set returns placeholders there: only how many
       counts (the KV slots the verify takes); the worker's drafter writes the
@@ -39,7 +43,7 @@ class Drafter(ABC):
     drafts_on_device = False
 
     @abstractmethod
-    def propose(self, reqs: list[Req]) -> dict[str, list[int]]: ...
+    def propose(self, reqs: list[Req]) -> dict[str, Any]: ...
 
     def forget(self, rid: str) -> None:
         """Drop what the drafter keeps for a request that ended (default: nothing kept)."""

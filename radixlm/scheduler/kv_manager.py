@@ -136,6 +136,22 @@ class KVManager:
         if front is not None and front > req.kv_len:
             self._window_front[req.req_pool_idx] = req.kv_len
 
+    def keep_rows(self, req: Req, start: int, rows: list[int], num_rows: int) -> None:
+        """A verify of a draft tree wrote its `num_rows` rows' KV at the slots of
+        positions start.. in row order: make the kept path's `rows` (root first)
+        positions start.. (its KV stays where it is: only the table changes) and put
+        the other rows' slots after them, where `truncate` frees them."""
+        own = req.slots[start:start + num_rows]
+        assert len(own) == num_rows, "the verify's slots are the request's last ones"
+        taken = set(rows)
+        order = [own[r] for r in rows] + [s for r, s in enumerate(own) if r not in taken]
+        if order == own:
+            return
+        req.slots[start:start + num_rows] = order
+        row = self.req_to_token_pool.req_to_token[req.req_pool_idx]
+        row[start:start + num_rows] = to_device(torch.tensor(order, dtype=torch.int32),
+                                                row.device)
+
     def _write_table(self, req: Req, start: int, slots: torch.Tensor) -> None:
         """Writes go to the device table and to the request's host mirror, so reading
         them back never waits for the device. They start at 0 or append."""

@@ -48,7 +48,7 @@ from radixlm.runtime.model_runner import ModelRunner
 from radixlm.scheduler.req import Req
 from radixlm.scheduler.schedule_batch import ScheduleBatch
 from radixlm.scheduler.token_table import TokenTable
-from radixlm.speculative import check_target, create_drafter
+from radixlm.speculative import check_target, create_drafter, tree
 from radixlm.speculative.model_drafter import ModelDrafter
 from radixlm.speculative.rejection import token_logprobs, verify_sampled
 from radixlm.utils import to_device
@@ -85,6 +85,9 @@ class BatchResult:
     # With a `HiddenCapture` (ModelWorker's `capture`): on the device, one tensor per
     # captured state, [num_tokens, hidden], rows in the batch's flat token order.
     hidden_states: list[torch.Tensor] | None = None
+    # A verify of draft trees: per request, the rows of its kept path (root first, as
+    # many as its tokens; request-local rows, `speculative/tree.py`), else None.
+    paths: list[list[int]] | None = None
 
 
 class PendingResult:
@@ -93,15 +96,18 @@ class PendingResult:
 
     `host`: sampled ids [rows] [, their logprobs [rows] [, top values, top ids
     [rows, k]]], rows in batch order, `batch.sample_rows(i)` per request; and
-    `counts`: for a verify batch, how many of each sampling request's rows it keeps."""
+    `counts`: for a verify batch, how many of each sampling request's rows it keeps
+    (a tree's rows come in the order of its kept path, `paths` [n, W] the rows)."""
 
     def __init__(self, batch: ScheduleBatch, host: list[torch.Tensor] | None = None,
                  event: torch.cuda.Event | None = None,
                  prompt: tuple[list[Any], list[Any]] | None = None,
                  done: BatchResult | None = None, counts: torch.Tensor | None = None,
-                 hidden_states: list[torch.Tensor] | None = None) -> None:
+                 hidden_states: list[torch.Tensor] | None = None,
+                 paths: torch.Tensor | None = None) -> None:
         self.batch = batch
         self.hidden_states = hidden_states
+        self._paths = paths
         self._host = host
         self._counts = counts
         self._event = event
@@ -143,6 +149,11 @@ class PendingResult:
             row += m
             j += 1
         result = BatchResult(tokens, logprobs, tops, hidden_states=self.hidden_states)
+        if self._paths is not None:
+            paths, result.paths = self._paths.tolist(), [[] for _ in range(n)]
+            sampling = [i for i in range(n) if batch.sample_rows(i)]
+            for j, i in enumerate(sampling):
+                result.paths[i] = paths[j][:len(tokens[i])]
         if self._prompt is not None:
             result.prompt_logprobs, result.prompt_top_logprobs = self._prompt
         return result
@@ -281,7 +292,8 @@ class ModelWorker:
         fb = ForwardBatch.build(
             batch.mode, input_ids, [q.req_pool_idx for q in batch.reqs], batch.prefix_lens,
             batch.extend_lens, batch.out_cache_loc, self.req_to_token_pool, self.kv_pool,
-            self.runner.attn_backend, self.device, logit_rows=rows, num_extend=batch.num_extend)
+            self.runner.attn_backend, self.device, logit_rows=rows, num_extend=batch.num_extend,
+            tree=batch.draft_parents if batch.mode.is_verify() else None)
         fb.capture = self.runner.capture
         if num_device:
             self._device_inputs(batch, fb, num_device)
@@ -340,8 +352,21 @@ class ModelWorker:
         out = self.sampler(logits, info, want_lp, top_k)
         if self.tp_sync is not None:  # every rank continues with rank 0's tokens
             tp.tensor_model_parallel_broadcast(out.next_token_ids)
-        ids, kept = out.next_token_ids, None
-        if batch.mode.is_verify():
+        ids, kept, paths = out.next_token_ids, None, None
+        if batch.mode.is_verify() and batch.draft_parents is not None:
+            # A tree: the kept path's rows first, so the result reads as a chain's.
+            assert draft_probs is None or all(q is None for q in draft_probs), \
+                "tree drafts are verified by equality: no draft distributions"
+            tokens, counts_t, paths = tree.accept_path(
+                ids, batch.drafts, batch.draft_parents, self.device)
+            kept = (tokens, counts_t)
+            order = _path_order(batch, paths, self.device)
+            ids = ids[order]
+            if out.logprobs is not None:
+                out.logprobs = out.logprobs[order]
+            if out.top_logprobs is not None:
+                out.top_logprobs = tuple(t[order] for t in out.top_logprobs)
+        elif batch.mode.is_verify():
             kept = _accept_drafts(batch, ids, self.device)
             if draft_probs is not None and any(q is not None for q in draft_probs):
                 kept, ids = self._verify_sampled(batch, logits, rows, ids, draft_probs, kept)
@@ -355,7 +380,8 @@ class ModelWorker:
                 tensors += list(out.top_logprobs)
         return PendingResult(batch, [_to_host(t) for t in tensors], _record_event(self.device),
                              prompt, counts=None if counts is None else _to_host(counts),
-                             hidden_states=fb.captured or None)
+                             hidden_states=fb.captured or None,
+                             paths=None if paths is None else _to_host(paths))
 
     def _verify_sampled(self, batch: ScheduleBatch, logits: torch.Tensor, rows: tuple[list, ...],
                         sampled: torch.Tensor, draft_probs: list[torch.Tensor | None],
@@ -444,18 +470,26 @@ class ModelWorker:
 def _row_params(batch: ScheduleBatch) -> tuple[list[Any], ...]:
     """`SamplingBatchInfo.build`'s per-row lists, one row per sampled logit row: a
     verify request's row j is its output index first_out + j (the seed's step),
-    after its drafts 0..j - 1 (the context of its penalties)."""
+    after its drafts 0..j - 1 (the context of its penalties); in a tree, first_out
+    + the row's depth, after the drafts on its path."""
     params, seeds, steps, prompts, outputs, bans = [], [], [], [], [], []
     for i, req in enumerate(batch.reqs):
         first = batch.first_out(i)
-        for j in range(batch.sample_rows(i)):
-            drafted = batch.drafts[i][:j] if j else []
+        m = batch.sample_rows(i)
+        contexts = tree.row_contexts(batch.drafts[i], batch.draft_parents[i]) \
+            if m and batch.draft_parents is not None else None
+        for j in range(m):
+            if contexts is not None:
+                drafted = contexts[j]
+            else:
+                drafted = batch.drafts[i][:j] if j else []
+            d = len(drafted)
             params.append(req.sampling_params)
             seeds.append(req.seed)
-            steps.append(first + j)
+            steps.append(first + d)
             prompts.append(req.origin_input_ids)
             outputs.append(req.output_ids + drafted if drafted else req.output_ids)
-            bans.append(min_tokens_ban(req, j))
+            bans.append(min_tokens_ban(req, d))
     return params, seeds, steps, prompts, outputs, bans
 
 
@@ -466,6 +500,22 @@ def _last_rows(lens: list[int]) -> list[int]:
         acc += n
         out.append(acc - 1)
     return out
+
+
+def _path_order(batch: ScheduleBatch, paths: torch.Tensor, device: torch.device
+                ) -> torch.Tensor:
+    """Flat row index putting each verify request's kept path first (row j of the
+    result is path row j; the rest after, in any order)."""
+    lens = batch.extend_lens
+    offsets = torch.tensor([0, *itertools.accumulate(lens)][:-1], dtype=torch.int64)
+    width = paths.shape[1]
+    cols = torch.arange(width)
+    rows = to_device(offsets, device)[:, None] + paths  # [n, W]: flat rows of the path
+    valid = to_device(cols[None, :] < torch.tensor(lens)[:, None], device)
+    order = torch.arange(sum(lens), device=device)
+    dst = to_device(offsets[:, None] + cols[None, :], device)
+    order[dst[valid]] = rows[valid]
+    return order
 
 
 def _accept_drafts(batch: ScheduleBatch, sampled: torch.Tensor, device: torch.device

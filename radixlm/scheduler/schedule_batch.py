@@ -17,7 +17,9 @@ in overlap mode the result is read after the next round was scheduled.
 Per-request extras: in a verify batch `drafts[i]` are the k draft tokens the
 request's newest token is followed by; its k + 1 rows are all sampled
 (`sample_rows`) and the worker keeps the drafts the target agrees with, plus
-one token of its own.
+one token of its own. `draft_parents[i]` (None: every request verifies a
+chain) makes them a tree: draft j hangs under row `draft_parents[i][j]`
+(`speculative/tree.py`), and what is kept is the agreeing path from the root.
 
 `first_out(i)`: the output index request i's first sampled token will have,
 from the positions the batch was scheduled at (which count every token the
@@ -63,6 +65,7 @@ class ScheduleBatch:
     finish_after: list[bool]
     mask_logits: MaskLogits | None = None
     drafts: list[list[int]] | None = None  # verify mode: each request's draft tokens
+    draft_parents: list[list[int]] | None = None  # verify mode: trees (None: chains)
 
     def sample_rows(self, i: int) -> int:
         """How many of request i's last logit rows are sampled: 0, 1, or k + 1 (verify)."""
@@ -129,14 +132,17 @@ class ScheduleBatch:
 
     @classmethod
     def verify(cls, reqs: list[Req], prefix_lens: list[int], drafts: list[list[int]],
-               out_cache_loc: torch.Tensor) -> ScheduleBatch:
+               out_cache_loc: torch.Tensor, parents: list[list[int]] | None = None
+               ) -> ScheduleBatch:
         """Each request's newest token (at position `prefix_lens[i]`, its input on the
         device) and its drafts after it, every row sampled; `out_cache_loc` holds
-        k + 1 new slots per request."""
+        k + 1 new slots per request. `parents`: each request's draft parents when
+        some verify a tree (None: all chains)."""
         n = len(reqs)
         return cls(ForwardMode.VERIFY, list(reqs), list(prefix_lens),
                    [len(d) + 1 for d in drafts], out_cache_loc, 0, [True] * n,
-                   list(prefix_lens), [None] * n, [False] * n, drafts=[list(d) for d in drafts])
+                   list(prefix_lens), [None] * n, [False] * n, drafts=[list(d) for d in drafts],
+                   draft_parents=None if parents is None else [list(p) for p in parents])
 
     def mix(self, decode: ScheduleBatch) -> ScheduleBatch:
         """This prefill batch and a decode batch in one forward (mixed chunked prefill)."""

@@ -214,6 +214,8 @@ class Scheduler:
     def _needs_sync(self) -> bool:
         if self.drafter is not None and self.drafter.needs_host_tokens and self.running:
             return True
+        if self.drafter is not None and self.args.speculative_topk > 1 and self.running:
+            return True  # a tree's kept path re-points its slots before the next step
         return any(r.needs_host_tokens for r in self.running)
 
     def _admit_compiled_grammars(self) -> None:
@@ -285,6 +287,11 @@ class Scheduler:
         self.stats.num_stale_results += _drop_stale(batch, result)
         if batch.drafts is not None:
             self._count_drafts(batch, result)
+        if result.paths is not None:  # a tree's kept path becomes the next positions
+            for i, req in enumerate(batch.reqs):
+                if result.tokens[i] and req.req_pool_idx is not None:
+                    self.kv.keep_rows(req, batch.prefix_lens[i], result.paths[i],
+                                      batch.extend_lens[i])
         self.output.process(batch, result, self._finish)
         ahead = _valid_rows_ahead(launched.batch) if launched is not None else {}
         for i, req in enumerate(batch.reqs):

@@ -9,8 +9,19 @@ The target verifies a chain of k drafts per request in one forward
 (`ForwardMode.VERIFY`); drafts only change how many forwards a request takes:
 greedy outputs are the target's token for token, sampled ones (drafts drawn
 from a draft model's distribution: `rejection.py`) have the target's
-distribution. Tree drafts (`--speculative-eagle-topk` > 1) and DeepSeek's
-NextN/MTP heads (no MLA model yet) are not supported and are refused.
+distribution.
+
+Tree drafts (`--speculative-eagle-topk` > 1, `tree.py`): NGRAM merges several
+continuations, the model drafters (STANDALONE, EAGLE, EAGLE3) add each draft
+step's next best tokens beside their chain (up to
+`--speculative-num-draft-tokens` - 1 nodes by cumulative draft probability).
+The verify forward attends each node to the request's KV and its own
+ancestors (the cpu and torch_native backends; Triton refuses trees at
+start-up), the longest path whose drafts equal the target's tokens is kept
+and its slots become the request's next positions; tree drafts are chosen
+without sampling and kept by equality, so outputs are the plain run's, greedy
+or seeded. Refused: trees under tensor parallelism or on a backend without
+tree attention, and DeepSeek's NextN/MTP heads (no MLA model yet).
 """
 
 from __future__ import annotations

@@ -26,6 +26,7 @@ from radixlm.runtime.model_runner import ModelRunner
 from radixlm.scheduler.schedule_batch import ScheduleBatch
 from radixlm.speculative.model_drafter import DraftState, ModelDrafter, _Rows
 from radixlm.speculative.standalone import draft_args
+from radixlm.speculative.tree import is_chain
 from radixlm.utils import to_device
 
 
@@ -95,9 +96,35 @@ class EagleDrafter(ModelDrafter):
         st = self.states[req.rid]
         st.valid, st.pending = pos, []
 
+    def draft(self, batch: ScheduleBatch) -> list[torch.Tensor | None]:
+        self._resolve_trees(batch.reqs)
+        return super().draft(batch)
+
+    def _resolve_trees(self, reqs: list) -> None:
+        """The target's states of a verified tree's kept path, once the request's
+        tokens say which path that was: its rows' states at positions start.."""
+        for req in reqs:
+            st = self.states.get(req.rid)
+            if st is None or st.tree is None:
+                continue
+            start, rows, drafts, parents = st.tree
+            st.tree = None
+            fill, path, row = req.fill_ids, [0], 0
+            while start + len(path) < len(fill):
+                token = fill[start + len(path)]
+                child = next((j + 1 for j, (t, p) in enumerate(zip(drafts, parents))
+                              if p == row and t == token), None)
+                if child is None:
+                    break
+                path.append(child)
+                row = child
+            index = torch.tensor(path, dtype=torch.int64, device=rows.device)
+            st.put_features(start, rows[index])
+
     # ---- after every target forward ------------------------------------------------
     @torch.inference_mode()
     def observe(self, batch: ScheduleBatch, fb: ForwardBatch) -> None:
+        self._resolve_trees(batch.reqs)
         super().observe(batch, fb)
         states = _states(fb)
         offset = 0
@@ -108,6 +135,11 @@ class EagleDrafter(ModelDrafter):
                 # Copies: a replayed graph's states live in its output buffers.
                 if i < batch.num_extend:  # a prefill's last row: its next token was sampled
                     st.put_features(start + n - 1, states[offset + n - 1:offset + n].clone())
+                elif batch.draft_parents is not None and batch.drafts[i] and \
+                        not is_chain(batch.draft_parents[i]):
+                    # A tree's rows are nodes, not positions: kept until the path is known.
+                    st.tree = (start, states[offset:offset + n].clone(), list(batch.drafts[i]),
+                               list(batch.draft_parents[i]))
                 else:
                     st.put_features(start, states[offset:offset + n].clone())
             offset += n

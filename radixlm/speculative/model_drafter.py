@@ -47,6 +47,7 @@ from radixlm.runtime.model_runner import ModelRunner
 from radixlm.scheduler.drafter import Drafter, drafts_within
 from radixlm.scheduler.req import Req
 from radixlm.scheduler.schedule_batch import ScheduleBatch
+from radixlm.speculative import tree as tree_mod
 from radixlm.speculative.rejection import draft_info, sample_drafts
 from radixlm.utils import to_device
 
@@ -68,6 +69,9 @@ class DraftState:
     # Draft heads: the target's features of positions feats_start.. (one row each).
     feats_start: int = 0
     feats: torch.Tensor | None = None
+    # Draft heads after a tree verify: (its first position, the target's states of
+    # its rows, its drafts, their parents) until the kept path is known.
+    tree: tuple[int, torch.Tensor, list[int], list[int]] | None = None
 
     def put_features(self, start: int, rows: torch.Tensor) -> None:
         """Record the target's features of positions start..; what the state had
@@ -107,6 +111,10 @@ class ModelDrafter(Drafter):
         self.runner = runner
         self.device = runner.device
         self.num_drafts = args.speculative_num_drafts
+        # Trees (topk > 1): `num_drafts` draft steps along the best chain, each
+        # step's next best tokens as leaves beside it, `tree_nodes` nodes in all.
+        self.topk = args.speculative_topk
+        self.tree_nodes = args.speculative_tree_nodes if self.topk > 1 else self.num_drafts
         self.max_verify_tokens = max_verify_tokens
         self.states: dict[str, DraftState] = {}
         self.req_to_token_pool: Any = None
@@ -127,11 +135,14 @@ class ModelDrafter(Drafter):
         live = {r.rid for r in reqs}
         for rid in [rid for rid in self.states if rid not in live]:
             del self.states[rid]
-        k = drafts_within(len(reqs), self.num_drafts, self.max_verify_tokens)
+        k = drafts_within(len(reqs), self.tree_nodes, self.max_verify_tokens)
         if k == 0:
             return {}
-        # Placeholders: `draft` writes the tokens once the verify's slots exist.
-        return {r.rid: [0] * k for r in reqs if r.rid in self.states}
+        # Placeholders: `draft` writes the tokens (and a tree's parents) once the
+        # verify's slots exist. A request with a grammar drafts a chain.
+        chain = min(k, self.num_drafts)
+        return {r.rid: [0] * (chain if r.grammar is not None else k) for r in reqs
+                if r.rid in self.states}
 
     # ---- drafting, inside the worker's verify ----------------------------------------------
     @torch.inference_mode()
@@ -143,6 +154,9 @@ class ModelDrafter(Drafter):
         active = [i for i, d in enumerate(batch.drafts) if d]
         probs: list[torch.Tensor | None] = [None] * batch.batch_size
         if not active:
+            return probs
+        if self.topk > 1:
+            self._draft_trees(batch, active)
             return probs
         reqs = [batch.reqs[i] for i in active]
         ks = [len(batch.drafts[i]) for i in active]
@@ -166,6 +180,89 @@ class ModelDrafter(Drafter):
             if a in qrows:
                 probs[i] = torch.stack(qrows[a])
         return probs
+
+    def _draft_trees(self, batch: ScheduleBatch, active: list[int]) -> None:
+        """Trees (topk > 1) for the requests `active`, every draft chosen without
+        sampling (kept by equality, which keeps a sampling request's seeded tokens
+        too): the draft model's steps follow its argmax chain, as many as the
+        request's nodes allow up to `num_drafts`; the remaining nodes are the next
+        best tokens of those steps, highest cumulative draft probability first
+        (EAGLE-2's score), each under the chain node its step read. Requests with a
+        grammar get the chain alone (their masks follow one path). Rows: the
+        chain first (row d at depth d, the slots its draft KV went to), then the
+        leaves by depth."""
+        reqs = [batch.reqs[i] for i in active]
+        nodes = [len(batch.drafts[i]) for i in active]
+        ks = [min(n, self.num_drafts) for n in nodes]
+        newest = [batch.prefix_lens[i] for i in active]
+        rows = self._catch_up_rows(reqs, newest)
+        logits, feats = self._run(ForwardMode.VERIFY, rows, self._catch_up_features(rows))
+        last = to_device(torch.tensor(_last_rows(rows.lens), dtype=torch.int64), self.device)
+        steps_logits = logits[last]
+        tops_lp, tops_id = [], []
+
+        def top(step_logits: torch.Tensor) -> torch.Tensor:
+            lp, ids = torch.log_softmax(step_logits.float(), dim=-1).topk(self.topk, dim=-1)
+            tops_lp.append(lp)
+            tops_id.append(self._to_target(ids))
+            return self._to_target(ids[:, 0])
+
+        token = top(steps_logits)
+        tokens = [token]
+        feats = feats[last] if feats is not None else None
+        for j in range(1, max(ks)):
+            sel = [a for a in range(len(reqs)) if ks[a] > j]
+            step_logits, out = self._step_logits(j, sel, reqs, newest, tokens[-1], feats)
+            full = torch.zeros_like(tops_lp[0])
+            full_ids = torch.zeros_like(tops_id[0])
+            index = to_device(torch.tensor(sel, dtype=torch.int64), self.device)
+            lp, ids = torch.log_softmax(step_logits.float(), dim=-1).topk(self.topk, dim=-1)
+            full[index], full_ids[index] = lp, self._to_target(ids)
+            tops_lp.append(full)
+            tops_id.append(full_ids)
+            token = tokens[-1].clone()
+            token[index] = full_ids[index, 0]
+            tokens.append(token)
+            if out is not None and feats is not None:
+                feats = feats.clone()
+                feats[index] = out
+        lp_host = torch.stack(tops_lp, dim=1).tolist()  # [n, steps, topk]; the one sync
+        id_host = torch.stack(tops_id, dim=1).tolist()
+        parents_all = batch.draft_parents or [tree_mod.chain_parents(len(d))
+                                              for d in batch.drafts]
+        for a, i in enumerate(active):
+            k, n = ks[a], nodes[a]
+            chain = [id_host[a][d][0] for d in range(k)]
+            toks, parents = list(chain), tree_mod.chain_parents(k)
+            if batch.reqs[i].grammar is None and n > k:
+                cum, leaves = 0.0, []
+                for d in range(k):  # step d's alternatives hang under chain row d
+                    leaves += [(cum + lp_host[a][d][c], d, id_host[a][d][c])
+                               for c in range(1, self.topk)]
+                    cum += lp_host[a][d][0]
+                best = sorted(leaves, key=lambda x: -x[0])[:n - k]
+                for _, d, t in sorted(best, key=lambda x: x[1]):
+                    toks.append(t)
+                    parents.append(d)
+            assert len(toks) == n, "a tree fills the verify's slots"
+            batch.drafts[i] = toks
+            parents_all[i] = parents
+            self._after_draft(reqs[a], newest[a], chain)
+        if any(not tree_mod.is_chain(p) for p in parents_all):
+            batch.draft_parents = parents_all
+
+    def _step_logits(self, j: int, sel: list[int], reqs: list[Req], newest: list[int],
+                     prev: torch.Tensor, feats: torch.Tensor | None
+                     ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Draft step j's logits (and head features) of the requests `sel`, their
+        input the previous step's token."""
+        sub = [reqs[a] for a in sel]
+        pos = [newest[a] - self.shift + j for a in sel]
+        rows = _Rows(sub, pos, [1] * len(sel), [0] * len(sel),
+                     [r.slots[p] for r, p in zip(sub, pos)])
+        index = to_device(torch.tensor(sel, dtype=torch.int64), self.device)
+        return self._run(ForwardMode.DECODE, rows,
+                         None if feats is None else feats[index], input_ids=prev[index])
 
     def _catch_up_rows(self, reqs: list[Req], newest: list[int]) -> _Rows:
         """Each request's rows from its first position without draft KV to the last

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from radixlm.config import ServerArgs
 from radixlm.scheduler.drafter import Drafter, drafts_within
 from radixlm.scheduler.req import Req
+from radixlm.speculative.tree import DraftTree, is_chain
 
 # Recent occurrences of the last bigram compared per proposal: older ones are
 # rarely longer matches, and the cost per step stays bounded.
@@ -72,12 +73,49 @@ class _Index:
                     break
         if best_len < min_len:
             return []
+        return self.continuation(best, k)
+
+    def continuation(self, end: int, k: int) -> list[int]:
+        """The k tokens after the occurrence ending at `end`."""
         toks, size, out = self.tokens, len(self.tokens), []
         for j in range(k):
-            pos = best + 1 + j
+            pos = end + 1 + j
             # Past the end, the text repeats with the match's period (a run, a cycle).
             out.append(toks[pos] if pos < size else out[pos - size])
         return out
+
+    def propose_tree(self, k: int, width: int, nodes: int, min_len: int,
+                     max_len: int) -> DraftTree | None:
+        """Up to `width` distinct continuations of the longest matches (longest first,
+        then the most recent), merged where they agree into a tree of at most
+        `nodes` drafts; the best one is the first branch (the chain `propose` gives)."""
+        found = []
+        for end in reversed(self.candidates()):
+            n = self.match_len(end, max_len)
+            if n >= min_len:
+                found.append((-n, len(found), end))
+        tokens: list[int] = []
+        parents: list[int] = []
+        children: dict[tuple[int, int], int] = {}  # (row, token) -> its child's row
+        seen: set[tuple[int, ...]] = set()
+        for _, _, end in sorted(found):
+            cont = self.continuation(end, k)
+            if tuple(cont) in seen:
+                continue
+            seen.add(tuple(cont))
+            row = 0
+            for t in cont:
+                nxt = children.get((row, t))
+                if nxt is None:
+                    if len(tokens) >= nodes:
+                        break
+                    tokens.append(t)
+                    parents.append(row)
+                    nxt = children[(row, t)] = len(tokens)
+                row = nxt
+            if len(seen) >= width or len(tokens) >= nodes:
+                break
+        return DraftTree(tokens, parents) if tokens else None
 
 
 class NgramDrafter(Drafter):
@@ -91,6 +129,9 @@ class NgramDrafter(Drafter):
 
     def __init__(self, args: ServerArgs, max_verify_tokens: int) -> None:
         self.num_drafts = args.speculative_num_drafts
+        # Trees (topk > 1): several continuations, `tree_nodes` drafts in all.
+        self.topk = args.speculative_topk
+        self.tree_nodes = args.speculative_tree_nodes
         self.min_len = args.speculative_ngram_min_match_window_size
         self.max_len = args.speculative_ngram_max_match_window_size
         self.max_verify_tokens = max_verify_tokens
@@ -99,19 +140,34 @@ class NgramDrafter(Drafter):
     def forget(self, rid: str) -> None:
         self._index.pop(rid, None)
 
-    def propose(self, reqs: list[Req]) -> dict[str, list[int]]:
+    def propose(self, reqs: list[Req]) -> dict[str, list[int] | DraftTree]:
         live = {r.rid for r in reqs}
         for rid in [rid for rid in self._index if rid not in live]:
             del self._index[rid]
+        if self.topk > 1:
+            return self._propose_trees(reqs)
         k = drafts_within(len(reqs), self.num_drafts, self.max_verify_tokens)
         if k == 0:
             return {}
-        out = {}
+        out: dict[str, list[int] | DraftTree] = {}
         for req in reqs:
             index = self._index_of(req)
             drafts = index.propose(k, self.min_len, self.max_len)
             if drafts:
                 out[req.rid] = drafts
+        return out
+
+    def _propose_trees(self, reqs: list[Req]) -> dict[str, list[int] | DraftTree]:
+        nodes = drafts_within(len(reqs), self.tree_nodes, self.max_verify_tokens)
+        if nodes == 0:
+            return {}
+        k = min(self.num_drafts, nodes)
+        out: dict[str, list[int] | DraftTree] = {}
+        for req in reqs:
+            found = self._index_of(req).propose_tree(k, self.topk, nodes, self.min_len,
+                                                     self.max_len)
+            if found is not None:
+                out[req.rid] = found.tokens if is_chain(found.parents) else found
         return out
 
     def _index_of(self, req: Req) -> _Index:

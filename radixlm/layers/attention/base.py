@@ -49,8 +49,12 @@ class AttentionBackend(ABC):
       attending to the request's KV and its rows 0..j) are handled here too: as
       the decode batch `fb.verify_decode_view()`, one row per token, so a
       verify row computes exactly what a decode step over the same tokens
-      computes. A tree of drafts (`fb.tree_mask`) needs a backend with
-      `supports_tree_mask`.
+      computes. A tree of drafts (`fb.tree`: each row sees the request's KV,
+      its ancestors and itself, not its siblings) needs a backend with
+      `supports_tree_mask`, whose decode path reads the view's per-row slot
+      table (`fb.verify_decode_view().req_to_token_pool.req_to_token`) instead
+      of the request table; `check_tree_drafts` refuses trees at start-up on
+      the others.
     - `forward(q, k, v, layer, fb, rope=None)`: q is [num_tokens, num_heads *
       head_dim], k and v are [num_tokens, num_kv_heads * head_dim] for the new
       tokens. With `rope` = (rotary embedding, positions), q and k are not
@@ -97,6 +101,7 @@ class AttentionBackend(ABC):
     # the model runner gives other backends a plain pool.
     supports_window_pool = False
 
+    # Verifies trees of drafts (the decode path reads any slot table it is given).
     supports_tree_mask = False
     # Reads a KV pool in another float dtype than the model computes in.
     supports_kv_dtype_cast = False
@@ -117,6 +122,16 @@ class AttentionBackend(ABC):
             raise ValueError(f"the {type(self).__name__} needs the KV cache in the model's dtype "
                              f"({str(model_dtype).removeprefix('torch.')}); got "
                              f"--kv-cache-dtype {str(kv_dtype).removeprefix('torch.')}")
+
+    @classmethod
+    def check_tree_drafts(cls, topk: int | None) -> None:
+        """ValueError if `--speculative-eagle-topk` asks for tree drafts (> 1) and this
+        backend cannot verify a tree."""
+        if topk is not None and topk > 1 and not cls.supports_tree_mask:
+            raise ValueError(f"--speculative-eagle-topk {topk}: tree drafts need tree attention "
+                             f"in the verify forward, which the {cls.__name__} does not "
+                             "implement in its kernels yet; use --speculative-eagle-topk 1 "
+                             "(chains) or the torch_native / cpu attention backend")
 
     def check_layer(self, layer: RadixAttention) -> None:
         """ValueError if `layer` needs something this backend does not compute."""
@@ -153,9 +168,9 @@ class AttentionBackend(ABC):
 
     def forward_verify(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                        layer: RadixAttention, fb: ForwardBatch, **kw: bool) -> torch.Tensor:
-        """A chain of drafts: the decode path over one row per token; `kw` as in
-        `forward_mixed`."""
-        if fb.tree_mask is not None:
+        """The decode path over one row per token (a chain's or a tree's view); `kw`
+        as in `forward_mixed`."""
+        if fb.tree is not None and not self.supports_tree_mask:
             raise NotImplementedError(f"the {type(self).__name__} verifies chains of drafts "
                                       "only, not trees")
         return self.forward_decode(q, k, v, layer, fb.verify_decode_view(), **kw)

@@ -74,6 +74,9 @@ class TorchNativeBackend(AttentionBackend):
     supports_sliding_window = True
     supports_logit_softcap = True
     supports_kv_dtype_cast = True  # pool rows are cast to the queries' dtype when read
+    # Trees: the decode path gathers through the verify view's per-row slot table,
+    # a gather that is the tree mask (a row reads its prefix and its path only).
+    supports_tree_mask = True
 
     def init_forward_metadata(self, fb: ForwardBatch) -> None:
         if fb.mode.is_decode():
