@@ -88,8 +88,9 @@ def copy_bench(args: argparse.Namespace) -> None:
             n_all = 0
             for p in prompts:
                 rate, n = _decode_rate(e, p, args.output_len)
-                t += (n - 1) / rate
-                n_all += n - 1
+                if n > 1:  # a one-token answer has no decode time
+                    t += (n - 1) / rate
+                    n_all += n - 1
             rates[name].append(n_all / t)
             tokens[name] = n_all
     print(f"\ncopy-heavy prompts ({len(prompts)}, one at a time), greedy, up to "
