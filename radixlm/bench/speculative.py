@@ -51,7 +51,7 @@ def _decode_rate(engine: Any, prompt: str, output_len: int) -> tuple[float, int]
     n = 0
     for chunk in engine.generate(prompt, {"temperature": 0, "max_new_tokens": output_len},
                                  stream=True):
-        n = len(chunk["output_ids"])
+        n += len(chunk["output_ids"])  # a streamed chunk carries the new tokens only
         if first is None and n:
             first = time.perf_counter()
     end = time.perf_counter()
