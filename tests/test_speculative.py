@@ -243,3 +243,17 @@ def test_acceptance_is_reported(caplog: Any) -> None:
     with caplog.at_level("INFO", logger="radixlm.scheduler"):
         stats.maybe_log()
     assert "accept len: 2.50" in caplog.text
+
+
+def test_bench_decode_rate_counts_every_streamed_token():
+    """`bench speculative copy` times streamed requests: chunks carry their new
+    tokens only (it once read one token per request and divided by zero)."""
+    from radixlm.bench.speculative import _decode_rate
+
+    class Streams:
+        def generate(self, prompt, sampling_params, stream):
+            for ids in ([5], [6, 7], [8]):  # several tokens per chunk, as a verify gives
+                yield {"output_ids": ids}
+
+    rate, n = _decode_rate(Streams(), "x", 4)
+    assert n == 4 and rate > 0
