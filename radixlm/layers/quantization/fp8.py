@@ -122,14 +122,8 @@ def fp8_product(layer: LinearBase, x: torch.Tensor, bias: torch.Tensor | None,
 
 
 class _Fp8Method(LinearMethod):
-    """Products on the layer's derived `fp8` (an `Fp8Weight`)."""
-
-    def process_weights_after_loading(self, layer: LinearBase) -> None:
-        self.derive_fp8(layer)
-
-    def derive_fp8(self, layer: LinearBase) -> None:
-        """Set `layer.fp8` from the freshly loaded parameters."""
-        raise NotImplementedError
+    """Products on the layer's derived `fp8` (an `Fp8Weight`), which each method's
+    `process_weights_after_loading` sets from the freshly loaded parameters."""
 
     def apply(self, layer: LinearBase, x: torch.Tensor, bias: torch.Tensor | None = None,
               out: torch.Tensor | None = None) -> torch.Tensor:
@@ -218,7 +212,7 @@ class Fp8OnlineLinearMethod(_Fp8Method):
                              dtype=FP8)
         layer.add_weight("weight", weight, Fp8OnlineSpec())
 
-    def derive_fp8(self, layer: LinearBase) -> None:
+    def process_weights_after_loading(self, layer: LinearBase) -> None:
         k = layer.input_piece().size
         layer.fp8 = Fp8Weight(layer.weight.data[:, :k], online_scales(layer.weight.data))
 
@@ -284,7 +278,7 @@ class Fp8LinearMethod(_Fp8Method):
             layer.add_weight(s.input_scale, torch.ones(parts, dtype=F32),
                              PartScalarSpec(s.scalar_ndim))
 
-    def derive_fp8(self, layer: LinearBase) -> None:
+    def process_weights_after_loading(self, layer: LinearBase) -> None:
         s = self.scheme
         weight, scale = layer.weight.data, getattr(layer, s.weight_scale).data.float()
         rows = [layer.output_piece(p).size for p in layer.shard_ids]
