@@ -27,6 +27,8 @@ if not (HAS_CUDA or INTERPRET):
     pytest.skip("needs CUDA (or TRITON_INTERPRET=1)", allow_module_level=True)
 pytest.importorskip("triton")
 
+from attention_reference import TOL, ref_attention, rel_err  # noqa: E402
+
 from radixlm.cache.fp8_pool import FP8TokenToKVPool  # noqa: E402
 from radixlm.cache.memory_pool import ReqToTokenPool  # noqa: E402
 from radixlm.forward_batch import ForwardBatch, ForwardMode, find_prefix_groups  # noqa: E402
@@ -50,30 +52,11 @@ from radixlm.utils import to_device  # noqa: E402
 DEV = torch.device("cuda" if HAS_CUDA else "cpu")
 LOW = torch.bfloat16 if HAS_CUDA else torch.float32
 SMALL = INTERPRET and not HAS_CUDA
-# ||out - ref|| / ||ref|| against the dequantized pool: the codes widen exactly to
-# bf16 / fp16, so the bounds of the 16-bit pools hold (tests/gpu/test_triton_attention.py).
-TOL = {torch.bfloat16: 1.5e-2, torch.float16: 3e-3, torch.float32: 1e-4}
+# Against the dequantized pool the codes widen exactly to bf16 / fp16, so the
+# 16-bit pools' bounds (attention_reference.TOL) hold.
 FP8 = [torch.float8_e4m3fn, torch.float8_e5m2]
 # Scales != 1: true K ~ N(0, 1) is stored as codes ~ N(0, 1 / K_SCALE).
 K_SCALE, V_SCALE = 0.02, 0.05
-
-
-def ref_attention(q, k, v, q_pos, scale):
-    """float64 causal GQA attention: q [m, H, D] at positions q_pos, k/v [n, KVH, D]."""
-    h, kvh = q.shape[1], k.shape[1]
-    kd = k.double().repeat_interleave(h // kvh, 1)
-    vd = v.double().repeat_interleave(h // kvh, 1)
-    out = torch.empty(q.shape, dtype=torch.float64, device=q.device)
-    keys = torch.arange(k.shape[0], device=q.device)
-    for s in range(0, q.shape[0], 256):
-        sc = torch.einsum("mhd,nhd->hmn", q[s:s + 256].double(), kd) * scale
-        sc.masked_fill_(keys[None, None, :] > q_pos[None, s:s + 256, None], float("-inf"))
-        out[s:s + 256] = torch.einsum("hmn,nhd->mhd", sc.softmax(-1), vd)
-    return out
-
-
-def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
-    return ((out.double() - ref).norm() / ref.norm().clamp_min(1e-30)).item()
 
 
 def scales() -> tuple[torch.Tensor, torch.Tensor]:

@@ -21,6 +21,8 @@ if not (HAS_CUDA or INTERPRET):
     pytest.skip("needs CUDA (or TRITON_INTERPRET=1)", allow_module_level=True)
 pytest.importorskip("triton")
 
+from attention_reference import TOL, ref_attention, rel_err  # noqa: E402
+
 from radixlm.cache.memory_pool import ReqToTokenPool  # noqa: E402
 from radixlm.cache.swa_memory_pool import SWAKVPool  # noqa: E402
 from radixlm.forward_batch import ForwardBatch, ForwardMode, find_prefix_groups  # noqa: E402
@@ -40,24 +42,7 @@ from radixlm.utils import to_device  # noqa: E402
 
 DEV = torch.device("cuda" if HAS_CUDA else "cpu")
 LOW = torch.bfloat16 if HAS_CUDA else torch.float32
-TOL = {torch.bfloat16: 1.5e-2, torch.float16: 3e-3, torch.float32: 1e-4}
 SMALL = INTERPRET and not HAS_CUDA
-
-
-def ref_attention(q, k, v, q_pos, scale, window=None, softcap=None):
-    """float64: q [m, H, D] at positions q_pos [m], k/v [n, KVH, D] at 0..n-1."""
-    h, kvh = q.shape[1], k.shape[1]
-    kd = k.double().repeat_interleave(h // kvh, 1)
-    vd = v.double().repeat_interleave(h // kvh, 1)
-    s = torch.einsum("mhd,nhd->hmn", q.double(), kd) * scale
-    if softcap is not None:
-        s = softcap * torch.tanh(s / softcap)
-    keys = torch.arange(k.shape[0], device=q.device)
-    hide = keys[None, :] > q_pos[:, None]
-    if window is not None:
-        hide |= keys[None, :] <= q_pos[:, None] - window
-    s = s.masked_fill(hide[None], float("-inf"))
-    return torch.einsum("hmn,nhd->mhd", s.softmax(-1), vd)
 
 
 def test_reference_window_is_transformers_mask():
@@ -74,10 +59,6 @@ def test_reference_window_is_transformers_mask():
     v = torch.eye(n, 16, device=DEV)[:, None, :]
     out = ref_attention(q, torch.zeros_like(v), v, torch.arange(n, device=DEV), 1.0, window)
     assert torch.equal(out[:, 0, :n].cpu() > 0, want)
-
-
-def rel_err(out, ref):
-    return ((out.double() - ref).norm() / ref.norm().clamp_min(1e-30)).item()
 
 
 def make_pool(seq_lens, kvh, d, dtype, seed, window_rows=None):

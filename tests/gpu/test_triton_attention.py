@@ -11,6 +11,7 @@ if not torch.cuda.is_available():
     pytest.skip("needs CUDA", allow_module_level=True)
 pytest.importorskip("triton")
 
+from attention_reference import TOL, ref_attention, rel_err  # noqa: E402
 from gpu_models import capture_graph  # noqa: E402
 
 from radixlm.forward_batch import ForwardBatch, ForwardMode  # noqa: E402
@@ -29,29 +30,6 @@ from radixlm.layers.attention.triton_ops.kv_store import store_kv  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 DEV = torch.device("cuda")
-# ||out - ref|| / ||ref|| bounds: bf16 has 8 mantissa bits (P and the output are
-# rounded to it), fp16 11, fp32 runs true fp32 products ("ieee").
-TOL = {torch.bfloat16: 1.5e-2, torch.float16: 3e-3, torch.float32: 1e-4}
-
-
-def _ref_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor,
-                   scale: float) -> torch.Tensor:
-    """float64 causal GQA attention: q [m, H, D] at positions q_pos, k/v [n, KVH, D]."""
-    h, kvh = q.shape[1], k.shape[1]
-    kd = k.double().repeat_interleave(h // kvh, 1)
-    vd = v.double().repeat_interleave(h // kvh, 1)
-    out = torch.empty(q.shape, dtype=torch.float64, device=q.device)
-    keys = torch.arange(k.shape[0], device=q.device)
-    for s in range(0, q.shape[0], 256):  # row chunks bound the [H, m, n] score memory
-        qs = q[s:s + 256].double()
-        sc = torch.einsum("mhd,nhd->hmn", qs, kd) * scale
-        sc.masked_fill_(keys[None, None, :] > q_pos[None, s:s + 256, None], float("-inf"))
-        out[s:s + 256] = torch.einsum("hmn,nhd->mhd", sc.softmax(-1), vd)
-    return out
-
-
-def _rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
-    return ((out.double() - ref).norm() / ref.norm().clamp_min(1e-30)).item()
 
 
 def _make_pool(seq_lens: list[int], kvh: int, d: int, dtype: torch.dtype, gen: torch.Generator):
@@ -105,9 +83,9 @@ def test_decode_attention(group, d, dtype, seq_lens, splits):
     assert torch.isfinite(o).all()
     for i, n in enumerate(seq_lens):
         sl = r2t[rows[i], :n].long()
-        ref = _ref_attention(q[i:i + 1], k_buf[sl], v_buf[sl], torch.tensor([n - 1], device=DEV),
+        ref = ref_attention(q[i:i + 1], k_buf[sl], v_buf[sl], torch.tensor([n - 1], device=DEV),
                              scale)
-        err = _rel_err(o[i:i + 1], ref)
+        err = rel_err(o[i:i + 1], ref)
         assert err < TOL[dtype], (i, n, err)
 
 
@@ -161,8 +139,8 @@ def test_extend_attention(group, d, dtype, reqs):
     for i, (p, e) in enumerate(reqs):
         sl = r2t[rows[i], :p + e].long()
         qi = q[starts[i]:starts[i] + e]
-        ref = _ref_attention(qi, k_buf[sl], v_buf[sl], p + torch.arange(e, device=DEV), scale)
-        err = _rel_err(o[starts[i]:starts[i] + e], ref)
+        ref = ref_attention(qi, k_buf[sl], v_buf[sl], p + torch.arange(e, device=DEV), scale)
+        err = rel_err(o[starts[i]:starts[i] + e], ref)
         assert err < TOL[dtype], (i, p, e, err)
 
 
@@ -226,7 +204,7 @@ def test_backend_matches_torch_native(group, d, dtype):
     kv = torch.randn((n, 2 * kvh * d), device=DEV).to(dtype)
     k, v = kv[:, :kvh * d], kv[:, kvh * d:]
     out_t, out_n = _run_both(args, q, k, v, layer, [triton_be, native_be])
-    assert _rel_err(out_t, out_n.double()) < TOL[dtype]
+    assert rel_err(out_t, out_n.double()) < TOL[dtype]
 
     # One decode step for every request.
     seq = [p + e for p, e in zip(prefix, ext, strict=True)]
@@ -241,7 +219,7 @@ def test_backend_matches_torch_native(group, d, dtype):
     kd = torch.randn((bs, kvh * d), device=DEV).to(dtype)
     vd = torch.randn((bs, kvh * d), device=DEV).to(dtype)
     dec_t, dec_n = _run_both(dargs, qd, kd, vd, layer, [triton_be, native_be])
-    assert _rel_err(dec_t, dec_n.double()) < TOL[dtype]
+    assert rel_err(dec_t, dec_n.double()) < TOL[dtype]
 
 
 def test_backend_decode_cuda_graph_replay():
@@ -287,4 +265,4 @@ def test_backend_decode_cuda_graph_replay():
         native.init_forward_metadata(eager_fb)
         ref = native.forward(s_q, s_k, s_v, layer, eager_fb)
         assert torch.isfinite(replayed).all()
-        assert _rel_err(replayed, ref.double()) < TOL[dtype]
+        assert rel_err(replayed, ref.double()) < TOL[dtype]
