@@ -11,6 +11,8 @@ from typing import Any
 import pytest
 import torch
 from kv_runner import KVRunner
+from verify_runs import BACKENDS, NEW_TOKENS
+from verify_runs import serve as _serve
 
 from radixlm.forward_batch import ForwardBatch, ForwardMode
 from radixlm.layers.attention.base import AttentionBackend
@@ -20,7 +22,6 @@ from radixlm.models.loader import load_config, load_model
 from radixlm.speculative import tree
 from radixlm.tokenizer import get_tokenizer
 
-BACKENDS = {"torch_native": TorchNativeBackend, "cpu": CpuAttentionBackend}
 # Rows: 0 root; 1, 2, 3 its children; 4 under 1; 5, 6 under 4; 7 under 2.
 PARENTS = [0, 0, 0, 1, 4, 4, 2]
 
@@ -143,8 +144,6 @@ def test_backends_without_tree_attention_refuse_trees() -> None:
 
 
 # ---- through the scheduler ----------------------------------------------------------
-PROMPTS = ["The capital of France is", "def add(a, b):\n    return", "Once upon a time"]
-NEW_TOKENS = 12
 
 
 class TreeScriptDrafter:
@@ -189,27 +188,6 @@ class TreeScriptDrafter:
             if tokens:
                 out[r.rid] = tree.DraftTree(tokens, parents)
         return out
-
-
-def _serve(model_dir: str, tokenizer: Any, params: dict[str, Any], drafter: Any = None,
-           backend: str = "cpu") -> tuple[dict[str, list[int]], Any]:
-    from radixlm.config import ServerArgs
-    from radixlm.protocol import GenerateReq
-    from radixlm.scheduler.scheduler import Scheduler
-
-    args = ServerArgs(device="cpu", dtype="float32", quantization="none",
-                      max_total_tokens=2048, chunked_prefill_size=64, attention_backend=backend)
-    sched = Scheduler(args, model_dir, load_config(model_dir), tokenizer, drafter=drafter)
-    for i, text in enumerate(PROMPTS):
-        sched.add_request(GenerateReq(rid=f"r{i}", input_ids=tokenizer.encode(text),
-                                      sampling_params={**params, "max_new_tokens": NEW_TOKENS}))
-    ids: dict[str, list[int]] = {f"r{i}": [] for i in range(len(PROMPTS))}
-    while sched.has_work:
-        for out in sched.step():
-            ids[out.rid] += out.new_token_ids
-        sched.check_invariants()
-    assert sched.worker.kv_pool.available_size() + sched.cache.total_size() == 2048
-    return ids, sched
 
 
 @pytest.mark.parametrize("params", [{"temperature": 0.0},

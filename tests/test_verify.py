@@ -16,20 +16,15 @@ from typing import Any
 import pytest
 import torch
 from kv_runner import KVRunner
+from verify_runs import BACKENDS, NEW_TOKENS, PROMPTS
+from verify_runs import serve as _serve
 
-from radixlm.config import ServerArgs
 from radixlm.forward_batch import ForwardMode
 from radixlm.layers.attention.cpu_backend import CpuAttentionBackend
-from radixlm.layers.attention.torch_native import TorchNativeBackend
 from radixlm.models.loader import load_config, load_model
-from radixlm.protocol import GenerateReq
 from radixlm.scheduler.drafter import Drafter
 from radixlm.scheduler.req import Req
-from radixlm.scheduler.scheduler import Scheduler
 from radixlm.tokenizer import get_tokenizer
-
-PROMPTS = ["The capital of France is", "def add(a, b):\n    return", "Once upon a time"]
-NEW_TOKENS = 12
 
 
 @pytest.fixture(scope="module")
@@ -42,7 +37,6 @@ def tokenizer(model_dir: str) -> Any:
     return get_tokenizer(model_dir)
 
 
-BACKENDS = {"torch_native": TorchNativeBackend, "cpu": CpuAttentionBackend}
 
 
 @pytest.mark.parametrize("backend", list(BACKENDS))
@@ -79,23 +73,6 @@ class ScriptDrafter(Drafter):
             out[r.rid] = [(t + 1) % 1000 if n + j in self.wrong else t
                           for j, t in enumerate(ahead)]
         return out
-
-
-def _serve(model_dir: str, tokenizer: Any, params: dict[str, Any],
-           drafter: Drafter | None = None) -> tuple[dict[str, list[int]], Scheduler]:
-    args = ServerArgs(device="cpu", dtype="float32", quantization="none",
-                      max_total_tokens=2048, chunked_prefill_size=64)
-    sched = Scheduler(args, model_dir, load_config(model_dir), tokenizer, drafter=drafter)
-    for i, text in enumerate(PROMPTS):
-        sched.add_request(GenerateReq(rid=f"r{i}", input_ids=tokenizer.encode(text),
-                                      sampling_params={**params, "max_new_tokens": NEW_TOKENS}))
-    ids: dict[str, list[int]] = {f"r{i}": [] for i in range(len(PROMPTS))}
-    while sched.has_work:
-        for out in sched.step():
-            ids[out.rid] += out.new_token_ids
-        sched.check_invariants()
-    assert sched.worker.kv_pool.available_size() + sched.cache.total_size() == 2048
-    return ids, sched
 
 
 @pytest.mark.parametrize("params", [{"temperature": 0.0},
