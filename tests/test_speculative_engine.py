@@ -300,9 +300,10 @@ def test_retraction_mid_speculation(models: dict[str, str], algo: str) -> None:
     assert sched.stats.num_draft_tokens > 0
 
 
-def test_abort_mid_speculation(models: dict[str, str], plain: dict[str, list[int]]) -> None:
-    target = models["target"]
-    sched = _scheduler(target, **_spec("STANDALONE", target))
+def _serve_aborting_r1(sched: Scheduler) -> tuple[dict[str, list[int]], dict[str, Any]]:
+    """(tokens, finish reason) per request of _prompts() served greedily, r1 aborted at
+    the first step after drafts were made (between verify steps, with draft state for
+    it); the pool invariant checked after every step."""
     for i, ids in enumerate(_prompts()):
         sched.add_request(GenerateReq(rid=f"r{i}", input_ids=ids, sampling_params={
             "max_new_tokens": NEW_TOKENS, "temperature": 0}))
@@ -313,8 +314,15 @@ def test_abort_mid_speculation(models: dict[str, str], plain: dict[str, list[int
             out[o.rid] += o.new_token_ids
             finish[o.rid] = o.finish_reason
         if sched.stats.num_draft_tokens > 0 and "r1" not in finish:
-            sched.abort("r1")  # between verify steps, with draft state for it
+            sched.abort("r1")
         sched.check_invariants()
+    return out, finish
+
+
+def test_abort_mid_speculation(models: dict[str, str], plain: dict[str, list[int]]) -> None:
+    target = models["target"]
+    sched = _scheduler(target, **_spec("STANDALONE", target))
+    out, finish = _serve_aborting_r1(sched)
     assert finish["r1"]["type"] == "abort"
     assert out["r0"] == plain["r0"] and out["r2"] == plain["r2"]
     assert not sched.worker.model_drafter.states

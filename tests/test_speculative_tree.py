@@ -14,10 +14,16 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 from spec_models import save_eagle_head, save_tiny_target
-from test_speculative_engine import NEW_TOKENS, _prompts, _scheduler, _serve, _spec
+from test_speculative_engine import (
+    NEW_TOKENS,
+    _prompts,
+    _scheduler,
+    _serve,
+    _serve_aborting_r1,
+    _spec,
+)
 
 from radixlm.config import ServerArgs
-from radixlm.protocol import GenerateReq
 
 
 def _save_noisy_copy(path: Path, src: str, scale: float, seed: int = 0) -> str:
@@ -115,18 +121,7 @@ def test_abort_mid_tree_speculation(models: dict[str, str],
                                     plain: dict[str, list[int]]) -> None:
     sched = _scheduler(models["target"], **_spec("STANDALONE", models["draft"],
                                                  speculative_eagle_topk=3))
-    for i, ids in enumerate(_prompts()):
-        sched.add_request(GenerateReq(rid=f"r{i}", input_ids=ids, sampling_params={
-            "max_new_tokens": NEW_TOKENS, "temperature": 0}))
-    out: dict[str, list[int]] = {f"r{i}": [] for i in range(3)}
-    finish = {}
-    while sched.has_work:
-        for o in sched.step():
-            out[o.rid] += o.new_token_ids
-            finish[o.rid] = o.finish_reason
-        if sched.stats.num_draft_tokens > 0 and "r1" not in finish:
-            sched.abort("r1")
-        sched.check_invariants()
+    out, finish = _serve_aborting_r1(sched)
     assert finish["r1"]["type"] == "abort"
     assert out["r0"] == plain["r0"] and out["r2"] == plain["r2"]
 
