@@ -4,6 +4,7 @@ itself can load the same weights as the reference)."""
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -85,3 +86,25 @@ def capture_graph(fn: Callable[[], _T]) -> tuple[torch.cuda.CUDAGraph, _T]:
     with torch.cuda.graph(graph, stream=stream):
         out = fn()
     return graph, out
+
+
+@dataclass(frozen=True)
+class Agreement:
+    """How two engines' greedy results for the same prompts agree."""
+
+    mean: float  # |prompt logprob difference|, over every prompt token but the first
+    max: float
+    first: int  # requests whose first output token is the same
+    same: int  # output positions with the same token
+
+
+def agreement(ours: list[dict], ref: list[dict]) -> Agreement:
+    """Of `Engine.generate` results with `return_logprob=True, logprob_start_len=0`."""
+    pairs = list(zip(ours, ref, strict=True))
+    errors = [abs(a[0] - b[0]) for o, r in pairs
+              for a, b in zip(o["meta_info"]["input_token_logprobs"][1:],
+                              r["meta_info"]["input_token_logprobs"][1:], strict=True)]
+    first = sum(o["output_ids"][0] == r["output_ids"][0] for o, r in pairs)
+    same = sum(a == b for o, r in pairs
+               for a, b in zip(o["output_ids"], r["output_ids"], strict=True))
+    return Agreement(sum(errors) / len(errors), max(errors), first, same)

@@ -28,6 +28,7 @@ if not (HAS_CUDA or INTERPRET):
 pytest.importorskip("triton")
 
 from attention_reference import TOL, ref_attention, rel_err  # noqa: E402
+from gpu_models import agreement  # noqa: E402
 
 from radixlm.cache.fp8_pool import FP8TokenToKVPool  # noqa: E402
 from radixlm.cache.memory_pool import ReqToTokenPool  # noqa: E402
@@ -410,19 +411,13 @@ def test_engine_fp8_kv_tracks_bf16_kv(fp8, scaled, tiny_model):
     kw = {"quantization_param_path": scales} if scaled else {}
     ours, (cls, tokens, dtype) = _serve(model, prompts, kv_cache_dtype=fp8, **kw)
     assert ref_dtype == torch.bfloat16 and cls is FP8TokenToKVPool and dtype.itemsize == 1
-    errors = [abs(a[0] - b[0]) for o, r in zip(ours, ref, strict=True)
-              for a, b in zip(o["meta_info"]["input_token_logprobs"][1:],
-                              r["meta_info"]["input_token_logprobs"][1:], strict=True)]
-    first = sum(o["output_ids"][0] == r["output_ids"][0] for o, r in zip(ours, ref, strict=True))
-    same = sum(a == b for o, r in zip(ours, ref, strict=True)
-               for a, b in zip(o["output_ids"], r["output_ids"], strict=True))
-    mean = sum(errors) / len(errors)
+    a = agreement(ours, ref)
     print(f"\n[{fp8} kv{', scales file' if scaled else ''}] prompt logprobs vs bf16 kv: mean "
-          f"|diff| {mean:.4f}, max {max(errors):.3f}; first tokens equal {first}/{len(ours)}, "
-          f"greedy tokens equal {same}/{NEW * len(ours)}; pool tokens {tokens} vs "
+          f"|diff| {a.mean:.4f}, max {a.max:.3f}; first tokens equal {a.first}/{len(ours)}, "
+          f"greedy tokens equal {a.same}/{NEW * len(ours)}; pool tokens {tokens} vs "
           f"{ref_tokens} ({tokens / ref_tokens:.2f}x)")
     # A misread pool (wrong scale, wrong codes) gives errors of nats.
-    assert mean < 0.1, mean
-    assert first >= len(ours) - 1
+    assert a.mean < 0.1, a.mean
+    assert a.first >= len(ours) - 1
     # Half the bytes per token: about twice the tokens in the same budget.
     assert 1.8 < tokens / ref_tokens < 2.2

@@ -33,6 +33,7 @@ pytest.importorskip("triton")
 pytestmark = pytest.mark.gpu
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from gpu_models import agreement  # noqa: E402
 from quant_checkpoints import (  # noqa: E402
     HF_FP8_BLOCK_CONFIG,
     awq,
@@ -92,19 +93,13 @@ def _run(path: str, quantization: str | None, prompts: list[list[int]]):
 
 
 def _compare(ours, ref, label: str) -> None:
-    errors = [abs(a[0] - b[0]) for o, r in zip(ours, ref, strict=True)
-              for a, b in zip(o["meta_info"]["input_token_logprobs"][1:],
-                              r["meta_info"]["input_token_logprobs"][1:], strict=True)]
-    first = sum(o["output_ids"][0] == r["output_ids"][0] for o, r in zip(ours, ref, strict=True))
-    same = sum(a == b for o, r in zip(ours, ref, strict=True)
-               for a, b in zip(o["output_ids"], r["output_ids"], strict=True))
-    mean = sum(errors) / len(errors)
-    print(f"\n{label}: prompt logprobs vs the dequantized model: mean |diff| {mean:.4f}, "
-          f"max {max(errors):.3f}; first tokens equal {first}/{len(ours)}, greedy tokens "
-          f"equal {same}/{NEW * len(ours)}")
+    a = agreement(ours, ref)
+    print(f"\n{label}: prompt logprobs vs the dequantized model: mean |diff| {a.mean:.4f}, "
+          f"max {a.max:.3f}; first tokens equal {a.first}/{len(ours)}, greedy tokens "
+          f"equal {a.same}/{NEW * len(ours)}")
     # A misread layout gives noise (errors of several nats); W8A8 prefill and bf16
     # rounding of dequantized tiles stay well under these.
-    assert mean < 0.2 and first >= len(ours) - 1, label
+    assert a.mean < 0.2 and a.first >= len(ours) - 1, label
 
 
 @pytest.mark.parametrize("fmt", sorted(FORMATS))
