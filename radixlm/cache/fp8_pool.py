@@ -44,6 +44,10 @@ class FP8TokenToKVPool(MHATokenToKVPool):
         self.max_value = torch.finfo(dtype).max
         self.k_scales = torch.ones(num_layers, dtype=torch.float32, device=self.device)
         self.v_scales = torch.ones(num_layers, dtype=torch.float32, device=self.device)
+        # One-element views per layer, made once: kernels read them by pointer (so
+        # CUDA graphs see `set_scales`' in-place updates) and the hot path makes none.
+        self._layer_scales = [(self.k_scales[i:i + 1], self.v_scales[i:i + 1])
+                              for i in range(num_layers)]
 
     @classmethod
     def accepts(cls, spec: KVSpec, dtype: torch.dtype) -> bool:
@@ -65,7 +69,7 @@ class FP8TokenToKVPool(MHATokenToKVPool):
         self.v_scales.copy_(torch.tensor(v_scales, dtype=torch.float32))
 
     def layer_scales(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.k_scales[layer_id], self.v_scales[layer_id]
+        return self._layer_scales[layer_id]
 
     def set_kv_buffer(self, layer_id: int, loc: torch.Tensor, k: torch.Tensor,
                       v: torch.Tensor) -> None:

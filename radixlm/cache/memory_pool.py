@@ -117,8 +117,9 @@ class KVPool(ABC):
         return self.available_size()
 
     def layer_scales(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """(key scale, value scale) a reader multiplies this layer's stored K and V by
-        (a quantized cache); None: they are stored as computed."""
+        """(key scale, value scale), one-element fp32 device tensors, a reader
+        multiplies this layer's stored K and V by (a quantized cache); None: they
+        are stored as computed."""
         return None
 
     def layer_slot_map(self, layer_id: int) -> torch.Tensor | None:

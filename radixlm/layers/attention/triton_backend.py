@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from radixlm.cache.fp8_pool import FP8_DTYPES, FP8TokenToKVPool
-from radixlm.cache.memory_pool import KVPool, row_kv_buffers
+from radixlm.cache.memory_pool import row_kv_buffers
 from radixlm.layers.attention.base import AttentionBackend, AttentionShape
 from radixlm.layers.attention.triton_ops.cascade_decode import (
     MAX_PREFIX_SPLITS,
@@ -198,8 +198,6 @@ class TritonAttentionBackend(AttentionBackend):
         # (full slots, their window-pool slots, made in a graph capture) of the
         # forward's new tokens.
         self._window_loc: tuple[torch.Tensor, torch.Tensor, bool] | None = None
-        # (pool, per-layer (k_scale, v_scale) one-element views) of the last FP8 pool.
-        self._scale_views: tuple[KVPool, list[tuple[torch.Tensor, torch.Tensor]]] | None = None
 
     @classmethod
     def create(cls, shape: AttentionShape) -> TritonAttentionBackend:
@@ -218,19 +216,6 @@ class TritonAttentionBackend(AttentionBackend):
         if kv_dtype in FP8_DTYPES:
             return
         super().check_kv_dtype(model_dtype, kv_dtype)
-
-    def _kv_scales(self, pool: KVPool, layer_id: int
-                   ) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """An FP8 pool's (k_scale, v_scale) of the layer, one-element device views
-        made once per pool; None for other pools."""
-        if not isinstance(pool, FP8TokenToKVPool):
-            return None
-        views = self._scale_views
-        if views is None or views[0] is not pool:
-            views = self._scale_views = (pool, [
-                (pool.k_scales[i:i + 1], pool.v_scales[i:i + 1])
-                for i in range(pool.num_layers)])
-        return views[1][layer_id]
 
     def num_kv_splits(self, bs: int) -> int:
         target = self.programs_per_sm * self.num_sms
@@ -410,7 +395,7 @@ class TritonAttentionBackend(AttentionBackend):
         target = self._store_target(layer, fb, k.dtype)
         if target is not None and k.shape[0] >= self.kv_store_min_tokens:
             store_kv(k, v, *target,
-                     kv_scales=self._kv_scales(fb.token_to_kv_pool, layer.layer_id))
+                     kv_scales=fb.token_to_kv_pool.layer_scales(layer.layer_id))
         else:
             fb.token_to_kv_pool.set_kv_buffer(layer.layer_id, fb.out_cache_loc, k, v)
 
@@ -422,7 +407,7 @@ class TritonAttentionBackend(AttentionBackend):
         if not kv_stored:
             self._store(k, v, layer, fb)
         k_buf, v_buf = fb.token_to_kv_pool.get_kv_buffer(layer.layer_id)
-        scales = self._kv_scales(fb.token_to_kv_pool, layer.layer_id)
+        scales = fb.token_to_kv_pool.layer_scales(layer.layer_id)
         n, h, d = q.shape[0], layer.num_heads, layer.head_dim
         qv = q.view(n, h, d)
         o = torch.empty((n, h, d), dtype=q.dtype, device=q.device)
@@ -460,7 +445,7 @@ class TritonAttentionBackend(AttentionBackend):
         if not kv_stored:
             self._store(k, v, layer, fb)
         k_buf, v_buf = fb.token_to_kv_pool.get_kv_buffer(layer.layer_id)
-        scales = self._kv_scales(fb.token_to_kv_pool, layer.layer_id)
+        scales = fb.token_to_kv_pool.layer_scales(layer.layer_id)
         bs, h, d = q.shape[0], layer.num_heads, layer.head_dim
         o = torch.empty((bs, h, d), dtype=q.dtype, device=q.device)
         if meta.invariant is not None:
