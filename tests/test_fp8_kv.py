@@ -26,8 +26,9 @@ def test_pool_stores_scaled_fp8_and_reads_back() -> None:
     pool = FP8TokenToKVPool.create(spec, torch.float8_e4m3fn, 16, torch.device("cpu"),
                                    PoolOptions())
     pool.set_scales([4.0, 1.0], [0.5, 1.0])
-    k = torch.randn(3, 16) * 600  # beyond e4m3's 448 unless scaled
-    v = torch.randn(3, 16)
+    gen = torch.Generator().manual_seed(0)
+    k = torch.randn(3, 16, generator=gen) * 600  # beyond e4m3's 448 unless scaled
+    v = torch.randn(3, 16, generator=gen)
     loc = pool.alloc(3)
     pool.set_kv_buffer(0, loc, k, v)
     kb, vb = pool.get_kv_buffer(0)
