@@ -22,15 +22,12 @@ step by kind, GPU idle time, host time waiting on the GPU).
 from __future__ import annotations
 
 import gc
-import glob
-import json
 import os
 import sys
-import tempfile
 import time
-from collections import defaultdict
 
 import torch
+from decode_profile import profile_decode  # noqa: E402 (benchmarks/ is on sys.path)
 
 MODEL = os.path.join(os.path.dirname(__file__), "llama-3.1-8b")
 COMMON = dict(model_path=MODEL, load_format="dummy", skip_tokenizer_init=True,
@@ -96,85 +93,6 @@ def measure(engine, name: str, results: dict, profile: bool = False) -> None:
     log(f"{name}: single stream {one:.1f} tok/s end to end, decode alone {decode:.1f} tok/s "
         f"({1e3 / decode:.2f} ms per step; first token {took[1] * 1e3:.1f} ms); offline "
         f"256x512/256 {offline:.0f} tok/s ({dt:.2f} s)")
-
-
-# ---- where a decode step's time goes ----------------------------------------------
-KERNEL_KINDS = [("all-reduce", ("allreduce", "all_reduce")), ("broadcast", ("broadcast",)),
-                ("all-gather", ("allgather", "all_gather")),
-                ("attention", ("attn", "attention", "decode_kernel", "flash")),
-                ("gemm", ("gemm", "gemv", "nvjet", "cutlass", "sm90", "splitk", "matmul"))]
-
-
-def kernel_kind(name: str) -> str:
-    low = name.lower()
-    return next((kind for kind, keys in KERNEL_KINDS if any(k in low for k in keys)), "other")
-
-
-def profile_decode(engine, name: str, steps: int = 40) -> None:
-    """Trace `steps` single-stream decode steps on every rank and print rank 0's
-    per-step breakdown."""
-    out_dir = tempfile.mkdtemp(prefix="radixlm-prof-")
-    greedy = {"temperature": 0.0, "ignore_eos": True}
-    ids = prompts(1, 128, seed=3)[0]
-    engine.generate(input_ids=ids, sampling_params={**greedy, "max_new_tokens": 8})
-    engine.start_profile(output_dir=out_dir, num_steps=steps)
-    engine.generate(input_ids=ids, sampling_params={**greedy, "max_new_tokens": steps + 16})
-    engine.flush_cache()
-    for _ in range(100):  # the rank writes the trace when its step count runs out
-        paths = sorted(glob.glob(os.path.join(out_dir, "*-TP-0.trace.json")))
-        if paths:
-            break
-        time.sleep(0.2)
-    time.sleep(1.0)
-    if not paths:
-        log(f"{name}: no trace written")
-        return
-    log(f"{name}: profile of {steps} scheduler steps on rank 0 ({paths[0]}):")
-    for line in summarize_trace(paths[0]):
-        log("    " + line)
-
-
-def summarize_trace(path: str) -> list[str]:
-    with open(path) as f:
-        events = [e for e in json.load(f)["traceEvents"] if e.get("ph") == "X"]
-    launches = sorted(e["ts"] for e in events if e.get("name") == "cudaGraphLaunch")
-    gpu = sorted((e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")),
-                 key=lambda e: e["ts"])
-    if len(launches) < 12 or not gpu:
-        return [f"too few graph replays traced ({len(launches)})"]
-    # Steady state: from the 5th replay to the last, skipping the prefill.
-    first, last = launches[4], launches[-1]
-    n = len(launches) - 5
-    window = [e for e in gpu if first <= e["ts"] < last]
-    busy, end = 0.0, first
-    for e in window:  # union of busy intervals
-        s, f = max(e["ts"], end), e["ts"] + e["dur"]
-        if f > s:
-            busy += f - s
-            end = f
-    by_kind: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
-    by_name: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
-    for e in window:
-        for table, key in ((by_kind, kernel_kind(e["name"])), (by_name, e["name"][:90])):
-            table[key][0] += 1
-            table[key][1] += e["dur"]
-    host = defaultdict(float)
-    for e in events:
-        if first <= e["ts"] < last and e.get("cat") in ("cuda_runtime", "cpu_op",
-                                                        "user_annotation"):
-            host[e["name"][:60]] += e["dur"]
-    span = (last - first) / n
-    lines = [f"wall per step {span:.0f} us (replay to replay), GPU busy {busy / n:.0f} us, "
-             f"GPU idle {span - busy / n:.0f} us"]
-    for kind, (count, dur) in sorted(by_kind.items(), key=lambda kv: -kv[1][1]):
-        lines.append(f"{kind:>10}: {count / n:6.1f} kernels/step, {dur / n:7.0f} us/step")
-    lines.append("top kernels (us/step, calls/step):")
-    for key, (count, dur) in sorted(by_name.items(), key=lambda kv: -kv[1][1])[:8]:
-        lines.append(f"  {dur / n:7.0f} {count / n:5.1f}  {key}")
-    lines.append("top host events (us/step):")
-    for key, dur in sorted(host.items(), key=lambda kv: -kv[1])[:10]:
-        lines.append(f"  {dur / n:7.0f}  {key}")
-    return lines
 
 
 # ---- all-reduce latency -------------------------------------------------------------
