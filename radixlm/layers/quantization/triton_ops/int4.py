@@ -32,6 +32,8 @@ from radixlm.layers import pdl
 from radixlm.layers.gemv import _silu_mul
 from radixlm.layers.pdl import pdl_trigger, pdl_wait
 
+MAX_SUB_STEPS = 4
+
 
 class Int4Config(NamedTuple):
     bm: int  # rows per program (GEMM)
@@ -105,7 +107,9 @@ def int4_gemv(x: torch.Tensor, qweight: torch.Tensor, zeros: torch.Tensor,
         assert bias is None and n % 2 == 0
         n //= 2
     # A sub-step is 8 * rows features inside one group (act-order: any features);
-    # an iteration unrolls enough of them for cfg.bk features.
+    # an iteration unrolls enough of them for cfg.bk features, at most MAX_SUB_STEPS
+    # (each is 8 unrolled nibble bodies, twice: a group of 32 at bk 512 made 256,
+    # and that test did not finish in 60 s on an H200, where group 128's took 1 s).
     rows = _pow2_divisor(group // 8, 16) if g_idx is None else 16
     y = _out(x, n, out)
     dummy = scales
@@ -113,7 +117,8 @@ def int4_gemv(x: torch.Tensor, qweight: torch.Tensor, zeros: torch.Tensor,
         x, qweight, zeros, scales, g_idx if g_idx is not None else dummy,
         bias if bias is not None else dummy, y, n, k, scales.shape[0], qweight.stride(0),
         zeros.stride(0), scales.stride(0), BN=cfg.bn, ROWS=rows, GROUP=group,
-        SUB_STEPS=max(1, cfg.bk // (8 * rows)), ACT_ORDER=g_idx is not None,
+        SUB_STEPS=max(1, min(MAX_SUB_STEPS, cfg.bk // (8 * rows))),
+        ACT_ORDER=g_idx is not None,
         HAS_BIAS=bias is not None, SILU_MUL=silu_mul, num_warps=cfg.warps,
         num_stages=cfg.stages, **pdl.launch_args())
     return y
