@@ -8,8 +8,8 @@ independent of the batch it is in.
               and back to fp32 if round_dtype is given (and not fp32)
 
 is what `TopKRouter.forward` (`radixlm/layers/moe/router.py`) computes in torch with
-~10 launches, ~23 us a layer at one decode token on an H200; the experts' own
-grouped GEMMs take less.
+~10 launches: a profile of Qwen3-30B-A3B's decode on an H200 put those at ~23 us a
+layer, more than the experts' own grouped GEMMs.
 
 1. Logits (`_logits_kernel`), grid [cdiv(T, BLOCK_T), cdiv(E, BLOCK_E), S]: program
    (i, j, s) takes BLOCK_T tokens, BLOCK_E experts and the s-th CHUNK_K slice of H,
@@ -28,21 +28,26 @@ Contract:
   nothing.
 - Numerics: IEEE fp32 products (never TF32); each logit is S partial sums (each an
   fp32 FMA chain over its chunk of H, as Triton lowers an ieee dot), added in order.
-  The exponential is libdevice's expf on CUDA, the one torch's softmax calls;
-  probs = exp(l - max) / sum. Rounding is to nearest even, as torch's `.to(dtype)`.
-  Not bit-identical to the torch path (cuBLAS and torch's reductions add in other
-  orders): logits differ in their last bits, weights by a few fp32 ulps (a rounded
-  weight then by one ulp of round_dtype where the value is that close to a rounding
-  midpoint), ids only where probabilities are that close to a tie.
+  The exponential is libdevice's expf on CUDA (tl.exp's ex2.approx is a few ulps
+  coarser than torch's); probs = exp(l - max) / sum. Rounding is to nearest even, as
+  torch's `.to(dtype)`. Not bit-identical to the torch path (cuBLAS and torch's
+  reductions add in other orders): logits differ in their last bits and weights by
+  about as much relative (a rounded weight then by one ulp of round_dtype where the
+  value is that close to a rounding midpoint), ids only where probabilities are that
+  close to a tie.
 - Batch invariance: every tile size and the split of H are functions of (E, H) only,
-  never of T, and the rows of a tile run the same instructions; so a token's logits,
-  weights and ids are bit-identical whatever T is and wherever the token sits in it
-  (`--enable-deterministic-inference` relies on this). `tests/gpu/test_fused_moe.py`
-  checks it bit for bit on the GPU.
+  never of T, and T is not a specialised argument, so one compiled kernel serves every
+  T; the rows of a tile run the same instructions. A token's logits, weights and ids
+  are therefore bit-identical whatever T is and wherever the token sits in it
+  (`--enable-deterministic-inference` relies on this); `tests/gpu/test_fused_moe.py`
+  checks it bit for bit on the GPU. Passes of CHUNK_TOKENS rows only split the rows.
+  Not promised across devices or Triton versions (another compiler may order a dot's
+  sums otherwise).
 - Experts padded up to a power of two are never chosen. A row with a NaN (or an
   infinite) logit gets NaN weights, as torch does, and ids in [0, E).
 - No host synchronisation and no data-dependent shapes: the call can be captured in
-  a CUDA graph (after one eager call per token count, which compiles the kernels).
+  a CUDA graph (after one eager call, which compiles the kernels for the layer's
+  shape; T is not specialised, so that call serves every token count).
   Both kernels take part in programmatic dependent launch (`radixlm.layers.pdl`).
 """
 
@@ -61,10 +66,12 @@ from radixlm.layers.pdl import pdl_trigger, pdl_wait
 
 MAX_EXPERTS = 512  # the top-k kernel holds a [BLOCK_R, E rounded up] fp32 register tile
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-# Tokens per pass: bounds the workspace [S, tokens, E] (32 MiB at 128 x 2048, S = 4).
+# Tokens per pass: bounds the workspace [S, tokens, E] (64 MiB at E 128, H 2048, S 8).
 CHUNK_TOKENS = 16384
-# Decode wants at least this many logits programs at T = 1 (an H200 has 132 SMs;
-# fewer, larger chunks halve the workspace a prefill writes and rereads).
+# The H split is chosen for at least this many logits programs at T = 1, so that one
+# decode token streams the weight from that many SMs (an H200 has 132); each further
+# chunk adds E floats per token to the workspace a prefill writes and rereads.
+# Not tuned on a GPU yet: `logits_tiles` is the one place to retune.
 DECODE_PROGRAMS = 32
 MIN_CHUNK_K = 128
 ROUND_CODES = {torch.bfloat16: 1, torch.float16: 2}
@@ -169,7 +176,7 @@ def _topk(partials: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, reno
         num_warps=4, **pdl.launch_args())
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T"])
 def _logits_kernel(x_ptr, w_ptr, out_ptr, T, E, H, stride_x,
                    BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, CHUNK_K: tl.constexpr,
                    BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, PDL: tl.constexpr):
@@ -220,7 +227,7 @@ def _round_bf16(w):
     return tl.where(w != w, w, bits.to(tl.float32, bitcast=True))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T"])
 def _topk_kernel(part_ptr, w_out_ptr, id_out_ptr, T, E, S,
                  TOP_K: tl.constexpr, EP: tl.constexpr, KP: tl.constexpr,
                  BLOCK_R: tl.constexpr, RENORM: tl.constexpr, ROUND: tl.constexpr,
