@@ -52,7 +52,7 @@ def torch_router(x: torch.Tensor, weight: torch.Tensor, k: int, renormalize: boo
     from radixlm.layers.moe.router import TopKRouter
 
     router = TopKRouter(weight.shape[0], weight.shape[1], k, renormalize, round_weights)
-    router.weight.data.copy_(weight)
+    router.to(weight.device).weight.data.copy_(weight)
     return router(x)
 
 
