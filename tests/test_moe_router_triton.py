@@ -214,6 +214,7 @@ def test_refusals(monkeypatch: pytest.MonkeyPatch) -> None:
     x, w = torch.randn(2, 64), torch.randn(8, 64)
     cases = [
         ((x.double(), w, 2), "x must be"),
+        ((torch.randn(2, 0), torch.randn(8, 0), 2), "H >= 1"),
         ((torch.randn(64, 2).T, w, 2), "contiguous rows"),
         ((x, w.bfloat16(), 2), "weight must be"),
         ((x, torch.randn(8, 32), 2), "weight must be"),

@@ -128,9 +128,10 @@ def fused_topk(x: torch.Tensor, weight: torch.Tensor, top_k: int, renormalize: b
 def _check_inputs(x: torch.Tensor, weight: torch.Tensor, top_k: int,
                   round_dtype: torch.dtype | None) -> None:
     """Refuse, by name, any input the kernels cannot compute as the contract says."""
-    if x.dtype not in DTYPES or x.dim() != 2 or (x.shape[0] and x.stride(1) != 1):
-        raise ValueError(f"fused_topk: x must be a bf16/fp16/fp32 [T, H] with contiguous rows, "
-                         f"got {x.dtype} {tuple(x.shape)} strides {x.stride()}")
+    if (x.dtype not in DTYPES or x.dim() != 2 or x.shape[1] < 1
+            or (x.shape[0] and x.stride(1) != 1)):
+        raise ValueError(f"fused_topk: x must be a bf16/fp16/fp32 [T, H >= 1] with contiguous "
+                         f"rows, got {x.dtype} {tuple(x.shape)} strides {x.stride()}")
     e = weight.shape[0] if weight.dim() == 2 else 0
     if (weight.dtype != torch.float32 or weight.dim() != 2 or weight.shape[1] != x.shape[1]
             or not weight.is_contiguous() or not 1 <= e <= MAX_EXPERTS):
