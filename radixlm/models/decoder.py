@@ -221,11 +221,19 @@ def moe_mlp(spec: DecoderSpec, layer_id: int, quant_config: QuantizationConfig |
     """`spec.moe`'s routed experts (Mixtral, Qwen3-MoE, OLMoE)."""
     moe = spec.moe
     assert moe is not None
-    gate = TopKRouter(moe.num_experts, spec.hidden_size, moe.top_k, moe.renormalize,
-                      moe.round_weights)
     experts = FusedMoE(moe.num_experts, spec.hidden_size, moe.intermediate_size,
                        spec.activation, quant_config, prefix=f"{prefix}.experts")
+    gate = TopKRouter(moe.num_experts, spec.hidden_size, moe.top_k, moe.renormalize,
+                      moe.round_weights, fused_kernel=_experts_on_triton(experts))
     return SparseMoeBlock(gate, experts)
+
+
+def _experts_on_triton(experts: FusedMoE) -> bool:
+    """Whether the experts run on the Triton MoE backend (float experts on CUDA,
+    `layers/moe/backends.py`): their router then runs its Triton kernel too. Other
+    expert methods (GGUF) have no backend and keep the torch router."""
+    backend = getattr(experts.quant_method, "backend", None)
+    return backend is not None and backend.name == "triton"
 
 
 def moe_shared_mlp(spec: DecoderSpec, layer_id: int, quant_config: QuantizationConfig | None,

@@ -2,7 +2,9 @@
 per-expert loop: the alignment's invariants, `fused_experts` over dtypes, top-k
 1/2/8, 8-128 experts, batches 1-512, empty experts, all tokens on one expert,
 ids of -1 (experts on another rank), FP8 weight scales, CUDA-graph replay, and the
-config table.
+config table; and the router's fused softmax top-k (`triton_ops/topk.py`, CUDA only:
+its interpreter checks are tests/test_moe_router_triton.py's) against the torch
+router at Qwen3-30B-A3B's and Mixtral's sizes, bit for bit across batches, in a graph.
 
 The config tests run anywhere. The kernel tests run on CUDA (the full grid), or on
 the CPU under the Triton interpreter (`TRITON_INTERPRET=1`: a small subset, in fp32
@@ -412,6 +414,131 @@ def test_benchmark_shapes(name, t):
     out = fused_experts(x, w13, w2, topk_weights, topk_ids)
     err = rel_err(out, ref_experts(x, w13, w2, topk_weights, topk_ids))
     assert err < TOL[torch.bfloat16], err
+
+
+
+# ---- the router's fused softmax top-k (`triton_ops/topk.py`, CUDA only) -------------
+# Inputs, reference and tolerance are the CPU test's (tests/test_moe_router_triton.py):
+# dyadic inputs make every logit exact in fp32, so ids must equal the torch router's
+# and weights agree within 1e-6 relative (a rounded weight within one rounding).
+
+ROUTER_SHAPES = [(128, 8, 2048), (8, 2, 4096)]  # (E, k, H): Qwen3-30B-A3B's, Mixtral's
+
+
+def _router_inputs(t: int, e: int, h: int, dtype: torch.dtype, seed: int):
+    from test_moe_router_triton import dyadic_inputs
+
+    x, weight = dyadic_inputs(t, e, h, dtype, seed)
+    return x.to(DEV), weight.to(DEV)
+
+
+@needs_cuda
+@pytest.mark.parametrize("e,k,h", ROUTER_SHAPES)
+@pytest.mark.parametrize("t", [1, 64, 4096])
+def test_router_matches_torch(e, k, h, t):
+    from test_moe_router_triton import assert_weights_match, torch_router
+
+    from radixlm.layers.moe.triton_ops.topk import fused_topk
+
+    for dtype in (torch.bfloat16, torch.float32):
+        x, weight = _router_inputs(t, e, h, dtype, seed=t + e)
+        for renormalize in (False, True):
+            for round_weights in (False, True):
+                weights, ids = fused_topk(x, weight, k, renormalize,
+                                          dtype if round_weights else None)
+                ref_w, ref_ids = torch_router(x, weight, k, renormalize, round_weights=False)
+                assert torch.equal(ids, ref_ids), (dtype, renormalize, round_weights)
+                rounds = round_weights and dtype != torch.float32
+                assert_weights_match(weights, ref_w, dtype if rounds else None)
+
+
+@needs_cuda
+def test_router_fp32_products():
+    """Gaussian inputs against float64: TF32 products would put weights ~1e-3 off."""
+    from test_moe_router_triton import assert_weights_match
+
+    from radixlm.layers.moe.triton_ops.topk import fused_topk
+
+    e, k, h, t = 128, 8, 2048, 64
+    gen = torch.Generator().manual_seed(14)
+    x = torch.randn(t, h, generator=gen)
+    weight = torch.randn(e, h, generator=gen) * 0.03
+    weights, ids = fused_topk(x.to(DEV), weight.to(DEV), k, False)
+    logits = x.double() @ weight.double().T
+    ref_w, ref_ids = logits.softmax(-1).topk(k, dim=-1)
+    top = logits.sort(dim=-1, descending=True).values[:, :k + 1]
+    clear = (top.diff(dim=-1) < -1e-4).all(dim=-1)
+    assert clear.sum() >= t - 4
+    assert torch.equal(ids.cpu()[clear].long(), ref_ids[clear])
+    # fp32's own error over 2048 terms is ~1e-6 of a weight; TF32's would be ~1e-3.
+    assert_weights_match(weights.cpu()[clear], ref_w[clear], rel=3e-5)
+
+
+@needs_cuda
+@pytest.mark.parametrize("e,k,h", ROUTER_SHAPES)
+def test_router_batch_invariant(e, k, h):
+    """Every token of a batch of 512 bit for bit as alone; the first 512 of 4096 and the
+    last of 16385 (a second pass of CHUNK_TOKENS) as in the smaller batch."""
+    from radixlm.layers.moe.triton_ops.topk import CHUNK_TOKENS, fused_topk
+
+    gen = torch.Generator(device=DEV).manual_seed(15)
+    t = CHUNK_TOKENS + 1
+    x = torch.randn(t, h, generator=gen, device=DEV).bfloat16()
+    weight = torch.randn(e, h, generator=gen, device=DEV) * 0.03
+    big_w, big_ids = fused_topk(x, weight, k, True, torch.bfloat16)
+    mid_w, mid_ids = fused_topk(x[:4096], weight, k, True, torch.bfloat16)
+    w512, ids512 = fused_topk(x[:512], weight, k, True, torch.bfloat16)
+    assert torch.equal(mid_w[:512], w512) and torch.equal(mid_ids[:512], ids512)
+    assert torch.equal(big_w[:4096], mid_w) and torch.equal(big_ids[:4096], mid_ids)
+    for row in [*range(512), t - 1]:
+        one_w, one_ids = fused_topk(x[row:row + 1], weight, k, True, torch.bfloat16)
+        ref_w, ref_ids = (big_w, big_ids) if row == t - 1 else (w512, ids512)
+        assert torch.equal(one_w[0], ref_w[row]) and torch.equal(one_ids[0], ref_ids[row]), row
+
+
+@needs_cuda
+@pytest.mark.parametrize("t", [1, 64])
+def test_router_cuda_graph_replay(t):
+    """The router captured once (two launches, no host sync), replayed on new inputs:
+    each replay equals an eager call bit for bit."""
+    from gpu_models import capture_graph
+
+    from radixlm.layers.moe.triton_ops.topk import fused_topk
+
+    e, k, h = 128, 8, 2048
+    gen = torch.Generator(device=DEV).manual_seed(16)
+    x = torch.randn(t, h, generator=gen, device=DEV).bfloat16()
+    weight = torch.randn(e, h, generator=gen, device=DEV) * 0.03
+    graph, (weights, ids) = capture_graph(lambda: fused_topk(x, weight, k, True, torch.bfloat16))
+    for _ in range(3):
+        x.copy_(torch.randn(t, h, generator=gen, device=DEV))
+        graph.replay()
+        ref_w, ref_ids = fused_topk(x, weight, k, True, torch.bfloat16)
+        torch.cuda.synchronize()
+        assert torch.equal(weights, ref_w) and torch.equal(ids, ref_ids)
+
+
+@needs_cuda
+def test_router_on_triton_experts():
+    """Float experts built on CUDA take the Triton backend (auto), and their router the
+    fused kernel, which then answers as the torch router does."""
+    from test_moe_router_triton import assert_weights_match
+
+    from radixlm.layers.moe.fused_moe import FusedMoE
+    from radixlm.layers.moe.router import TopKRouter
+    from radixlm.models.decoder import _experts_on_triton
+
+    with torch.device(DEV):
+        experts = FusedMoE(8, 256, 64, params_dtype=torch.bfloat16)
+        fused_router = TopKRouter(8, 256, 2, True, True, fused_kernel=_experts_on_triton(experts))
+        plain_router = TopKRouter(8, 256, 2, True, False)
+    assert fused_router.fused_kernel
+    x, weight = _router_inputs(33, 8, 256, torch.bfloat16, seed=17)
+    fused_router.weight.data.copy_(weight)
+    plain_router.weight.data.copy_(weight)
+    (weights, ids), (ref_w, ref_ids) = fused_router(x), plain_router(x)
+    assert torch.equal(ids, ref_ids)
+    assert_weights_match(weights, ref_w, torch.bfloat16)
 
 
 # ---- configs (run anywhere) ---------------------------------------------------------

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -22,10 +24,16 @@ class TopKRouter(nn.Module):
     (and back), as Qwen's and OLMoE's HF models do before weighting the
     experts; Mixtral's keep float32. Either way the weights handed on are
     float32. The weight [num_experts, hidden] is replicated on every rank,
-    so every rank routes every token the same way."""
+    so every rank routes every token the same way.
+
+    `fused_kernel`: the whole router in Triton's `fused_topk` (two launches, a
+    token's result independent of its batch; `triton_ops/topk.py`) on CUDA
+    tensors, or on CPU ones under TRITON_INTERPRET=1 (the tests). The model sets
+    it where the layer's experts run on the Triton MoE backend; elsewhere the
+    torch code below runs."""
 
     def __init__(self, num_experts: int, hidden_size: int, top_k: int, renormalize: bool,
-                 round_weights: bool = False) -> None:
+                 round_weights: bool = False, fused_kernel: bool = False) -> None:
         super().__init__()
         if not 0 < top_k <= num_experts:
             raise ValueError(f"num_experts_per_tok={top_k}: expected 1..{num_experts} "
@@ -33,12 +41,18 @@ class TopKRouter(nn.Module):
         self.top_k = top_k
         self.renormalize = renormalize
         self.round_weights = round_weights
+        self.fused_kernel = fused_kernel
         self.weight = nn.Parameter(torch.empty(num_experts, hidden_size, dtype=torch.float32),
                                    requires_grad=False)
         self.weight.weight_loader = default_weight_loader
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights [T, k] float32, expert ids [T, k] int32) for x [T, hidden]."""
+        if self.fused_kernel and (x.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"):
+            from radixlm.layers.moe.triton_ops.topk import fused_topk
+
+            return fused_topk(x, self.weight, self.top_k, self.renormalize,
+                              x.dtype if self.round_weights else None)
         dtype, x = x.dtype, x.float()
         logits = F.linear(x, self.weight)
         probs = torch.softmax(logits, dim=-1)

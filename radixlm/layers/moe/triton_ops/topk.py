@@ -1,0 +1,275 @@
+"""`fused_topk`: a MoE router's softmax top-k in two launches, each token's result
+independent of the batch it is in.
+
+    logits  = x.float() @ weight.T            (IEEE fp32 products and sums)
+    probs   = softmax(logits) over the E experts, in fp32
+    ids     = the top_k largest probs, in descending order, ties to the lower expert id
+    weights = probs[ids]; divided by their sum if renormalize; rounded to round_dtype
+              and back to fp32 if round_dtype is given (and not fp32)
+
+is what `TopKRouter.forward` (`radixlm/layers/moe/router.py`) computes in torch with
+~10 launches: a profile of Qwen3-30B-A3B's decode on an H200 put those at ~23 us a
+layer, more than the experts' own grouped GEMMs.
+
+1. Logits (`_logits_kernel`), grid [cdiv(T, BLOCK_T), cdiv(E, BLOCK_E), S]: program
+   (i, j, s) takes BLOCK_T tokens, BLOCK_E experts and the s-th CHUNK_K slice of H,
+   and writes those partial dot products to an fp32 workspace [S, T, E]. Splitting H
+   as well as E is what gives one decode token enough programs to stream the weight
+   (128 x 2048 fp32 = 1 MiB) at bandwidth: 32 programs there.
+2. Top-k (`_topk_kernel`), one program per BLOCK_R tokens: the S partials added in
+   order of s, softmax, top_k rounds of (max, lowest id holding it), renormalisation,
+   rounding, one store of each output tile.
+
+Contract:
+- x [T, H] bf16 / fp16 / fp32 with contiguous rows (stride(1) == 1); weight [E, H]
+  fp32, contiguous; 1 <= top_k <= E <= MAX_EXPERTS; one device: CUDA, or CPU under
+  the Triton interpreter (`TRITON_INTERPRET=1`). Returns fresh contiguous (weights
+  [T, top_k] float32, ids [T, top_k] int32); T = 0 returns them empty, launching
+  nothing.
+- Numerics: IEEE fp32 products (never TF32); each logit is S partial sums (each an
+  fp32 FMA chain over its chunk of H, as Triton lowers an ieee dot), added in order.
+  The exponential is libdevice's expf on CUDA (tl.exp's ex2.approx is a few ulps
+  coarser than torch's); probs = exp(l - max) / sum. Rounding is to nearest even, as
+  torch's `.to(dtype)`. Not bit-identical to the torch path (cuBLAS and torch's
+  reductions add in other orders): logits differ in their last bits and weights by
+  about as much relative (a rounded weight then by one ulp of round_dtype where the
+  value is that close to a rounding midpoint), ids only where probabilities are that
+  close to a tie.
+- Batch invariance: every tile size and the split of H are functions of (E, H) only,
+  never of T, and T is not a specialised argument, so one compiled kernel serves every
+  T; the rows of a tile run the same instructions. A token's logits, weights and ids
+  are therefore bit-identical whatever T is and wherever the token sits in it
+  (`--enable-deterministic-inference` relies on this); `tests/gpu/test_fused_moe.py`
+  checks it bit for bit on the GPU. Passes of CHUNK_TOKENS rows only split the rows.
+  Not promised across devices or Triton versions (another compiler may order a dot's
+  sums otherwise).
+- Experts padded up to a power of two are never chosen. A row with a NaN (or an
+  infinite) logit gets NaN weights, as torch does, and ids in [0, E).
+- No host synchronisation and no data-dependent shapes: the call can be captured in
+  a CUDA graph (after one eager call, which compiles the kernels for the layer's
+  shape; T is not specialised, so that call serves every token count).
+  Both kernels take part in programmatic dependent launch (`radixlm.layers.pdl`).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+from triton.language.extra import libdevice
+
+from radixlm.layers import pdl
+from radixlm.layers.pdl import pdl_trigger, pdl_wait
+
+MAX_EXPERTS = 512  # the top-k kernel holds a [BLOCK_R, E rounded up] fp32 register tile
+DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+# Tokens per pass: bounds the workspace [S, tokens, E] (64 MiB at E 128, H 2048, S 8).
+CHUNK_TOKENS = 16384
+# The H split is chosen for at least this many logits programs at T = 1, so that one
+# decode token streams the weight from that many SMs (an H200 has 132); each further
+# chunk adds E floats per token to the workspace a prefill writes and rereads.
+# Not tuned on a GPU yet: `logits_tiles` is the one place to retune.
+DECODE_PROGRAMS = 32
+MIN_CHUNK_K = 128
+ROUND_CODES = {torch.bfloat16: 1, torch.float16: 2}
+
+
+class LogitsTiles(NamedTuple):
+    block_t: int  # tokens per program: tl.dot's smallest M
+    block_e: int
+    chunk_k: int  # H per program; the top-k kernel adds the chunks' partials in order
+    block_k: int
+    warps: int
+    stages: int
+
+
+def logits_tiles(num_experts: int, hidden: int) -> LogitsTiles:
+    """The logits kernel's tiles for weight [num_experts, hidden]: shapes of the layer
+    only, never the token count, which keeps every token's sums in one order."""
+    block_e = 32 if num_experts > 16 else 16
+    blocks_e = triton.cdiv(num_experts, block_e)
+    block_k = 64
+    splits = max(1, min(triton.cdiv(DECODE_PROGRAMS, blocks_e), triton.cdiv(hidden, MIN_CHUNK_K)))
+    chunk_k = triton.cdiv(triton.cdiv(hidden, splits), block_k) * block_k
+    return LogitsTiles(16, block_e, chunk_k, block_k, 4, 3)
+
+
+def topk_rows(num_experts: int) -> int:
+    """Tokens per top-k program: a [rows, E rounded up] tile of ~2048 fp32 (16 a thread
+    at 4 warps). Also fixed per layer: the softmax's sum is a tree over that tile."""
+    return max(1, min(16, 2048 // _experts_pow2(num_experts)))
+
+
+def _experts_pow2(num_experts: int) -> int:
+    return max(16, triton.next_power_of_2(num_experts))
+
+
+def fused_topk(x: torch.Tensor, weight: torch.Tensor, top_k: int, renormalize: bool,
+               round_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weights [T, top_k] float32, ids [T, top_k] int32) of the softmax top-k router
+    `weight` for x [T, H] (see the module docstring)."""
+    _check_inputs(x, weight, top_k, round_dtype)
+    t, h = x.shape
+    e = weight.shape[0]
+    weights = torch.empty((t, top_k), dtype=torch.float32, device=x.device)
+    ids = torch.empty((t, top_k), dtype=torch.int32, device=x.device)
+    tiles = logits_tiles(e, h)
+    rnd = ROUND_CODES.get(round_dtype, 0)
+    for lo in range(0, t, CHUNK_TOKENS):
+        hi = min(t, lo + CHUNK_TOKENS)
+        partials = _logits(x[lo:hi], weight, tiles)
+        _topk(partials, weights[lo:hi], ids[lo:hi], renormalize, rnd)
+    return weights, ids
+
+
+def _check_inputs(x: torch.Tensor, weight: torch.Tensor, top_k: int,
+                  round_dtype: torch.dtype | None) -> None:
+    """Refuse, by name, any input the kernels cannot compute as the contract says."""
+    if (x.dtype not in DTYPES or x.dim() != 2 or x.shape[1] < 1
+            or (x.shape[0] and x.stride(1) != 1)):
+        raise ValueError(f"fused_topk: x must be a bf16/fp16/fp32 [T, H >= 1] with contiguous "
+                         f"rows, got {x.dtype} {tuple(x.shape)} strides {x.stride()}")
+    e = weight.shape[0] if weight.dim() == 2 else 0
+    if (weight.dtype != torch.float32 or weight.dim() != 2 or weight.shape[1] != x.shape[1]
+            or not weight.is_contiguous() or not 1 <= e <= MAX_EXPERTS):
+        raise ValueError(f"fused_topk: weight must be a contiguous float32 [E, H={x.shape[1]}], "
+                         f"1 <= E <= {MAX_EXPERTS}, got {weight.dtype} {tuple(weight.shape)}")
+    if not 1 <= top_k <= e:
+        raise ValueError(f"fused_topk: top_k={top_k}: expected 1..{e} (the number of experts)")
+    if round_dtype not in (None, *DTYPES):
+        raise ValueError(f"fused_topk: round_dtype={round_dtype}: expected None or one of "
+                         "bfloat16, float16, float32")
+    if weight.device != x.device:
+        raise ValueError(f"fused_topk: weight is on {weight.device}, x on {x.device}")
+    if not x.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError("fused_topk runs Triton kernels: CUDA tensors, or TRITON_INTERPRET=1 "
+                         "for CPU tensors")
+
+
+def _logits(x: torch.Tensor, weight: torch.Tensor, tiles: LogitsTiles) -> torch.Tensor:
+    """Launch 1: the partial logits [S, T, E] of every chunk of H."""
+    t, h = x.shape
+    e = weight.shape[0]
+    splits = triton.cdiv(h, tiles.chunk_k)
+    partials = torch.empty((splits, t, e), dtype=torch.float32, device=x.device)
+    grid = (triton.cdiv(t, tiles.block_t), triton.cdiv(e, tiles.block_e), splits)
+    _logits_kernel[grid](
+        x, weight, partials, t, e, h, x.stride(0),
+        BLOCK_T=tiles.block_t, BLOCK_E=tiles.block_e, CHUNK_K=tiles.chunk_k,
+        BLOCK_K=tiles.block_k, EVEN_K=h % tiles.chunk_k == 0,
+        num_warps=tiles.warps, num_stages=tiles.stages, **pdl.launch_args())
+    return partials
+
+
+def _topk(partials: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, renormalize: bool,
+          rnd: int) -> None:
+    """Launch 2: softmax top-k of the summed partials into weights / ids [T, k]."""
+    splits, t, e = partials.shape
+    top_k = ids.shape[1]
+    rows = topk_rows(e)
+    _topk_kernel[(triton.cdiv(t, rows),)](
+        partials, weights, ids, t, e, splits,
+        TOP_K=top_k, EP=_experts_pow2(e), KP=triton.next_power_of_2(top_k), BLOCK_R=rows,
+        RENORM=renormalize, ROUND=rnd, LIBDEVICE_EXP=partials.is_cuda,
+        num_warps=4, **pdl.launch_args())
+
+
+@triton.jit(do_not_specialize=["T"])
+def _logits_kernel(x_ptr, w_ptr, out_ptr, T, E, H, stride_x,
+                   BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, CHUNK_K: tl.constexpr,
+                   BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, PDL: tl.constexpr):
+    # Guarded, though pdl_wait checks PDL itself: an interpreted kernel cannot call a
+    # device function that was jitted before TRITON_INTERPRET was set (the tests).
+    if PDL:
+        pdl_wait(PDL)
+        pdl_trigger(PDL)
+    offs_t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    offs_e = tl.program_id(1) * BLOCK_E + tl.arange(0, BLOCK_E)
+    k_lo = tl.program_id(2) * CHUNK_K
+    offs_k = tl.arange(0, BLOCK_K)
+    # Rows past T or E are clamped, not masked: each output depends only on its own
+    # row and column, and the clamped ones are never stored.
+    rows_t = tl.minimum(offs_t, T - 1).to(tl.int64)
+    rows_e = tl.minimum(offs_e, E - 1).to(tl.int64)
+    x_ptrs = x_ptr + rows_t[:, None] * stride_x + k_lo + offs_k[None, :]
+    w_ptrs = w_ptr + rows_e[:, None] * H + k_lo + offs_k[None, :]
+    acc = tl.zeros([BLOCK_T, BLOCK_E], dtype=tl.float32)
+    for kk in range(0, CHUNK_K, BLOCK_K):
+        if EVEN_K:
+            x = tl.load(x_ptrs + kk)
+            w = tl.load(w_ptrs + kk)
+        else:
+            # Lanes past H load zeros: fma(0, 0, acc) leaves acc as it is.
+            k_ok = (k_lo + kk + offs_k < H)[None, :]
+            x = tl.load(x_ptrs + kk, mask=k_ok, other=0.0)
+            w = tl.load(w_ptrs + kk, mask=k_ok, other=0.0)
+        acc = tl.dot(x.to(tl.float32), tl.trans(w), acc, input_precision="ieee")
+    out = out_ptr + (tl.program_id(2) * T + offs_t[:, None].to(tl.int64)) * E + offs_e[None, :]
+    tl.store(out, acc, mask=(offs_t < T)[:, None] & (offs_e < E)[None, :])
+
+
+@triton.jit
+def _exp(v, LIBDEVICE: tl.constexpr):
+    if LIBDEVICE:
+        # torch's softmax calls expf; tl.exp is ex2.approx, off by a few more ulps.
+        return libdevice.exp(v)
+    return tl.exp(v)
+
+
+@triton.jit
+def _round_bf16(w):
+    """w rounded to bfloat16 (nearest, ties to even) and back, on the bits: the
+    interpreter's float32 -> bfloat16 cast truncates."""
+    bits = w.to(tl.uint32, bitcast=True)
+    bits = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) << 16
+    return tl.where(w != w, w, bits.to(tl.float32, bitcast=True))
+
+
+@triton.jit(do_not_specialize=["T"])
+def _topk_kernel(part_ptr, w_out_ptr, id_out_ptr, T, E, S,
+                 TOP_K: tl.constexpr, EP: tl.constexpr, KP: tl.constexpr,
+                 BLOCK_R: tl.constexpr, RENORM: tl.constexpr, ROUND: tl.constexpr,
+                 LIBDEVICE_EXP: tl.constexpr, PDL: tl.constexpr):
+    if PDL:  # guarded as in _logits_kernel
+        pdl_wait(PDL)
+        pdl_trigger(PDL)
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    cols = tl.arange(0, EP)
+    row_ok = rows < T
+    col_ok = (cols < E)[None, :]
+    ptrs = part_ptr + rows[:, None].to(tl.int64) * E + cols[None, :]
+    logits = tl.zeros([BLOCK_R, EP], dtype=tl.float32)
+    for s in range(S):  # in order of s: the sum a token gets whatever the batch
+        logits += tl.load(ptrs + s * T * E, mask=row_ok[:, None] & col_ok, other=0.0)
+    logits = tl.where(col_ok, logits, float("-inf"))
+    p = _exp(logits - tl.max(logits, axis=1)[:, None], LIBDEVICE_EXP)
+    probs = p / tl.sum(p, axis=1)[:, None]
+    # Selection key: padded experts below every real one (probs >= 0); NaN above all,
+    # as torch.topk ranks it.
+    key = tl.where(col_ok, tl.where(probs != probs, float("inf"), probs), -1.0)
+    slots = tl.arange(0, KP)[None, :]
+    out_w = tl.zeros([BLOCK_R, KP], dtype=tl.float32)
+    out_id = tl.zeros([BLOCK_R, KP], dtype=tl.int32)
+    total = tl.zeros([BLOCK_R], dtype=tl.float32)
+    for j in range(TOP_K):
+        best = tl.max(key, axis=1)
+        pick = tl.min(tl.where(key == best[:, None], cols[None, :], EP), axis=1)
+        hit = cols[None, :] == pick[:, None]
+        w = tl.sum(tl.where(hit, probs, 0.0), axis=1)  # the one hit's prob, exactly
+        key = tl.where(hit, -2.0, key)
+        total += w  # in order of j, like the slots
+        out_w = tl.where(slots == j, w[:, None], out_w)
+        out_id = tl.where(slots == j, pick[:, None], out_id)
+    if RENORM:
+        out_w = out_w / total[:, None]
+    if ROUND == 1:
+        out_w = _round_bf16(out_w)
+    elif ROUND == 2:
+        out_w = out_w.to(tl.float16).to(tl.float32)
+    offs = rows[:, None].to(tl.int64) * TOP_K + slots
+    mask = row_ok[:, None] & (slots < TOP_K)
+    tl.store(w_out_ptr + offs, out_w, mask=mask)
+    tl.store(id_out_ptr + offs, out_id, mask=mask)

@@ -1,0 +1,267 @@
+"""The router's Triton kernel (`radixlm/layers/moe/triton_ops/topk.py`) against the
+torch router (`TopKRouter` without `fused_kernel`), on the CPU under Triton's interpreter.
+
+- Exact agreement where the math allows it: inputs on a dyadic grid (x in eighths,
+  weights in 64ths) make every logit exact in fp32 whatever the summation order,
+  and tokens are drawn so that the top k + 1 logits are apart; ids then match the
+  torch router's exactly and weights within 1e-6 relative (a rounded weight within
+  one rounding of that), over E 8 / 60 / 64 / 128, k 1 / 2 / 4 / 8, H 64 / 100 / 256,
+  T 0 / 1 / 5 / 33, renormalised or not, rounded to bf16 or not, x bf16 or fp32.
+- Gaussian inputs against a float64 softmax top-k (where TF32 products would show).
+- A token's outputs bit for bit alone and inside a batch of 33; padded experts
+  (E = 60) never chosen, ties to the lower id; NaN rows; the refusals; the router's
+  switch.
+
+The interpreter must be on before triton is first imported in a process, and a
+process that imported it otherwise (the full suite: other modules import triton
+at collection) cannot interpret a kernel. So the checks run here when the process
+started with TRITON_INTERPRET=1; otherwise `test_under_interpreter` runs this file
+again in a child pytest with it set (~30 s on 2 cores) and the checks here skip.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from radixlm.utils import triton_installed
+
+HERE = os.environ.get("TRITON_INTERPRET") == "1"
+if not triton_installed():
+    pytest.skip("Triton is not installed", allow_module_level=True)
+in_interpreter = pytest.mark.skipif(not HERE, reason="runs in test_under_interpreter's child")
+
+
+def test_under_interpreter() -> None:
+    if HERE:
+        pytest.skip("already under the interpreter: the checks run in this process")
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                           __file__], env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-6000:] + done.stderr[-3000:]
+
+
+# ---- inputs and references ---------------------------------------------------------
+
+def torch_router(x: torch.Tensor, weight: torch.Tensor, k: int, renormalize: bool,
+                 round_weights: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    from radixlm.layers.moe.router import TopKRouter
+
+    router = TopKRouter(weight.shape[0], weight.shape[1], k, renormalize, round_weights)
+    router.to(weight.device).weight.data.copy_(weight)
+    return router(x)
+
+
+def dyadic_inputs(t: int, e: int, h: int, dtype: torch.dtype, seed: int,
+                  separated: int = 9) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [t, h] in eighths of [-1, 1], weight [e, h] in 64ths of [-1/4, 1/4]: products
+    are multiples of 2**-9 and every partial sum fits fp32's 24 bits (H <= 2**13), so
+    any order of summation gives the exact logits. Each token is redrawn until its
+    `separated` largest logits are pairwise apart (no ties at or above the k-th)."""
+    gen = torch.Generator().manual_seed(seed)
+    weight = torch.randint(-16, 17, (e, h), generator=gen).float() / 64
+    rows = []
+    while len(rows) < t:
+        row = torch.randint(-8, 9, (h,), generator=gen).float() / 8
+        top = torch.sort((weight.double() @ row.double()), descending=True).values
+        if (top[:min(separated, e)].diff() < 0).all():
+            rows.append(row)
+    x = torch.stack(rows) if rows else torch.empty(0, h)
+    return x.to(dtype), weight
+
+
+def assert_weights_match(out: torch.Tensor, ref: torch.Tensor,
+                         round_dtype: torch.dtype | None = None, rel: float = 1e-6) -> None:
+    """out within `rel` of ref (the unrounded weights); with round_dtype, out is
+    round_dtype's rounding of a value within `rel` of ref (rounding is monotone, so
+    between the roundings of ref's bounds)."""
+    ref = ref.double()
+    lo, hi = ref * (1 - rel), ref * (1 + rel)
+    if round_dtype is not None:
+        lo, hi = lo.to(round_dtype).double(), hi.to(round_dtype).double()
+        assert torch.equal(out.to(round_dtype).float(), out), "weights not rounded"
+    ok = (out.double() >= lo) & (out.double() <= hi)
+    err = ((out.double() - ref).abs() / ref.abs()).max().item() if out.numel() else 0.0
+    assert bool(ok.all()), f"weights off by up to {err:.3g} relative"
+
+
+def fused(x: torch.Tensor, weight: torch.Tensor, k: int, renormalize: bool,
+          round_weights: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    from radixlm.layers.moe.triton_ops.topk import fused_topk
+
+    weights, ids = fused_topk(x, weight, k, renormalize, x.dtype if round_weights else None)
+    assert weights.dtype == torch.float32 and ids.dtype == torch.int32
+    assert weights.shape == ids.shape == (x.shape[0], k)
+    assert weights.is_contiguous() and ids.is_contiguous()
+    return weights, ids
+
+
+def check_against_torch(x: torch.Tensor, weight: torch.Tensor, k: int, renormalize: bool,
+                        round_weights: bool) -> None:
+    weights, ids = fused(x, weight, k, renormalize, round_weights)
+    ref_w, ref_ids = torch_router(x, weight, k, renormalize, round_weights=False)
+    assert torch.equal(ids, ref_ids), "expert ids differ from the torch router's"
+    rounds = round_weights and x.dtype != torch.float32
+    assert_weights_match(weights, ref_w, x.dtype if rounds else None)
+
+
+EXPERTS = (8, 60, 64, 128)
+HIDDEN = (64, 100, 256)
+TOKENS = (0, 1, 5, 33)
+TOP_K = (1, 2, 4, 8)
+# (renormalize, round_weights, x dtype): every combination, cycled over the shapes so
+# that each meets every E, H, T and k.
+FLAGS = [(r, q, d) for r in (False, True) for q in (False, True)
+         for d in (torch.bfloat16, torch.float32)]
+
+
+@in_interpreter
+@pytest.mark.parametrize("e", EXPERTS)
+@pytest.mark.parametrize("h", HIDDEN)
+def test_matches_torch_router(e: int, h: int) -> None:
+    inputs = {d: dyadic_inputs(max(TOKENS), e, h, d, seed=e * 1000 + h)
+              for d in (torch.bfloat16, torch.float32)}
+    for i, t in enumerate(TOKENS):
+        for j, k in enumerate(TOP_K):
+            renormalize, round_weights, dtype = FLAGS[(i + j + EXPERTS.index(e)
+                                                       + HIDDEN.index(h)) % len(FLAGS)]
+            x, weight = inputs[dtype]
+            check_against_torch(x[:t], weight, k, renormalize, round_weights)
+
+
+@in_interpreter
+@pytest.mark.parametrize("e,h,t,k", [(60, 100, 33, 4), (128, 256, 5, 8), (8, 64, 33, 8)])
+def test_every_flag(e: int, h: int, t: int, k: int) -> None:
+    for renormalize, round_weights, dtype in FLAGS:
+        x, weight = dyadic_inputs(t, e, h, dtype, seed=7)
+        check_against_torch(x, weight, k, renormalize, round_weights)
+
+
+@in_interpreter
+def test_gaussian_against_float64() -> None:
+    """True fp32 products: TF32's 10-bit mantissas would put weights ~1e-3 off."""
+    gen = torch.Generator().manual_seed(3)
+    e, h, t, k = 64, 256, 33, 8
+    x = torch.randn(t, h, generator=gen)
+    weight = torch.randn(e, h, generator=gen) * 0.1
+    weights, ids = fused(x, weight, k, renormalize=False, round_weights=False)
+    logits = x.double() @ weight.double().T
+    ref_w, ref_ids = logits.softmax(-1).topk(k, dim=-1)
+    top = logits.sort(dim=-1, descending=True).values[:, :k + 1]
+    clear = (top.diff(dim=-1) < -1e-4).all(dim=-1)  # no near tie at or above the k-th
+    assert clear.sum() >= t - 2
+    assert torch.equal(ids[clear].long(), ref_ids[clear])
+    assert_weights_match(weights[clear], ref_w[clear], rel=1e-5)
+
+
+@in_interpreter
+@pytest.mark.parametrize("e,h", [(128, 256), (60, 100)])
+def test_batch_invariant(e: int, h: int) -> None:
+    """A token's weights and ids bit for bit alone and at any row of a batch of 33
+    (Gaussian inputs: the dyadic ones would be exact in any order)."""
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(33, h, generator=gen).to(torch.bfloat16)
+    weight = torch.randn(e, h, generator=gen) * 0.1
+    batch_w, batch_ids = fused(x, weight, 8, renormalize=True, round_weights=False)
+    for row in (0, 1, 15, 16, 17, 31, 32):
+        one_w, one_ids = fused(x[row:row + 1], weight, 8, renormalize=True,
+                               round_weights=False)
+        assert torch.equal(one_w[0], batch_w[row]) and torch.equal(one_ids[0], batch_ids[row])
+
+
+@in_interpreter
+def test_padded_experts_never_chosen() -> None:
+    e, h = 60, 64
+    weight = torch.randn(e, h, generator=torch.Generator().manual_seed(9))
+    # All logits tie at 0: ties go to the lower ids.
+    weights, ids = fused(torch.zeros(5, h), weight, 8, renormalize=False, round_weights=False)
+    assert torch.equal(ids, torch.arange(8, dtype=torch.int32).expand(5, 8))
+    assert torch.equal(weights, torch.full((5, 8), 1 / 60))
+    # One expert takes all the probability; the others' underflow to 0 and rank
+    # still above the padding.
+    hot = torch.full((e, h), -100 / h)
+    hot[37] = 100 / h
+    weights, ids = fused(torch.ones(2, h), hot, 8, renormalize=True, round_weights=False)
+    assert ids.tolist() == [[37, 0, 1, 2, 3, 4, 5, 6]] * 2
+    assert weights[:, 0].tolist() == [1.0, 1.0] and not weights[:, 1:].any()
+    # k = E: every real expert, once.
+    x = torch.randn(3, h, generator=torch.Generator().manual_seed(10))
+    _, ids = fused(x, weight, e, renormalize=True, round_weights=False)
+    assert torch.equal(ids.sort(dim=-1).values, torch.arange(e, dtype=torch.int32).expand(3, e))
+
+
+@in_interpreter
+@pytest.mark.filterwarnings("ignore:invalid value encountered")  # the NaN row's softmax
+def test_nan_rows() -> None:
+    x = torch.randn(3, 64, generator=torch.Generator().manual_seed(11))
+    x[1, 5] = float("nan")
+    weight = torch.randn(60, 64, generator=torch.Generator().manual_seed(12))
+    weights, ids = fused(x, weight, 4, renormalize=True, round_weights=False)
+    assert weights[1].isnan().all() and not weights[[0, 2]].isnan().any()
+    assert ids[1].tolist() == [0, 1, 2, 3]  # all NaN: ranked alike, lower ids first
+    _, ref_ids = torch_router(x[[0, 2]], weight, 4, True, False)
+    assert torch.equal(ids[[0, 2]], ref_ids)
+
+
+@in_interpreter
+def test_refusals(monkeypatch: pytest.MonkeyPatch) -> None:
+    from radixlm.layers.moe.triton_ops.topk import fused_topk
+
+    x, w = torch.randn(2, 64), torch.randn(8, 64)
+    cases = [
+        ((x.double(), w, 2), "x must be"),
+        ((torch.randn(2, 0), torch.randn(8, 0), 2), "H >= 1"),
+        ((torch.randn(64, 2).T, w, 2), "contiguous rows"),
+        ((x, w.bfloat16(), 2), "weight must be"),
+        ((x, torch.randn(8, 32), 2), "weight must be"),
+        ((x, torch.randn(513, 64), 2), "E <= 512"),
+        ((x, w, 0), "top_k=0"),
+        ((x, w, 9), "top_k=9"),
+    ]
+    for args, match in cases:
+        with pytest.raises(ValueError, match=match):
+            fused_topk(*args, renormalize=True)
+    with pytest.raises(ValueError, match="round_dtype"):
+        fused_topk(x, w, 2, True, torch.int8)
+    monkeypatch.delenv("TRITON_INTERPRET")
+    with pytest.raises(ValueError, match="CUDA tensors, or TRITON_INTERPRET=1"):
+        fused_topk(x, w, 2, True)
+
+
+@in_interpreter
+@pytest.mark.parametrize("renormalize,round_weights", [(True, True), (False, False)])
+def test_router_switch(renormalize: bool, round_weights: bool,
+                       monkeypatch: pytest.MonkeyPatch) -> None:
+    from radixlm.layers.moe.router import TopKRouter
+
+    x, weight = dyadic_inputs(9, 64, 100, torch.bfloat16, seed=13)
+    router = TopKRouter(64, 100, 4, renormalize, round_weights, fused_kernel=True)
+    router.weight.data.copy_(weight)
+    weights, ids = router(x)
+    ref_w, ref_ids = torch_router(x, weight, 4, renormalize, round_weights=False)
+    assert torch.equal(ids, ref_ids)
+    assert_weights_match(weights, ref_w, torch.bfloat16 if round_weights else None)
+    # CPU tensors without the interpreter: the torch code, exactly.
+    monkeypatch.delenv("TRITON_INTERPRET")
+    torch_w, torch_ids = router(x)
+    ref_w, ref_ids = torch_router(x, weight, 4, renormalize, round_weights)
+    assert torch.equal(torch_w, ref_w) and torch.equal(torch_ids, ref_ids)
+
+
+def test_router_follows_the_experts_backend() -> None:
+    from types import SimpleNamespace
+
+    from radixlm.layers.moe.backends import MOE_BACKENDS
+    from radixlm.models.decoder import _experts_on_triton
+
+    def experts(method) -> SimpleNamespace:
+        return SimpleNamespace(quant_method=method)
+
+    assert _experts_on_triton(experts(SimpleNamespace(backend=MOE_BACKENDS["triton"])))
+    for name in ("torch", "cpu"):
+        assert not _experts_on_triton(experts(SimpleNamespace(backend=MOE_BACKENDS[name])))
+    assert not _experts_on_triton(experts(SimpleNamespace()))  # GGUF experts: no backend
