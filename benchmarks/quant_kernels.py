@@ -141,9 +141,11 @@ def sweep() -> None:
     fp8_cands = [F8.GemvConfig("fma", bn, bk, w, 1) for bn, bk, w in
                  [(4, 2048, 4), (4, 2048, 2), (8, 1024, 4), (4, 4096, 4), (2, 4096, 2),
                   (8, 2048, 8), (4, 1024, 2)]]
-    int4_cands = [T4.Int4Config(1, bn, bk, w, st) for bn, bk, w, st in
-                  [(16, 512, 4, 3), (32, 512, 4, 3), (16, 1024, 4, 2), (32, 256, 4, 4),
-                   (64, 256, 4, 3), (16, 256, 2, 4), (32, 1024, 8, 2), (8, 1024, 2, 3)]]
+    int4_cands = [T4.Int4Config(1, bn, bk, w, st, sp) for bn, bk, w, st, sp in
+                  [(16, 512, 4, 3, 1), (32, 512, 4, 3, 1), (16, 512, 4, 3, 2), (16, 512, 4, 3, 4),
+                   (32, 512, 4, 3, 2), (32, 512, 4, 3, 4), (64, 512, 4, 3, 4), (64, 512, 4, 3, 8),
+                   (64, 256, 4, 3, 8), (128, 512, 8, 2, 8), (32, 256, 4, 4, 8),
+                   (16, 256, 2, 4, 8), (64, 512, 8, 2, 16)]]
     for name, k, n in SHAPES:
         x = torch.randn(1, k, device=DEV).bfloat16()
         ws = copies(lambda n=n, k=k: fp8_weights(n, k, False), n * k)
@@ -158,6 +160,8 @@ def sweep() -> None:
                      for c in int4_cands)
         print(f"int4 {name:<8} best {res[0][1]} {n * k / 2 / res[0][0] / 1e12:.2f} TB/s; "
               f"default {T4.pick_gemv_config(n, k, 128)}")
+        for t, c in res:
+            print(f"    {c}: {t * 1e6:.1f} us, {n * k / 2 / t / 1e12:.2f} TB/s")
         del ws
         torch.cuda.empty_cache()
 

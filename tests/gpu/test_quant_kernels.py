@@ -232,6 +232,29 @@ def test_int4_products(case, m, act_order):
         assert (err <= tile + 2 * eps * ref.abs() + 1e-6 * ref.abs().max()).all()
 
 
+@pytest.mark.parametrize("split", [2, 3])
+@pytest.mark.parametrize("case,act_order", [("g128", False), ("g64-ragged-n", True),
+                                            ("per-column", False)])
+def test_int4_gemv_split_k(case, act_order, split):
+    """Split-K GEMV (fp32 partial sums, then a second launch adds them, the bias and
+    the SiLU): the float64 product within one GEMV's rounding, fused SiLU too."""
+    n, k, group = INT4_CASES[case]
+    dtype = DTYPES[0]
+    w = int4_weight(n, k, group, act_order, seed=21)
+    x = randn(1, k, seed=22, dtype=dtype)
+    bias = randn(n, seed=23, dtype=dtype)
+    cfg = T.Int4Config(1, 16, 64, 4, 1, split)
+    out = T.int4_gemv(x, w.qweight, w.zeros, w.scales, w.group, w.g_idx, bias, config=cfg)
+    check(out, x.double() @ w.dequantize().double().T + bias.double(), dtype, k)
+    if n % 2 == 0:
+        fused = T.int4_gemv(x, w.qweight, w.zeros, w.scales, w.group, w.g_idx, config=cfg,
+                            silu_mul=True)
+        plain = T.int4_gemv(x, w.qweight, w.zeros, w.scales, w.group, w.g_idx, config=cfg)
+        gate, up = plain.float().split(n // 2, -1)
+        torch.testing.assert_close(fused.float(), torch.nn.functional.silu(gate) * up,
+                                   rtol=2e-2, atol=2e-2)
+
+
 def test_int4_out_buffer_and_awq_repacking():
     """An AWQ checkpoint's qweight repacked at load gives the same products as the
     GPTQ-packed words of the same values."""

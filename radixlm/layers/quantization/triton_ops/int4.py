@@ -13,10 +13,16 @@ for act-order checkpoints.
   y += s (sum_k q x - z sum_k x). fp32 throughout. With `silu_mul` a
   program streams matching gate and up columns of a merged [gate; up] layer
   and applies silu(gate) * up in registers (one launch for the MLP's input).
+  Split-K (`Int4Config.split` > 1): programs also split K in equal runs of
+  whole steps, so a narrow layer still puts enough words in flight on every
+  SM; each writes fp32 partial sums [split, N] and a second launch adds them
+  in split order (a fixed order: the same bits whatever the batch), then the
+  bias and the SiLU.
 - More rows (`int4_gemm`, also the prefill): tiles of the weight dequantized
   to x's dtype in registers, then tl.dot on the tensor cores, fp32
   accumulation.
-No host sync and no allocation but the output (CUDA graphs capture these);
+No host sync and no allocation but the output and split-K's workspace (CUDA
+graphs capture these);
 configs from fixed heuristics (no autotune).
 """
 
@@ -41,6 +47,7 @@ class Int4Config(NamedTuple):
     bk: int  # input features per loop step
     warps: int
     stages: int
+    split: int = 1  # GEMV: programs along K (their partial sums added by a second launch)
 
 
 def _pow2_divisor(n: int, cap: int) -> int:
@@ -51,10 +58,11 @@ def _pow2_divisor(n: int, cap: int) -> int:
 
 
 def pick_gemv_config(n: int, k: int, group: int) -> Int4Config:
-    """Enough programs to fill an H200's 132 SMs at the Llama-8B shapes, 4-8 KB of
-    words per step in flight."""
-    bn = 32 if n > 8192 else 16
-    return Int4Config(1, bn, 512, 4, 3)
+    """64 columns (256 contiguous bytes a word row) and K split 8 ways: the best of
+    13 tiles on every Llama-8B shape in an H200 sweep (`benchmarks/quant_kernels.py
+    --sweep`: 1.2-2.9x the unsplit 16-32 columns, which left too few words in
+    flight per SM for o and down)."""
+    return Int4Config(1, 64, 256, 4, 3, 8)
 
 
 def pick_gemm_config(m: int, n: int, group: int) -> Int4Config:
@@ -111,16 +119,27 @@ def int4_gemv(x: torch.Tensor, qweight: torch.Tensor, zeros: torch.Tensor,
     # (each is 8 unrolled nibble bodies, twice: a group of 32 at bk 512 made 256,
     # and that test did not finish in 60 s on an H200, where group 128's took 1 s).
     rows = _pow2_divisor(group // 8, 16) if g_idx is None else 16
+    sub_steps = max(1, min(MAX_SUB_STEPS, cfg.bk // (8 * rows)))
+    step = 8 * rows * sub_steps
+    # Each split a run of whole steps (so of whole groups' sub-steps); no empty split.
+    k_split = triton.cdiv(triton.cdiv(k, cfg.split), step) * step
+    split = triton.cdiv(k, k_split)
     y = _out(x, n, out)
     dummy = scales
-    _int4_gemv_kernel[(triton.cdiv(n, cfg.bn),)](
+    ws = y if split == 1 else torch.empty((split, 2 * n if silu_mul else n),
+                                          device=x.device, dtype=torch.float32)
+    _int4_gemv_kernel[(triton.cdiv(n, cfg.bn), split)](
         x, qweight, zeros, scales, g_idx if g_idx is not None else dummy,
-        bias if bias is not None else dummy, y, n, k, scales.shape[0], qweight.stride(0),
-        zeros.stride(0), scales.stride(0), BN=cfg.bn, ROWS=rows, GROUP=group,
-        SUB_STEPS=max(1, min(MAX_SUB_STEPS, cfg.bk // (8 * rows))),
-        ACT_ORDER=g_idx is not None,
-        HAS_BIAS=bias is not None, SILU_MUL=silu_mul, num_warps=cfg.warps,
-        num_stages=cfg.stages, **pdl.launch_args())
+        bias if bias is not None else dummy, y, ws, n, k, k_split, scales.shape[0],
+        qweight.stride(0), zeros.stride(0), scales.stride(0), ws.stride(0), BN=cfg.bn,
+        ROWS=rows, GROUP=group, SUB_STEPS=sub_steps, ACT_ORDER=g_idx is not None,
+        HAS_BIAS=bias is not None, SILU_MUL=silu_mul, PARTIAL=split > 1,
+        num_warps=cfg.warps, num_stages=cfg.stages, **pdl.launch_args())
+    if split > 1:
+        _int4_split_sum_kernel[(triton.cdiv(n, 256),)](
+            ws, bias if bias is not None else dummy, y, n, ws.stride(0), SPLIT=split,
+            BLOCK=256, HAS_BIAS=bias is not None, SILU_MUL=silu_mul, num_warps=2,
+            **pdl.launch_args())
     return y
 
 
@@ -219,36 +238,43 @@ def _gemv_step(acc, first, k0, qw_ptrs, x_ptr, z_ptr, s_ptr, g_ptr, offs_r, cols
 
 
 @triton.jit
-def _int4_gemv_kernel(x_ptr, qw_ptr, z_ptr, s_ptr, g_ptr, b_ptr, y_ptr, N, K, NUM_GROUPS,
-                      stride_qw, stride_z, stride_s,
+def _int4_gemv_kernel(x_ptr, qw_ptr, z_ptr, s_ptr, g_ptr, b_ptr, y_ptr, ws_ptr, N, K,
+                      K_SPLIT, NUM_GROUPS, stride_qw, stride_z, stride_s, stride_ws,
                       BN: tl.constexpr, ROWS: tl.constexpr, GROUP: tl.constexpr,
                       SUB_STEPS: tl.constexpr, ACT_ORDER: tl.constexpr,
-                      HAS_BIAS: tl.constexpr, SILU_MUL: tl.constexpr, PDL: tl.constexpr):
+                      HAS_BIAS: tl.constexpr, SILU_MUL: tl.constexpr, PARTIAL: tl.constexpr,
+                      PDL: tl.constexpr):
+    """Program (column block, K split): features [k_lo, min(K, k_lo + K_SPLIT)) of
+    BN columns; the whole output (PARTIAL False) or fp32 partial sums into row
+    `split` of the workspace (gate columns, then up columns with SILU_MUL)."""
     offs_n = tl.program_id(0) * BN + tl.arange(0, BN)
+    k_lo = tl.program_id(1) * K_SPLIT
+    k_hi = tl.minimum(K, k_lo + K_SPLIT)
     cols = tl.minimum(offs_n, N - 1)  # clamped: loads need no column mask
     cols_up = cols + N  # SILU_MUL: the up columns, N right of the gate columns
     offs_r = tl.arange(0, ROWS)
     qw_ptrs = qw_ptr + offs_r[:, None].to(tl.int64) * stride_qw + cols[None, :]
     up_ptrs = qw_ptrs + N
     # The first words before the PDL wait: weights are constant.
-    first = tl.load(qw_ptrs, mask=offs_r[:, None] < K // 8, other=0,
+    first_ok = (k_lo // 8 + offs_r)[:, None] < K // 8
+    first = tl.load(qw_ptrs + (k_lo // 8) * stride_qw, mask=first_ok, other=0,
                     eviction_policy="evict_first")
     first_up = first
     if SILU_MUL:
-        first_up = tl.load(up_ptrs, mask=offs_r[:, None] < K // 8, other=0,
+        first_up = tl.load(up_ptrs + (k_lo // 8) * stride_qw, mask=first_ok, other=0,
                            eviction_policy="evict_first")
     pdl_wait(PDL)
     pdl_trigger(PDL)
     STEP: tl.constexpr = 8 * ROWS * SUB_STEPS
-    acc = _gemv_step(tl.zeros([BN], dtype=tl.float32), first, 0, qw_ptrs, x_ptr, z_ptr, s_ptr,
-                     g_ptr, offs_r, cols, K, NUM_GROUPS, stride_qw, stride_z, stride_s, BN,
-                     ROWS, GROUP, SUB_STEPS, ACT_ORDER, True)
+    acc = _gemv_step(tl.zeros([BN], dtype=tl.float32), first, k_lo, qw_ptrs, x_ptr, z_ptr,
+                     s_ptr, g_ptr, offs_r, cols, K, NUM_GROUPS, stride_qw, stride_z, stride_s,
+                     BN, ROWS, GROUP, SUB_STEPS, ACT_ORDER, True)
     acc_up = acc
     if SILU_MUL:
-        acc_up = _gemv_step(tl.zeros([BN], dtype=tl.float32), first_up, 0, up_ptrs, x_ptr,
+        acc_up = _gemv_step(tl.zeros([BN], dtype=tl.float32), first_up, k_lo, up_ptrs, x_ptr,
                             z_ptr, s_ptr, g_ptr, offs_r, cols_up, K, NUM_GROUPS, stride_qw,
                             stride_z, stride_s, BN, ROWS, GROUP, SUB_STEPS, ACT_ORDER, True)
-    for k0 in range(STEP, K, STEP):
+    for k0 in range(k_lo + STEP, k_hi, STEP):
         acc = _gemv_step(acc, first, k0, qw_ptrs, x_ptr, z_ptr, s_ptr, g_ptr, offs_r, cols, K,
                          NUM_GROUPS, stride_qw, stride_z, stride_s, BN, ROWS, GROUP, SUB_STEPS,
                          ACT_ORDER, False)
@@ -256,11 +282,41 @@ def _int4_gemv_kernel(x_ptr, qw_ptr, z_ptr, s_ptr, g_ptr, b_ptr, y_ptr, N, K, NU
             acc_up = _gemv_step(acc_up, first_up, k0, up_ptrs, x_ptr, z_ptr, s_ptr, g_ptr,
                                 offs_r, cols_up, K, NUM_GROUPS, stride_qw, stride_z, stride_s,
                                 BN, ROWS, GROUP, SUB_STEPS, ACT_ORDER, False)
+    if PARTIAL:
+        ws_row = ws_ptr + tl.program_id(1) * stride_ws
+        tl.store(ws_row + offs_n, acc, mask=offs_n < N)
+        if SILU_MUL:
+            tl.store(ws_row + N + offs_n, acc_up, mask=offs_n < N)
+        return
     if HAS_BIAS:
         acc += tl.load(b_ptr + cols).to(tl.float32)
     if SILU_MUL:
         acc = _silu_mul(acc, acc_up, y_ptr.dtype.element_ty)
     tl.store(y_ptr + offs_n, acc.to(y_ptr.dtype.element_ty), mask=offs_n < N)
+
+
+@triton.jit
+def _int4_split_sum_kernel(ws_ptr, b_ptr, y_ptr, N, stride_ws, SPLIT: tl.constexpr,
+                           BLOCK: tl.constexpr, HAS_BIAS: tl.constexpr,
+                           SILU_MUL: tl.constexpr, PDL: tl.constexpr):
+    """y = the split-K partial sums added in split order (+ bias; SiLU-and-mul)."""
+    pdl_wait(PDL)
+    pdl_trigger(PDL)
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < N
+    acc = tl.load(ws_ptr + offs, mask=ok, other=0.0)
+    acc_up = acc
+    if SILU_MUL:
+        acc_up = tl.load(ws_ptr + N + offs, mask=ok, other=0.0)
+    for s in tl.static_range(1, SPLIT):
+        acc += tl.load(ws_ptr + s * stride_ws + offs, mask=ok, other=0.0)
+        if SILU_MUL:
+            acc_up += tl.load(ws_ptr + s * stride_ws + N + offs, mask=ok, other=0.0)
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + offs, mask=ok, other=0.0).to(tl.float32)
+    if SILU_MUL:
+        acc = _silu_mul(acc, acc_up, y_ptr.dtype.element_ty)
+    tl.store(y_ptr + offs, acc.to(y_ptr.dtype.element_ty), mask=ok)
 
 
 @triton.jit
