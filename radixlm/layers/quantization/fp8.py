@@ -153,6 +153,7 @@ class Fp8OnlineSpec(WeightSpec):
     codes times their scales), not the floats that were loaded."""
 
     checkpoint_dtypes = FLOAT_DTYPES
+    gather_dtype = F32  # what `gather` returns (not the parameter's dtype)
 
     def hf_shape(self, layer: Any, param: torch.nn.Parameter,
                  shard_id: ShardId) -> tuple[int, ...]:
@@ -190,10 +191,11 @@ class Fp8OnlineSpec(WeightSpec):
         rows, features = layer.output_piece(shards[0]), layer.input_piece()
         local = param.data.narrow(0, rows.offset, rows.size)
         values = local[:, :features.size].float() * online_scales(local)[:, None]
+        group = getattr(layer, "group", None)  # an expert group's ranks, under ep
         if not rows.whole:
-            values = gather_pieces(values, rows.start, 0, rows.total)
+            values = gather_pieces(values, rows.start, 0, rows.total, group)
         if not features.whole:
-            values = gather_pieces(values, features.start, 1, features.total)
+            values = gather_pieces(values, features.start, 1, features.total, group)
         return values
 
 
@@ -296,21 +298,26 @@ class Fp8LinearMethod(_Fp8Method):
         layer.fp8 = Fp8Weight(weight, per_row, input_scale=static, weight_only=s.weight_only)
 
 
-def block_table(grid: torch.Tensor, part_rows: list[int], block_n: int
-                ) -> tuple[torch.Tensor, int]:
+def block_table(grid: torch.Tensor, part_rows: list[int], block_n: int,
+                scale_rows: int | None = None) -> tuple[torch.Tensor, int]:
     """The stacked block-scale grids of a fused layer's parts (`BlockScaleSpec`) as
-    one table with a row per `scale_rows` weight rows, and that count: the
-    largest that divides `block_n` and every part, so that a part whose rows
-    are not whole blocks (a ragged last block, or a k_proj of 192 rows) keeps
-    its own scales. Equal to the grid when every part is whole blocks."""
-    g = math.gcd(block_n, *part_rows)
+    one table with a row per `scale_rows` weight rows, and that count: by
+    default the largest that divides `block_n` and every part, so that a part
+    whose rows are not whole blocks (a ragged last block, or a k_proj of 192
+    rows) keeps its own scales; a smaller common divisor when given (stacks
+    that must share one). Equal to the grid when every part is whole blocks.
+    The grid's rows are its dim -2 (a leading expert dim is kept)."""
+    g = math.gcd(block_n, *part_rows) if scale_rows is None else scale_rows
+    if block_n % g or any(rows % g for rows in part_rows):
+        raise ValueError(f"{g} scale rows do not divide the block of {block_n} rows and the "
+                         f"parts of {part_rows} rows")
     if g == block_n:
         return grid.contiguous(), g
     index, grid_row = [], 0
     for rows in part_rows:
         index.append(grid_row + torch.arange(rows // g) * g // block_n)
         grid_row += cdiv(rows, block_n)
-    return grid[torch.cat(index).to(grid.device)].contiguous(), g
+    return grid.index_select(-2, torch.cat(index).to(grid.device)).contiguous(), g
 
 
 # ---- the config -------------------------------------------------------------------------
