@@ -16,6 +16,9 @@ Formats (`Fp8Scheme`: where the scales are and what they are called):
 - compressed-tensors FP8 (`compressed_tensors.py`): `weight_scale` per tensor,
   per channel ([out, 1]) or per block, `input_scale` when static.
 
+A MoE layer's experts take the same schemes (`fp8_moe.py`, from
+`Fp8Config.get_moe_method`), with weight-only products.
+
 Products (`Fp8LinearMethod.apply`): on CUDA in bf16/fp16, 1-8 rows go through
 our FP8 GEMV (weights read once and multiplied at the activations' precision);
 more rows quantize the activations to FP8 (per token, per group of bk for block weights, or the
@@ -36,7 +39,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from radixlm.layers.quantization.base import LinearMethod, QuantizationConfig
+from radixlm.layers.quantization.base import FusedMoEMethod, LinearMethod, QuantizationConfig
 from radixlm.layers.quantization.selection import LayerFilter, refuse_unknown
 from radixlm.layers.quantization.specs import BlockScaleSpec, PartScalarSpec, cdiv
 from radixlm.layers.quantization.unquantized import UnquantizedConfig, plain_linear
@@ -53,6 +56,7 @@ from radixlm.utils import lazy_import, triton_installed
 
 if TYPE_CHECKING:
     from radixlm.layers.linear import LinearBase
+    from radixlm.layers.moe.fused_moe import FusedMoE
 
 FP8 = torch.float8_e4m3fn
 F32 = torch.float32
@@ -386,11 +390,26 @@ class Fp8Config(QuantizationConfig):
             return Fp8OnlineLinearMethod()
         return Fp8LinearMethod(self.scheme)
 
+    def get_moe_method(self, layer: FusedMoE, prefix: str) -> FusedMoEMethod:
+        """FP8 experts (`fp8_moe.py`) in this config's scheme; floats where the
+        checkpoint leaves the experts unconverted."""
+        if self.skip.skipped(prefix):
+            self.counts["float experts"] += 1
+            return self.fallback.get_moe_method(layer, prefix)
+        from radixlm.layers.quantization.fp8_moe import Fp8FusedMoEMethod
+
+        self.counts["fp8 experts"] += 1
+        return Fp8FusedMoEMethod(self.scheme, getattr(self.fallback, "moe_backend", "auto"))
+
     def describe(self) -> str:
         how = ("per-channel weight scales, dynamic per-token activation scales"
                if self.scheme is None else self.scheme.describe())
+        experts = ""
+        if self.counts["fp8 experts"] or self.counts["float experts"]:
+            experts = (f"; {self.counts['fp8 experts']} MoE layers' experts in FP8 "
+                       f"(weight-only products), {self.counts['float experts']} in floats")
         return (f"quantization fp8 ({self.source}): {self.counts['fp8']} linear layers in FP8 "
                 f"e4m3 ({how}), {self.counts['float']} in floats (the LM head, layers the "
-                "checkpoint leaves unquantized); "
+                f"checkpoint leaves unquantized){experts}; "
                 "CUDA: our FP8 GEMV at 1-8 rows, W8A8 GEMM above; the CPU dequantizes "
                 "at matmul time")
