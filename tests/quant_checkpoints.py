@@ -24,7 +24,10 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 FP8 = torch.float8_e4m3fn
-LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# The projections a writer quantizes (an expert's too: `experts.<e>.gate_proj`), with
+# Mixtral's expert names w1 / w3 / w2; routers (`mlp.gate`) and the LM head stay float.
+LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
+           "w1", "w2", "w3")
 
 
 def tiny_llama(**kw: Any) -> LlamaConfig:

@@ -405,8 +405,11 @@ class ExpertSpec(WeightSpec):
         if local is not None:
             whole = self.inner.gather(self.partition, param.data[local], part).contiguous()
         else:
+            # What the owners' gather gives: the parameter's dtype, or the floats a
+            # spec reads back instead (`gather_dtype`: FP8 codes quantized at load).
+            dtype = getattr(self.inner, "gather_dtype", None) or param.dtype
             whole = torch.empty(self.inner.hf_shape(self.partition, param.data[0], part),
-                                dtype=param.dtype, device=param.device)
+                                dtype=dtype, device=param.device)
         return tp.broadcast_from(whole, ep.owner_rank(expert, self.partition.experts.total))
 
     @staticmethod

@@ -9,6 +9,16 @@ own bfloat16 error against its float32 model on the same sequences: our
 prompt logprobs may be at most a little worse, and our greedy tokens agree
 with the float32 argmax at least as often, less a margin (a near tie between
 two experts flips for either side: MoE outputs are not smooth in bf16).
+
+FP8 experts (`-k fp8`): the GPU-sized Qwen3-MoE with expert intermediate 320
+(2.5 blocks of 128: ragged gate / up / down grids), served with `--quantization
+fp8` (quantized at load) and as an HF block-FP8 checkpoint written by the test
+(`quant_checkpoints.hf_fp8_block`, every projection and expert in 128 x 128
+blocks), against HF float32 on the same model with the quantized weights
+dequantized. The experts run weight-only in the Triton kernels, but the dense
+FP8 layers quantize prefill activations (W8A8), so the bound is
+tests/gpu/test_quant_gpu.py's: prompt logprobs within 0.2 nats on average and
+the first greedy tokens agreeing. The figures print (`pytest -s`).
 """
 
 from __future__ import annotations
@@ -23,6 +33,15 @@ pytestmark = pytest.mark.gpu
 
 from family_models import save_random_model  # noqa: E402
 from moe_models import MOE_FAMILIES  # noqa: E402
+from quant_checkpoints import (  # noqa: E402
+    HF_FP8_BLOCK_CONFIG,
+    fp8_per_channel,
+    hf_fp8_block,
+    is_linear,
+    write,
+    write_pair,
+)
+from safetensors.torch import load_file  # noqa: E402
 from transformers import AutoModelForCausalLM  # noqa: E402
 
 import radixlm  # noqa: E402
@@ -105,3 +124,57 @@ def test_bf16_tracks_hf(family, backend, no_graphs):
         f"HF bf16 max {max(peer):.4f} mean {peer_mean:.4f}")
     assert agree >= peer_agree - 0.15 * total, (
         f"{name}: greedy agreement with float32 {agree}/{total}, HF bf16's {peer_agree}")
+
+
+# ---- FP8 experts ---------------------------------------------------------------------
+FP8_EXPERTS = dict(OVERRIDES["qwen3_moe"], moe_intermediate_size=320)  # ragged 128-blocks
+
+
+@pytest.fixture(scope="module")
+def qwen3_fp8(tmp_path_factory):
+    config = MOE_FAMILIES["qwen3_moe"](**{**SIZES, **FP8_EXPERTS})
+    root = tmp_path_factory.mktemp("qwen3-fp8")
+    save_random_model(config, root / "float", std=0.05)
+    floats = {k: v for f in sorted((root / "float").glob("*.safetensors"))
+              for k, v in load_file(str(f)).items()}
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(10, 32000, (n,), generator=g).tolist() for n in LENS]
+    return root, config, floats, prompts
+
+
+def _fp8_tracks_hf(path: str, dequantized: str, prompts: list[list[int]], label: str,
+                   **engine_args) -> None:
+    with radixlm.Engine(path, dtype="bfloat16", skip_tokenizer_init=True, max_total_tokens=20000,
+                        **engine_args) as e:
+        outs = e.generate(input_ids=prompts, sampling_params={"max_new_tokens": NEW,
+                                                              "temperature": 0},
+                          return_logprob=True, logprob_start_len=0)
+        e.scheduler.check_invariants()
+    ref = _hf(dequantized, torch.float32)
+    errors, first, agree = [], 0, 0
+    for ids, out in zip(prompts, outs, strict=True):
+        lp = _logprobs(ref, ids, out["output_ids"])
+        got = [x for x, _ in out["meta_info"]["input_token_logprobs"][1:]]
+        errors += [abs(a - b) for a, b in zip(got, _picked(lp, ids), strict=True)]
+        best = lp[len(ids) - 1:-1].argmax(-1).tolist()
+        first += best[0] == out["output_ids"][0]
+        agree += sum(a == b for a, b in zip(best, out["output_ids"], strict=True))
+    mean = sum(errors) / len(errors)
+    print(f"\n{label}: prompt logprobs vs HF float32 on the dequantized model: mean |diff| "
+          f"{mean:.4f}, max {max(errors):.3f}; first tokens equal {first}/{len(prompts)}, "
+          f"greedy tokens equal {agree}/{NEW * len(prompts)}")
+    assert mean < 0.2 and first >= len(prompts) - 1, label
+
+
+def test_fp8_online_experts_track_the_dequantized_hf_model(qwen3_fp8):
+    root, config, floats, prompts = qwen3_fp8
+    deq = {k: fp8_per_channel(w)[2] if is_linear(k) else w for k, w in floats.items()}
+    ref = write(root / "online-deq", config, deq, None)
+    _fp8_tracks_hf(str(root / "float"), ref, prompts, "qwen3_moe fp8 online",
+                   quantization="fp8")
+
+
+def test_fp8_block_checkpoint_experts_track_the_dequantized_hf_model(qwen3_fp8):
+    root, config, floats, prompts = qwen3_fp8
+    q, ref = write_pair(root, "block", config, floats, hf_fp8_block(), HF_FP8_BLOCK_CONFIG)
+    _fp8_tracks_hf(q, ref, prompts, "qwen3_moe fp8 128x128 blocks")

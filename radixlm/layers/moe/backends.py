@@ -1,8 +1,10 @@
 """Where float experts are computed: a registry of backends, chosen by device.
 
 Every backend computes `fused_experts` with the signature and meaning of
-`torch_ref.fused_experts`. `--moe-runner-backend auto` takes, for the
-model's device, the first of its preferences that is available here.
+`torch_ref.fused_experts`, FP8 weights with their scales included
+(`w13_scale`, `w2_scale`, `block_shape`: the Triton kernels' contract).
+`--moe-runner-backend auto` takes, for the model's device, the first of its
+preferences that is available here.
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import logging
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -33,6 +36,15 @@ class MoeBackend:
 
     def load(self) -> FusedExperts:
         return importlib.import_module(self.module).fused_experts
+
+    def runs_on(self, device: torch.device) -> bool:
+        """Whether the backend computes on `device`: its devices, and for the
+        Triton backend CPU tensors under the interpreter (`TRITON_INTERPRET=1`,
+        the tests' way of running the kernels without a GPU)."""
+        if device.type in self.devices:
+            return True
+        return (self.name == "triton" and device.type == "cpu"
+                and os.environ.get("TRITON_INTERPRET") == "1")
 
 
 def _triton_missing() -> str | None:
@@ -71,7 +83,7 @@ def select_backend(name: str, device: torch.device) -> MoeBackend:
         raise ValueError(f"moe_runner_backend={name!r}: expected auto or one of "
                          f"{', '.join(MOE_BACKENDS)}")
     backend = MOE_BACKENDS[name]
-    if device.type not in backend.devices:
+    if not backend.runs_on(device):
         raise ValueError(f"moe_runner_backend={name!r} runs on {', '.join(backend.devices)}, "
                          f"not {device.type}")
     why = backend.requires()

@@ -5,7 +5,9 @@ multiplies its tokens' rows by its gate/up weight and its down weight (torch's
 matmuls: oneDNN, in the weights' dtype: bf16 or fp32), and the rows are
 weighted and summed into a float32 accumulator. Experts without tokens cost
 nothing, so decode reads only the k selected experts' weights per token,
-never a dense loop over all of them. Same signature as `torch_ref.fused_experts`.
+never a dense loop over all of them. Same signature as `torch_ref.fused_experts`;
+FP8 weights (with their scales) are dequantized per expert with tokens, to the
+activations' dtype, when it is multiplied: the stack stays one byte per weight.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from radixlm.layers.activation import GeluAndMul, SiluAndMul
-from radixlm.layers.moe.torch_ref import check_inputs
+from radixlm.layers.moe.torch_ref import check_inputs, expert_weight
 
 _GATED = {"silu": SiluAndMul(), "gelu": GeluAndMul("none"), "gelu_tanh": GeluAndMul("tanh")}
 
@@ -60,12 +62,25 @@ def routed_sum(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tens
 
 def fused_experts(hidden_states: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                   topk_weights: torch.Tensor, topk_ids: torch.Tensor, *,
-                  activation: str = "silu", out: torch.Tensor | None = None) -> torch.Tensor:
-    """See `torch_ref.fused_experts`; products in the weights' dtype, sums in float32."""
-    check_inputs(hidden_states, w13, w2, topk_weights, topk_ids, activation)
+                  activation: str = "silu", out: torch.Tensor | None = None,
+                  w13_scale: torch.Tensor | None = None, w2_scale: torch.Tensor | None = None,
+                  block_shape: tuple[int, int] | None = None) -> torch.Tensor:
+    """See `torch_ref.fused_experts`; products in the weights' dtype (FP8 weights:
+    dequantized to the activations'), sums in float32."""
+    check_inputs(hidden_states, w13, w2, topk_weights, topk_ids, activation, w13_scale,
+                 w2_scale, block_shape)
     act = _GATED[activation]
-    acc = routed_sum(hidden_states, topk_weights, topk_ids, w13.shape[0],
-                     lambda e, rows: F.linear(act(F.linear(rows, w13[e])), w2[e]))
+    if w13_scale is None and w2_scale is None:
+        def mlp(e: int, rows: torch.Tensor) -> torch.Tensor:
+            return F.linear(act(F.linear(rows, w13[e])), w2[e])
+    else:
+        dtype = hidden_states.dtype
+
+        def mlp(e: int, rows: torch.Tensor) -> torch.Tensor:
+            gate_up = expert_weight(w13, w13_scale, block_shape, e).to(dtype)
+            down = expert_weight(w2, w2_scale, block_shape, e).to(dtype)
+            return F.linear(act(F.linear(rows, gate_up)), down)
+    acc = routed_sum(hidden_states, topk_weights, topk_ids, w13.shape[0], mlp)
     return _finish(acc, hidden_states.dtype, out)
 
 

@@ -6,12 +6,21 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from radixlm.layers.moe.backends import select_backend
+from radixlm.layers.moe.backends import MoeBackend, select_backend
 from radixlm.layers.quantization.base import FusedMoEMethod
 from radixlm.layers.sharding import AxisSpec, ExpertSpec
 
 if TYPE_CHECKING:
     from radixlm.layers.moe.fused_moe import FusedMoE
+
+
+def check_graph_capture(backend: MoeBackend, x: torch.Tensor) -> None:
+    """RuntimeError, naming the way out, when a backend that synchronizes with the
+    host is about to run inside a CUDA graph capture."""
+    if not backend.graph_capturable and x.is_cuda and torch.cuda.is_current_stream_capturing():
+        raise RuntimeError(f"the {backend.name!r} MoE backend synchronizes with the host and "
+                           "cannot run in a CUDA graph: pass --disable-cuda-graph or "
+                           "--moe-runner-backend triton")
 
 
 class UnquantizedFusedMoEMethod(FusedMoEMethod):
@@ -34,11 +43,7 @@ class UnquantizedFusedMoEMethod(FusedMoEMethod):
 
     def apply(self, layer: FusedMoE, x: torch.Tensor, topk_weights: torch.Tensor,
               topk_ids: torch.Tensor) -> torch.Tensor:
-        if not self.backend.graph_capturable and x.is_cuda and \
-                torch.cuda.is_current_stream_capturing():
-            raise RuntimeError(f"the {self.backend.name!r} MoE backend synchronizes with the "
-                               "host and cannot run in a CUDA graph: pass --disable-cuda-graph "
-                               "or --moe-runner-backend triton")
+        check_graph_capture(self.backend, x)
         return self.fused_experts(x, layer.gate_up_proj, layer.down_proj, topk_weights,
                                   topk_ids, activation=layer.activation)
 

@@ -12,6 +12,11 @@ matmul pair per expert), computes in float32 whatever the inputs' dtype, and
 rounds once at the end. It synchronizes with the host (which experts have
 tokens), so it is not CUDA-graph capturable; it is for tests and the
 fallback on devices without a faster backend.
+
+Scaled (FP8) weights: w13 / w2 in float8_e4m3fn with float32 `w13_scale` /
+`w2_scale`, per expert and output row ([E, N]) or, with `block_shape=(bn, bk)`,
+per weight block ([E, cdiv(N, bn), cdiv(K, bk)]), as the Triton kernels take
+them; `expert_weight` dequantizes one expert's weight when it has tokens.
 """
 
 from __future__ import annotations
@@ -27,8 +32,42 @@ ACTIVATIONS = {
 }
 
 
+def expert_weight(w: torch.Tensor, scale: torch.Tensor | None,
+                  block_shape: tuple[int, int] | None, expert: int) -> torch.Tensor:
+    """Expert `expert`'s weight [N, K] of the stack `w` as float32: the weight itself,
+    or its FP8 codes times `scale` (see the module docstring)."""
+    from radixlm.layers.quantization.fp8 import Fp8Weight
+
+    if scale is None:
+        return w[expert].float()
+    if block_shape is None:
+        return Fp8Weight(w[expert], scale[expert]).dequantize()
+    bn, bk = block_shape
+    return Fp8Weight(w[expert], scale[expert], block_k=bk, scale_rows=bn).dequantize()
+
+
+def check_scales(w: torch.Tensor, scale: torch.Tensor | None, name: str,
+                 block_shape: tuple[int, int] | None) -> None:
+    """ValueError unless `scale` fits the stack `w` (float weights need none)."""
+    if scale is None:
+        if not w.dtype.is_floating_point or w.dtype.itemsize == 1:
+            raise ValueError(f"{name} is {w.dtype}: weights that are not floats need "
+                             f"{name}_scale")
+        if block_shape is not None:
+            raise ValueError(f"block_shape given without {name}_scale")
+        return
+    e, n, k = w.shape
+    want = (e, n) if block_shape is None else (
+        e, -(-n // block_shape[0]), -(-k // block_shape[1]))
+    if tuple(scale.shape) != want:
+        raise ValueError(f"{name}_scale of shape {tuple(scale.shape)}: expected {want} for "
+                         f"block_shape={block_shape}")
+
+
 def check_inputs(hidden_states: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
-                 topk_weights: torch.Tensor, topk_ids: torch.Tensor, activation: str) -> None:
+                 topk_weights: torch.Tensor, topk_ids: torch.Tensor, activation: str,
+                 w13_scale: torch.Tensor | None = None, w2_scale: torch.Tensor | None = None,
+                 block_shape: tuple[int, int] | None = None) -> None:
     """ValueError unless the arguments have the shapes `fused_experts` takes."""
     if activation not in ACTIVATIONS:
         raise ValueError(f"activation={activation!r}: expected one of {', '.join(ACTIVATIONS)}")
@@ -44,16 +83,22 @@ def check_inputs(hidden_states: torch.Tensor, w13: torch.Tensor, w2: torch.Tenso
             topk_ids.shape[0] != tokens:
         raise ValueError(f"topk_ids {tuple(topk_ids.shape)} and topk_weights "
                          f"{tuple(topk_weights.shape)} must both be [{tokens}, k]")
+    check_scales(w13, w13_scale, "w13", block_shape)
+    check_scales(w2, w2_scale, "w2", block_shape)
 
 
 def fused_experts(hidden_states: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                   topk_weights: torch.Tensor, topk_ids: torch.Tensor, *,
-                  activation: str = "silu", out: torch.Tensor | None = None) -> torch.Tensor:
+                  activation: str = "silu", out: torch.Tensor | None = None,
+                  w13_scale: torch.Tensor | None = None, w2_scale: torch.Tensor | None = None,
+                  block_shape: tuple[int, int] | None = None) -> torch.Tensor:
     """The routed experts' weighted sum, [T, H] in hidden_states' dtype (see the
     module docstring). hidden_states [T, H]; w13 [E_local, 2I, H] (gate rows, then
     up rows); w2 [E_local, H, I]; topk_weights [T, k] float32; topk_ids [T, k]
-    int32 local ids, -1 to skip. `out`: written and returned when given."""
-    check_inputs(hidden_states, w13, w2, topk_weights, topk_ids, activation)
+    int32 local ids, -1 to skip. `out`: written and returned when given. The
+    scales: FP8 weights' (module docstring)."""
+    check_inputs(hidden_states, w13, w2, topk_weights, topk_ids, activation, w13_scale,
+                 w2_scale, block_shape)
     act = ACTIVATIONS[activation]
     inter = w2.shape[2]
     acc = torch.zeros(hidden_states.shape, dtype=torch.float32, device=hidden_states.device)
@@ -70,9 +115,10 @@ def fused_experts(hidden_states: torch.Tensor, w13: torch.Tensor, w2: torch.Tens
         start += count
         tokens = pairs // k
         x = hidden_states[tokens].float()
-        gate_up = x @ w13[expert].float().t()
+        gate_up = x @ expert_weight(w13, w13_scale, block_shape, expert).t()
         h = act(gate_up[:, :inter]) * gate_up[:, inter:]
-        y = (h @ w2[expert].float().t()) * flat_weights[pairs, None]
+        y = (h @ expert_weight(w2, w2_scale, block_shape, expert).t()) * \
+            flat_weights[pairs, None]
         acc.index_add_(0, tokens, y)
     result = acc.to(hidden_states.dtype)
     if out is None:

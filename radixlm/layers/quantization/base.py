@@ -221,8 +221,8 @@ class QuantizationConfig(ABC):
         are not float, and quantizing only the dense layers of a float
         checkpoint would not be what `--quantization` asked for."""
         raise ValueError(f"quantization {self.name!r}: the mixture-of-experts layer {prefix} "
-                         f"has no {self.name} expert kernels; serve the model unquantized or "
-                         "as GGUF")
+                         f"has no {self.name} expert kernels; serve the model unquantized, "
+                         "in FP8 or as GGUF")
 
     def checkpoint_weights(self, model_dir: str) -> Iterator[tuple[str, torch.Tensor]] | None:
         """The checkpoint's (name, whole tensor) pairs for a format whose tensors

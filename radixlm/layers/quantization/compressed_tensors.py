@@ -14,7 +14,8 @@ linear layer takes the first group that targets it; its tensors are
 - a kv_cache_scheme of FP8 per-tensor scales: the checkpoint's k/v scales
   load onto the attention layers (`k_scale` / `v_scale`), kept for an FP8 KV
   cache; the cache itself stays in the model's dtype.
-Anything else (int8 or int4 weights, asymmetric, group strategies on the
+A MoE layer's experts take the scheme of the group that targets the experts
+module (`fp8_moe.py`). Anything else (int8 or int4 weights, asymmetric, group strategies on the
 weights, activation ordering, sparsity, transforms) is refused by name.
 """
 
@@ -23,7 +24,7 @@ from __future__ import annotations
 from collections import Counter
 from typing import Any
 
-from radixlm.layers.quantization.base import LinearMethod, QuantizationConfig
+from radixlm.layers.quantization.base import FusedMoEMethod, LinearMethod, QuantizationConfig
 from radixlm.layers.quantization.fp8 import Fp8LinearMethod, Fp8Scheme
 from radixlm.layers.quantization.selection import LayerFilter, matches
 from radixlm.layers.quantization.unquantized import UnquantizedConfig
@@ -161,11 +162,27 @@ class CompressedTensorsConfig(QuantizationConfig):
         self.counts[scheme.describe()] += 1
         return Fp8LinearMethod(scheme)
 
+    def get_moe_method(self, layer: Any, prefix: str) -> FusedMoEMethod:
+        """FP8 experts (`fp8_moe.py`) in the scheme of the group that targets the
+        experts' module (a "Linear" target does); floats where none does."""
+        scheme = self.scheme_of(prefix, (None,))
+        if scheme is None:
+            self.counts["float experts"] += 1
+            return self.fallback.get_moe_method(layer, prefix)
+        from radixlm.layers.quantization.fp8_moe import Fp8FusedMoEMethod
+
+        self.counts["experts"] += 1
+        return Fp8FusedMoEMethod(scheme, getattr(self.fallback, "moe_backend", "auto"))
+
     def describe(self) -> str:
-        kinds = "; ".join(f"{n} with {kind}" for kind, n in self.counts.items() if kind != "float")
+        kinds = "; ".join(f"{n} with {kind}" for kind, n in self.counts.items()
+                          if kind not in ("float", "experts", "float experts"))
         line = (f"quantization compressed-tensors: FP8 e4m3 linear layers ({kinds}), "
                 f"{self.counts['float']} in floats; CUDA: our FP8 GEMV at 1-8 rows, FP8 GEMM "
                 "above; elsewhere the weights are dequantized at matmul time")
+        if self.counts["experts"] or self.counts["float experts"]:
+            line += (f"; {self.counts['experts']} MoE layers' experts in FP8 (weight-only "
+                     f"products), {self.counts['float experts']} in floats")
         if self.kv_scales:
             line += ("; the checkpoint's k/v cache scales are kept on the attention layers "
                      "(the KV cache stays in the model's dtype)")

@@ -16,6 +16,9 @@ Formats (`Fp8Scheme`: where the scales are and what they are called):
 - compressed-tensors FP8 (`compressed_tensors.py`): `weight_scale` per tensor,
   per channel ([out, 1]) or per block, `input_scale` when static.
 
+A MoE layer's experts take the same schemes (`fp8_moe.py`, from
+`Fp8Config.get_moe_method`), with weight-only products.
+
 Products (`Fp8LinearMethod.apply`): on CUDA in bf16/fp16, 1-8 rows go through
 our FP8 GEMV (weights read once and multiplied at the activations' precision);
 more rows quantize the activations to FP8 (per token, per group of bk for block weights, or the
@@ -36,7 +39,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from radixlm.layers.quantization.base import LinearMethod, QuantizationConfig
+from radixlm.layers.quantization.base import FusedMoEMethod, LinearMethod, QuantizationConfig
 from radixlm.layers.quantization.selection import LayerFilter, refuse_unknown
 from radixlm.layers.quantization.specs import BlockScaleSpec, PartScalarSpec, cdiv
 from radixlm.layers.quantization.unquantized import UnquantizedConfig, plain_linear
@@ -53,6 +56,7 @@ from radixlm.utils import lazy_import, triton_installed
 
 if TYPE_CHECKING:
     from radixlm.layers.linear import LinearBase
+    from radixlm.layers.moe.fused_moe import FusedMoE
 
 FP8 = torch.float8_e4m3fn
 F32 = torch.float32
@@ -153,6 +157,7 @@ class Fp8OnlineSpec(WeightSpec):
     codes times their scales), not the floats that were loaded."""
 
     checkpoint_dtypes = FLOAT_DTYPES
+    gather_dtype = F32  # what `gather` returns (not the parameter's dtype)
 
     def hf_shape(self, layer: Any, param: torch.nn.Parameter,
                  shard_id: ShardId) -> tuple[int, ...]:
@@ -190,10 +195,11 @@ class Fp8OnlineSpec(WeightSpec):
         rows, features = layer.output_piece(shards[0]), layer.input_piece()
         local = param.data.narrow(0, rows.offset, rows.size)
         values = local[:, :features.size].float() * online_scales(local)[:, None]
+        group = getattr(layer, "group", None)  # an expert group's ranks, under ep
         if not rows.whole:
-            values = gather_pieces(values, rows.start, 0, rows.total)
+            values = gather_pieces(values, rows.start, 0, rows.total, group)
         if not features.whole:
-            values = gather_pieces(values, features.start, 1, features.total)
+            values = gather_pieces(values, features.start, 1, features.total, group)
         return values
 
 
@@ -296,21 +302,26 @@ class Fp8LinearMethod(_Fp8Method):
         layer.fp8 = Fp8Weight(weight, per_row, input_scale=static, weight_only=s.weight_only)
 
 
-def block_table(grid: torch.Tensor, part_rows: list[int], block_n: int
-                ) -> tuple[torch.Tensor, int]:
+def block_table(grid: torch.Tensor, part_rows: list[int], block_n: int,
+                scale_rows: int | None = None) -> tuple[torch.Tensor, int]:
     """The stacked block-scale grids of a fused layer's parts (`BlockScaleSpec`) as
-    one table with a row per `scale_rows` weight rows, and that count: the
-    largest that divides `block_n` and every part, so that a part whose rows
-    are not whole blocks (a ragged last block, or a k_proj of 192 rows) keeps
-    its own scales. Equal to the grid when every part is whole blocks."""
-    g = math.gcd(block_n, *part_rows)
+    one table with a row per `scale_rows` weight rows, and that count: by
+    default the largest that divides `block_n` and every part, so that a part
+    whose rows are not whole blocks (a ragged last block, or a k_proj of 192
+    rows) keeps its own scales; a smaller common divisor when given (stacks
+    that must share one). Equal to the grid when every part is whole blocks.
+    The grid's rows are its dim -2 (a leading expert dim is kept)."""
+    g = math.gcd(block_n, *part_rows) if scale_rows is None else scale_rows
+    if block_n % g or any(rows % g for rows in part_rows):
+        raise ValueError(f"{g} scale rows do not divide the block of {block_n} rows and the "
+                         f"parts of {part_rows} rows")
     if g == block_n:
         return grid.contiguous(), g
     index, grid_row = [], 0
     for rows in part_rows:
         index.append(grid_row + torch.arange(rows // g) * g // block_n)
         grid_row += cdiv(rows, block_n)
-    return grid[torch.cat(index).to(grid.device)].contiguous(), g
+    return grid.index_select(-2, torch.cat(index).to(grid.device)).contiguous(), g
 
 
 # ---- the config -------------------------------------------------------------------------
@@ -379,11 +390,26 @@ class Fp8Config(QuantizationConfig):
             return Fp8OnlineLinearMethod()
         return Fp8LinearMethod(self.scheme)
 
+    def get_moe_method(self, layer: FusedMoE, prefix: str) -> FusedMoEMethod:
+        """FP8 experts (`fp8_moe.py`) in this config's scheme; floats where the
+        checkpoint leaves the experts unconverted."""
+        if self.skip.skipped(prefix):
+            self.counts["float experts"] += 1
+            return self.fallback.get_moe_method(layer, prefix)
+        from radixlm.layers.quantization.fp8_moe import Fp8FusedMoEMethod
+
+        self.counts["fp8 experts"] += 1
+        return Fp8FusedMoEMethod(self.scheme, getattr(self.fallback, "moe_backend", "auto"))
+
     def describe(self) -> str:
         how = ("per-channel weight scales, dynamic per-token activation scales"
                if self.scheme is None else self.scheme.describe())
+        experts = ""
+        if self.counts["fp8 experts"] or self.counts["float experts"]:
+            experts = (f"; {self.counts['fp8 experts']} MoE layers' experts in FP8 "
+                       f"(weight-only products), {self.counts['float experts']} in floats")
         return (f"quantization fp8 ({self.source}): {self.counts['fp8']} linear layers in FP8 "
                 f"e4m3 ({how}), {self.counts['float']} in floats (the LM head, layers the "
-                "checkpoint leaves unquantized); "
+                f"checkpoint leaves unquantized){experts}; "
                 "CUDA: our FP8 GEMV at 1-8 rows, W8A8 GEMM above; the CPU dequantizes "
                 "at matmul time")

@@ -12,7 +12,8 @@
 
 Contract:
 - hidden_states [T, H] contiguous, bf16 / fp16 / fp32; w13 [E, 2I, H] (gate rows
-  then up rows per expert) and w2 [E, H, I], contiguous, hidden's dtype (or any
+  then up rows per expert) and w2 [E, H, I], contiguous along the last dim (rows
+  and experts may be strided), hidden's dtype (or any
   dtype with scales: FP8 experts, below); topk_weights [T, k] float32 (already
   renormalised); topk_ids [T, k] int32 local expert ids, an id outside [0, E)
   (-1: an expert on another rank) contributes nothing. All on one device.
@@ -127,8 +128,10 @@ def _check_weights(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> None
     if tuple(w2.shape) != (e, h, inter):
         raise ValueError(f"fused_experts: w2 must be [E={e}, H={h}, I={inter}] to match w13, "
                          f"got {tuple(w2.shape)}")
-    if not (w13.is_contiguous() and w2.is_contiguous()):
-        raise ValueError("fused_experts: w13 and w2 must be contiguous")
+    # Rows may be strided (online FP8 stacks keep each row's scale after its codes):
+    # the kernel reads the expert and row strides, and K contiguous.
+    if w13.stride(2) != 1 or w2.stride(2) != 1:
+        raise ValueError("fused_experts: w13 and w2 must be contiguous along their last dim")
 
 
 def _check_routing(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> None:
