@@ -159,7 +159,7 @@ def test_triton_tree_rows_under_interpreter() -> None:
                            "-m", "gpu", str(path)], env=env, capture_output=True, text=True,
                           timeout=600)
     assert done.returncode == 0, done.stdout[-6000:] + done.stderr[-3000:]
-    assert " 5 passed" in done.stdout, done.stdout[-2000:]  # the fp32 cases ran
+    assert "5 passed" in done.stdout, done.stdout[-2000:]  # the fp32 cases ran
 
 
 # ---- through the scheduler ----------------------------------------------------------
