@@ -169,30 +169,23 @@ class ForwardBatch:
     def _tree_table(self, req_pool_indices: torch.Tensor, seq_lens_cpu: list[int]
                     ) -> torch.Tensor:
         """[num_tokens, max seq len] slots: each verify row's request prefix, then its
-        path's slots (the rows' own, from `out_cache_loc`) at columns prefix + depth."""
-        from radixlm.speculative.tree import chain_parents, path_rows
+        path's slots (the rows' own, from `out_cache_loc`) at columns prefix + depth
+        (= the ancestor's position). One gather of the request rows, one host-to-
+        device copy of the (row, column, source) indices and one scatter
+        (`ancestor_levels` walks the tree a level per step): it runs every verify
+        step of a tree."""
+        from radixlm.speculative.tree import ancestor_levels
 
         assert self.tree is not None
         width = max(seq_lens_cpu)
-        table = self.req_to_token_pool.req_to_token[req_pool_indices, :width].clone()
-        dst_r, dst_c, src = [], [], []
-        row = offset = 0
-        for pre, ext, parents in zip(self.extend_prefix_lens_cpu, self.extend_seq_lens_cpu,
-                                     self.tree):
-            parents = parents if len(parents) == ext - 1 else chain_parents(ext - 1)
-            for r in range(ext):
-                for d, a in enumerate(path_rows(parents, r)):
-                    dst_r.append(row + r)
-                    dst_c.append(pre + d)
-                    src.append(offset + a)
-            row += ext
-            offset += ext
-        device = table.device
-
-        def t(x: list[int]) -> torch.Tensor:
-            return to_device(torch.tensor(x, dtype=torch.int64), device)
-
-        table[t(dst_r), t(dst_c)] = self.out_cache_loc[t(src)].to(table.dtype)
+        # Advanced indexing copies: the request table itself is never written.
+        table = self.req_to_token_pool.req_to_token[req_pool_indices, :width]
+        anc = ancestor_levels(self.tree, self.extend_seq_lens_cpu)  # [levels, rows]
+        rows = torch.arange(anc.shape[1], dtype=torch.int64).expand_as(anc)
+        positions = torch.tensor(seq_lens_cpu, dtype=torch.int64) - 1
+        idx = to_device(torch.stack([rows, positions[anc], anc]).flatten(1), table.device)
+        # A row above its depth repeats its root's entry: the same value, same place.
+        table[idx[0], idx[1]] = self.out_cache_loc[idx[2]].to(table.dtype)
         return table
 
     def _part(self, mode: ForwardMode, lo: int, hi: int) -> ForwardBatch:

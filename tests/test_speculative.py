@@ -257,3 +257,32 @@ def test_bench_decode_rate_counts_every_streamed_token():
 
     rate, n = _decode_rate(Streams(), "x", 4)
     assert n == 4 and rate > 0
+
+
+@pytest.mark.parametrize("k,length,topk", [(6, 4, 2), (6, 3, 3), (5, 9, 2), (7, 2, 4)])
+def test_bench_replayed_tree_keeps_the_simulated_acceptance(k, length, topk):
+    """`bench speculative simulated` with a k,L,T case: a tree of k drafts whose
+    walk keeps min(L, depth + 1) - 1 of them, as the chain k,L keeps L - 1."""
+    from types import SimpleNamespace
+
+    from radixlm.bench.speculative import ReplayTreeDrafter, _case_name, _tree_flags
+    from radixlm.speculative import tree
+
+    continuation = list(range(100, 140))
+    for done in (0, 3):
+        req = SimpleNamespace(rid="r", output_ids=[0] * done)
+        proposal = ReplayTreeDrafter(continuation, k, length, 1000, topk).propose([req])["r"]
+        assert len(proposal) == k
+        # The target's token after a right path is the continuation's next; after a
+        # wrong one (the target saw another text) something no draft is.
+        rows = tree.row_contexts(proposal.tokens, proposal.parents)
+        sampled = torch.tensor([continuation[done + len(r)]
+                                if r == continuation[done:done + len(r)] else -5 for r in rows])
+        _, counts, _ = tree.accept_path(sampled, [proposal.tokens], [proposal.parents],
+                                        torch.device("cpu"))
+        depth = max(tree.depths(proposal.parents))
+        assert counts.item() == min(length, depth + 1)
+    assert _case_name((6, 4, 2)) == "tree k=6 T=2 L=4" and _case_name((6, 4)) == "k=6 L=4"
+    assert _tree_flags([(6, 4), (6, 4, 2), (8, 3, 4)]) == dict(
+        speculative_algorithm="NGRAM", speculative_eagle_topk=4, speculative_num_steps=3)
+    assert _tree_flags([(6, 4)]) == {}

@@ -6,6 +6,10 @@ fp32 on the CPU."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -21,6 +25,7 @@ from radixlm.layers.attention.torch_native import TorchNativeBackend
 from radixlm.models.loader import load_config, load_model
 from radixlm.speculative import tree
 from radixlm.tokenizer import get_tokenizer
+from radixlm.utils import triton_installed
 
 # Rows: 0 root; 1, 2, 3 its children; 4 under 1; 5, 6 under 4; 7 under 2.
 PARENTS = [0, 0, 0, 1, 4, 4, 2]
@@ -119,8 +124,8 @@ def test_tree_rows_equal_decode_steps_of_their_paths(smol: torch.nn.Module, toke
     assert (chained[2] - rows[2]).abs().max() > 1e-3  # row 2 would see its sibling row 1
 
 
-class _Triton(AttentionBackend):
-    """Stands for a backend without tree attention (the Triton one needs CUDA)."""
+class _NoTrees(AttentionBackend):
+    """Stands for a backend without tree attention."""
 
     def init_forward_metadata(self, fb: ForwardBatch) -> None: ...
 
@@ -130,17 +135,31 @@ class _Triton(AttentionBackend):
 
 
 def test_backends_without_tree_attention_refuse_trees() -> None:
-    _Triton.check_tree_drafts(None)
-    _Triton.check_tree_drafts(1)  # chains are served
-    with pytest.raises(ValueError, match="--speculative-eagle-topk 4.*_Triton"):
-        _Triton.check_tree_drafts(4)
+    _NoTrees.check_tree_drafts(None)
+    _NoTrees.check_tree_drafts(1)  # chains are served
+    with pytest.raises(ValueError, match="--speculative-eagle-topk 4.*_NoTrees"):
+        _NoTrees.check_tree_drafts(4)
     TorchNativeBackend.check_tree_drafts(4)
     CpuAttentionBackend.check_tree_drafts(4)
-    from pathlib import Path
+    if triton_installed():
+        from radixlm.layers.attention.triton_backend import TritonAttentionBackend
 
-    import radixlm.layers.attention as attn
-    source = (Path(attn.__file__).parent / "triton_backend.py").read_text()
-    assert "supports_tree_mask = True" not in source  # inherits the refusal
+        TritonAttentionBackend.check_tree_drafts(4)  # tests/gpu/test_tree_attention.py
+
+
+@pytest.mark.skipif(not triton_installed(), reason="Triton is not installed")
+@pytest.mark.skipif(torch.cuda.is_available(), reason="on CUDA the file runs as it is")
+def test_triton_tree_rows_under_interpreter() -> None:
+    """The Triton backend's tree verify rows against decode steps of their paths
+    (tests/gpu/test_tree_attention.py) on the CPU, under Triton's interpreter:
+    it must be on before triton is first imported, hence a child pytest."""
+    path = Path(__file__).parent / "gpu" / "test_tree_attention.py"
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                           "-m", "gpu", str(path)], env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0, done.stdout[-6000:] + done.stderr[-3000:]
+    assert "5 passed" in done.stdout, done.stdout[-2000:]  # the fp32 cases ran
 
 
 # ---- through the scheduler ----------------------------------------------------------

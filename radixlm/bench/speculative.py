@@ -16,7 +16,17 @@
 - `simulated`: single-stream decode with a replayed draft: the plain run's own
   continuation with every (L)-th draft token wrong, so each verify keeps exactly
   L - 1 drafts plus its own token (acceptance length L, SIMULATED: no drafter
-  reached it). Measures the engine's verify path at a given acceptance.
+  reached it). Measures the engine's verify path at a given acceptance. A case
+  k,L,T with T > 1 replays a tree of k draft tokens instead (T children per
+  level, the right one among wrong ones and the only one expanded, level L
+  all wrong): the same draft-token budget and acceptance as the chain k,L
+  where its depth ceil(k / T) >= L - 1, so the two rows compare a tree's verify
+  (its per-row path tables, in CUDA graphs the request table's path rows)
+  with a chain's. Tree cases start the engine with tree drafts configured
+  (NGRAM, --speculative-eagle-topk max T), whose drafter the replay replaces.
+
+    python -m radixlm.bench speculative simulated --model-path DIR --load-format dummy \
+        --cases 6,4 6,4,2 6,4,3 8,3 8,3,4
 """
 
 from __future__ import annotations
@@ -225,12 +235,79 @@ class ReplayDrafter:
         return None
 
 
+class ReplayTreeDrafter(ReplayDrafter):
+    """Proposes a tree of `k` tokens over the known continuation: per level `topk`
+    children of the right node so far (fewer where the budget ends), the right
+    token at a place varying with the position, the others wrong; level
+    `length` has no right child, so each verify keeps exactly
+    min(length, depth + 1) - 1 drafts (SIMULATED)."""
+
+    def __init__(self, continuation: list[int], k: int, length: int, vocab: int,
+                 topk: int) -> None:
+        super().__init__(continuation, k, length, vocab)
+        self.topk = topk
+
+    def propose(self, reqs: list[Any]) -> dict[str, Any]:
+        from radixlm.speculative.tree import DraftTree
+
+        out: dict[str, Any] = {}
+        for r in reqs:
+            n = len(r.output_ids)
+            tokens: list[int] = []
+            parents: list[int] = []
+            at = 0  # the row of the right node so far
+            for j, t in enumerate(self.continuation[n:n + self.k]):
+                left = self.k - len(tokens)
+                if left <= 0:
+                    break
+                # The right child last among those the budget still has room for.
+                place = min((n + j) % self.topk, left - 1)
+                first = len(tokens) + 1
+                for c in range(min(self.topk, left)):
+                    right = c == place and j != self.length - 1
+                    # Wrong children are t + 2.., never the target's t.
+                    tokens.append(t if right else (t + 2 + c) % self.vocab)
+                    parents.append(at)
+                at = first + place
+            if tokens:
+                out[r.rid] = DraftTree(tokens, parents)
+        return out
+
+
+def _replay(case: tuple[int, ...], plain: list[int], vocab: int) -> ReplayDrafter:
+    k, length = case[:2]
+    topk = case[2] if len(case) > 2 else 1
+    if topk > 1:
+        return ReplayTreeDrafter(plain, k, length, vocab, topk)
+    return ReplayDrafter(plain, k, length, vocab)
+
+
+def _case_name(case: tuple[int, ...]) -> str:
+    k, length = case[:2]
+    if len(case) > 2 and case[2] > 1:
+        return f"tree k={k} T={case[2]} L={length}"
+    return f"k={k} L={length}"
+
+
+def _tree_flags(cases: list[tuple[int, ...]]) -> dict[str, Any]:
+    """Engine flags under which tree cases verify as the engine would serve trees
+    (the Triton backend's start-up check, the graph runner's path rows)."""
+    trees = [c for c in cases if len(c) > 2 and c[2] > 1]
+    if not trees:
+        return {}
+    topk = max(c[2] for c in trees)
+    depth = max(-(-c[0] // c[2]) for c in trees)
+    return dict(speculative_algorithm="NGRAM", speculative_eagle_topk=topk,
+                speculative_num_steps=depth)
+
+
 def simulated(args: argparse.Namespace) -> None:
     import radixlm
 
     kw = dict(device=args.device, dtype=args.dtype, load_format=args.load_format,
               skip_tokenizer_init=True, max_total_tokens=args.kv_tokens,
-              enable_deterministic_inference=args.enable_deterministic_inference)
+              enable_deterministic_inference=args.enable_deterministic_inference,
+              **_tree_flags(args.cases))
     # Losslessness is exact in fp32 and under the deterministic flag; in bf16 without
     # it a verify row is not computed as a decode row is, so greedy tokens may part
     # at a near-tie (reported; acceptance is then below the replayed L).
@@ -245,24 +322,31 @@ def simulated(args: argparse.Namespace) -> None:
         print(f"\nsingle stream, {args.context}-token prompt, {args.output_len} tokens, "
               f"{args.device} {args.dtype}; SIMULATED acceptance (a replayed draft); "
               f"{args.repeats} repeats, tok/s min / median / max")
-        rows = [("plain", None, None)] + [(f"k={k} L={L}", k, L) for k, L in args.cases]
-        rates: dict[str, list[float]] = {name: [] for name, _, _ in rows}
+        rows = [("plain", None)] + [(_case_name(c), c) for c in args.cases]
+        rates: dict[str, list[float]] = {name: [] for name, _ in rows}
+        counts = {name: [0, 0] for name, _ in rows}  # verifies, accepted drafts
         for _ in range(args.repeats):
-            for name, k, length in rows:
-                e.scheduler.drafter = None if k is None else \
-                    ReplayDrafter(plain, k, length, vocab)
+            for name, case in rows:
+                e.scheduler.drafter = None if case is None else _replay(case, plain, vocab)
+                before = _spec_counts(e)
                 t0 = time.perf_counter()
                 out = e.generate(input_ids=prompt, sampling_params=sp)["output_ids"]
                 rates[name].append(len(out) / (time.perf_counter() - t0))
+                after = _spec_counts(e)
+                counts[name][0] += after[0] - before[0]
+                counts[name][1] += after[2] - before[2]
                 if out != plain:
                     assert not exact, f"{name}: tokens changed"
                     parted[name] = next(i for i, (a, b) in enumerate(zip(out, plain))
                                         if a != b)
         base = statistics.median(rates["plain"])
-        print(f"{'config':12} {'tok/s min   med     max':>24} {'x plain':>8}")
-        for name, _, _ in rows:
-            print(f"{name:12} {_stats(rates[name]):>24} "
-                  f"{statistics.median(rates[name]) / base:8.2f}")
+        print(f"{'config':22} {'tok/s min   med     max':>24} {'x plain':>8} "
+              f"{'tok/verify':>10}")
+        for name, _ in rows:
+            verifies, accepted = counts[name]
+            per_verify = f"{1 + accepted / verifies:.2f}" if verifies else "-"
+            print(f"{name:22} {_stats(rates[name]):>24} "
+                  f"{statistics.median(rates[name]) / base:8.2f} {per_verify:>10}")
         for name, at in parted.items():
             print(f"{name}: greedy tokens parted from the plain run at token {at} (bf16 "
                   "without --enable-deterministic-inference; the acceptance after it is "
@@ -290,7 +374,8 @@ def main(argv: list[str]) -> None:
                         "match the plain run exactly")
     p.add_argument("--cases", type=lambda s: tuple(int(x) for x in s.split(",")), nargs="+",
                    default=[(2, 3), (3, 3), (4, 4), (6, 5)],
-                   help="k,L pairs: drafts per verify, simulated acceptance length")
+                   help="k,L pairs: drafts per verify, simulated acceptance length; "
+                        "k,L,T: a tree of k drafts, T children per level (SIMULATED)")
     args = p.parse_args(argv)
     if args.dtype is None:
         args.dtype = "float32" if args.device == "cpu" else "bfloat16"

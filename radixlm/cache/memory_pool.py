@@ -33,12 +33,20 @@ class PoolOptions:
 
 
 class ReqToTokenPool:
-    """`req_to_token[slot, pos]` is the KV slot of token `pos` of the request in `slot`."""
+    """`req_to_token[slot, pos]` is the KV slot of token `pos` of the request in `slot`.
 
-    def __init__(self, size: int, max_context_len: int, device: torch.device | str) -> None:
+    `path_rows`: that many more rows after the `size` request rows, never handed
+    out: where the CUDA graph runner writes a tree verify's per-row slot tables
+    (`path_table`). Captured kernels keep this tensor's address, so a table the
+    graphs can read must be rows of it; decode and chains never touch them."""
+
+    def __init__(self, size: int, max_context_len: int, device: torch.device | str,
+                 path_rows: int = 0) -> None:
         self.size = size
         self.max_context_len = max_context_len
-        self.req_to_token = torch.zeros((size, max_context_len), dtype=torch.int32, device=device)
+        self.num_path_rows = path_rows
+        self.req_to_token = torch.zeros((size + path_rows, max_context_len), dtype=torch.int32,
+                                        device=device)
         self.free_slots = list(range(size))
 
     def alloc(self) -> int | None:
@@ -53,6 +61,16 @@ class ReqToTokenPool:
 
     def clear(self) -> None:
         self.free_slots = list(range(self.size))
+
+    def path_table(self, n: int, width: int) -> torch.Tensor:
+        """The first `n` path rows, columns [0, width): a view to copy a table into."""
+        assert n <= self.num_path_rows, f"{n} path rows wanted, {self.num_path_rows} reserved"
+        return self.req_to_token[self.size:self.size + n, :width]
+
+    def path_row_indices(self, n: int, device: torch.device | str) -> torch.Tensor:
+        """Row indices of the first `n` path rows (int64 on `device`)."""
+        assert n <= self.num_path_rows, f"{n} path rows wanted, {self.num_path_rows} reserved"
+        return torch.arange(self.size, self.size + n, dtype=torch.int64, device=device)
 
 
 class KVPool(ABC):

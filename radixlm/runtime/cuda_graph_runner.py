@@ -12,6 +12,16 @@ kernels then see exactly the shapes the graphs would, so outputs are
 identical with and without graphs (GEMM and split-KV reductions can otherwise
 round differently for a batch of 5 and one padded to 8).
 
+A verify batch over trees of drafts (`fb.tree`) replays the same decode graphs:
+its view gives each row a slot table of its own (the request's prefix, the
+row's ancestors, itself), and the graphs read the request table, whose address
+they captured. So the table keeps `path_rows` spare rows (`ReqToTokenPool`,
+reserved by the memory plan when tree drafts are on: graph max batch x
+context, int32); each tree replay copies the view's table into them (the rows
+and columns in use) and points the rows there. Chains and plain decode replay
+as before, nothing copied. Without path rows (trees not configured, e.g. a
+drafter swapped in by hand) trees run eagerly.
+
 With cascade attention (`cascade_attention_wanted`, a backend with
 `supports_cascade_decode`) the graphs capture the cascade decode path and each
 replay hands the batch's `prefix_groups` to the backend, which writes their
@@ -54,6 +64,13 @@ class CudaGraphRunner:
         self.seq_lens = torch.zeros(n, dtype=torch.int64, device=dev)
         self.out_cache_loc = torch.zeros(n, dtype=torch.int64, device=dev)
         self.rows = torch.arange(n, dtype=torch.int64, device=dev)
+        table = runner.req_to_token_pool
+        # Tree verifies of up to this many rows replay: as many as there are spare
+        # table rows, where the backend's decode reads any rows it is pointed at.
+        self.max_tree_rows = (min(n, table.num_path_rows)
+                              if runner.attn_backend.supports_tree_mask else 0)
+        self.path_indices = table.path_row_indices(self.max_tree_rows, dev)
+        self.tree_replays = 0  # verify forwards of trees served here (tests, stats)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
         backend = runner.attn_backend
@@ -100,13 +117,15 @@ class CudaGraphRunner:
                     time.perf_counter() - t0)
 
     def can_run(self, fb: ForwardBatch) -> bool:
-        return fb.mode.is_decode_like() and fb.num_tokens <= self.max_bs \
-            and fb.input_embeds is None and fb.tree is None  # graphs read the request table
+        rows = self.max_bs if fb.tree is None else self.max_tree_rows
+        return fb.mode.is_decode_like() and fb.num_tokens <= rows and fb.input_embeds is None
 
     def replay(self, fb: ForwardBatch) -> torch.Tensor:
         """Logits of `fb`'s rows; captured hidden states (a `HiddenCapture`) land in
         `fb.captured`, like the logits views into the graph's buffers."""
-        groups, caller = fb.prefix_groups, fb
+        caller = fb
+        # Prefix groups are a decode batch's requests'; a verify view's rows have none.
+        groups = None if fb.mode.is_verify() else fb.prefix_groups
         if fb.mode.is_verify():
             fb = fb.verify_decode_view()
         bs = fb.batch_size
@@ -118,12 +137,15 @@ class CudaGraphRunner:
             self.positions[bs:padded].zero_()
         self.input_ids[:bs].copy_(fb.input_ids, non_blocking=True)
         self.positions[:bs].copy_(fb.positions, non_blocking=True)
-        self.req_pool_indices[:bs].copy_(fb.req_pool_indices, non_blocking=True)
+        self.req_pool_indices[:bs].copy_(self._path_rows(fb) if caller.tree is not None
+                                         else fb.req_pool_indices, non_blocking=True)
         self.seq_lens[:bs].copy_(fb.seq_lens, non_blocking=True)
         self.out_cache_loc[:bs].copy_(fb.out_cache_loc, non_blocking=True)
         self.runner.attn_backend.init_forward_metadata_cuda_graph(
             padded, self.req_pool_indices[:padded], self.seq_lens[:padded],
             prefix_groups=groups if self.cascade else None)
+        if caller.tree is not None:
+            self.tree_replays += 1
         if not self.use_graphs:
             static = self._batch(padded)
             logits = self.runner.model(self.input_ids[:padded], self.positions[:padded], static)
@@ -133,3 +155,13 @@ class CudaGraphRunner:
         logits, captured = self.outputs[padded]
         caller.captured = [t[:bs] for t in captured]
         return logits[:bs]
+
+    def _path_rows(self, view: ForwardBatch) -> torch.Tensor:
+        """A tree view's per-row tables copied into the request table's path rows
+        (only the rows and columns in use: a row never reads past its length);
+        the row indices that read them."""
+        table = view.req_to_token_pool.req_to_token
+        n, width = table.shape
+        self.runner.req_to_token_pool.path_table(n, width).copy_(table, non_blocking=True)
+        return self.path_indices[:n]
+

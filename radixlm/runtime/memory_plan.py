@@ -131,5 +131,19 @@ class MemoryPlan:
                         str(r.dtype).removeprefix("torch."), nbytes / 2**20)
         default = 256 if self.device.type == "cuda" else 128
         max_running = min(self.args.max_running_requests or default, tokens)
-        table = ReqToTokenPool(max_running, self.context_len + TABLE_SLACK, self.device)
+        width = self.context_len + TABLE_SLACK
+        path_rows = self.tree_path_rows(max_running)
+        if path_rows:
+            logger.info("memory plan: %d request-table rows for tree verifies in CUDA graphs, "
+                        "%.1f MiB", path_rows, path_rows * width * 4 / 2**20)
+        table = ReqToTokenPool(max_running, width, self.device, path_rows=path_rows)
         return KVPools(table, pools, tokens, max_running)
+
+    def tree_path_rows(self, max_running: int) -> int:
+        """Spare request-table rows for the CUDA graph runner's tree verifies (one per
+        verify row of its largest graph; `cuda_graph_runner.py`): with tree drafts
+        on CUDA only (also with --disable-cuda-graph, whose static batches must
+        compute what the graphs would)."""
+        if self.device.type != "cuda" or self.args.speculative_topk <= 1:
+            return 0
+        return min(self.args.cuda_graph_max_bs, max_running)

@@ -74,6 +74,30 @@ def path_rows(parents: Sequence[int], row: int) -> list[int]:
     return path[::-1]
 
 
+def ancestor_levels(trees: Sequence[Sequence[int]], ext_lens: Sequence[int]) -> torch.Tensor:
+    """Over the flat verify rows of several requests (request i: `ext_lens[i]` rows
+    and draft parents `trees[i]`, read as a chain when they do not have ext - 1
+    entries): [max depth + 1, rows] host int64, entry [k, r] row r's k-th ancestor
+    (k = 0: r itself), or its request's root once k passes r's depth. Each row's
+    column is `path_rows` of it, root repeated: (r, column entries) pairs cover
+    exactly the row and its ancestors. Python touches each row once; each level
+    is one gather."""
+    parent: list[int] = []
+    offset = deepest = 0
+    for parents, ext in zip(trees, ext_lens):
+        if len(parents) != ext - 1:
+            parents = chain_parents(ext - 1)
+        parent.append(offset)  # a root is its own parent: the walk stays there
+        parent += [offset + p for p in parents]
+        deepest = max(deepest, max(depths(parents)))
+        offset += ext
+    parent_t = torch.tensor(parent, dtype=torch.int64)
+    levels = [torch.arange(offset, dtype=torch.int64)]
+    for _ in range(deepest):
+        levels.append(parent_t[levels[-1]])
+    return torch.stack(levels)
+
+
 def ancestor_mask(parents: Sequence[int], device: torch.device | str = "cpu") -> torch.Tensor:
     """[n + 1, n + 1] bool over the rows: True where row i attends to row j (j is i
     or one of its ancestors). A chain's is the lower triangle."""

@@ -1,7 +1,10 @@
 """Speculative decoding on CUDA with random weights in fp32: every algorithm gives the
 plain run's greedy tokens, with the target's and the draft runner's CUDA graphs
 (the draft's decode steps and catch-up rows replay them); a model drafting for
-itself has every draft accepted; bf16 self-drafting keeps most drafts."""
+itself has every draft accepted; bf16 self-drafting keeps most drafts. Trees of
+drafts (--speculative-eagle-topk 3) on the Triton backend: lossless with and
+without CUDA graphs, their verifies replaying the target's graphs, and bit for
+bit the plain run under --enable-deterministic-inference."""
 
 from __future__ import annotations
 
@@ -35,7 +38,9 @@ def models(tmp_path_factory):
     }
 
 
-def _serve(model, dtype="float32", **kw):
+def _serve(model, dtype="float32", target_graphs=False, **kw):
+    """(tokens by rid, stats, the drafter's graph runner; with `target_graphs` the
+    target's)."""
     g = torch.Generator().manual_seed(3)
     prompts = [torch.randint(10, 32000, (n,), generator=g).tolist() for n in (20, 77, 150, 9)]
     with radixlm.Engine(model, dtype=dtype, skip_tokenizer_init=True, max_total_tokens=8192,
@@ -51,6 +56,8 @@ def _serve(model, dtype="float32", **kw):
         sched.check_invariants()
         drafter = sched.worker.model_drafter
         graphs = drafter.runner.graph_runner if drafter is not None else None
+        if target_graphs:
+            graphs = sched.worker.runner.graph_runner
         return out, sched.stats, graphs
 
 
@@ -112,3 +119,65 @@ def test_self_draft_in_bf16_keeps_most_drafts(models):
                          speculative_draft_model_path=target, speculative_num_steps=4)
     # Draft rows (catch-up, decode graphs) and verify rows round differently in bf16.
     assert stats.num_accepted_drafts >= 0.8 * stats.num_draft_tokens > 0
+
+
+# ---- trees of drafts (--speculative-eagle-topk > 1) on the Triton backend ---------------
+# Graphs up to 64 rows: the 4 requests' trees (up to 10 rows each) replay, and
+# capturing stays short.
+GRAPH_BS = 64
+TREE = dict(speculative_num_steps=3, speculative_eagle_topk=3)
+
+
+@pytest.mark.parametrize("graphs", [True, False], ids=["graphs", "no-graphs"])
+@pytest.mark.parametrize("algo", ["EAGLE", "STANDALONE"])
+def test_tree_drafts_keep_the_greedy_tokens_on_cuda(models, plain, algo, graphs):
+    """Lossless with trees: the plain run's greedy tokens, the verify forwards of
+    trees replaying the target's decode graphs (the request table's path rows),
+    or with --disable-cuda-graph the same static batches eagerly."""
+    draft = models["draft"] if algo == "STANDALONE" else models["EAGLE"]
+    out, stats, runner = _serve(models["target"], target_graphs=True,
+                                speculative_algorithm=algo, speculative_draft_model_path=draft,
+                                disable_cuda_graph=not graphs, cuda_graph_max_bs=GRAPH_BS,
+                                **TREE)
+    assert out == plain
+    assert stats.num_draft_tokens > 3 * stats.num_spec_verifies > 0  # trees, not chains
+    assert runner is not None and runner.use_graphs == graphs
+    assert runner.max_tree_rows == GRAPH_BS
+    assert runner.tree_replays > 0  # tree verifies went through the graph runner
+
+
+def test_tree_verifies_replay_graphs_on_cuda(models):
+    """A self-drafting target (every first-choice draft right): most verifies are
+    trees and each replays a captured graph, not an eager forward."""
+    target = models["target"]
+    _, stats, runner = _serve(target, target_graphs=True, speculative_algorithm="STANDALONE",
+                              speculative_draft_model_path=target, cuda_graph_max_bs=GRAPH_BS,
+                              **TREE)
+    assert stats.num_accepted_drafts > 0
+    # num_spec_verifies counts requests (4 per verify batch at most), the replays
+    # batches; verify steps whose drafts all fit to chains (near the end) are not trees.
+    assert runner.use_graphs and 4 * runner.tree_replays >= stats.num_spec_verifies // 2 > 0
+
+
+def test_deterministic_tree_verify_is_the_plain_run_bit_for_bit_on_cuda(models):
+    """--enable-deterministic-inference in bf16: a tree row is computed as the
+    decode step it stands for (the Triton backend's batch-invariant decode over
+    the row's path), so tokens and logprobs are the plain run's exactly."""
+    target = models["target"]
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(10, 32000, (n,), generator=g).tolist() for n in (33, 90, 7)]
+    params = {"max_new_tokens": 16, "temperature": 0, "ignore_eos": True}
+    outs = []
+    for spec in ({}, dict(speculative_algorithm="STANDALONE",
+                          speculative_draft_model_path=target, **TREE)):
+        with radixlm.Engine(target, dtype="bfloat16", skip_tokenizer_init=True,
+                            max_total_tokens=8192, enable_deterministic_inference=True,
+                            cuda_graph_max_bs=GRAPH_BS, **spec) as e:
+            outs.append(e.generate(input_ids=prompts, sampling_params=params,
+                                   return_logprob=True))
+            if spec:
+                assert e.scheduler.stats.num_accepted_drafts > 0
+                assert e.scheduler.worker.runner.graph_runner.tree_replays > 0
+    for a, b in zip(*outs):
+        assert a["output_ids"] == b["output_ids"]
+        assert a["meta_info"]["output_token_logprobs"] == b["meta_info"]["output_token_logprobs"]

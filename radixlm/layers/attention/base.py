@@ -53,8 +53,9 @@ class AttentionBackend(ABC):
       its ancestors and itself, not its siblings) needs a backend with
       `supports_tree_mask`, whose decode path reads the view's per-row slot
       table (`fb.verify_decode_view().req_to_token_pool.req_to_token`) instead
-      of the request table; `check_tree_drafts` refuses trees at start-up on
-      the others.
+      of the request table (in CUDA graphs: the request table's path rows the
+      graph runner fills, `ReqToTokenPool.path_table`); `check_tree_drafts`
+      refuses trees at start-up on the others.
     - `forward(q, k, v, layer, fb, rope=None)`: q is [num_tokens, num_heads *
       head_dim], k and v are [num_tokens, num_kv_heads * head_dim] for the new
       tokens. With `rope` = (rotary embedding, positions), q and k are not
@@ -131,7 +132,8 @@ class AttentionBackend(ABC):
             raise ValueError(f"--speculative-eagle-topk {topk}: tree drafts need tree attention "
                              f"in the verify forward, which the {cls.__name__} does not "
                              "implement in its kernels yet; use --speculative-eagle-topk 1 "
-                             "(chains) or the torch_native / cpu attention backend")
+                             "(chains) or an attention backend with tree attention "
+                             "(triton, torch_native, cpu)")
 
     def check_layer(self, layer: RadixAttention) -> None:
         """ValueError if `layer` needs something this backend does not compute."""

@@ -133,6 +133,19 @@ class TritonAttentionBackend(AttentionBackend):
     `split_size(max_context_len)` positions fixed for the process); cascade
     decode is off (its shared-prefix pass cuts a request's keys by its group).
 
+    Trees of drafts (`supports_tree_mask`): a verify batch runs as its decode view
+    (`ForwardBatch.verify_decode_view`), and every decode kernel here (split-KV,
+    cascade, the deterministic one) reads a row's slots as
+    `req_to_token[req_pool_indices[row], :seq_len]` of the table it is handed,
+    with the table's own row stride: the view's per-row path table in eager
+    mode, the request table's path rows (`ReqToTokenPool.path_table`, filled by
+    the graph runner) in CUDA graphs. The table's columns are positions, so a
+    window layer's keys (the last W positions of the row's path) and a window
+    pool's slot map read as in a decode step; the view has no prefix groups,
+    so cascade decode runs its plain pass (graphs: an all-zero plan). A tree
+    row thus computes exactly the decode step after its path, bit for bit in
+    deterministic mode (tests/gpu/test_tree_attention.py).
+
     CUDA graphs (decode only): call `init_cuda_graph_state(max_bs)` once, then,
     before each capture and each replay (outside the graph),
     `init_forward_metadata_cuda_graph(bs, req_pool_indices, seq_lens)`. It copies
@@ -151,6 +164,7 @@ class TritonAttentionBackend(AttentionBackend):
     supports_sliding_window = True
     supports_logit_softcap = True
     supports_window_pool = True
+    supports_tree_mask = True  # see "Trees of drafts" above
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int,
                  device: torch.device | str, max_context_len: int | None = None,
