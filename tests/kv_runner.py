@@ -110,3 +110,23 @@ def check_through_kv(refs: list[torch.Tensor], got) -> None:
     check_close(extended, refs[0][-3:-1])
     for k, logits in zip((-3, -2, -1), decodes, strict=True):
         check_close(logits, torch.stack([r[k] for r in refs[1:]]))
+
+
+def greedy_through_kv(model: torch.nn.Module, prompts: list[list[int]], new_tokens: int
+                      ) -> list[list[int]]:
+    """Greedy continuations of `prompts`, all in one batch: a prefill, then decode steps."""
+    runner = KVRunner(model)
+    slots = [runner.new_request() for _ in prompts]
+    nxt = runner.extend(list(zip(slots, prompts, strict=True))).argmax(-1).tolist()
+    out = [[t] for t in nxt]
+    for _ in range(new_tokens - 1):
+        nxt = runner.decode(list(zip(slots, nxt, strict=True))).argmax(-1).tolist()
+        for seq, t in zip(out, nxt, strict=True):
+            seq.append(t)
+    return out
+
+
+def token_agreement(a: list[list[int]], b: list[list[int]]) -> float:
+    """The share of positions where two sets of continuations hold the same token."""
+    return sum(x == y for s, t in zip(a, b, strict=True) for x, y in zip(s, t, strict=True)) \
+        / sum(len(s) for s in a)

@@ -33,7 +33,14 @@ import hf_reference
 import pytest
 import torch
 from family_models import random_prompts, save_random_model
-from kv_runner import KVRunner, check_through_kv, hf_logits, logits_through_kv
+from kv_runner import (
+    KVRunner,
+    check_through_kv,
+    greedy_through_kv,
+    hf_logits,
+    logits_through_kv,
+    token_agreement,
+)
 from moe_models import MOE_FAMILIES
 from quant_checkpoints import (
     HF_FP8_BLOCK_CONFIG,
@@ -71,23 +78,6 @@ def hf_model(path: str) -> torch.nn.Module:
     return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
 
 
-def greedy(model: torch.nn.Module, prompts: list[list[int]]) -> list[list[int]]:
-    runner = KVRunner(model)
-    slots = [runner.new_request() for _ in prompts]
-    nxt = runner.extend(list(zip(slots, prompts, strict=True))).argmax(-1).tolist()
-    out = [[t] for t in nxt]
-    for _ in range(NEW_TOKENS - 1):
-        nxt = runner.decode(list(zip(slots, nxt, strict=True))).argmax(-1).tolist()
-        for seq, t in zip(out, nxt, strict=True):
-            seq.append(t)
-    return out
-
-
-def agreement(a: list[list[int]], b: list[list[int]]) -> float:
-    return sum(x == y for s, t in zip(a, b, strict=True) for x, y in zip(s, t, strict=True)) \
-        / sum(len(s) for s in a)
-
-
 def experts_of(model: torch.nn.Module) -> list[torch.nn.Module]:
     return [m for m in model.modules() if type(m).__name__ == "FusedMoE"]
 
@@ -100,13 +90,13 @@ def check_against_hf(model: torch.nn.Module, dequantized: str, original: torch.n
     seqs = prompts[:3]
     check_through_kv([hf_logits(ref, ids) for ids in seqs],
                      logits_through_kv(KVRunner(model), seqs))
-    tokens = greedy(model, prompts)
+    tokens = greedy_through_kv(model, prompts, NEW_TOKENS)
     assert tokens == hf_reference.hf_greedy(ref, prompts, NEW_TOKENS), label
     ids = max(prompts, key=len)
     ours, floats = KVRunner(model), hf_logits(original, ids)
     logits = ours.extend([(ours.new_request(), ids)], all_rows=True)
     error = ((logits - floats).abs().max() / floats.abs().max()).item()
-    same = agreement(tokens, hf_reference.hf_greedy(original, prompts, NEW_TOKENS))
+    same = token_agreement(tokens, hf_reference.hf_greedy(original, prompts, NEW_TOKENS))
     print(f"\n{label}: greedy agreement with the float model {same:.0%} of "
           f"{NEW_TOKENS * len(prompts)} tokens; logits within {error:.1%} of its largest")
 

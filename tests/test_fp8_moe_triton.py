@@ -18,30 +18,20 @@ child pytest with it set.
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
+from interpreter import in_interpreter, run_file_under_interpreter
 
 from radixlm.utils import triton_installed
 
-HERE = os.environ.get("TRITON_INTERPRET") == "1"
 if not triton_installed():
     pytest.skip("Triton is not installed", allow_module_level=True)
-in_interpreter = pytest.mark.skipif(not HERE, reason="runs in test_under_interpreter's child")
 
 E, H, INTER = 8, 64, 48
 
 
 def test_under_interpreter() -> None:
-    if HERE:
-        pytest.skip("already under the interpreter: the checks run in this process")
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                           __file__], env=env, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stdout[-6000:] + done.stderr[-3000:]
+    run_file_under_interpreter(__file__)
 
 
 def _config(fmt: str, backend: str):

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from kv_runner import KVRunner
+from kv_runner import KVRunner, greedy_through_kv, token_agreement
 from quant_checkpoints import (
     HF_FP8_BLOCK_CONFIG,
     RAGGED,
@@ -79,36 +79,20 @@ def logits(model: torch.nn.Module) -> list[torch.Tensor]:
     return [runner.extend([(runner.new_request(), ids)], all_rows=True) for ids in PROMPTS]
 
 
-def greedy(model: torch.nn.Module) -> list[list[int]]:
-    runner = KVRunner(model)
-    slots = [runner.new_request() for _ in PROMPTS]
-    nxt = runner.extend(list(zip(slots, PROMPTS, strict=True))).argmax(-1).tolist()
-    out = [[t] for t in nxt]
-    for _ in range(NEW_TOKENS - 1):
-        nxt = runner.decode(list(zip(slots, nxt, strict=True))).argmax(-1).tolist()
-        for seq, t in zip(out, nxt, strict=True):
-            seq.append(t)
-    return out
-
-
-def agreement(a: list[list[int]], b: list[list[int]]) -> float:
-    return sum(x == y for s, t in zip(a, b, strict=True) for x, y in zip(s, t, strict=True)) \
-        / sum(len(s) for s in a)
-
-
 def check_against(model: torch.nn.Module, dequantized: str, original: str, label: str) -> None:
     """Logits equal the dequantized model's up to fp32 rounding; greedy tokens equal
     its tokens; agreement with the original float model printed."""
     ref = load(dequantized)
     for ours, want in zip(logits(model), logits(ref), strict=True):
         torch.testing.assert_close(ours, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
-    tokens = greedy(model)
-    assert tokens == greedy(ref)
+    tokens = greedy_through_kv(model, PROMPTS, NEW_TOKENS)
+    assert tokens == greedy_through_kv(ref, PROMPTS, NEW_TOKENS)
     unquantized = load(original)
     error = max(((a - b).abs().max() / b.abs().max()).item()
                 for a, b in zip(logits(model), logits(unquantized), strict=True))
+    same = token_agreement(tokens, greedy_through_kv(unquantized, PROMPTS, NEW_TOKENS))
     print(f"\n{label}: greedy agreement with the unquantized model "
-          f"{agreement(tokens, greedy(unquantized)):.0%} of {NEW_TOKENS * len(PROMPTS)} "
+          f"{same:.0%} of {NEW_TOKENS * len(PROMPTS)} "
           f"tokens, logits within {error:.1%} of its largest")
 
 
