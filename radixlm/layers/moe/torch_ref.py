@@ -21,6 +21,8 @@ them; `expert_weight` dequantizes one expert's weight when it has tokens.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 import torch.nn.functional as F
 
@@ -46,6 +48,16 @@ def expert_weight(w: torch.Tensor, scale: torch.Tensor | None,
     return Fp8Weight(w[expert], scale[expert], block_k=bk, scale_rows=bn).dequantize()
 
 
+def scale_shape(w: torch.Tensor, block_shape: Sequence[int] | None) -> tuple[int, ...]:
+    """The shape of the scales of the FP8 stack `w` [E, N, K]: [E, N] per row, or
+    [E, cdiv(N, bn), cdiv(K, bk)] per block (the module docstring)."""
+    e, n, k = w.shape
+    if block_shape is None:
+        return (e, n)
+    bn, bk = block_shape
+    return (e, -(-n // bn), -(-k // bk))
+
+
 def check_scales(w: torch.Tensor, scale: torch.Tensor | None, name: str,
                  block_shape: tuple[int, int] | None) -> None:
     """ValueError unless `scale` fits the stack `w` (float weights need none)."""
@@ -56,9 +68,7 @@ def check_scales(w: torch.Tensor, scale: torch.Tensor | None, name: str,
         if block_shape is not None:
             raise ValueError(f"block_shape given without {name}_scale")
         return
-    e, n, k = w.shape
-    want = (e, n) if block_shape is None else (
-        e, -(-n // block_shape[0]), -(-k // block_shape[1]))
+    want = scale_shape(w, block_shape)
     if tuple(scale.shape) != want:
         raise ValueError(f"{name}_scale of shape {tuple(scale.shape)}: expected {want} for "
                          f"block_shape={block_shape}")

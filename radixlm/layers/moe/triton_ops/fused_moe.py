@@ -42,6 +42,7 @@ from dataclasses import replace
 import torch
 import triton
 
+from radixlm.layers.moe.torch_ref import scale_shape
 from radixlm.layers.moe.triton_ops.configs import (
     ConfigTable,
     GemmTile,
@@ -155,12 +156,7 @@ def _check_scales(w: torch.Tensor, scale: torch.Tensor | None, name: str, act: t
         if block_shape is not None:
             raise ValueError(f"fused_experts: block_shape given without {name}_scale")
         return
-    e, n, k = w.shape
-    if block_shape is None:
-        want = (e, n)
-    else:
-        bn, bk = block_shape
-        want = (e, triton.cdiv(n, bn), triton.cdiv(k, bk))
+    want = scale_shape(w, block_shape)
     if (scale.dtype != torch.float32 or tuple(scale.shape) != want
             or not scale.is_contiguous()):
         raise ValueError(f"fused_experts: {name}_scale must be a contiguous float32 {want} for "
