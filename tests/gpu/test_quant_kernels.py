@@ -147,6 +147,28 @@ def test_fp8_gemv(case, m, dtype):
         check(out, xd @ w.dequantize().double().T + bias.double(), dtype, k, fp8_mma=True)
 
 
+@pytest.mark.parametrize("case", ["channel", "channel-ragged", "block-ragged", "block-64x64"])
+@pytest.mark.parametrize("bk", [64, 128])
+def test_fp8_gemv_tile_pairs(case, bk):
+    """The one-row kernel loading its tiles in pairs (stages 2): odd and even tile
+    counts (the last tile left over by the pairs), ragged K, block scales, fused
+    SiLU: the float64 product within one GEMV's rounding."""
+    n, k, block, parts = CASES[case]
+    dtype = DTYPES[0]
+    w = fp8_weight(n, k, block, parts, seed=6)
+    x = randn(1, k, seed=7, dtype=dtype)
+    bias = randn(n, seed=8, dtype=dtype)
+    cfg = F.GemvConfig("fma", 4, bk, 4, 2)
+    out = F.fp8_gemv(x, w.weight, w.scales, w.block_k, w.scale_rows, bias, config=cfg)
+    check(out, x.double() @ w.dequantize().double().T + bias.double(), dtype, k)
+    if n % 2 == 0 and block is None:
+        fused = F.fp8_gemv(x, w.weight, w.scales, 0, 1, config=cfg, silu_mul=True)
+        plain = F.fp8_gemv(x, w.weight, w.scales, 0, 1, config=cfg._replace(stages=1))
+        gate, up = plain.float().split(n // 2, -1)
+        torch.testing.assert_close(fused.float(), torch.nn.functional.silu(gate) * up,
+                                   rtol=2e-2, atol=2e-2)
+
+
 @pytest.mark.parametrize("m", [1, 3, 8])
 @pytest.mark.parametrize("block", [None, (128, 128)])
 def test_fp8_gemv_silu_mul_and_out_buffer(m, block):
@@ -206,6 +228,7 @@ def int4_weight(n: int, k: int, group: int, act_order: bool, seed: int = 0) -> I
 
 INT4_CASES = {  # name -> (n, k, group)
     "g128": (96, 512, 128),
+    "g128-even": (128, 1024, 128),  # N a multiple of the tile, K of the step: no masks
     "g64-ragged-n": (100, 384, 64),
     "g32": (64, 256, 32),
     "per-column": (72, 576, 576),  # group_size -1

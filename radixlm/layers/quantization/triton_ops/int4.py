@@ -7,10 +7,16 @@ for act-order checkpoints.
 - One row (`int4_gemv`): each program owns BN output columns and walks all of
   K; an iteration reads several [ROWS, BN] tiles of words (a row of words is
   BN * 4 contiguous bytes), each inside one group, unpacks them nibble by
-  nibble in registers (a shift and a mask per weight, the integer turned
-  float by OR-ing it into the mantissa of 2^23) and sums q * x per group, so
-  the zero point and the scale are applied once per group and column:
-  y += s (sum_k q x - z sum_k x). fp32 throughout. With `silu_mul` a
+  nibble in registers (a shift and one LOP3 a weight: the nibble OR-ed into
+  the units of 1024.0, so the float 1024 + q with no conversion instruction)
+  and sums (1024 + q) x per group and row of words, so the 1024, the zero
+  point and the scale are applied once per group, row and column:
+  y += s (sum_k (1024 + q) x - (1024 + z) sum_k x); the rows are summed once
+  at the end (a sum per step was a cross-warp reduction, barriers included).
+  fp32 throughout; with N a multiple of BN and K of the step (`EVEN`, every
+  Llama shape) no load is masked or clamped, which took half the
+  instructions of the loop before (address and mask arithmetic of the x
+  loads; SASS counted, 14.3 -> 5.9 instructions a weight). With `silu_mul` a
   program streams matching gate and up columns of a merged [gate; up] layer
   and applies silu(gate) * up in registers (one launch for the MLP's input).
   Split-K (`Int4Config.split` > 1): programs also split K in equal runs of
@@ -134,6 +140,7 @@ def int4_gemv(x: torch.Tensor, qweight: torch.Tensor, zeros: torch.Tensor,
         qweight.stride(0), zeros.stride(0), scales.stride(0), ws.stride(0), BN=cfg.bn,
         ROWS=rows, GROUP=group, SUB_STEPS=sub_steps, ACT_ORDER=g_idx is not None,
         HAS_BIAS=bias is not None, SILU_MUL=silu_mul, PARTIAL=split > 1,
+        EVEN=n % cfg.bn == 0 and k % step == 0,
         num_warps=cfg.warps, num_stages=cfg.stages, **pdl.launch_args())
     if split > 1:
         _int4_split_sum_kernel[(triton.cdiv(n, 256),)](
@@ -180,47 +187,59 @@ def _unpack(words, BK: tl.constexpr, BN: tl.constexpr):
 
 
 @triton.jit
-def _nibbles(words, i: tl.constexpr):
-    """Nibble i of each word as fp32: OR-ed into 2^23's mantissa, minus 2^23."""
-    return (((words >> (4 * i)) & 0xF) | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
+def _nibbles_1024(words, i: tl.constexpr):
+    """1024 + nibble i of each word, as fp32: the nibble shifted to bits 13-16 (the
+    units of a float in [1024, 2048)) and OR-ed into 1024.0's bits: a shift and
+    one LOP3 a weight. Products with a bf16/fp16 x are exact in fp32 (11 + 8
+    significant bits); the 1024 is taken out once per group (`_gemv_sub_step`)."""
+    if 4 * i <= 13:
+        q = words << (13 - 4 * i)
+    else:
+        q = words >> (4 * i - 13)
+    return ((q & 0x1E000) | 0x44800000).to(tl.float32, bitcast=True)
 
 
 @triton.jit
-def _gemv_sub_step(words, x_ptr, z_ptr, s_ptr, g_ptr, k, offs_r, cols, K, NUM_GROUPS,
+def _gemv_sub_step(words, x_ptrs, z_ptr, s_ptr, g_ptr, k, cols, K, NUM_GROUPS,
                    stride_z, stride_s, BN: tl.constexpr, ROWS: tl.constexpr,
-                   GROUP: tl.constexpr, ACT_ORDER: tl.constexpr):
+                   GROUP: tl.constexpr, ACT_ORDER: tl.constexpr, EVEN: tl.constexpr):
     """The contribution of features [k, k + 8 ROWS) ([ROWS, BN] words: feature
-    k + 8 r + i in nibble i of row r) to the program's BN outputs. Plain 2-D
-    tiles throughout: no reshapes, so no layout conversions."""
+    k + 8 r + i in nibble i of row r) to the program's BN outputs, still per row
+    ([ROWS, BN]: the rows are summed once, after the last step). `x_ptrs` [ROWS]:
+    x + 8 r. Plain 2-D tiles throughout: no reshapes, so no layout conversions."""
     acc = tl.zeros([ROWS, BN], dtype=tl.float32)
     x_sum = tl.zeros([ROWS], dtype=tl.float32)
     for i in tl.static_range(8):
-        kk = k + offs_r * 8 + i
-        xi = tl.load(x_ptr + kk, mask=kk < K, other=0.0).to(tl.float32)
-        q = _nibbles(words, i)
+        if EVEN:
+            xi = tl.load(x_ptrs + (k + i)).to(tl.float32)
+        else:
+            kk = k + tl.arange(0, ROWS) * 8 + i
+            xi = tl.load(x_ptrs + (k + i), mask=kk < K, other=0.0).to(tl.float32)
+        f = _nibbles_1024(words, i)
         if ACT_ORDER:  # each feature's own group
+            kk = k + tl.arange(0, ROWS) * 8 + i
             g = tl.load(g_ptr + kk, mask=kk < K, other=0)
             s = tl.load(s_ptr + g[:, None] * stride_s + cols[None, :]).to(tl.float32)
             z = tl.load(z_ptr + g[:, None] * stride_z + cols[None, :]).to(tl.float32)
-            acc += (q - z) * s * xi[:, None]
+            acc += (f - (z + 1024.0)) * s * xi[:, None]
         else:
-            acc += q * xi[:, None]
+            acc += f * xi[:, None]
             x_sum += xi
     if ACT_ORDER:
-        return tl.sum(acc, axis=0)
-    # One group: y += s (sum_k q x - z sum_k x), the scale and zero once per column.
-    # (Past K the sums are 0: any group's scale will do.)
+        return acc
+    # One group: s (sum_k (1024 + q) x - (1024 + z) sum_k x), the scale and zero once
+    # per column. (Past K the sums are 0: any group's scale will do.)
     g = tl.minimum(k // GROUP, NUM_GROUPS - 1)
     s = tl.load(s_ptr + g * stride_s + cols).to(tl.float32)
     z = tl.load(z_ptr + g * stride_z + cols).to(tl.float32)
-    return s * (tl.sum(acc, axis=0) - z * tl.sum(x_sum, axis=0))
+    return s[None, :] * acc - (s * (z + 1024.0))[None, :] * x_sum[:, None]
 
 
 @triton.jit
-def _gemv_step(acc, first, k0, qw_ptrs, x_ptr, z_ptr, s_ptr, g_ptr, offs_r, cols, K,
+def _gemv_step(acc, first, k0, qw_ptrs, x_ptrs, z_ptr, s_ptr, g_ptr, offs_r, cols, K,
                NUM_GROUPS, stride_qw, stride_z, stride_s, BN: tl.constexpr, ROWS: tl.constexpr,
                GROUP: tl.constexpr, SUB_STEPS: tl.constexpr, ACT_ORDER: tl.constexpr,
-               FIRST: tl.constexpr):
+               FIRST: tl.constexpr, EVEN: tl.constexpr):
     """SUB_STEPS sub-steps from feature k0 (their loads independent, so in flight
     together); with FIRST the first sub-step's words are `first`, loaded earlier."""
     word_rows = K // 8
@@ -228,13 +247,22 @@ def _gemv_step(acc, first, k0, qw_ptrs, x_ptr, z_ptr, s_ptr, g_ptr, offs_r, cols
         k = k0 + j * 8 * ROWS
         if FIRST and j == 0:
             words = first
+        elif EVEN:
+            words = tl.load(qw_ptrs + (k // 8) * stride_qw, eviction_policy="evict_first")
         else:
             words = tl.load(qw_ptrs + (k // 8) * stride_qw,
                             mask=(k // 8 + offs_r)[:, None] < word_rows, other=0,
                             eviction_policy="evict_first")
-        acc += _gemv_sub_step(words, x_ptr, z_ptr, s_ptr, g_ptr, k, offs_r, cols, K,
-                              NUM_GROUPS, stride_z, stride_s, BN, ROWS, GROUP, ACT_ORDER)
+        acc += _gemv_sub_step(words, x_ptrs, z_ptr, s_ptr, g_ptr, k, cols, K,
+                              NUM_GROUPS, stride_z, stride_s, BN, ROWS, GROUP, ACT_ORDER, EVEN)
     return acc
+
+
+@triton.jit
+def _first_words(ptrs, ok, EVEN: tl.constexpr):
+    if EVEN:
+        return tl.load(ptrs, eviction_policy="evict_first")
+    return tl.load(ptrs, mask=ok, other=0, eviction_policy="evict_first")
 
 
 @triton.jit
@@ -243,6 +271,7 @@ def _int4_gemv_kernel(x_ptr, qw_ptr, z_ptr, s_ptr, g_ptr, b_ptr, y_ptr, ws_ptr, 
                       BN: tl.constexpr, ROWS: tl.constexpr, GROUP: tl.constexpr,
                       SUB_STEPS: tl.constexpr, ACT_ORDER: tl.constexpr,
                       HAS_BIAS: tl.constexpr, SILU_MUL: tl.constexpr, PARTIAL: tl.constexpr,
+                      EVEN: tl.constexpr,
                       PDL: tl.constexpr):
     """Program (column block, K split): features [k_lo, min(K, k_lo + K_SPLIT)) of
     BN columns; the whole output (PARTIAL False) or fp32 partial sums into row
@@ -250,38 +279,42 @@ def _int4_gemv_kernel(x_ptr, qw_ptr, z_ptr, s_ptr, g_ptr, b_ptr, y_ptr, ws_ptr, 
     offs_n = tl.program_id(0) * BN + tl.arange(0, BN)
     k_lo = tl.program_id(1) * K_SPLIT
     k_hi = tl.minimum(K, k_lo + K_SPLIT)
-    cols = tl.minimum(offs_n, N - 1)  # clamped: loads need no column mask
+    # EVEN: N a multiple of BN and K of the step, so no load needs a mask or a clamp
+    # (and unclamped columns let the word loads be vectors).
+    cols = offs_n if EVEN else tl.minimum(offs_n, N - 1)  # clamped: no column mask
     cols_up = cols + N  # SILU_MUL: the up columns, N right of the gate columns
     offs_r = tl.arange(0, ROWS)
     qw_ptrs = qw_ptr + offs_r[:, None].to(tl.int64) * stride_qw + cols[None, :]
     up_ptrs = qw_ptrs + N
+    x_ptrs = x_ptr + offs_r * 8
     # The first words before the PDL wait: weights are constant.
     first_ok = (k_lo // 8 + offs_r)[:, None] < K // 8
-    first = tl.load(qw_ptrs + (k_lo // 8) * stride_qw, mask=first_ok, other=0,
-                    eviction_policy="evict_first")
+    first = _first_words(qw_ptrs + (k_lo // 8) * stride_qw, first_ok, EVEN)
     first_up = first
     if SILU_MUL:
-        first_up = tl.load(up_ptrs + (k_lo // 8) * stride_qw, mask=first_ok, other=0,
-                           eviction_policy="evict_first")
+        first_up = _first_words(up_ptrs + (k_lo // 8) * stride_qw, first_ok, EVEN)
     pdl_wait(PDL)
     pdl_trigger(PDL)
     STEP: tl.constexpr = 8 * ROWS * SUB_STEPS
-    acc = _gemv_step(tl.zeros([BN], dtype=tl.float32), first, k_lo, qw_ptrs, x_ptr, z_ptr,
+    acc = _gemv_step(tl.zeros([ROWS, BN], dtype=tl.float32), first, k_lo, qw_ptrs, x_ptrs, z_ptr,
                      s_ptr, g_ptr, offs_r, cols, K, NUM_GROUPS, stride_qw, stride_z, stride_s,
-                     BN, ROWS, GROUP, SUB_STEPS, ACT_ORDER, True)
+                     BN, ROWS, GROUP, SUB_STEPS, ACT_ORDER, True, EVEN)
     acc_up = acc
     if SILU_MUL:
-        acc_up = _gemv_step(tl.zeros([BN], dtype=tl.float32), first_up, k_lo, up_ptrs, x_ptr,
+        acc_up = _gemv_step(tl.zeros([ROWS, BN], dtype=tl.float32), first_up, k_lo, up_ptrs, x_ptrs,
                             z_ptr, s_ptr, g_ptr, offs_r, cols_up, K, NUM_GROUPS, stride_qw,
-                            stride_z, stride_s, BN, ROWS, GROUP, SUB_STEPS, ACT_ORDER, True)
+                            stride_z, stride_s, BN, ROWS, GROUP, SUB_STEPS, ACT_ORDER, True, EVEN)
     for k0 in range(k_lo + STEP, k_hi, STEP):
-        acc = _gemv_step(acc, first, k0, qw_ptrs, x_ptr, z_ptr, s_ptr, g_ptr, offs_r, cols, K,
+        acc = _gemv_step(acc, first, k0, qw_ptrs, x_ptrs, z_ptr, s_ptr, g_ptr, offs_r, cols, K,
                          NUM_GROUPS, stride_qw, stride_z, stride_s, BN, ROWS, GROUP, SUB_STEPS,
-                         ACT_ORDER, False)
+                         ACT_ORDER, False, EVEN)
         if SILU_MUL:
-            acc_up = _gemv_step(acc_up, first_up, k0, up_ptrs, x_ptr, z_ptr, s_ptr, g_ptr,
+            acc_up = _gemv_step(acc_up, first_up, k0, up_ptrs, x_ptrs, z_ptr, s_ptr, g_ptr,
                                 offs_r, cols_up, K, NUM_GROUPS, stride_qw, stride_z, stride_s,
-                                BN, ROWS, GROUP, SUB_STEPS, ACT_ORDER, False)
+                                BN, ROWS, GROUP, SUB_STEPS, ACT_ORDER, False, EVEN)
+    acc = tl.sum(acc, axis=0)  # the rows, once
+    if SILU_MUL:
+        acc_up = tl.sum(acc_up, axis=0)
     if PARTIAL:
         ws_row = ws_ptr + tl.program_id(1) * stride_ws
         tl.store(ws_row + offs_n, acc, mask=offs_n < N)
