@@ -53,7 +53,7 @@ class GemvConfig(NamedTuple):
     bn: int  # weight rows per program
     bk: int  # features per loop step
     warps: int
-    stages: int
+    stages: int  # "fma": 2 loads its tiles in pairs (its loop is not pipelined)
 
 
 class GemmConfig(NamedTuple):
@@ -158,6 +158,8 @@ def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, block_
     grid = (triton.cdiv(n, cfg.bn),)
     if cfg.kernel == "fma":
         assert m == 1
+        # stages > 1: tiles loaded in pairs (the loop is not pipelined: no dot)
+        common.update(num_stages=1, PAIRS=cfg.stages > 1)
         _fp8_gemv_fma_kernel[grid](x, weight, scales, b, y, n, k, weight.stride(0), stride_s,
                                    **common)
     else:
@@ -288,10 +290,23 @@ def _block_scaled(xk, s_row_ptr, k, offs_k, K, BLOCK_K: tl.constexpr):
 
 
 @triton.jit
+def _fma_tile(acc, acc_up, w, wu, x_ptr, s_row, s_row_up, k, offs_k, K, BLOCK_K: tl.constexpr,
+              EVEN_K: tl.constexpr, SILU_MUL: tl.constexpr):
+    """acc (+ acc_up) += the weight tile(s) at k times x's features there, in fp32."""
+    xk = _load_x(x_ptr, k, offs_k, K, EVEN_K).to(tl.float32)
+    acc += w.to(tl.float32) * _block_scaled(xk, s_row, k, offs_k, K, BLOCK_K)[None, :]
+    if SILU_MUL:
+        acc_up += wu.to(tl.float32) * _block_scaled(xk, s_row_up, k, offs_k, K,
+                                                    BLOCK_K)[None, :]
+    return acc, acc_up
+
+
+@triton.jit
 def _fp8_gemv_fma_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, N, K, stride_wn, stride_sn,
                          BN: tl.constexpr, BK: tl.constexpr, BLOCK_K: tl.constexpr,
                          SCALE_ROWS: tl.constexpr, HAS_BIAS: tl.constexpr,
-                         EVEN_K: tl.constexpr, SILU_MUL: tl.constexpr, PDL: tl.constexpr):
+                         EVEN_K: tl.constexpr, SILU_MUL: tl.constexpr, PAIRS: tl.constexpr,
+                         PDL: tl.constexpr):
     pid = tl.program_id(0)
     offs_n = pid * BN + tl.arange(0, BN)
     rows = tl.minimum(offs_n, N - 1).to(tl.int64)  # clamped: loads need no row mask
@@ -305,19 +320,31 @@ def _fp8_gemv_fma_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, N, K, stride_wn, str
     w, wu = _load_w(w_ptrs, up_ptrs, 0, offs_k, K, EVEN_K, SILU_MUL)
     pdl_wait(PDL)
     pdl_trigger(PDL)
-    xk = _load_x(x_ptr, 0, offs_k, K, EVEN_K).to(tl.float32)
-    acc = w.to(tl.float32) * _block_scaled(xk, s_row, 0, offs_k, K, BLOCK_K)[None, :]
-    if SILU_MUL:
-        acc_up = wu.to(tl.float32) * _block_scaled(xk, s_row_up, 0, offs_k, K, BLOCK_K)[None, :]
+    acc = tl.zeros([BN, BK], dtype=tl.float32)
+    acc_up = acc
+    acc, acc_up = _fma_tile(acc, acc_up, w, wu, x_ptr, s_row, s_row_up, 0, offs_k, K, BLOCK_K,
+                            EVEN_K, SILU_MUL)
+    if PAIRS:
+        # Two tiles' loads issued before either is used: twice the bytes in flight a
+        # program, without a wider fp32 accumulator (Triton does not pipeline this
+        # loop: no dot consumes the loads).
+        for k in range(BK, K - BK, 2 * BK):
+            w, wu = _load_w(w_ptrs, up_ptrs, k, offs_k, K, EVEN_K, SILU_MUL)
+            w2, wu2 = _load_w(w_ptrs, up_ptrs, k + BK, offs_k, K, EVEN_K, SILU_MUL)
+            acc, acc_up = _fma_tile(acc, acc_up, w, wu, x_ptr, s_row, s_row_up, k, offs_k, K,
+                                    BLOCK_K, EVEN_K, SILU_MUL)
+            acc, acc_up = _fma_tile(acc, acc_up, w2, wu2, x_ptr, s_row, s_row_up, k + BK,
+                                    offs_k, K, BLOCK_K, EVEN_K, SILU_MUL)
+        if tl.cdiv(K, BK) % 2 == 0:  # the last tile, left over by the pairs
+            k = K - (K - 1) % BK - 1
+            w, wu = _load_w(w_ptrs, up_ptrs, k, offs_k, K, EVEN_K, SILU_MUL)
+            acc, acc_up = _fma_tile(acc, acc_up, w, wu, x_ptr, s_row, s_row_up, k, offs_k, K,
+                                    BLOCK_K, EVEN_K, SILU_MUL)
     else:
-        acc_up = acc
-    for k in range(BK, K, BK):
-        w, wu = _load_w(w_ptrs, up_ptrs, k, offs_k, K, EVEN_K, SILU_MUL)
-        xk = _load_x(x_ptr, k, offs_k, K, EVEN_K).to(tl.float32)
-        acc += w.to(tl.float32) * _block_scaled(xk, s_row, k, offs_k, K, BLOCK_K)[None, :]
-        if SILU_MUL:
-            acc_up += wu.to(tl.float32) * _block_scaled(xk, s_row_up, k, offs_k, K,
-                                                        BLOCK_K)[None, :]
+        for k in range(BK, K, BK):
+            w, wu = _load_w(w_ptrs, up_ptrs, k, offs_k, K, EVEN_K, SILU_MUL)
+            acc, acc_up = _fma_tile(acc, acc_up, w, wu, x_ptr, s_row, s_row_up, k, offs_k, K,
+                                    BLOCK_K, EVEN_K, SILU_MUL)
     y = tl.sum(acc, axis=1)
     y_up = tl.sum(acc_up, axis=1)
     if not BLOCK_K:
