@@ -69,8 +69,10 @@ def pick_gemv_config(m: int, n: int, k: int, block_k: int) -> GemvConfig:
     """bf16's `pick_config` at the same bytes per step (twice the features: one
     byte each; 4 warps, so the [4, 2048] fp32 products stay in 64 registers a
     thread); the tensor-core variant steps one scale block at a time."""
-    if m == 1:  # (8, 1024) over (4, 2048): 2.45-3.41 TB/s on o, gate_up, down (H200 sweep)
-        return GemvConfig("fma", 8, 1024, 4, 1)
+    if m == 1:  # H200 sweep of Llama-8B's shapes (benchmarks/quant_kernels.py --sweep):
+        # wide layers (qkv, gate_up) 2.68 / 3.47 TB/s with 512-feature tiles in pairs,
+        # square and long-K ones (o, down) 2.50 / 3.46 with single 1024-feature tiles
+        return GemvConfig("fma", 8, 512, 4, 2) if n > k else GemvConfig("fma", 8, 1024, 4, 1)
     bk = block_k or 256
     if n <= 4096:
         return GemvConfig("mma", 32 if k > 2048 else 64, bk, 4, 6)
