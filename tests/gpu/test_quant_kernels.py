@@ -278,6 +278,38 @@ def test_int4_gemv_split_k(case, act_order, split):
                                    rtol=2e-2, atol=2e-2)
 
 
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("split", [1, 4])
+def test_int4_gemv_packed_halves(dtype, split):
+    """The packed-halves GEMV (`Int4Config.packed`, inline PTX: CUDA only): products
+    and 4-term sums rounded to x's dtype, so the error is bounded by a few of its
+    roundings of the products' magnitudes (|x| @ |W|^T), where a wrong nibble, zero
+    or pairing would be off by the products themselves; the fused SiLU too."""
+    n, k, group = 256, 2048, 128
+    w = int4_weight(n, k, group, False, seed=31)
+    x = randn(1, k, seed=32, dtype=dtype)
+    bias = randn(n, seed=33, dtype=dtype)
+    cfg = T.Int4Config(1, 64, 256, 4, 3, split, packed=True)
+    out = T.int4_gemv(x, w.qweight, w.zeros, w.scales, w.group, w.g_idx, bias, config=cfg)
+    wd = w.dequantize().double()
+    ref = x.double() @ wd.T + bias.double()
+    eps = 2.0 ** -8 if dtype == torch.bfloat16 else 2.0 ** -11
+    mag = x.double().abs() @ wd.abs().T
+    err = (out.double() - ref).abs()
+    assert (err <= eps * ref.abs() + 3 * eps * mag).all(), f"max {(err / mag).max():.3g}"
+    fp32 = T.int4_gemv(x, w.qweight, w.zeros, w.scales, w.group, w.g_idx, bias,
+                       config=cfg._replace(packed=False))
+    print(f"packed {dtype}: max |err| / mag {(err / mag).max():.2e}, fp32 path "
+          f"{((fp32.double() - ref).abs() / mag).max():.2e}")
+    fused = T.int4_gemv(x, w.qweight, w.zeros, w.scales, w.group, w.g_idx, config=cfg,
+                        silu_mul=True)
+    plain = T.int4_gemv(x, w.qweight, w.zeros, w.scales, w.group, w.g_idx, config=cfg)
+    gate, up = plain.float().split(n // 2, -1)
+    torch.testing.assert_close(fused.float(), torch.nn.functional.silu(gate) * up,
+                               rtol=2e-2, atol=2e-2)
+
+
 def test_int4_out_buffer_and_awq_repacking():
     """An AWQ checkpoint's qweight repacked at load gives the same products as the
     GPTQ-packed words of the same values."""

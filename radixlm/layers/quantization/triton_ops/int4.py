@@ -34,6 +34,7 @@ configs from fixed heuristics (no autotune).
 
 from __future__ import annotations
 
+import os
 from typing import NamedTuple
 
 import torch
@@ -45,6 +46,7 @@ from radixlm.layers.gemv import _silu_mul
 from radixlm.layers.pdl import pdl_trigger, pdl_wait
 
 MAX_SUB_STEPS = 4
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # no inline PTX there
 
 
 class Int4Config(NamedTuple):
@@ -54,6 +56,7 @@ class Int4Config(NamedTuple):
     warps: int
     stages: int
     split: int = 1  # GEMV: programs along K (their partial sums added by a second launch)
+    packed: bool = False  # GEMV: products in packed halves of x's dtype (`_PACKED_ASM`)
 
 
 def _pow2_divisor(n: int, cap: int) -> int:
@@ -67,8 +70,8 @@ def pick_gemv_config(n: int, k: int, group: int) -> Int4Config:
     """64 columns (256 contiguous bytes a word row) and K split 8 ways: the best of
     13 tiles on every Llama-8B shape in an H200 sweep (`benchmarks/quant_kernels.py
     --sweep`: 1.2-2.9x the unsplit 16-32 columns, which left too few words in
-    flight per SM for o and down)."""
-    return Int4Config(1, 64, 256, 4, 3, 8)
+    flight per SM for o and down); products in packed halves where the shape allows."""
+    return Int4Config(1, 64, 256, 4, 3, 8, packed=True)
 
 
 def pick_gemm_config(m: int, n: int, group: int) -> Int4Config:
@@ -130,6 +133,9 @@ def int4_gemv(x: torch.Tensor, qweight: torch.Tensor, zeros: torch.Tensor,
     # Each split a run of whole steps (so of whole groups' sub-steps); no empty split.
     k_split = triton.cdiv(triton.cdiv(k, cfg.split), step) * step
     split = triton.cdiv(k, k_split)
+    even = n % cfg.bn == 0 and k % step == 0
+    packed = cfg.packed and even and g_idx is None and not INTERPRET
+    assert not packed or x.dtype in (torch.bfloat16, torch.float16)
     y = _out(x, n, out)
     dummy = scales
     ws = y if split == 1 else torch.empty((split, 2 * n if silu_mul else n),
@@ -140,7 +146,7 @@ def int4_gemv(x: torch.Tensor, qweight: torch.Tensor, zeros: torch.Tensor,
         qweight.stride(0), zeros.stride(0), scales.stride(0), ws.stride(0), BN=cfg.bn,
         ROWS=rows, GROUP=group, SUB_STEPS=sub_steps, ACT_ORDER=g_idx is not None,
         HAS_BIAS=bias is not None, SILU_MUL=silu_mul, PARTIAL=split > 1,
-        EVEN=n % cfg.bn == 0 and k % step == 0,
+        EVEN=even, PACKED=packed, BF16=x.dtype == torch.bfloat16,
         num_warps=cfg.warps, num_stages=cfg.stages, **pdl.launch_args())
     if split > 1:
         _int4_split_sum_kernel[(triton.cdiv(n, 256),)](
@@ -199,6 +205,70 @@ def _nibbles_1024(words, i: tl.constexpr):
     return ((q & 0x1E000) | 0x44800000).to(tl.float32, bitcast=True)
 
 
+# One word's 8 products in packed halves (PACKED): nibble pairs (i, i + 4) masked out
+# two at a time and OR-ed into the units of 128.0 (bf16) / 1024.0 (fp16), the zero
+# point subtracted (exact), then multiplied by x's matching pair and summed in the
+# halves; the two lanes added in fp32. $1 the word, $2 the zero pair, $3-$6 x pairs.
+_PACKED_ASM = """{{
+.reg .b32 t0, t1, t2, t3, w, p;
+.reg .b16 lo, hi;
+.reg .f32 a, b;
+lop3.b32 t0, $1, 0x000F000F, {magic}, 0xEA;
+shr.u32 w, $1, 4;
+lop3.b32 t1, w, 0x000F000F, {magic}, 0xEA;
+shr.u32 w, $1, 8;
+lop3.b32 t2, w, 0x000F000F, {magic}, 0xEA;
+shr.u32 w, $1, 12;
+lop3.b32 t3, w, 0x000F000F, {magic}, 0xEA;
+sub.rn.{t}x2 t0, t0, $2;
+sub.rn.{t}x2 t1, t1, $2;
+sub.rn.{t}x2 t2, t2, $2;
+sub.rn.{t}x2 t3, t3, $2;
+mul.rn.{t}x2 p, t0, $3;
+fma.rn.{t}x2 p, t1, $4, p;
+fma.rn.{t}x2 p, t2, $5, p;
+fma.rn.{t}x2 p, t3, $6, p;
+mov.b32 {{lo, hi}}, p;
+cvt.f32.{t} a, lo;
+cvt.f32.{t} b, hi;
+add.f32 $0, a, b;
+}}"""
+PACKED_BF16_ASM = tl.constexpr(_PACKED_ASM.format(magic="0x43004300", t="bf16"))
+PACKED_FP16_ASM = tl.constexpr(_PACKED_ASM.format(magic="0x64006400", t="f16"))
+
+
+@triton.jit
+def _half_pair(lo, hi):
+    """Two 16-bit floats as one 32-bit word (lo in the low half)."""
+    lo = lo.to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+    hi = hi.to(tl.int16, bitcast=True).to(tl.int32)
+    return lo | (hi << 16)
+
+
+@triton.jit
+def _gemv_sub_step_packed(words, x_ptrs, z_ptr, s_ptr, k, cols, NUM_GROUPS, stride_z,
+                          stride_s, GROUP: tl.constexpr, BF16: tl.constexpr):
+    """`_gemv_sub_step` (one group, even shapes) on packed halves: per word 4 shifts,
+    4 LOP3, 4 subtractions and 4 multiply-adds for its 8 weights, in x's dtype
+    (products and 4-term sums rounded there), the word's sum then scaled in fp32."""
+    g = tl.minimum(k // GROUP, NUM_GROUPS - 1)
+    s = tl.load(s_ptr + g * stride_s + cols).to(tl.float32)
+    z = tl.load(z_ptr + g * stride_z + cols).to(tl.int32)
+    zz = (z | (0x4300 if BF16 else 0x6400)) * 0x10001  # (magic + z) in both halves
+    x0 = _half_pair(tl.load(x_ptrs + k), tl.load(x_ptrs + (k + 4)))
+    x1 = _half_pair(tl.load(x_ptrs + (k + 1)), tl.load(x_ptrs + (k + 5)))
+    x2 = _half_pair(tl.load(x_ptrs + (k + 2)), tl.load(x_ptrs + (k + 6)))
+    x3 = _half_pair(tl.load(x_ptrs + (k + 3)), tl.load(x_ptrs + (k + 7)))
+    args = [words, zz[None, :], x0[:, None], x1[:, None], x2[:, None], x3[:, None]]
+    if BF16:
+        word = tl.inline_asm_elementwise(PACKED_BF16_ASM, "=f,r,r,r,r,r,r", args,
+                                         dtype=tl.float32, is_pure=True, pack=1)
+    else:
+        word = tl.inline_asm_elementwise(PACKED_FP16_ASM, "=f,r,r,r,r,r,r", args,
+                                         dtype=tl.float32, is_pure=True, pack=1)
+    return word * s[None, :]
+
+
 @triton.jit
 def _gemv_sub_step(words, x_ptrs, z_ptr, s_ptr, g_ptr, k, cols, K, NUM_GROUPS,
                    stride_z, stride_s, BN: tl.constexpr, ROWS: tl.constexpr,
@@ -239,7 +309,8 @@ def _gemv_sub_step(words, x_ptrs, z_ptr, s_ptr, g_ptr, k, cols, K, NUM_GROUPS,
 def _gemv_step(acc, first, k0, qw_ptrs, x_ptrs, z_ptr, s_ptr, g_ptr, offs_r, cols, K,
                NUM_GROUPS, stride_qw, stride_z, stride_s, BN: tl.constexpr, ROWS: tl.constexpr,
                GROUP: tl.constexpr, SUB_STEPS: tl.constexpr, ACT_ORDER: tl.constexpr,
-               FIRST: tl.constexpr, EVEN: tl.constexpr):
+               FIRST: tl.constexpr, EVEN: tl.constexpr, PACKED: tl.constexpr,
+               BF16: tl.constexpr):
     """SUB_STEPS sub-steps from feature k0 (their loads independent, so in flight
     together); with FIRST the first sub-step's words are `first`, loaded earlier."""
     word_rows = K // 8
@@ -253,8 +324,12 @@ def _gemv_step(acc, first, k0, qw_ptrs, x_ptrs, z_ptr, s_ptr, g_ptr, offs_r, col
             words = tl.load(qw_ptrs + (k // 8) * stride_qw,
                             mask=(k // 8 + offs_r)[:, None] < word_rows, other=0,
                             eviction_policy="evict_first")
-        acc += _gemv_sub_step(words, x_ptrs, z_ptr, s_ptr, g_ptr, k, cols, K,
-                              NUM_GROUPS, stride_z, stride_s, BN, ROWS, GROUP, ACT_ORDER, EVEN)
+        if PACKED:
+            acc += _gemv_sub_step_packed(words, x_ptrs, z_ptr, s_ptr, k, cols, NUM_GROUPS,
+                                         stride_z, stride_s, GROUP, BF16)
+        else:
+            acc += _gemv_sub_step(words, x_ptrs, z_ptr, s_ptr, g_ptr, k, cols, K, NUM_GROUPS,
+                                  stride_z, stride_s, BN, ROWS, GROUP, ACT_ORDER, EVEN)
     return acc
 
 
@@ -271,7 +346,7 @@ def _int4_gemv_kernel(x_ptr, qw_ptr, z_ptr, s_ptr, g_ptr, b_ptr, y_ptr, ws_ptr, 
                       BN: tl.constexpr, ROWS: tl.constexpr, GROUP: tl.constexpr,
                       SUB_STEPS: tl.constexpr, ACT_ORDER: tl.constexpr,
                       HAS_BIAS: tl.constexpr, SILU_MUL: tl.constexpr, PARTIAL: tl.constexpr,
-                      EVEN: tl.constexpr,
+                      EVEN: tl.constexpr, PACKED: tl.constexpr, BF16: tl.constexpr,
                       PDL: tl.constexpr):
     """Program (column block, K split): features [k_lo, min(K, k_lo + K_SPLIT)) of
     BN columns; the whole output (PARTIAL False) or fp32 partial sums into row
@@ -298,20 +373,21 @@ def _int4_gemv_kernel(x_ptr, qw_ptr, z_ptr, s_ptr, g_ptr, b_ptr, y_ptr, ws_ptr, 
     STEP: tl.constexpr = 8 * ROWS * SUB_STEPS
     acc = _gemv_step(tl.zeros([ROWS, BN], dtype=tl.float32), first, k_lo, qw_ptrs, x_ptrs, z_ptr,
                      s_ptr, g_ptr, offs_r, cols, K, NUM_GROUPS, stride_qw, stride_z, stride_s,
-                     BN, ROWS, GROUP, SUB_STEPS, ACT_ORDER, True, EVEN)
+                     BN, ROWS, GROUP, SUB_STEPS, ACT_ORDER, True, EVEN, PACKED, BF16)
     acc_up = acc
     if SILU_MUL:
-        acc_up = _gemv_step(tl.zeros([ROWS, BN], dtype=tl.float32), first_up, k_lo, up_ptrs, x_ptrs,
-                            z_ptr, s_ptr, g_ptr, offs_r, cols_up, K, NUM_GROUPS, stride_qw,
-                            stride_z, stride_s, BN, ROWS, GROUP, SUB_STEPS, ACT_ORDER, True, EVEN)
+        acc_up = _gemv_step(tl.zeros([ROWS, BN], dtype=tl.float32), first_up, k_lo, up_ptrs,
+                            x_ptrs, z_ptr, s_ptr, g_ptr, offs_r, cols_up, K, NUM_GROUPS,
+                            stride_qw, stride_z, stride_s, BN, ROWS, GROUP, SUB_STEPS, ACT_ORDER,
+                            True, EVEN, PACKED, BF16)
     for k0 in range(k_lo + STEP, k_hi, STEP):
         acc = _gemv_step(acc, first, k0, qw_ptrs, x_ptrs, z_ptr, s_ptr, g_ptr, offs_r, cols, K,
                          NUM_GROUPS, stride_qw, stride_z, stride_s, BN, ROWS, GROUP, SUB_STEPS,
-                         ACT_ORDER, False, EVEN)
+                         ACT_ORDER, False, EVEN, PACKED, BF16)
         if SILU_MUL:
             acc_up = _gemv_step(acc_up, first_up, k0, up_ptrs, x_ptrs, z_ptr, s_ptr, g_ptr,
                                 offs_r, cols_up, K, NUM_GROUPS, stride_qw, stride_z, stride_s,
-                                BN, ROWS, GROUP, SUB_STEPS, ACT_ORDER, False, EVEN)
+                                BN, ROWS, GROUP, SUB_STEPS, ACT_ORDER, False, EVEN, PACKED, BF16)
     acc = tl.sum(acc, axis=0)  # the rows, once
     if SILU_MUL:
         acc_up = tl.sum(acc_up, axis=0)
