@@ -142,16 +142,17 @@ def _gate_up_kernel(x_ptr, w_ptr, s_ptr, ids_ptr, act_ptr, E, N, K,
     up_ptrs = w_base + (rows + N)[:, None] * stride_wn
     x_ptrs = x_ptr + (pair // TOP_K) * K + offs_k
     dtype = x_ptr.dtype.element_ty
-    gate = tl.zeros([BN], dtype=tl.float32)
-    up = tl.zeros([BN], dtype=tl.float32)
+    # [BN, BK] accumulators, reduced once after the loop: the loop is loads and FMAs.
+    gate = tl.zeros([BN, BK], dtype=tl.float32)
+    up = tl.zeros([BN, BK], dtype=tl.float32)
     for k0 in range(0, K, BK):
         k_in = k0 + offs_k < K
         xk = _load_k(x_ptrs, k0, k_in, EVEN_K).to(tl.float32)[None, :]
         # Converted to x's dtype first, as the aligned path's tl.dot operands are.
-        wg = _load_k(gate_ptrs, k0, k_in[None, :], EVEN_K).to(dtype).to(tl.float32)
-        wu = _load_k(up_ptrs, k0, k_in[None, :], EVEN_K).to(dtype).to(tl.float32)
-        gate += tl.sum(wg * xk, axis=1)
-        up += tl.sum(wu * xk, axis=1)
+        gate += _load_k(gate_ptrs, k0, k_in[None, :], EVEN_K).to(dtype).to(tl.float32) * xk
+        up += _load_k(up_ptrs, k0, k_in[None, :], EVEN_K).to(dtype).to(tl.float32) * xk
+    gate = tl.sum(gate, axis=1)
+    up = tl.sum(up, axis=1)
     if SCALE == 1:
         s_base = s_ptr + expert.to(tl.int64) * stride_se
         gate = gate * tl.load(s_base + rows)
@@ -180,12 +181,12 @@ def _down_kernel(act_ptr, w_ptr, s_ptr, ids_ptr, topk_w_ptr, out_ptr, E, N, K,
             w_ptrs = (w_ptr + expert.to(tl.int64) * stride_we + rows[:, None] * stride_wn
                       + offs_k[None, :])
             a_ptrs = act_ptr + pair * K + offs_k
-            y = tl.zeros([BN], dtype=tl.float32)
+            part = tl.zeros([BN, BK], dtype=tl.float32)
             for k0 in range(0, K, BK):
                 k_in = k0 + offs_k < K
                 a = _load_k(a_ptrs, k0, k_in, EVEN_K).to(tl.float32)[None, :]
-                w = _load_k(w_ptrs, k0, k_in[None, :], EVEN_K).to(dtype).to(tl.float32)
-                y += tl.sum(w * a, axis=1)
+                part += _load_k(w_ptrs, k0, k_in[None, :], EVEN_K).to(dtype).to(tl.float32) * a
+            y = tl.sum(part, axis=1)
             if SCALE == 1:
                 y = y * tl.load(s_ptr + expert.to(tl.int64) * stride_se + rows)
             # Each pair's weighted row is rounded, as the aligned path stores it.
