@@ -503,8 +503,9 @@ def test_direct_strided_weights():
 
 @needs_kernels
 def test_direct_auto_choice(monkeypatch):
-    """Auto takes the direct path up to DIRECT_MAX_PAIRS pairs, and not with block
-    scales or an unfused activation; zero tokens launch nothing."""
+    """Auto takes the direct path up to DIRECT_MAX_PAIRS pairs (and E / 4, or one
+    token), and not with block scales or an unfused activation; zero tokens launch
+    nothing."""
     from radixlm.layers.moe.triton_ops import fused_moe
 
     calls = []
@@ -515,7 +516,7 @@ def test_direct_auto_choice(monkeypatch):
 
     real = fused_moe.moe_gemv
     monkeypatch.setattr(fused_moe, "moe_gemv", spy)
-    x, w13, w2, tw, ti = _direct_inputs(9, 8, 2, 64, 32, torch.float32, "random", seed=26)
+    x, w13, w2, tw, ti = _direct_inputs(9, 64, 2, 64, 32, torch.float32, "random", seed=26)
     fused_moe.fused_experts(x[:8], w13, w2, tw[:8], ti[:8])  # 16 pairs
     fused_moe.fused_experts(x, w13, w2, tw, ti)  # 18 pairs: aligned
     fused_moe.fused_experts(x[:2], w13, w2, tw[:2], ti[:2], fuse_activation=False)
@@ -526,6 +527,12 @@ def test_direct_auto_choice(monkeypatch):
     monkeypatch.setattr(fused_moe, "DIRECT_MAX_PAIRS", 2)
     fused_moe.fused_experts(x[:2], w13, w2, tw[:2], ti[:2])
     assert calls == [8, 9]
+    # 8 experts: only one token's pairs (2 > 8 // 4 pairs would share experts).
+    x8, w13, w2, tw, ti = _direct_inputs(2, 8, 2, 64, 32, torch.float32, "random", seed=30)
+    monkeypatch.setattr(fused_moe, "DIRECT_MAX_PAIRS", 16)
+    fused_moe.fused_experts(x8, w13, w2, tw, ti)
+    fused_moe.fused_experts(x8[:1], w13, w2, tw[:1], ti[:1])
+    assert calls == [8, 9, 1]
 
 
 @needs_kernels

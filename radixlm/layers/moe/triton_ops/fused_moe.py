@@ -12,7 +12,8 @@ The aligned path:
 3. Grouped GEMM down, each row multiplied by its routing weight, written per pair.
 4. The sum over top-k (`moe_sum.py`), which also drops pairs with id -1.
 
-The direct path (`moe_gemv.py`), taken when T * k <= DIRECT_MAX_PAIRS: a GEMV per
+The direct path (`moe_gemv.py`), taken when T * k <= DIRECT_MAX_PAIRS and at most
+E / 4 (or T = 1; few experts are shared by tokens, and each pair reads its own): a GEMV per
 pair for gate/up with act-and-mul fused, then a GEMV per token for down that sums
 its k weighted rows itself; no alignment (which pads one token to BLOCK_M rows per
 expert), no sum kernel. Same rounding points, so both paths agree closely (not
@@ -67,8 +68,8 @@ ACTIVATIONS = tuple(ACT_CODES)  # silu, gelu (erf), gelu_tanh: act(gate) * up
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 # Tokens per pass: bounds the workspaces ([rows, I] and [T * k, H]) at long prefills.
 CHUNK_TOKENS = 16384
-# Auto picks the direct path up to this many (token, expert) pairs: Qwen3-30B-A3B's
-# decode at 1-2 tokens (top-8), Mixtral's at up to 8 (top-2).
+# Auto picks the direct path up to this many (token, expert) pairs (and E / 4):
+# Qwen3-30B-A3B's and OLMoE's decode at 1-2 tokens (top-8), Mixtral's at 1.
 DIRECT_MAX_PAIRS = 16
 
 
@@ -81,7 +82,8 @@ def fused_experts(hidden_states: torch.Tensor, w13: torch.Tensor, w2: torch.Tens
                   fuse_activation: bool = True, direct: bool | None = None) -> torch.Tensor:
     """The routed experts' sum for every token (see the module docstring).
 
-    `direct`: None picks the direct path where T * k <= DIRECT_MAX_PAIRS and it can
+    `direct`: None picks the direct path where T * k <= min(DIRECT_MAX_PAIRS, max(k,
+    E // 4)) and it can
     compute the call (no block scales, fused activation); True forces it (refusing
     what it cannot compute); False forces the aligned path. On the aligned path
     `config` (else `table`, else the committed table, else the heuristic) picks the
@@ -92,7 +94,8 @@ def fused_experts(hidden_states: torch.Tensor, w13: torch.Tensor, w2: torch.Tens
     t, h = hidden_states.shape
     if out is None:
         out = torch.empty_like(hidden_states)
-    if _use_direct(direct, topk_ids.numel(), block_shape, fuse_activation):
+    if _use_direct(direct, topk_ids.numel(), topk_ids.shape[1], w13.shape[0], block_shape,
+                   fuse_activation):
         if t:
             moe_gemv(hidden_states, w13, w2, topk_weights, topk_ids, out, activation,
                      w13_scale, w2_scale)
@@ -107,8 +110,8 @@ def fused_experts(hidden_states: torch.Tensor, w13: torch.Tensor, w2: torch.Tens
     return out
 
 
-def _use_direct(direct: bool | None, pairs: int, block_shape: Sequence[int] | None,
-                fuse_activation: bool) -> bool:
+def _use_direct(direct: bool | None, pairs: int, top_k: int, num_experts: int,
+                block_shape: Sequence[int] | None, fuse_activation: bool) -> bool:
     """Whether the call takes the direct path; `direct=True` refuses, by name, what
     that path does not compute."""
     if direct is False:
@@ -121,7 +124,11 @@ def _use_direct(direct: bool | None, pairs: int, block_shape: Sequence[int] | No
     if direct and unsupported:
         raise ValueError(f"fused_experts: direct=True does not support "
                          f"{' or '.join(unsupported)}: pass direct=None or False")
-    return bool(direct) or (not unsupported and pairs <= DIRECT_MAX_PAIRS)
+    # Each pair reads its expert's weights itself, where the aligned path reads an
+    # expert once for all its tokens: with few experts (Mixtral's 8) tokens share
+    # them and the direct path lost on an H200 (T = 4, top-2: 505 vs 473 us).
+    few_pairs = pairs <= min(DIRECT_MAX_PAIRS, max(top_k, num_experts // 4))
+    return bool(direct) or (not unsupported and few_pairs)
 
 
 def _check_inputs(x, w13, w2, topk_weights, topk_ids, activation, out, w13_scale, w2_scale,
