@@ -1,10 +1,13 @@
 """Our fused MoE (`fused_experts`) vs a per-expert loop of cuBLAS GEMMs, on a GPU.
 
 Per shape (Qwen3-30B-A3B, Mixtral-8x7B, OLMoE-1B-7B: one MoE layer, dummy bf16
-weights) and token count: our time, the time of our kernels with SiLU-and-mul as
-its own kernel ("unfused"), the peer's time, the ratio peer / ours, and at every
-T the bytes of the experts the tokens selected divided by our time, beside the
-copy rate measured in the same run (a decode step is bound by those bytes).
+weights) and token count: the aligned path's time (align, two grouped GEMMs, sum),
+the direct path's (two GEMVs, `moe_gemv.py`; at T <= DIRECT_MAX_T only) and their
+ratio, which `fused_experts` auto picks ("auto"), the time of the aligned kernels
+with SiLU-and-mul as its own kernel ("unfused"), the peer's time, the ratio
+peer / ours (ours: auto's pick), and at every T the bytes of the experts the
+tokens selected divided by our time, beside the copy rate measured in the same
+run (a decode step is bound by those bytes).
 
 The peer is what a model without fused kernels runs: for each expert that has
 tokens, gather them, `x @ w13[e].T` (cuBLAS), SiLU-and-mul in torch, `@ w2[e].T`
@@ -15,7 +18,7 @@ back to back, each on its own routing (different experts at small T, so the L2
 holds no weights between calls), replayed REPS times; min / median / max of the
 replays, per call.
 
-    python benchmarks/fused_moe.py                        # all shapes, T = 1 64 512 4096
+    python benchmarks/fused_moe.py                        # all shapes, T = 1 2 4 8 16 64 512 4096
     python benchmarks/fused_moe.py --configs tuned.json   # configs from a tuning run
 
 The table is printed and, with --out (default $OUT/fused_moe.txt when $OUT is
@@ -34,14 +37,15 @@ import torch
 import torch.nn.functional as F
 
 from radixlm.layers.moe.triton_ops.configs import ConfigTable, get_config
-from radixlm.layers.moe.triton_ops.fused_moe import fused_experts
+from radixlm.layers.moe.triton_ops.fused_moe import DIRECT_MAX_PAIRS, fused_experts
 
 SHAPES = {  # name: (experts, hidden, moe intermediate, top_k)
     "qwen3-30b-a3b": (128, 2048, 768, 8),
     "mixtral-8x7b": (8, 4096, 14336, 2),
     "olmoe-1b-7b": (64, 2048, 1024, 8),
 }
-TOKENS = (1, 64, 512, 4096)
+TOKENS = (1, 2, 4, 8, 16, 64, 512, 4096)
+DIRECT_MAX_T = 16  # the direct path is timed up to here, whatever auto picks
 GROUP = 8  # calls per graph, each with its own routing
 REPS = 5
 NOMINAL_COPY = 4.2e12  # the H200's copy rate, bytes/s, for reference
@@ -134,24 +138,34 @@ def bench_case(name: str, t: int, layer, table: ConfigTable | None, gen) -> dict
     peer_outs = [torch.empty_like(x) for _ in routings]
     groups = [expert_groups(w, ids, e) for w, ids in routings]
 
-    def ours(fuse: bool) -> list[Callable[[], object]]:
+    def ours(fuse: bool, direct: bool) -> list[Callable[[], object]]:
         return [lambda r=r, o=o: fused_experts(x, w13, w2, r[0], r[1], out=o, table=table,
-                                               fuse_activation=fuse)
+                                               fuse_activation=fuse, direct=direct)
                 for r, o in zip(routings, outs)]
 
-    t_ours = time_graph(ours(True))
-    err = ((outs[0].double() - peer_layer(x, w13, w2, groups[0], peer_outs[0]).double()).norm()
-           / peer_outs[0].double().norm()).item()
-    t_unfused = time_graph(ours(False))
+    peer = peer_layer(x, w13, w2, groups[0], peer_outs[0]).double()
+    t_aligned = time_graph(ours(True, False))
+    err = {"aligned": rel_err(outs[0], peer)}
+    t_direct = None
+    if t <= DIRECT_MAX_T:
+        t_direct = time_graph(ours(True, True))
+        err["direct"] = rel_err(outs[0], peer)
+    t_unfused = time_graph(ours(False, False))
     t_peer = time_graph([lambda g=g, o=o: peer_layer(x, w13, w2, g, o)
                          for g, o in zip(groups, peer_outs)])
     cfg = get_config(t, e, h, inter, k, DT, DEV, table)
-    return dict(ours=t_ours, unfused=t_unfused, peer=t_peer, err=err,
+    auto = "direct" if t * k <= min(DIRECT_MAX_PAIRS, max(k, e // 4)) else "aligned"
+    return dict(aligned=t_aligned, direct=t_direct, unfused=t_unfused, peer=t_peer, auto=auto,
+                ours=t_direct if auto == "direct" else t_aligned, err=max(err.values()),
                 bytes=selected_bytes(routings, h, inter), block_m=cfg.block_m)
 
 
-def fmt_times(ts: tuple[float, float, float]) -> str:
-    return "/".join(f"{v * 1e6:.1f}" for v in ts)
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((out.double() - ref).norm() / ref.norm()).item()
+
+
+def fmt_times(ts: tuple[float, float, float] | None) -> str:
+    return "-" if ts is None else "/".join(f"{v * 1e6:.1f}" for v in ts)
 
 
 def main() -> None:
@@ -175,9 +189,10 @@ def main() -> None:
          f"configs: {args.configs or 'committed table'}; 1 GiB copy {copy / 1e9:.0f} GB/s "
          f"(nominal {NOMINAL_COPY / 1e12:.1f} TB/s)")
     emit(f"times: us per call, min/median/max of {REPS} graph replays of {GROUP} calls")
-    emit(f"{'shape':<14} {'T':>5} {'BM':>3} | {'ours':>20} {'unfused':>20} "
-         f"{'peer (cuBLAS loop)':>22} | {'peer/ours':>9} {'unf/ours':>8} | {'sel. GB':>7} "
-         f"{'GB/s':>6} {'%copy':>6} {'%4.2T':>6} | {'rel err':>8}")
+    emit(f"{'shape':<14} {'T':>5} {'BM':>3} | {'aligned':>20} {'direct':>20} {'al/dir':>6} "
+         f"{'auto':>7} | {'unfused':>20} {'peer (cuBLAS loop)':>22} | {'peer/ours':>9} "
+         f"{'unf/al':>6} | {'sel. GB':>7} {'GB/s':>6} {'%copy':>6} {'%4.2T':>6} | "
+         f"{'rel err':>8}")
     t0 = time.perf_counter()
     for name in args.shapes:
         e, h, inter, _ = SHAPES[name]
@@ -186,9 +201,11 @@ def main() -> None:
             r = bench_case(name, t, layer, table, gen)
             med = r["ours"][1]
             bw = r["bytes"] / med
-            emit(f"{name:<14} {t:>5} {r['block_m']:>3} | {fmt_times(r['ours']):>20} "
+            ratio = f"{r['aligned'][1] / r['direct'][1]:.2f}" if r["direct"] else "-"
+            emit(f"{name:<14} {t:>5} {r['block_m']:>3} | {fmt_times(r['aligned']):>20} "
+                 f"{fmt_times(r['direct']):>20} {ratio:>6} {r['auto']:>7} | "
                  f"{fmt_times(r['unfused']):>20} {fmt_times(r['peer']):>22} | "
-                 f"{r['peer'][1] / med:>9.2f} {r['unfused'][1] / med:>8.2f} | "
+                 f"{r['peer'][1] / med:>9.2f} {r['unfused'][1] / r['aligned'][1]:>6.2f} | "
                  f"{r['bytes'] / 1e9:>7.3f} {bw / 1e9:>6.0f} {100 * bw / copy:>5.0f}% "
                  f"{100 * bw / NOMINAL_COPY:>5.0f}% | {r['err']:>8.1e}")
         del layer

@@ -82,8 +82,10 @@ class Tuner:
     def time(self, cfg: MoEConfig) -> float:
         """Median seconds per call, inf where the config does not compile."""
         self.timings += 1
+        # direct=False: the configs are the aligned path's; auto would time the direct
+        # path at decode sizes, which takes no config.
         fns = [lambda r=r, o=o: fused_experts(self.x, self.w13, self.w2, r[0], r[1], out=o,
-                                              config=cfg)
+                                              config=cfg, direct=False)
                for r, o in zip(self.routings, self.outs)]
         try:
             return bench.time_graph(fns)[1]

@@ -187,7 +187,7 @@ else:
 @pytest.mark.parametrize("e,k,h,inter", SHAPES)
 @pytest.mark.parametrize("t", TOKENS)
 def test_fused_experts_random(t, e, k, h, inter, dtype):
-    err = run_case(t, e, k, h, inter, dtype, "random", seed=t + e)
+    err = run_case(t, e, k, h, inter, dtype, "random", seed=t + e, direct=False)
     assert err < TOL[dtype], err
 
 
@@ -199,12 +199,13 @@ def test_fused_experts_uneven_routing(t, e, k, kind):
     """All tokens on one expert, empty experts, and pairs of other ranks (-1)."""
     dtype = DTYPES[0] if INTERPRET else torch.bfloat16
     err = run_case(t, e, k, 64 if INTERPRET else 256, 48 if INTERPRET else 320, dtype, kind,
-                   seed=7 * t + k)
+                   seed=7 * t + k, direct=False)
     assert err < TOL[dtype], err
 
 
 @needs_kernels
-def test_unselected_experts_are_not_read():
+@pytest.mark.parametrize("direct", [False, True], ids=["aligned", "direct"])
+def test_unselected_experts_are_not_read(direct):
     """NaN in every expert no token selected (and in the rows of -1 pairs' experts'
     neighbours) leaves the output finite and right: only routed experts contribute."""
     from radixlm.layers.moe.triton_ops.fused_moe import fused_experts
@@ -219,7 +220,7 @@ def test_unselected_experts_are_not_read():
     unused[topk_ids[topk_ids >= 0].long().cpu()] = False
     w13[unused.to(DEV)] = float("nan")
     w2[unused.to(DEV)] = float("nan")
-    out = fused_experts(x, w13, w2, topk_weights, topk_ids)
+    out = fused_experts(x, w13, w2, topk_weights, topk_ids, direct=direct)
     assert torch.isfinite(out).all()
     assert rel_err(out, ref_experts(x, w13, w2, topk_weights, topk_ids)) < TOL[torch.float32]
 
@@ -236,7 +237,8 @@ def test_gelu_activations(activation, fuse):
 
 
 @needs_kernels
-def test_out_and_unfused_variant():
+@pytest.mark.parametrize("direct", [False, True], ids=["aligned", "direct"])
+def test_out_and_unfused_variant(direct):
     """`out` is written and returned; the unfused gate/up + SiLU kernel agrees."""
     from radixlm.layers.moe.triton_ops.fused_moe import fused_experts
 
@@ -247,7 +249,7 @@ def test_out_and_unfused_variant():
     topk_weights, topk_ids = make_routing(t, e, k, "ep", gen)
     ref = ref_experts(x, w13, w2, topk_weights, topk_ids)
     out = torch.full((t, h), float("nan"), device=DEV)
-    assert fused_experts(x, w13, w2, topk_weights, topk_ids, out=out) is out
+    assert fused_experts(x, w13, w2, topk_weights, topk_ids, out=out, direct=direct) is out
     assert rel_err(out, ref) < TOL[torch.float32]
     unfused = fused_experts(x, w13, w2, topk_weights, topk_ids, fuse_activation=False)
     assert rel_err(unfused, ref) < TOL[torch.float32]
@@ -374,6 +376,196 @@ def test_cuda_graph_replay():
     topk_weights, topk_ids = make_routing(t, e, k, "random", gen)
     out = torch.empty_like(x)
     graph, _ = capture_graph(lambda: fused_experts(x, w13, w2, topk_weights, topk_ids, out=out))
+    for kind in ("random", "ep", "one", "half"):
+        new_w, new_ids = make_routing(t, e, k, kind, gen)
+        x.copy_(torch.randn(t, h, generator=gen).to(dtype))
+        topk_weights.copy_(new_w)
+        topk_ids.copy_(new_ids)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert rel_err(out, ref_experts(x, w13, w2, topk_weights, topk_ids)) < TOL[dtype], kind
+
+
+# ---- the direct small-batch path (`moe_gemv.py`) -----------------------------------
+# Selected by `-k direct`; tests/test_moe_gemv_triton.py runs them under the
+# interpreter in CPU CI.
+
+if INTERPRET:
+    DIRECT_SHAPES = [(8, 1, 80, 48), (8, 2, 64, 48), (128, 8, 64, 32)]  # (E, k, H, I)
+    DIRECT_TOKENS = [1, 2, 8]
+else:
+    DIRECT_SHAPES = [(8, 1, 256, 192), (8, 2, 512, 320), (128, 8, 384, 192),
+                     (128, 8, 2048, 768)]
+    DIRECT_TOKENS = [1, 2, 3, 5, 8]
+
+
+def _direct_inputs(t: int, e: int, k: int, h: int, inter: int, dtype: torch.dtype,
+                   kind: str, seed: int):
+    gen = torch.Generator().manual_seed(seed)
+    _, w13, w2 = make_weights(e, h, inter, dtype, gen)
+    x = torch.randn(t, h, generator=gen).to(dtype).to(DEV)
+    return x, w13, w2, *make_routing(t, e, k, kind, gen)
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("e,k,h,inter", DIRECT_SHAPES)
+@pytest.mark.parametrize("t", DIRECT_TOKENS)
+def test_direct_random(t, e, k, h, inter, dtype):
+    """Against the float64 loop, about a third of the pairs -1 (ragged H and I:
+    masked K steps and clamped rows)."""
+    err = run_case(t, e, k, h, inter, dtype, "ep", seed=3 * t + e, direct=True)
+    assert err < TOL[dtype], err
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_direct_matches_aligned(dtype):
+    """Both paths round at the same points: they differ only by the K sums' order,
+    far less than either's distance to the float64 reference."""
+    from radixlm.layers.moe.triton_ops.fused_moe import fused_experts
+
+    t, e, k, h, inter = (4, 8, 2, 64, 48) if INTERPRET else (2, 128, 8, 2048, 768)
+    x, w13, w2, tw, ti = _direct_inputs(t, e, k, h, inter, dtype, "random", seed=21)
+    direct = fused_experts(x, w13, w2, tw, ti, direct=True)
+    aligned = fused_experts(x, w13, w2, tw, ti, direct=False)
+    assert rel_err(direct, aligned.double()) < TOL[dtype] / 8
+    assert rel_err(direct, ref_experts(x, w13, w2, tw, ti)) < TOL[dtype]
+
+
+@needs_kernels
+def test_direct_shared_and_remote_experts():
+    """One expert chosen by several tokens (in different slots), an id of -1 and one
+    past E in the same token, and a token whose pairs are all elsewhere (its row is
+    exactly zero); NaN in every expert not chosen shows none is read."""
+    from radixlm.layers.moe.triton_ops.fused_moe import fused_experts
+
+    e, h, inter = 8, 64, 48
+    x, w13, w2, tw, _ = _direct_inputs(4, e, 3, h, inter, torch.float32, "random", seed=22)
+    ti = torch.tensor([[3, -1, 5], [5, 3, e], [-1, -1, -1], [3, 6, 5]], dtype=torch.int32,
+                      device=DEV)
+    unused = torch.ones(e, dtype=torch.bool)
+    unused[[3, 5, 6]] = False
+    w13[unused.to(DEV)] = float("nan")
+    w2[unused.to(DEV)] = float("nan")
+    out = fused_experts(x, w13, w2, tw, ti, direct=True)
+    assert torch.isfinite(out).all() and torch.equal(out[2], torch.zeros_like(out[2]))
+    assert rel_err(out, ref_experts(x, w13, w2, tw, ti)) < TOL[torch.float32]
+
+
+@needs_kernels
+@pytest.mark.parametrize("activation", ["gelu", "gelu_tanh"])
+def test_direct_gelu_activations(activation):
+    dtype = DTYPES[-1] if INTERPRET else torch.bfloat16
+    err = run_case(5, 8, 2, 64, 48, dtype, "ep", seed=23, activation=activation, direct=True)
+    assert err < TOL[dtype], err
+
+
+@needs_kernels
+def test_direct_scaled_weights():
+    """Per-channel weight scales (the FP8 path) against the dequantized weights, as
+    test_scaled_weights: fp16 weights under fp32 activations test the scale math,
+    float8_e4m3fn under fp16 (and bf16 on CUDA) the conversion."""
+    from radixlm.layers.moe.triton_ops.fused_moe import fused_experts
+
+    gen = torch.Generator().manual_seed(24)
+    pairs = [(torch.float16, torch.float32, 1e-4), (torch.float8_e4m3fn, torch.float16, 3e-3)]
+    if HAS_CUDA:
+        pairs.append((torch.float8_e4m3fn, torch.bfloat16, 1.5e-2))
+    for wdt, adt, tol in pairs:
+        w13, w2, s13, s2, d13, d2 = _fp8_case(None, wdt, adt, gen)
+        x = torch.randn(5, w13.shape[2], generator=gen).to(adt).to(DEV)
+        topk_weights, topk_ids = make_routing(5, 8, 2, "ep", gen)
+        out = fused_experts(x, w13, w2, topk_weights, topk_ids, w13_scale=s13.contiguous(),
+                            w2_scale=s2.contiguous(), direct=True)
+        assert rel_err(out, ref_experts(x, d13, d2, topk_weights, topk_ids)) < tol, (wdt, adt)
+        scaled = fused_experts(x, w13, w2, topk_weights, topk_ids, w13_scale=2 * s13,
+                               w2_scale=s2.contiguous(), direct=True)
+        # Doubling the gate/up scales moves every output: the scales are read.
+        assert (scaled.float() - out.float()).abs().max() > 0.1 * out.float().abs().max()
+
+
+@needs_kernels
+def test_direct_strided_weights():
+    """Rows and experts strided (as the online FP8 stacks are), K contiguous."""
+    from radixlm.layers.moe.triton_ops.fused_moe import fused_experts
+
+    x, w13, w2, tw, ti = _direct_inputs(3, 8, 2, 64, 48, torch.float32, "ep", seed=25)
+    wide13 = torch.full((8, 96, 80), float("nan"), device=DEV)
+    wide2 = torch.full((8, 64, 56), float("nan"), device=DEV)
+    wide13[:, :, :64] = w13
+    wide2[:, :, :48] = w2
+    s13, s2 = wide13[:, :, :64], wide2[:, :, :48]
+    assert not s13.is_contiguous() and not s2.is_contiguous()
+    out = fused_experts(x, s13, s2, tw, ti, direct=True)
+    assert rel_err(out, ref_experts(x, w13, w2, tw, ti)) < TOL[torch.float32]
+
+
+@needs_kernels
+def test_direct_auto_choice(monkeypatch):
+    """Auto takes the direct path up to DIRECT_MAX_PAIRS pairs (and E / 4, or one
+    token), and not with block scales or an unfused activation; zero tokens launch
+    nothing."""
+    from radixlm.layers.moe.triton_ops import fused_moe
+
+    calls = []
+
+    def spy(*args, **kwargs):
+        calls.append(args[0].shape[0])
+        return real(*args, **kwargs)
+
+    real = fused_moe.moe_gemv
+    monkeypatch.setattr(fused_moe, "moe_gemv", spy)
+    x, w13, w2, tw, ti = _direct_inputs(9, 64, 2, 64, 32, torch.float32, "random", seed=26)
+    fused_moe.fused_experts(x[:8], w13, w2, tw[:8], ti[:8])  # 16 pairs
+    fused_moe.fused_experts(x, w13, w2, tw, ti)  # 18 pairs: aligned
+    fused_moe.fused_experts(x[:2], w13, w2, tw[:2], ti[:2], fuse_activation=False)
+    fused_moe.fused_experts(x[:2], w13, w2, tw[:2], ti[:2], direct=False)
+    fused_moe.fused_experts(x, w13, w2, tw, ti, direct=True)
+    empty = fused_moe.fused_experts(x[:0], w13, w2, tw[:0], ti[:0], direct=True)
+    assert calls == [8, 9] and empty.shape == (0, 64)
+    monkeypatch.setattr(fused_moe, "DIRECT_MAX_PAIRS", 2)
+    fused_moe.fused_experts(x[:2], w13, w2, tw[:2], ti[:2])
+    assert calls == [8, 9]
+    # 8 experts: only one token's pairs (2 > 8 // 4 pairs would share experts).
+    x8, w13, w2, tw, ti = _direct_inputs(2, 8, 2, 64, 32, torch.float32, "random", seed=30)
+    monkeypatch.setattr(fused_moe, "DIRECT_MAX_PAIRS", 16)
+    fused_moe.fused_experts(x8, w13, w2, tw, ti)
+    fused_moe.fused_experts(x8[:1], w13, w2, tw[:1], ti[:1])
+    assert calls == [8, 9, 1]
+
+
+@needs_kernels
+def test_direct_refusals():
+    from radixlm.layers.moe.triton_ops.fused_moe import fused_experts
+
+    gen = torch.Generator().manual_seed(27)
+    w13, w2, s13, s2, _, _ = _fp8_case((32, 32), torch.float16, torch.float32, gen)
+    x = torch.randn(2, w13.shape[2], generator=gen).to(DEV)
+    tw, ti = make_routing(2, 8, 2, "random", gen)
+    with pytest.raises(ValueError, match=r"direct=True does not support block_shape=\(32, 32\)"):
+        fused_experts(x, w13, w2, tw, ti, w13_scale=s13, w2_scale=s2, block_shape=(32, 32),
+                      direct=True)
+    with pytest.raises(ValueError, match="direct=True does not support fuse_activation=False"):
+        fused_experts(x, w13.float(), w2.float(), tw, ti, fuse_activation=False, direct=True)
+    # Auto routes block scales to the aligned path instead of refusing them.
+    out = fused_experts(x, w13, w2, tw, ti, w13_scale=s13, w2_scale=s2, block_shape=(32, 32))
+    assert torch.isfinite(out).all()
+
+
+@needs_cuda
+def test_direct_cuda_graph_replay():
+    """Auto's direct path captured at decode size (Qwen3-30B-A3B's layer shape),
+    replayed on new hidden states and routings: every replay matches the reference."""
+    from gpu_models import capture_graph
+
+    from radixlm.layers.moe.triton_ops.fused_moe import fused_experts
+
+    t, e, k, h, inter, dtype = 2, 128, 8, 2048, 768, torch.bfloat16
+    x, w13, w2, topk_weights, topk_ids = _direct_inputs(t, e, k, h, inter, dtype, "random", 28)
+    out = torch.empty_like(x)
+    graph, _ = capture_graph(lambda: fused_experts(x, w13, w2, topk_weights, topk_ids, out=out))
+    gen = torch.Generator().manual_seed(29)
     for kind in ("random", "ep", "one", "half"):
         new_w, new_ids = make_routing(t, e, k, kind, gen)
         x.copy_(torch.randn(t, h, generator=gen).to(dtype))

@@ -1,14 +1,23 @@
-"""`fused_experts`: a MoE layer's routed experts on the GPU in four launches.
+"""`fused_experts`: a MoE layer's routed experts on the GPU, in four launches (the
+aligned path) or, at a few tokens, two (the direct path).
 
     out[t] = sum_j topk_weights[t, j] * w2[e] @ (act(w13[e, :I] @ x_t) * (w13[e, I:] @ x_t)),
     e = topk_ids[t, j], act = SiLU (default), GELU (erf) or GELU-tanh
 
+The aligned path:
 1. `moe_align_block_size`: the (token, expert) pairs sorted by expert, each group
    padded to BLOCK_M rows (`moe_align.py`).
 2. Grouped GEMM gate/up with act-and-mul fused: each row block reads only its
    expert's weights, so a decode step reads just the selected experts.
 3. Grouped GEMM down, each row multiplied by its routing weight, written per pair.
 4. The sum over top-k (`moe_sum.py`), which also drops pairs with id -1.
+
+The direct path (`moe_gemv.py`), taken when T * k <= DIRECT_MAX_PAIRS and at most
+E / 4 (or T = 1; few experts are shared by tokens, and each pair reads its own): a GEMV per
+pair for gate/up with act-and-mul fused, then a GEMV per token for down that sums
+its k weighted rows itself; no alignment (which pads one token to BLOCK_M rows per
+expert), no sum kernel. Same rounding points, so both paths agree closely (not
+bitwise: the K sums run in another order). Block scales run on the aligned path.
 
 Contract:
 - hidden_states [T, H] contiguous, bf16 / fp16 / fp32; w13 [E, 2I, H] (gate rows
@@ -52,12 +61,16 @@ from radixlm.layers.moe.triton_ops.configs import (
 )
 from radixlm.layers.moe.triton_ops.grouped_gemm import ACT_CODES, moe_gemm_kernel
 from radixlm.layers.moe.triton_ops.moe_align import AlignedPairs, moe_align_block_size
+from radixlm.layers.moe.triton_ops.moe_gemv import moe_gemv
 from radixlm.layers.moe.triton_ops.moe_sum import moe_sum
 
 ACTIVATIONS = tuple(ACT_CODES)  # silu, gelu (erf), gelu_tanh: act(gate) * up
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 # Tokens per pass: bounds the workspaces ([rows, I] and [T * k, H]) at long prefills.
 CHUNK_TOKENS = 16384
+# Auto picks the direct path up to this many (token, expert) pairs (and E / 4):
+# Qwen3-30B-A3B's and OLMoE's decode at 1-2 tokens (top-8), Mixtral's at 1.
+DIRECT_MAX_PAIRS = 16
 
 
 def fused_experts(hidden_states: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
@@ -66,9 +79,13 @@ def fused_experts(hidden_states: torch.Tensor, w13: torch.Tensor, w2: torch.Tens
                   w13_scale: torch.Tensor | None = None, w2_scale: torch.Tensor | None = None,
                   block_shape: Sequence[int] | None = None, config: MoEConfig | None = None,
                   table: ConfigTable | None = None,
-                  fuse_activation: bool = True) -> torch.Tensor:
+                  fuse_activation: bool = True, direct: bool | None = None) -> torch.Tensor:
     """The routed experts' sum for every token (see the module docstring).
 
+    `direct`: None picks the direct path where T * k <= min(DIRECT_MAX_PAIRS, max(k,
+    E // 4)) and it can
+    compute the call (no block scales, fused activation); True forces it (refusing
+    what it cannot compute); False forces the aligned path. On the aligned path
     `config` (else `table`, else the committed table, else the heuristic) picks the
     tiles; `fuse_activation=False` runs gate/up as a plain grouped GEMM into
     [rows, 2I] and act-and-mul as its own kernel (the benchmark's comparison)."""
@@ -77,6 +94,12 @@ def fused_experts(hidden_states: torch.Tensor, w13: torch.Tensor, w2: torch.Tens
     t, h = hidden_states.shape
     if out is None:
         out = torch.empty_like(hidden_states)
+    if _use_direct(direct, topk_ids.numel(), topk_ids.shape[1], w13.shape[0], block_shape,
+                   fuse_activation):
+        if t:
+            moe_gemv(hidden_states, w13, w2, topk_weights, topk_ids, out, activation,
+                     w13_scale, w2_scale)
+        return out
     for lo in range(0, t, CHUNK_TOKENS):
         hi = min(t, lo + CHUNK_TOKENS)
         cfg = config or get_config(hi - lo, w13.shape[0], h, w2.shape[2], topk_ids.shape[1],
@@ -85,6 +108,27 @@ def fused_experts(hidden_states: torch.Tensor, w13: torch.Tensor, w2: torch.Tens
                      out[lo:hi], w13_scale, w2_scale, block_shape, cfg, activation,
                      fuse_activation)
     return out
+
+
+def _use_direct(direct: bool | None, pairs: int, top_k: int, num_experts: int,
+                block_shape: Sequence[int] | None, fuse_activation: bool) -> bool:
+    """Whether the call takes the direct path; `direct=True` refuses, by name, what
+    that path does not compute."""
+    if direct is False:
+        return False
+    unsupported = []
+    if block_shape is not None:
+        unsupported.append(f"block_shape={tuple(block_shape)} (block scales)")
+    if not fuse_activation:
+        unsupported.append("fuse_activation=False")
+    if direct and unsupported:
+        raise ValueError(f"fused_experts: direct=True does not support "
+                         f"{' or '.join(unsupported)}: pass direct=None or False")
+    # Each pair reads its expert's weights itself, where the aligned path reads an
+    # expert once for all its tokens: with few experts (Mixtral's 8) tokens share
+    # them and the direct path lost on an H200 (T = 4, top-2: 505 vs 473 us).
+    few_pairs = pairs <= min(DIRECT_MAX_PAIRS, max(top_k, num_experts // 4))
+    return bool(direct) or (not unsupported and few_pairs)
 
 
 def _check_inputs(x, w13, w2, topk_weights, topk_ids, activation, out, w13_scale, w2_scale,
