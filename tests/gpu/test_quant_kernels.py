@@ -246,7 +246,9 @@ def test_int4_products(case, m, act_order):
     bias = randn(n, seed=3, dtype=dtype)
     out = T.int4_linear(x, w.qweight, w.zeros, w.scales, w.group, w.g_idx, bias)
     ref = x.double() @ w.dequantize().double().T + bias.double()
-    if m == 1:
+    if m == 1 and T.gemv_packs(n, k, group, w.g_idx):  # products rounded to x's dtype
+        check_packed(out, ref, x, w, dtype)
+    elif m == 1:
         check(out, ref, dtype, k)
     else:  # the dequantized tile is rounded to x's dtype before the tensor cores
         eps = 2.0 ** -8 if dtype == torch.bfloat16 else 2.0 ** -11
@@ -278,6 +280,16 @@ def test_int4_gemv_split_k(case, act_order, split):
                                    rtol=2e-2, atol=2e-2)
 
 
+def check_packed(out, ref, x, w, dtype) -> torch.Tensor:
+    """Within one rounding of the output plus three of x's dtype of the products'
+    magnitudes |x| @ |W|^T (the packed GEMV rounds each product and 4-term sum)."""
+    eps = 2.0 ** -8 if dtype == torch.bfloat16 else 2.0 ** -11
+    mag = x.double().abs() @ w.dequantize().double().abs().T
+    err = (out.double() - ref).abs()
+    assert (err <= eps * ref.abs() + 3 * eps * mag).all(), f"max {(err / mag).max():.3g}"
+    return mag
+
+
 @needs_cuda
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("split", [1, 4])
@@ -291,17 +303,14 @@ def test_int4_gemv_packed_halves(dtype, split):
     x = randn(1, k, seed=32, dtype=dtype)
     bias = randn(n, seed=33, dtype=dtype)
     cfg = T.Int4Config(1, 64, 256, 4, 3, split, packed=True)
+    assert T.gemv_packs(n, k, group, None, cfg)
     out = T.int4_gemv(x, w.qweight, w.zeros, w.scales, w.group, w.g_idx, bias, config=cfg)
-    wd = w.dequantize().double()
-    ref = x.double() @ wd.T + bias.double()
-    eps = 2.0 ** -8 if dtype == torch.bfloat16 else 2.0 ** -11
-    mag = x.double().abs() @ wd.abs().T
-    err = (out.double() - ref).abs()
-    assert (err <= eps * ref.abs() + 3 * eps * mag).all(), f"max {(err / mag).max():.3g}"
+    ref = x.double() @ w.dequantize().double().T + bias.double()
+    mag = check_packed(out, ref, x, w, dtype)
     fp32 = T.int4_gemv(x, w.qweight, w.zeros, w.scales, w.group, w.g_idx, bias,
                        config=cfg._replace(packed=False))
-    print(f"packed {dtype}: max |err| / mag {(err / mag).max():.2e}, fp32 path "
-          f"{((fp32.double() - ref).abs() / mag).max():.2e}")
+    print(f"packed {dtype}: max |err| / mag {((out.double() - ref).abs() / mag).max():.2e}, "
+          f"fp32 path {((fp32.double() - ref).abs() / mag).max():.2e}")
     fused = T.int4_gemv(x, w.qweight, w.zeros, w.scales, w.group, w.g_idx, config=cfg,
                         silu_mul=True)
     plain = T.int4_gemv(x, w.qweight, w.zeros, w.scales, w.group, w.g_idx, config=cfg)

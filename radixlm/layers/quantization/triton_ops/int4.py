@@ -74,6 +74,19 @@ def pick_gemv_config(n: int, k: int, group: int) -> Int4Config:
     return Int4Config(1, 64, 256, 4, 3, 8, packed=True)
 
 
+def gemv_packs(n: int, k: int, group: int, g_idx: torch.Tensor | None,
+               config: Int4Config | None = None) -> bool:
+    """Whether `int4_gemv` (N: the columns its programs cover, half the layer's
+    with `silu_mul`) takes the packed halves: the config asks, no act-order, N
+    and K even for the tile (no masked loads), and not the interpreter (no
+    inline PTX there)."""
+    cfg = config or pick_gemv_config(n, k, group)
+    rows = _pow2_divisor(group // 8, 16) if g_idx is None else 16
+    step = 8 * rows * max(1, min(MAX_SUB_STEPS, cfg.bk // (8 * rows)))
+    return (cfg.packed and g_idx is None and not INTERPRET and n % cfg.bn == 0
+            and k % step == 0)
+
+
 def pick_gemm_config(m: int, n: int, group: int) -> Int4Config:
     if m <= 16:
         return Int4Config(16, 32 if n <= 8192 else 64, 128, 4, 3)
@@ -136,6 +149,7 @@ def int4_gemv(x: torch.Tensor, qweight: torch.Tensor, zeros: torch.Tensor,
     even = n % cfg.bn == 0 and k % step == 0
     packed = cfg.packed and even and g_idx is None and not INTERPRET
     assert not packed or x.dtype in (torch.bfloat16, torch.float16)
+    assert packed == gemv_packs(n, k, group, g_idx, config)
     y = _out(x, n, out)
     dummy = scales
     ws = y if split == 1 else torch.empty((split, 2 * n if silu_mul else n),
