@@ -12,9 +12,9 @@ The aligned path:
 3. Grouped GEMM down, each row multiplied by its routing weight, written per pair.
 4. The sum over top-k (`moe_sum.py`), which also drops pairs with id -1.
 
-The direct path (`moe_gemv.py`), taken when T * k <= DIRECT_MAX_PAIRS and at most
-E / 4 (or T = 1; few experts are shared by tokens, and each pair reads its own): a GEMV per
-pair for gate/up with act-and-mul fused, then a GEMV per token for down that sums
+The direct path (`moe_gemv.py`), taken when T * k <= DIRECT_MAX_PAIRS and <= E / 4
+(or T = 1: with few experts tokens share them, and each pair reads its own): a GEMV
+per pair for gate/up with act-and-mul fused, then a GEMV per token for down that sums
 its k weighted rows itself; no alignment (which pads one token to BLOCK_M rows per
 expert), no sum kernel. Same rounding points, so both paths agree closely (not
 bitwise: the K sums run in another order). Block scales run on the aligned path.
@@ -82,10 +82,10 @@ def fused_experts(hidden_states: torch.Tensor, w13: torch.Tensor, w2: torch.Tens
                   fuse_activation: bool = True, direct: bool | None = None) -> torch.Tensor:
     """The routed experts' sum for every token (see the module docstring).
 
-    `direct`: None picks the direct path where T * k <= min(DIRECT_MAX_PAIRS, max(k,
-    E // 4)) and it can
-    compute the call (no block scales, fused activation); True forces it (refusing
-    what it cannot compute); False forces the aligned path. On the aligned path
+    `direct`: None picks the direct path where T * k <= min(DIRECT_MAX_PAIRS,
+    max(k, E // 4)) and it can compute the call (no block scales, fused
+    activation); True forces it (refusing what it cannot compute); False forces
+    the aligned path. On the aligned path
     `config` (else `table`, else the committed table, else the heuristic) picks the
     tiles; `fuse_activation=False` runs gate/up as a plain grouped GEMM into
     [rows, 2I] and act-and-mul as its own kernel (the benchmark's comparison)."""

@@ -15,7 +15,7 @@ top-k in a fourth kernel; here each pair is its own row of work instead:
    and sums the pairs' weighted rows itself, so no [T * k, H] buffer is written.
 
 Numerics match the aligned path's rounding points (`grouped_gemm.py`,
-`moe_sum.py`): fp32 sums (FMA over [BN, BK] tiles, reduced each K step); a
+`moe_sum.py`): fp32 sums (FMA into [BN, BK] tiles, reduced once after K); a
 weight tile is converted to hidden's dtype before it multiplies (FP8 weights),
 the per-channel scale multiplies the row's sum; gate and up are rounded to
 hidden's dtype before act-and-mul and the product rounded again; each pair's
