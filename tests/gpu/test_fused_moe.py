@@ -297,11 +297,15 @@ def _fp8_case(block_shape, weight_dtype, act_dtype, gen):
 
 
 @needs_kernels
-@pytest.mark.parametrize("block_shape", [None, (32, 32), (64, 16)], ids=str)
-def test_scaled_weights(block_shape):
-    """Weight-only scales (the FP8 path): per channel and per block, against the
-    dequantized float64 weights. fp16 weights under fp32 activations test the scale
-    math exactly; float8_e4m3fn under fp16 the conversion."""
+@pytest.mark.parametrize("block_shape,direct", [(None, False), ((32, 32), False),
+                                                ((64, 16), False), (None, True)],
+                         ids=["aligned-channel", "aligned-32x32", "aligned-64x16",
+                              "direct-channel"])
+def test_scaled_weights(block_shape, direct):
+    """Weight-only scales (the FP8 path): per channel and per block on the aligned
+    path, per channel on the direct one, against the dequantized float64 weights.
+    fp16 weights under fp32 activations test the scale math exactly;
+    float8_e4m3fn under fp16 (and bf16 on CUDA) the conversion."""
     from radixlm.layers.moe.triton_ops.fused_moe import fused_experts
 
     gen = torch.Generator().manual_seed(8)
@@ -313,8 +317,12 @@ def test_scaled_weights(block_shape):
         x = torch.randn(10, w13.shape[2], generator=gen).to(adt).to(DEV)
         topk_weights, topk_ids = make_routing(10, 8, 2, "ep", gen)
         out = fused_experts(x, w13, w2, topk_weights, topk_ids, w13_scale=s13.contiguous(),
-                            w2_scale=s2.contiguous(), block_shape=block_shape)
+                            w2_scale=s2.contiguous(), block_shape=block_shape, direct=direct)
         assert rel_err(out, ref_experts(x, d13, d2, topk_weights, topk_ids)) < tol, (wdt, adt)
+        scaled = fused_experts(x, w13, w2, topk_weights, topk_ids, w13_scale=2 * s13,
+                               w2_scale=s2.contiguous(), block_shape=block_shape, direct=direct)
+        # Doubling the gate/up scales moves every output: the scales are read.
+        assert (scaled.float() - out.float()).abs().max() > 0.1 * out.float().abs().max()
 
 
 @needs_kernels
@@ -462,30 +470,6 @@ def test_direct_gelu_activations(activation):
 
 
 @needs_kernels
-def test_direct_scaled_weights():
-    """Per-channel weight scales (the FP8 path) against the dequantized weights, as
-    test_scaled_weights: fp16 weights under fp32 activations test the scale math,
-    float8_e4m3fn under fp16 (and bf16 on CUDA) the conversion."""
-    from radixlm.layers.moe.triton_ops.fused_moe import fused_experts
-
-    gen = torch.Generator().manual_seed(24)
-    pairs = [(torch.float16, torch.float32, 1e-4), (torch.float8_e4m3fn, torch.float16, 3e-3)]
-    if HAS_CUDA:
-        pairs.append((torch.float8_e4m3fn, torch.bfloat16, 1.5e-2))
-    for wdt, adt, tol in pairs:
-        w13, w2, s13, s2, d13, d2 = _fp8_case(None, wdt, adt, gen)
-        x = torch.randn(5, w13.shape[2], generator=gen).to(adt).to(DEV)
-        topk_weights, topk_ids = make_routing(5, 8, 2, "ep", gen)
-        out = fused_experts(x, w13, w2, topk_weights, topk_ids, w13_scale=s13.contiguous(),
-                            w2_scale=s2.contiguous(), direct=True)
-        assert rel_err(out, ref_experts(x, d13, d2, topk_weights, topk_ids)) < tol, (wdt, adt)
-        scaled = fused_experts(x, w13, w2, topk_weights, topk_ids, w13_scale=2 * s13,
-                               w2_scale=s2.contiguous(), direct=True)
-        # Doubling the gate/up scales moves every output: the scales are read.
-        assert (scaled.float() - out.float()).abs().max() > 0.1 * out.float().abs().max()
-
-
-@needs_kernels
 def test_direct_strided_weights():
     """Rows and experts strided (as the online FP8 stacks are), K contiguous."""
     from radixlm.layers.moe.triton_ops.fused_moe import fused_experts
@@ -516,6 +500,7 @@ def test_direct_auto_choice(monkeypatch):
 
     real = fused_moe.moe_gemv
     monkeypatch.setattr(fused_moe, "moe_gemv", spy)
+    monkeypatch.setattr(fused_moe, "DIRECT_MAX_PAIRS", 16)  # the tuned value (0: opt-in)
     x, w13, w2, tw, ti = _direct_inputs(9, 64, 2, 64, 32, torch.float32, "random", seed=26)
     fused_moe.fused_experts(x[:8], w13, w2, tw[:8], ti[:8])  # 16 pairs
     fused_moe.fused_experts(x, w13, w2, tw, ti)  # 18 pairs: aligned

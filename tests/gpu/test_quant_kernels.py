@@ -272,12 +272,17 @@ def test_int4_gemv_split_k(case, act_order, split):
     out = T.int4_gemv(x, w.qweight, w.zeros, w.scales, w.group, w.g_idx, bias, config=cfg)
     check(out, x.double() @ w.dequantize().double().T + bias.double(), dtype, k)
     if n % 2 == 0:
-        fused = T.int4_gemv(x, w.qweight, w.zeros, w.scales, w.group, w.g_idx, config=cfg,
-                            silu_mul=True)
-        plain = T.int4_gemv(x, w.qweight, w.zeros, w.scales, w.group, w.g_idx, config=cfg)
-        gate, up = plain.float().split(n // 2, -1)
-        torch.testing.assert_close(fused.float(), torch.nn.functional.silu(gate) * up,
-                                   rtol=2e-2, atol=2e-2)
+        check_int4_silu_mul(x, w, cfg)
+
+
+def check_int4_silu_mul(x, w, cfg) -> None:
+    """The GEMV's fused SiLU-and-mul on a merged [gate; up] equals the plain product's."""
+    fused = T.int4_gemv(x, w.qweight, w.zeros, w.scales, w.group, w.g_idx, config=cfg,
+                        silu_mul=True)
+    plain = T.int4_gemv(x, w.qweight, w.zeros, w.scales, w.group, w.g_idx, config=cfg)
+    gate, up = plain.float().split(plain.shape[-1] // 2, -1)
+    torch.testing.assert_close(fused.float(), torch.nn.functional.silu(gate) * up,
+                               rtol=2e-2, atol=2e-2)
 
 
 def check_packed(out, ref, x, w, dtype) -> torch.Tensor:
@@ -311,12 +316,7 @@ def test_int4_gemv_packed_halves(dtype, split):
                        config=cfg._replace(packed=False))
     print(f"packed {dtype}: max |err| / mag {((out.double() - ref).abs() / mag).max():.2e}, "
           f"fp32 path {((fp32.double() - ref).abs() / mag).max():.2e}")
-    fused = T.int4_gemv(x, w.qweight, w.zeros, w.scales, w.group, w.g_idx, config=cfg,
-                        silu_mul=True)
-    plain = T.int4_gemv(x, w.qweight, w.zeros, w.scales, w.group, w.g_idx, config=cfg)
-    gate, up = plain.float().split(n // 2, -1)
-    torch.testing.assert_close(fused.float(), torch.nn.functional.silu(gate) * up,
-                               rtol=2e-2, atol=2e-2)
+    check_int4_silu_mul(x, w, cfg)
 
 
 def test_int4_out_buffer_and_awq_repacking():
