@@ -373,25 +373,33 @@ def test_refusals():
 def test_cuda_graph_replay():
     """Captured once, replayed on new hidden states and new routings (other experts,
     -1 pairs, all on one expert): every replay matches the reference, no host sync."""
-    from gpu_models import capture_graph
-
-    from radixlm.layers.moe.triton_ops.fused_moe import fused_experts
-
     gen = torch.Generator().manual_seed(10)
     t, e, k, h, inter, dtype = 48, 64, 8, 256, 128, torch.bfloat16
     _, w13, w2 = make_weights(e, h, inter, dtype, gen)
     x = torch.randn(t, h, generator=gen).to(dtype).to(DEV)
     topk_weights, topk_ids = make_routing(t, e, k, "random", gen)
+    check_replays(x, w13, w2, topk_weights, topk_ids, gen)
+
+
+def check_replays(x, w13, w2, topk_weights, topk_ids, gen, **kwargs) -> None:
+    """`fused_experts(..., **kwargs)` captured in a CUDA graph, then replayed on new
+    hidden states and each routing kind: every replay matches the reference."""
+    from gpu_models import capture_graph
+
+    from radixlm.layers.moe.triton_ops.fused_moe import fused_experts
+
+    (t, h), (e, k) = x.shape, (w13.shape[0], topk_ids.shape[1])
     out = torch.empty_like(x)
-    graph, _ = capture_graph(lambda: fused_experts(x, w13, w2, topk_weights, topk_ids, out=out))
+    graph, _ = capture_graph(lambda: fused_experts(x, w13, w2, topk_weights, topk_ids,
+                                                   out=out, **kwargs))
     for kind in ("random", "ep", "one", "half"):
         new_w, new_ids = make_routing(t, e, k, kind, gen)
-        x.copy_(torch.randn(t, h, generator=gen).to(dtype))
+        x.copy_(torch.randn(t, h, generator=gen).to(x.dtype))
         topk_weights.copy_(new_w)
         topk_ids.copy_(new_ids)
         graph.replay()
         torch.cuda.synchronize()
-        assert rel_err(out, ref_experts(x, w13, w2, topk_weights, topk_ids)) < TOL[dtype], kind
+        assert rel_err(out, ref_experts(x, w13, w2, topk_weights, topk_ids)) < TOL[x.dtype], kind
 
 
 # ---- the direct small-batch path (`moe_gemv.py`) -----------------------------------
@@ -540,25 +548,12 @@ def test_direct_refusals():
 
 @needs_cuda
 def test_direct_cuda_graph_replay():
-    """Auto's direct path captured at decode size (Qwen3-30B-A3B's layer shape),
+    """The direct path captured at decode size (Qwen3-30B-A3B's layer shape),
     replayed on new hidden states and routings: every replay matches the reference."""
-    from gpu_models import capture_graph
-
-    from radixlm.layers.moe.triton_ops.fused_moe import fused_experts
-
     t, e, k, h, inter, dtype = 2, 128, 8, 2048, 768, torch.bfloat16
     x, w13, w2, topk_weights, topk_ids = _direct_inputs(t, e, k, h, inter, dtype, "random", 28)
-    out = torch.empty_like(x)
-    graph, _ = capture_graph(lambda: fused_experts(x, w13, w2, topk_weights, topk_ids, out=out))
-    gen = torch.Generator().manual_seed(29)
-    for kind in ("random", "ep", "one", "half"):
-        new_w, new_ids = make_routing(t, e, k, kind, gen)
-        x.copy_(torch.randn(t, h, generator=gen).to(dtype))
-        topk_weights.copy_(new_w)
-        topk_ids.copy_(new_ids)
-        graph.replay()
-        torch.cuda.synchronize()
-        assert rel_err(out, ref_experts(x, w13, w2, topk_weights, topk_ids)) < TOL[dtype], kind
+    check_replays(x, w13, w2, topk_weights, topk_ids, torch.Generator().manual_seed(29),
+                  direct=True)
 
 
 BENCH_SHAPES = {"qwen3-30b-a3b": (128, 2048, 768, 8), "mixtral-8x7b": (8, 4096, 14336, 2),
