@@ -148,9 +148,8 @@ def int4_gemv(x: torch.Tensor, qweight: torch.Tensor, zeros: torch.Tensor,
     k_split = triton.cdiv(triton.cdiv(k, cfg.split), step) * step
     split = triton.cdiv(k, k_split)
     even = n % cfg.bn == 0 and k % step == 0
-    packed = cfg.packed and even and g_idx is None and not INTERPRET
+    packed = gemv_packs(n, k, group, g_idx, cfg)
     assert not packed or x.dtype in (torch.bfloat16, torch.float16)
-    assert packed == gemv_packs(n, k, group, g_idx, config)
     y = _out(x, n, out)
     dummy = scales
     ws = y if split == 1 else torch.empty((split, 2 * n if silu_mul else n),
@@ -333,12 +332,9 @@ def _gemv_step(acc, first, k0, qw_ptrs, x_ptrs, z_ptr, s_ptr, g_ptr, offs_r, col
         k = k0 + j * 8 * ROWS
         if FIRST and j == 0:
             words = first
-        elif EVEN:
-            words = tl.load(qw_ptrs + (k // 8) * stride_qw, eviction_policy="evict_first")
         else:
-            words = tl.load(qw_ptrs + (k // 8) * stride_qw,
-                            mask=(k // 8 + offs_r)[:, None] < word_rows, other=0,
-                            eviction_policy="evict_first")
+            words = _load_words(qw_ptrs + (k // 8) * stride_qw,
+                                (k // 8 + offs_r)[:, None] < word_rows, EVEN)
         if PACKED:
             acc += _gemv_sub_step_packed(words, x_ptrs, z_ptr, s_ptr, k, cols, NUM_GROUPS,
                                          stride_z, stride_s, GROUP, BF16)
@@ -349,7 +345,8 @@ def _gemv_step(acc, first, k0, qw_ptrs, x_ptrs, z_ptr, s_ptr, g_ptr, offs_r, col
 
 
 @triton.jit
-def _first_words(ptrs, ok, EVEN: tl.constexpr):
+def _load_words(ptrs, ok, EVEN: tl.constexpr):
+    """A [ROWS, BN] tile of words, read once (rows past K masked unless EVEN)."""
     if EVEN:
         return tl.load(ptrs, eviction_policy="evict_first")
     return tl.load(ptrs, mask=ok, other=0, eviction_policy="evict_first")
@@ -379,10 +376,10 @@ def _int4_gemv_kernel(x_ptr, qw_ptr, z_ptr, s_ptr, g_ptr, b_ptr, y_ptr, ws_ptr, 
     x_ptrs = x_ptr + offs_r * 8
     # The first words before the PDL wait: weights are constant.
     first_ok = (k_lo // 8 + offs_r)[:, None] < K // 8
-    first = _first_words(qw_ptrs + (k_lo // 8) * stride_qw, first_ok, EVEN)
+    first = _load_words(qw_ptrs + (k_lo // 8) * stride_qw, first_ok, EVEN)
     first_up = first
     if SILU_MUL:
-        first_up = _first_words(up_ptrs + (k_lo // 8) * stride_qw, first_ok, EVEN)
+        first_up = _load_words(up_ptrs + (k_lo // 8) * stride_qw, first_ok, EVEN)
     pdl_wait(PDL)
     pdl_trigger(PDL)
     STEP: tl.constexpr = 8 * ROWS * SUB_STEPS
