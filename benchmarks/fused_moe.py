@@ -37,7 +37,7 @@ import torch
 import torch.nn.functional as F
 
 from radixlm.layers.moe.triton_ops.configs import ConfigTable, get_config
-from radixlm.layers.moe.triton_ops.fused_moe import DIRECT_MAX_PAIRS, fused_experts
+from radixlm.layers.moe.triton_ops.fused_moe import fused_experts, use_direct
 
 SHAPES = {  # name: (experts, hidden, moe intermediate, top_k)
     "qwen3-30b-a3b": (128, 2048, 768, 8),
@@ -154,7 +154,7 @@ def bench_case(name: str, t: int, layer, table: ConfigTable | None, gen) -> dict
     t_peer = time_graph([lambda g=g, o=o: peer_layer(x, w13, w2, g, o)
                          for g, o in zip(groups, peer_outs)])
     cfg = get_config(t, e, h, inter, k, DT, DEV, table)
-    auto = "direct" if t * k <= min(DIRECT_MAX_PAIRS, max(k, e // 4)) else "aligned"
+    auto = "direct" if use_direct(None, t * k, k, e, None, True) else "aligned"
     return dict(aligned=t_aligned, direct=t_direct, unfused=t_unfused, peer=t_peer, auto=auto,
                 ours=t_direct if auto == "direct" else t_aligned, err=max(err.values()),
                 bytes=selected_bytes(routings, h, inter), block_m=cfg.block_m)

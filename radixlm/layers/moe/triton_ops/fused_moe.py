@@ -96,7 +96,7 @@ def fused_experts(hidden_states: torch.Tensor, w13: torch.Tensor, w2: torch.Tens
     t, h = hidden_states.shape
     if out is None:
         out = torch.empty_like(hidden_states)
-    if _use_direct(direct, topk_ids.numel(), topk_ids.shape[1], w13.shape[0], block_shape,
+    if use_direct(direct, topk_ids.numel(), topk_ids.shape[1], w13.shape[0], block_shape,
                    fuse_activation):
         if t:
             moe_gemv(hidden_states, w13, w2, topk_weights, topk_ids, out, activation,
@@ -112,7 +112,7 @@ def fused_experts(hidden_states: torch.Tensor, w13: torch.Tensor, w2: torch.Tens
     return out
 
 
-def _use_direct(direct: bool | None, pairs: int, top_k: int, num_experts: int,
+def use_direct(direct: bool | None, pairs: int, top_k: int, num_experts: int,
                 block_shape: Sequence[int] | None, fuse_activation: bool) -> bool:
     """Whether the call takes the direct path; `direct=True` refuses, by name, what
     that path does not compute."""
