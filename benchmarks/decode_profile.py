@@ -6,7 +6,10 @@ idle time, kernels by kind and by name, host events).
         --load-format dummy --dtype bfloat16 [--quantization fp8] [--steps 40]
     python benchmarks/decode_profile.py --shape qwen3-30b-a3b     # a MoE shape
 
-`--shape` takes a config of `moe_decode.SHAPES` (dummy bf16 weights). The
+`--shape` takes a config of `moe_decode.SHAPES` (dummy bf16 weights). Under PDL
+(the default on Hopper) a kernel starts while the one before it runs and waits
+inside, so the per-kernel spans overlap and add up to more than GPU busy;
+`--disable-pdl` gives each kernel's own time (and a slower step). The
 summary is of rank 0 from the 5th CUDA-graph replay on, so prefill and
 warm-up are out; kernels inside a replayed graph are traced one by one.
 `profile_decode(engine, name)` is the same for a running engine (multi_gpu.py
@@ -121,6 +124,9 @@ def main() -> None:
     p.add_argument("--quantization", default=None)
     p.add_argument("--kv-cache-dtype", default="auto")
     p.add_argument("--enable-deterministic-inference", action="store_true")
+    p.add_argument("--disable-pdl", action="store_true",
+                   help="each kernel's own time: under PDL a kernel's span includes its wait "
+                        "for the one before it")
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--top", type=int, default=25)
     args = p.parse_args()
@@ -136,7 +142,8 @@ def main() -> None:
         kwargs = dict(model_path=path, load_format=args.load_format, dtype=args.dtype,
                       skip_tokenizer_init=True, context_length=4096,
                       kv_cache_dtype=args.kv_cache_dtype,
-                      enable_deterministic_inference=args.enable_deterministic_inference)
+                      enable_deterministic_inference=args.enable_deterministic_inference,
+                      disable_pdl=args.disable_pdl)
         if args.quantization:
             kwargs["quantization"] = args.quantization
         with radixlm.Engine(**kwargs) as engine:

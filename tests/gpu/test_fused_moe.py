@@ -508,7 +508,7 @@ def test_direct_auto_choice(monkeypatch):
 
     real = fused_moe.moe_gemv
     monkeypatch.setattr(fused_moe, "moe_gemv", spy)
-    monkeypatch.setattr(fused_moe, "DIRECT_MAX_PAIRS", 16)  # the tuned value (0: opt-in)
+    monkeypatch.setattr(fused_moe, "DIRECT_MAX_PAIRS", 16)  # the tuned value
     x, w13, w2, tw, ti = _direct_inputs(9, 64, 2, 64, 32, torch.float32, "random", seed=26)
     fused_moe.fused_experts(x[:8], w13, w2, tw[:8], ti[:8])  # 16 pairs
     fused_moe.fused_experts(x, w13, w2, tw, ti)  # 18 pairs: aligned

@@ -67,12 +67,12 @@ def _pow2_divisor(n: int, cap: int) -> int:
 
 
 def pick_gemv_config(n: int, k: int, group: int) -> Int4Config:
-    """64 columns (256 contiguous bytes a word row) and K split 8 ways: the best of
-    13 tiles on every Llama-8B shape in an H200 sweep (`benchmarks/quant_kernels.py
-    --sweep`: 1.2-2.9x the unsplit 16-32 columns, which left too few words in
-    flight per SM for o and down). The packed halves (`packed=True`) stay opt-in
-    until their GPU test has run on a device."""
-    return Int4Config(1, 64, 256, 4, 3, 8)
+    """64 columns (256 contiguous bytes a word row), packed halves, K split 8 ways
+    (16 for a long K such as down's 14336, where 8 left too few words in flight):
+    the best of 13 tiles on every Llama-8B shape in an H200 sweep
+    (`benchmarks/quant_kernels.py --sweep`; packed 1.22-1.36x the unpacked tile,
+    which was itself 1.2-2.9x the unsplit 16-32 columns)."""
+    return Int4Config(1, 64, 256, 4, 3, 16 if k >= 8192 else 8, packed=True)
 
 
 def gemv_packs(n: int, k: int, group: int, g_idx: torch.Tensor | None,
