@@ -546,6 +546,51 @@ def test_direct_refusals():
     assert torch.isfinite(out).all()
 
 
+@needs_kernels
+@pytest.mark.parametrize("case", ["random", "remote", "scaled"])
+def test_direct_one_block_down(monkeypatch, case):
+    """The down kernel's one-block form (`GemvTiles(hoist=True)`, taken where K <= BK)
+    against the looped form and the float64 loop: random routing with -1 ids; shared
+    and remote experts with NaN in every expert not chosen (none is read); FP8-style
+    per-channel scales (fp16 weights, fp32 activations: the scale math exactly)."""
+    from radixlm.layers.moe.triton_ops import moe_gemv
+    from radixlm.layers.moe.triton_ops.fused_moe import fused_experts
+
+    real = moe_gemv.pick_gemv_tiles
+    kw, dtype = {}, DTYPES[-1] if INTERPRET else torch.bfloat16
+    if case == "random":
+        t, e, k, h, inter = (3, 8, 2, 64, 48) if INTERPRET else (3, 128, 8, 2048, 768)
+        x, w13, w2, tw, ti = _direct_inputs(t, e, k, h, inter, dtype, "ep", seed=40)
+        ref = ref_experts(x, w13, w2, tw, ti)
+    elif case == "remote":
+        dtype, e = torch.float32, 8
+        x, w13, w2, tw, _ = _direct_inputs(4, e, 3, 64, 48, dtype, "random", seed=41)
+        ti = torch.tensor([[3, -1, 5], [5, 3, e], [-1, -1, -1], [3, 6, 5]], dtype=torch.int32,
+                          device=DEV)
+        ref = ref_experts(x, w13, w2, tw, ti)
+        unused = torch.ones(e, dtype=torch.bool)
+        unused[[3, 5, 6]] = False
+        w13[unused.to(DEV)] = float("nan")
+        w2[unused.to(DEV)] = float("nan")
+    else:
+        gen = torch.Generator().manual_seed(42)
+        dtype = torch.float32
+        w13, w2, s13, s2, d13, d2 = _fp8_case(None, torch.float16, dtype, gen)
+        x = torch.randn(5, w13.shape[2], generator=gen).to(dtype).to(DEV)
+        tw, ti = make_routing(5, 8, 2, "ep", gen)
+        kw = dict(w13_scale=s13.contiguous(), w2_scale=s2.contiguous())
+        ref = ref_experts(x, d13, d2, tw, ti)
+    assert real(x.shape[0], w2.shape[1], w2.shape[2]).block_k >= w2.shape[2]  # one block
+    looped = fused_experts(x, w13, w2, tw, ti, direct=True, **kw)
+    monkeypatch.setattr(moe_gemv, "pick_gemv_tiles", lambda *a: real(*a)._replace(hoist=True))
+    hoisted = fused_experts(x, w13, w2, tw, ti, direct=True, **kw)
+    assert torch.isfinite(hoisted).all()
+    assert rel_err(hoisted, looped.double()) < TOL[dtype] / 8
+    assert rel_err(hoisted, ref) < TOL[dtype]
+    if case == "remote":
+        assert torch.equal(hoisted[2], torch.zeros_like(hoisted[2]))
+
+
 @needs_cuda
 def test_direct_cuda_graph_replay():
     """The direct path captured at decode size (Qwen3-30B-A3B's layer shape),

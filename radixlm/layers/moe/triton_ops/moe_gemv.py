@@ -13,6 +13,8 @@ top-k in a fourth kernel; here each pair is its own row of work instead:
 2. `_down_kernel`, grid (T, cdiv(H, BN)): token t, output columns c, computes
    w2[e_j, c] @ act[t * k + j] for j = 0..k-1 in that order, skipping invalid ids,
    and sums the pairs' weighted rows itself, so no [T * k, H] buffer is written.
+   Where K fits one BK step and the tiles ask (`GemvTiles.hoist`, opt-in until its
+   GPU tests run), `_down_one_block` loads all k pairs as one tile before any sum.
 
 Numerics match the aligned path's rounding points (`grouped_gemm.py`,
 `moe_sum.py`): fp32 sums (FMA into [BN, BK] tiles, reduced once after K); a
@@ -50,6 +52,9 @@ class GemvTiles(NamedTuple):
     block_n: int  # output rows per program (gate/up: BN gate and BN up rows)
     block_k: int  # features per loop step
     num_warps: int
+    # Down, K <= BK: the pairs as straight-line code (`_down_one_block`). Opt-in until
+    # its GPU tests have run: the SASS shows all k pairs' loads issued together.
+    hoist: bool = False
 
 
 def pick_gemv_tiles(programs_per_row: int, n: int, k: int) -> GemvTiles:
@@ -110,7 +115,8 @@ def _down(act, w2, w2_scale, topk_ids, topk_weights, out, e, h, inter, top_k) ->
     _down_kernel[grid](
         act, w2, scale, topk_ids, topk_weights, out, e, h, inter, w2.stride(0), w2.stride(1),
         stride_se, out.stride(0), TOP_K=top_k, SCALE=mode, EVEN_K=inter % tiles.block_k == 0,
-        BN=tiles.block_n, BK=tiles.block_k, num_warps=tiles.num_warps, **pdl.launch_args())
+        BN=tiles.block_n, BK=tiles.block_k, HOIST=tiles.hoist and inter <= tiles.block_k,
+        num_warps=tiles.num_warps, **pdl.launch_args())
 
 
 @triton.jit
@@ -165,7 +171,7 @@ def _gate_up_kernel(x_ptr, w_ptr, s_ptr, ids_ptr, act_ptr, E, N, K,
 def _down_kernel(act_ptr, w_ptr, s_ptr, ids_ptr, topk_w_ptr, out_ptr, E, N, K,
                  stride_we, stride_wn, stride_se, stride_out,
                  TOP_K: tl.constexpr, SCALE: tl.constexpr, EVEN_K: tl.constexpr,
-                 BN: tl.constexpr, BK: tl.constexpr, PDL: tl.constexpr):
+                 BN: tl.constexpr, BK: tl.constexpr, HOIST: tl.constexpr, PDL: tl.constexpr):
     pdl_wait(PDL)
     pdl_trigger(PDL)
     token = tl.program_id(0).to(tl.int64)
@@ -174,22 +180,61 @@ def _down_kernel(act_ptr, w_ptr, s_ptr, ids_ptr, topk_w_ptr, out_ptr, E, N, K,
     offs_k = tl.arange(0, BK)
     dtype = out_ptr.dtype.element_ty
     acc = tl.zeros([BN], dtype=tl.float32)
-    for j in tl.static_range(TOP_K):  # fixed pair order: the sum rounds as moe_sum's
-        pair = token * TOP_K + j
-        expert = tl.load(ids_ptr + pair)
-        if (expert >= 0) & (expert < E):
-            w_ptrs = (w_ptr + expert.to(tl.int64) * stride_we + rows[:, None] * stride_wn
-                      + offs_k[None, :])
-            a_ptrs = act_ptr + pair * K + offs_k
-            part = tl.zeros([BN, BK], dtype=tl.float32)
-            for k0 in range(0, K, BK):
-                k_in = k0 + offs_k < K
-                a = _load_k(a_ptrs, k0, k_in, EVEN_K).to(tl.float32)[None, :]
-                part += _load_k(w_ptrs, k0, k_in[None, :], EVEN_K).to(dtype).to(tl.float32) * a
-            y = tl.sum(part, axis=1)
-            if SCALE == 1:
-                y = y * tl.load(s_ptr + expert.to(tl.int64) * stride_se + rows)
-            # Each pair's weighted row is rounded, as the aligned path stores it.
-            y = (y * tl.load(topk_w_ptr + pair)).to(dtype).to(tl.float32)
-            acc += y
+    if HOIST:
+        acc = _down_one_block(act_ptr, w_ptr, s_ptr, ids_ptr, topk_w_ptr, E, K, stride_we,
+                              stride_wn, stride_se, token, rows, offs_k, acc, dtype,
+                              TOP_K, SCALE)
+    else:
+        for j in tl.static_range(TOP_K):  # fixed pair order: the sum rounds as moe_sum's
+            pair = token * TOP_K + j
+            expert = tl.load(ids_ptr + pair)
+            if (expert >= 0) & (expert < E):
+                w_ptrs = (w_ptr + expert.to(tl.int64) * stride_we + rows[:, None] * stride_wn
+                          + offs_k[None, :])
+                a_ptrs = act_ptr + pair * K + offs_k
+                part = tl.zeros([BN, BK], dtype=tl.float32)
+                for k0 in range(0, K, BK):
+                    k_in = k0 + offs_k < K
+                    a = _load_k(a_ptrs, k0, k_in, EVEN_K).to(tl.float32)[None, :]
+                    part += _load_k(w_ptrs, k0, k_in[None, :], EVEN_K).to(dtype).to(tl.float32) * a
+                y = tl.sum(part, axis=1)
+                if SCALE == 1:
+                    y = y * tl.load(s_ptr + expert.to(tl.int64) * stride_se + rows)
+                # Each pair's weighted row is rounded, as the aligned path stores it.
+                y = (y * tl.load(topk_w_ptr + pair)).to(dtype).to(tl.float32)
+                acc += y
     tl.store(out_ptr + token * stride_out + offs_n, acc.to(dtype), mask=offs_n < N)
+
+
+@triton.jit
+def _down_one_block(act_ptr, w_ptr, s_ptr, ids_ptr, topk_w_ptr, E, K, stride_we, stride_wn,
+                    stride_se, token, rows, offs_k, acc, dtype: tl.constexpr,
+                    TOP_K: tl.constexpr, SCALE: tl.constexpr):
+    """The k pairs of one token when K fits one BK step, as one [KP, BN, BK] tile:
+    every pair's id, weight rows and act row are loaded before any sum, so they
+    are in flight together (the looped form reduces each pair across warps
+    before the next pair's loads, which the compiler does not move above that
+    barrier: k round trips to memory one after another). Another rank's pair
+    (id outside [0, E)) loads nothing (masked) and adds +0.0. The pairs' rounded
+    rows are added in pair order, as the looped form; only the K sum's tree may
+    differ from it."""
+    KP: tl.constexpr = triton.next_power_of_2(TOP_K)
+    slots = tl.arange(0, KP)
+    pairs = token * TOP_K + slots
+    experts = tl.load(ids_ptr + pairs, mask=slots < TOP_K, other=-1)
+    ok = (slots < TOP_K) & (experts >= 0) & (experts < E)
+    e = tl.where(ok, experts, 0).to(tl.int64)
+    k_in = offs_k < K
+    w = tl.load(w_ptr + e[:, None, None] * stride_we + rows[None, :, None] * stride_wn
+                + offs_k[None, None, :], mask=ok[:, None, None] & k_in[None, None, :], other=0.0)
+    a = tl.load(act_ptr + pairs[:, None] * K + offs_k[None, :], mask=ok[:, None] & k_in[None, :],
+                other=0.0)
+    y = tl.sum(w.to(dtype).to(tl.float32) * a.to(tl.float32)[:, None, :], axis=2)  # [KP, BN]
+    if SCALE == 1:
+        y = y * tl.load(s_ptr + e[:, None] * stride_se + rows[None, :], mask=ok[:, None],
+                        other=0.0)
+    weight = tl.load(topk_w_ptr + pairs, mask=ok, other=0.0)
+    y = tl.where(ok[:, None], (y * weight[:, None]).to(dtype).to(tl.float32), 0.0)
+    for j in tl.static_range(TOP_K):  # one nonzero row per sum: exact, in pair order
+        acc += tl.sum(tl.where(slots[:, None] == j, y, 0.0), axis=0)
+    return acc

@@ -1,0 +1,215 @@
+"""The small kernels of one MoE decode layer, each beside the rate its bytes allow:
+the router (`fused_topk`) under candidate logits tiles and a candidate FMA-tile
+logits kernel defined here (moved into `topk.py` if it wins), the direct path's down
+kernel looped vs one-block (`GemvTiles.hoist`), and the one-row bf16 GEMV tiles
+on the layer's attention projections. Batch 1, dummy bf16 weights of a
+`fused_moe.SHAPES` entry with the attention dims of `moe_decode.SHAPES`.
+
+    python benchmarks/moe_decode_kernels.py                  # Qwen3-30B-A3B's shape
+    python benchmarks/moe_decode_kernels.py --shape mixtral-8x7b   # K > BK: no one-block down
+
+Why: a single-stream profile of Qwen3-30B-A3B's shape (`decode_profile.py
+--disable-pdl`, 2026-12-03) put the router's logits kernel at 11.3 us a call for
+1 MiB of fp32 weights and the direct down kernel at 14.1 us for 25 MB, both far
+below the copy rate; this names the tile that fixes each, in one run.
+
+Each variant: GROUP calls in one CUDA graph, each on other weights (so none sits
+in L2), REPS replays; min / median / max microseconds per call. "roofline" is
+the bytes the call must read at the copy rate measured in the same run. Every
+variant is also checked against the first (the current default): router ids
+equal and weights within 1e-5, a token's result bit for bit the same alone and
+inside a 4096-token batch (batch invariance); down and GEMV outputs within 1 %.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+
+import torch
+import triton
+import triton.language as tl
+from fused_moe import DEV, DT, SHAPES, copy_rate, time_graph
+from moe_decode import SHAPES as MODEL_SHAPES
+
+from radixlm.layers import gemv as GV
+from radixlm.layers.moe.triton_ops import moe_gemv as MG
+from radixlm.layers.moe.triton_ops import topk as TK
+
+GROUP = 16
+# (BLOCK_E, programs aimed at for one token, BLOCK_K, warps, stages); the first is
+# `topk.logits_tiles` today (32 programs of 32 experts x 256 features).
+ROUTER_TILES = [(32, 32, 64, 4, 3), (32, 128, 64, 4, 3), (16, 128, 64, 4, 3), (16, 128, 64, 2, 2),
+                (16, 64, 64, 4, 3), (16, 128, 64, 4, 1), (16, 128, 32, 2, 1), (16, 256, 32, 4, 2)]
+# Down (BN, BK, warps, hoist); the first is `pick_gemv_tiles` today.
+DOWN_TILES = [(2, 1024, 4, False), (2, 1024, 4, True), (2, 1024, 8, True), (1, 1024, 4, True),
+              (4, 1024, 8, True), (2, 1024, 2, True), (2, 1024, 1, True)]
+GEMV_TILES = [(4, 1024, 4), (2, 1024, 4), (2, 2048, 4), (8, 512, 4), (4, 512, 4), (2, 512, 2),
+              (1, 2048, 4), (4, 2048, 4), (8, 1024, 4), (2, 1024, 2)]
+
+
+@triton.jit(do_not_specialize=["T"])
+def _logits_fma_kernel(x_ptr, w_ptr, out_ptr, T, E, H, stride_x, BLOCK_T: tl.constexpr,
+                       BLOCK_E: tl.constexpr, CHUNK_K: tl.constexpr, BLOCK_K: tl.constexpr):
+    """A candidate for `topk._logits_kernel` (same grid, workspace and contract, H a
+    multiple of CHUNK_K): products FMA-ed into a [BLOCK_T, BLOCK_E, BLOCK_K] register
+    tile, one sum over K after the chunk, so neither operand goes through shared
+    memory (the ieee tl.dot's FMA path stages both and reads the weight across
+    rows). Its own fixed order: batch-invariant, not the same bits as the dot."""
+    offs_t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    offs_e = tl.program_id(1) * BLOCK_E + tl.arange(0, BLOCK_E)
+    k_lo = tl.program_id(2) * CHUNK_K
+    offs_k = tl.arange(0, BLOCK_K)
+    rows_t = tl.minimum(offs_t, T - 1).to(tl.int64)
+    rows_e = tl.minimum(offs_e, E - 1).to(tl.int64)
+    x_ptrs = x_ptr + rows_t[:, None] * stride_x + k_lo + offs_k[None, :]
+    w_ptrs = w_ptr + rows_e[:, None] * H + k_lo + offs_k[None, :]
+    acc = tl.zeros([BLOCK_T, BLOCK_E, BLOCK_K], dtype=tl.float32)
+    for kk in range(0, CHUNK_K, BLOCK_K):
+        x = tl.load(x_ptrs + kk).to(tl.float32)
+        w = tl.load(w_ptrs + kk)
+        acc += x[:, None, :] * w[None, :, :]
+    out = out_ptr + (tl.program_id(2) * T + offs_t[:, None].to(tl.int64)) * E + offs_e[None, :]
+    tl.store(out, tl.sum(acc, axis=2), mask=(offs_t < T)[:, None] & (offs_e < E)[None, :])
+
+
+def fma_topk(x, weight, top_k, renormalize, round_dtype, tiles):
+    """fused_topk with the candidate logits kernel (one pass, T <= topk.CHUNK_TOKENS)."""
+    t, h = x.shape
+    e = weight.shape[0]
+    splits = triton.cdiv(h, tiles.chunk_k)
+    partials = torch.empty((splits, t, e), dtype=torch.float32, device=x.device)
+    _logits_fma_kernel[(triton.cdiv(t, tiles.block_t), triton.cdiv(e, tiles.block_e), splits)](
+        x, weight, partials, t, e, h, x.stride(0), BLOCK_T=tiles.block_t, BLOCK_E=tiles.block_e,
+        CHUNK_K=tiles.chunk_k, BLOCK_K=tiles.block_k, num_warps=tiles.warps)
+    weights = torch.empty((t, top_k), dtype=torch.float32, device=x.device)
+    ids = torch.empty((t, top_k), dtype=torch.int32, device=x.device)
+    TK._topk(partials, weights, ids, renormalize, TK.ROUND_CODES.get(round_dtype, 0))
+    return weights, ids
+
+
+# (BLOCK_T, BLOCK_E, programs aimed at for one token, BLOCK_K, warps) of the candidate.
+FMA_TILES = [(16, 16, 128, 16, 4), (8, 16, 128, 32, 4), (16, 8, 256, 32, 4), (4, 16, 128, 64, 4),
+             (16, 16, 64, 16, 4), (1, 16, 128, 128, 4), (1, 32, 128, 64, 2)]
+
+
+def fmt(ts: tuple[float, float, float], nbytes: float, rate: float) -> str:
+    lo, med, hi = (t * 1e6 for t in ts)
+    return (f"{lo:6.1f} / {med:6.1f} / {hi:6.1f} us  {nbytes / (med * 1e-6) / 1e12:5.2f} TB/s"
+            f"  ({nbytes / rate * 1e6:5.1f} us at the copy rate)")
+
+
+def router_tiles(be: int, programs: int, bk: int, warps: int, stages: int):
+    def tiles(e: int, h: int) -> TK.LogitsTiles:
+        blocks_e = triton.cdiv(e, be)
+        splits = max(1, min(triton.cdiv(programs, blocks_e),
+                            triton.cdiv(h, max(TK.MIN_CHUNK_K, bk))))
+        chunk = triton.cdiv(triton.cdiv(h, splits), bk) * bk
+        return TK.LogitsTiles(16, be, chunk, bk, warps, stages)
+    return tiles
+
+
+def bench_router(e: int, h: int, k: int, rate: float) -> None:
+    print(f"\nrouter, E {e}, H {h}, top-{k}: fused_topk (2 launches) at 1 token, then the "
+          f"same call at 4096 tokens (prefill)")
+    xs = torch.randn(4096, h, device=DEV).to(DT)
+    ws = [torch.randn(e, h, device=DEV) * 0.02 for _ in range(GROUP)]
+    default, base = TK.logits_tiles, None
+    cands = [("dot", c) for c in ROUTER_TILES] + [("fma", c) for c in FMA_TILES]
+    for kind, cand in cands:
+        if kind == "dot":
+            tiles = router_tiles(*cand)(e, h)
+            call = TK.fused_topk
+            label = f"dot {cand[0]:>2} experts x {tiles.chunk_k:>4}"
+        else:
+            bt, be, programs, bk, warps = cand
+            tiles = router_tiles(be, programs, bk, warps, 1)(e, h)._replace(block_t=bt)
+            if h % tiles.chunk_k:
+                continue  # the candidate kernel has no K mask
+            call = functools.partial(fma_topk, tiles=tiles)
+            label = f"fma {bt:>2} tok x {be:>2} experts x {tiles.chunk_k:>4}"
+        programs = triton.cdiv(e, tiles.block_e) * triton.cdiv(h, tiles.chunk_k)
+        label += f" ({programs:>3} programs), BK {tiles.block_k}, {tiles.warps}w {tiles.stages}st"
+        TK.logits_tiles = lambda e_, h_, tiles=tiles: tiles
+        try:
+            ts = time_graph([functools.partial(call, xs[:1], w, k, True, DT) for w in ws])
+            big = time_graph([functools.partial(call, xs, ws[0], k, True, DT)] * 2)
+            w1, i1 = call(xs[:1], ws[0], k, True, DT)
+            wb, ib = call(xs, ws[0], k, True, DT)
+        except Exception as err:  # noqa: BLE001 - a tile the compiler refuses
+            print(f"  {label}: failed: {str(err).splitlines()[0][:100]}")
+            continue
+        finally:
+            TK.logits_tiles = default
+        base = base or (wb, ib)
+        ok = (torch.equal(w1, wb[:1]) and torch.equal(i1, ib[:1]),
+              (ib == base[1]).float().mean().item(), (wb - base[0]).abs().max().item())
+        print(f"  {label}: {fmt(ts, e * h * 4, rate)}; 4096 tokens {big[1] * 1e6:7.1f} us;"
+              f"  invariant {ok[0]}, ids same {ok[1]:.4f}, max |dw| {ok[2]:.1e}")
+
+
+def bench_down(e: int, h: int, inter: int, k: int, rate: float) -> None:
+    print(f"\ndirect path, E {e}, H {h}, I {inter}, top-{k}, 1 token: gate/up (default) + down")
+    x = torch.randn(1, h, device=DEV).to(DT)
+    layers = [(torch.randn(e, 2 * inter, h, device=DEV).to(DT) * 0.02,
+               torch.randn(e, h, inter, device=DEV).to(DT) * 0.02) for _ in range(2)]
+    gen = torch.Generator(device=DEV).manual_seed(0)
+    ids = [torch.randperm(e, device=DEV, generator=gen)[:k].view(1, k).int() for _ in range(GROUP)]
+    tw = torch.softmax(torch.randn(1, k, device=DEV), -1)
+    out = torch.empty(1, h, device=DEV, dtype=DT)
+    default, ref = MG.pick_gemv_tiles, None
+    nbytes = k * 3 * h * inter * 2
+    try:
+        for bn, bk, warps, hoist in DOWN_TILES:
+            def pick(p, n, kk, tiles=MG.GemvTiles(bn, bk, warps, hoist)):
+                return tiles if kk == inter else default(p, n, kk)
+            MG.pick_gemv_tiles = pick
+            label = f"down BN {bn} BK {bk} {warps}w {'one-block' if hoist else 'looped   '}"
+            try:
+                ts = time_graph([lambda i=i: MG.moe_gemv(x, *layers[i % 2], tw, ids[i], out, "silu",
+                                                         None, None) for i in range(GROUP)])
+                y = MG.moe_gemv(x, *layers[0], tw, ids[0], out.clone(), "silu", None, None)
+            except Exception as err:  # noqa: BLE001
+                print(f"  {label}: failed: {str(err).splitlines()[0][:100]}")
+                continue
+            ref = y if ref is None else ref
+            diff = ((y.float() - ref.float()).abs().max() / ref.float().abs().max()).item()
+            print(f"  {label}: {fmt(ts, nbytes, rate)}  rel diff {diff:.1e}")
+    finally:
+        MG.pick_gemv_tiles = default
+
+
+def bench_gemv(shapes: list[tuple[str, int, int]], rate: float) -> None:
+    for name, n, k in shapes:
+        print(f"\nbf16 GEMV, one row, {name} {k} -> {n}; default {GV.pick_config(1, n, k)}")
+        ws = [torch.randn(n, k, device=DEV).to(DT) for _ in range(GROUP)]
+        x = torch.randn(1, k, device=DEV).to(DT)
+        ref = None
+        for bn, bk, warps in GEMV_TILES:
+            cfg = GV.GemvConfig("fma", bn, bk, warps, 1)
+            ts = time_graph([lambda w=w, cfg=cfg, x=x: GV.gemv(x, w, config=cfg) for w in ws])
+            y = GV.gemv(x, ws[0], config=cfg)
+            ref = y if ref is None else ref
+            diff = ((y.float() - ref.float()).abs().max() / ref.float().abs().max()).item()
+            print(f"  {bn} x {bk} {warps}w: {fmt(ts, n * k * 2, rate)}  rel diff {diff:.1e}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--shape", default="qwen3-30b-a3b",
+                    choices=sorted(set(SHAPES) & set(MODEL_SHAPES)))
+    args = ap.parse_args()
+    e, h, inter, k = SHAPES[args.shape]
+    cfg = MODEL_SHAPES[args.shape]
+    d = cfg.get("head_dim") or h // cfg["num_attention_heads"]
+    q, kv = cfg["num_attention_heads"] * d, cfg["num_key_value_heads"] * d
+    rate = copy_rate()
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__};"
+          f" {args.shape}; copy rate {rate / 1e12:.2f} TB/s")
+    bench_router(e, h, k, rate)
+    bench_down(e, h, inter, k, rate)
+    bench_gemv([("qkv", q + 2 * kv, h), ("o", h, q)], rate)
+
+
+if __name__ == "__main__":
+    main()
