@@ -16,8 +16,9 @@ continuations, the model drafters (STANDALONE, EAGLE, EAGLE3) add each draft
 step's next best tokens beside their chain (up to
 `--speculative-num-draft-tokens` - 1 nodes by cumulative draft probability).
 The verify forward attends each node to the request's KV and its own
-ancestors (the cpu and torch_native backends; Triton refuses trees at
-start-up), the longest path whose drafts equal the target's tokens is kept
+ancestors (every backend with `supports_tree_mask`: cpu, torch_native and
+triton, whose CUDA graphs replay tree verifies through spare path rows of the
+request table), the longest path whose drafts equal the target's tokens is kept
 and its slots become the request's next positions; tree drafts are chosen
 without sampling and kept by equality, so outputs are the plain run's, greedy
 or seeded. Refused: trees under tensor parallelism or on a backend without
