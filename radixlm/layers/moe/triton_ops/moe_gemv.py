@@ -52,8 +52,8 @@ class GemvTiles(NamedTuple):
     block_n: int  # output rows per program (gate/up: BN gate and BN up rows)
     block_k: int  # features per loop step
     num_warps: int
-    # Down, K <= BK: the pairs as straight-line code (`_down_one_block`). Opt-in until
-    # its GPU tests have run: the SASS shows all k pairs' loads issued together.
+    # Down, K <= BK: every pair's loads before one sum (`_down_one_block`; its sm_90
+    # SASS has no barrier between the pairs). Opt-in until its GPU tests have run.
     hoist: bool = False
 
 
