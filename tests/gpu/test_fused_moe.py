@@ -449,6 +449,21 @@ def test_direct_matches_aligned(dtype):
     assert rel_err(direct, ref_experts(x, w13, w2, tw, ti)) < TOL[dtype]
 
 
+def _remote_experts_case(seed: int):
+    """fp32 inputs of 8 experts, top-3: experts 3 and 5 shared between tokens in
+    different slots, an id of -1 and one of E in one token, a token whose pairs are
+    all elsewhere (row 2); NaN in every expert no token chose."""
+    e = 8
+    x, w13, w2, tw, _ = _direct_inputs(4, e, 3, 64, 48, torch.float32, "random", seed=seed)
+    ti = torch.tensor([[3, -1, 5], [5, 3, e], [-1, -1, -1], [3, 6, 5]], dtype=torch.int32,
+                      device=DEV)
+    unused = torch.ones(e, dtype=torch.bool)
+    unused[[3, 5, 6]] = False
+    w13[unused.to(DEV)] = float("nan")
+    w2[unused.to(DEV)] = float("nan")
+    return x, w13, w2, tw, ti
+
+
 @needs_kernels
 def test_direct_shared_and_remote_experts():
     """One expert chosen by several tokens (in different slots), an id of -1 and one
@@ -456,14 +471,7 @@ def test_direct_shared_and_remote_experts():
     exactly zero); NaN in every expert not chosen shows none is read."""
     from radixlm.layers.moe.triton_ops.fused_moe import fused_experts
 
-    e, h, inter = 8, 64, 48
-    x, w13, w2, tw, _ = _direct_inputs(4, e, 3, h, inter, torch.float32, "random", seed=22)
-    ti = torch.tensor([[3, -1, 5], [5, 3, e], [-1, -1, -1], [3, 6, 5]], dtype=torch.int32,
-                      device=DEV)
-    unused = torch.ones(e, dtype=torch.bool)
-    unused[[3, 5, 6]] = False
-    w13[unused.to(DEV)] = float("nan")
-    w2[unused.to(DEV)] = float("nan")
+    x, w13, w2, tw, ti = _remote_experts_case(seed=22)
     out = fused_experts(x, w13, w2, tw, ti, direct=True)
     assert torch.isfinite(out).all() and torch.equal(out[2], torch.zeros_like(out[2]))
     assert rel_err(out, ref_experts(x, w13, w2, tw, ti)) < TOL[torch.float32]
@@ -563,15 +571,9 @@ def test_direct_one_block_down(monkeypatch, case):
         x, w13, w2, tw, ti = _direct_inputs(t, e, k, h, inter, dtype, "ep", seed=40)
         ref = ref_experts(x, w13, w2, tw, ti)
     elif case == "remote":
-        dtype, e = torch.float32, 8
-        x, w13, w2, tw, _ = _direct_inputs(4, e, 3, 64, 48, dtype, "random", seed=41)
-        ti = torch.tensor([[3, -1, 5], [5, 3, e], [-1, -1, -1], [3, 6, 5]], dtype=torch.int32,
-                          device=DEV)
-        ref = ref_experts(x, w13, w2, tw, ti)
-        unused = torch.ones(e, dtype=torch.bool)
-        unused[[3, 5, 6]] = False
-        w13[unused.to(DEV)] = float("nan")
-        w2[unused.to(DEV)] = float("nan")
+        dtype = torch.float32
+        x, w13, w2, tw, ti = _remote_experts_case(seed=41)
+        ref = ref_experts(x, w13, w2, tw, ti)  # reads only the chosen experts
     else:
         gen = torch.Generator().manual_seed(42)
         dtype = torch.float32
