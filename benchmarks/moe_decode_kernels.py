@@ -37,6 +37,7 @@ from radixlm.layers.moe.triton_ops import moe_gemv as MG
 from radixlm.layers.moe.triton_ops import topk as TK
 
 GROUP = 16
+LOGITS_TILES = TK.logits_tiles  # the rule the router candidates vary (patched while timed)
 # (BLOCK_E, programs aimed at for one token, BLOCK_K, warps, stages); the first is
 # `topk.logits_tiles` today (32 programs of 32 experts x 256 features).
 ROUTER_TILES = [(32, 32, 64, 4, 3), (32, 128, 64, 4, 3), (16, 128, 64, 4, 3), (16, 128, 64, 2, 2),
@@ -99,14 +100,11 @@ def fmt(ts: tuple[float, float, float], nbytes: float, rate: float) -> str:
             f"  ({nbytes / rate * 1e6:5.1f} us at the copy rate)")
 
 
-def router_tiles(be: int, programs: int, bk: int, warps: int, stages: int):
-    def tiles(e: int, h: int) -> TK.LogitsTiles:
-        blocks_e = triton.cdiv(e, be)
-        splits = max(1, min(triton.cdiv(programs, blocks_e),
-                            triton.cdiv(h, max(TK.MIN_CHUNK_K, bk))))
-        chunk = triton.cdiv(triton.cdiv(h, splits), bk) * bk
-        return TK.LogitsTiles(16, be, chunk, bk, warps, stages)
-    return tiles
+def router_tiles(e: int, h: int, be: int, programs: int, bk: int, warps: int,
+                 stages: int) -> TK.LogitsTiles:
+    """`topk.logits_tiles` (the unpatched one) with a candidate's knobs."""
+    return LOGITS_TILES(e, h, block_e=be, programs=programs, block_k=bk, warps=warps,
+                        stages=stages)
 
 
 def bench_router(e: int, h: int, k: int, rate: float) -> None:
@@ -114,16 +112,16 @@ def bench_router(e: int, h: int, k: int, rate: float) -> None:
           f"same call at 4096 tokens (prefill)")
     xs = torch.randn(4096, h, device=DEV).to(DT)
     ws = [torch.randn(e, h, device=DEV) * 0.02 for _ in range(GROUP)]
-    default, base = TK.logits_tiles, None
+    base = None
     cands = [("dot", c) for c in ROUTER_TILES] + [("fma", c) for c in FMA_TILES]
     for kind, cand in cands:
         if kind == "dot":
-            tiles = router_tiles(*cand)(e, h)
+            tiles = router_tiles(e, h, *cand)
             call = TK.fused_topk
             label = f"dot {cand[0]:>2} experts x {tiles.chunk_k:>4}"
         else:
             bt, be, programs, bk, warps = cand
-            tiles = router_tiles(be, programs, bk, warps, 1)(e, h)._replace(block_t=bt)
+            tiles = router_tiles(e, h, be, programs, bk, warps, 1)._replace(block_t=bt)
             if h % tiles.chunk_k:
                 continue  # the candidate kernel has no K mask
             call = functools.partial(fma_topk, tiles=tiles)
@@ -140,7 +138,7 @@ def bench_router(e: int, h: int, k: int, rate: float) -> None:
             print(f"  {label}: failed: {str(err).splitlines()[0][:100]}")
             continue
         finally:
-            TK.logits_tiles = default
+            TK.logits_tiles = LOGITS_TILES
         base = base or (wb, ib)
         ok = (torch.equal(w1, wb[:1]) and torch.equal(i1, ib[:1]),
               (ib == base[1]).float().mean().item(), (wb - base[0]).abs().max().item())

@@ -86,15 +86,19 @@ class LogitsTiles(NamedTuple):
     stages: int
 
 
-def logits_tiles(num_experts: int, hidden: int) -> LogitsTiles:
+def logits_tiles(num_experts: int, hidden: int, *, block_e: int | None = None,
+                 programs: int = DECODE_PROGRAMS, block_k: int = 64, warps: int = 4,
+                 stages: int = 3) -> LogitsTiles:
     """The logits kernel's tiles for weight [num_experts, hidden]: shapes of the layer
-    only, never the token count, which keeps every token's sums in one order."""
-    block_e = 32 if num_experts > 16 else 16
+    only, never the token count, which keeps every token's sums in one order. H is
+    split for about `programs` programs at one token; the keywords are the knobs a
+    tuning run (`benchmarks/moe_decode_kernels.py`) sweeps."""
+    block_e = block_e or (32 if num_experts > 16 else 16)
     blocks_e = triton.cdiv(num_experts, block_e)
-    block_k = 64
-    splits = max(1, min(triton.cdiv(DECODE_PROGRAMS, blocks_e), triton.cdiv(hidden, MIN_CHUNK_K)))
+    splits = max(1, min(triton.cdiv(programs, blocks_e),
+                        triton.cdiv(hidden, max(MIN_CHUNK_K, block_k))))
     chunk_k = triton.cdiv(triton.cdiv(hidden, splits), block_k) * block_k
-    return LogitsTiles(16, block_e, chunk_k, block_k, 4, 3)
+    return LogitsTiles(16, block_e, chunk_k, block_k, warps, stages)
 
 
 def topk_rows(num_experts: int) -> int:
