@@ -70,7 +70,7 @@ def pick_gemv_config(n: int, k: int, group: int) -> Int4Config:
     """64 columns (256 contiguous bytes a word row), packed halves, K split 8 ways
     (16 for a long K such as down's 14336, where 8 left too few words in flight):
     the best of 13 tiles on every Llama-8B shape in an H200 sweep
-    (`benchmarks/quant_kernels.py --sweep`; packed 1.22-1.36x the unpacked tile,
+    (`benchmarks/quant_kernels.py --sweep`; packed 1.22-1.37x the unpacked tile,
     which was itself 1.2-2.9x the unsplit 16-32 columns)."""
     return Int4Config(1, 64, 256, 4, 3, 16 if k >= 8192 else 8, packed=True)
 
