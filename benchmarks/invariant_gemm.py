@@ -1,6 +1,6 @@
 """The batch-invariant GEMM at decode sizes: tile candidates beside our bf16 GEMV.
 
-    python benchmarks/invariant_gemm.py [--rows 1 8 32]
+    python benchmarks/invariant_gemm.py [--rows 1 8 32] [--large-rows 512 4096]
 
 `--enable-deterministic-inference` sends every linear layer through
 `layers/invariant_gemm.py`, whose K blocks and instruction family are fixed so
@@ -26,10 +26,14 @@ from radixlm.layers import invariant_gemm as ig
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096),
           "down": (4096, 14336)}
-# The one small-M tile used before, the two in use (ig.DEEP, ig.WIDE), other candidates.
-CANDIDATES = [ig.GemmConfig(64, 32, 4, 5), ig.DEEP, ig.WIDE, ig.GemmConfig(64, 32, 4, 8),
-              ig.GemmConfig(64, 16, 4, 8), ig.GemmConfig(64, 32, 4, 16),
-              ig.GemmConfig(64, 64, 4, 8), ig.GemmConfig(16, 64, 4, 8)]
+# Small-M tiles (token rows, weight rows, warps, stages): the two in use
+# (ig.DECODE*), then other depths and widths.
+C = ig.GemmConfig
+CANDIDATES = [ig.DECODE, ig.DECODE_LONG_K, C(16, 64, 4, 8), C(16, 64, 4, 16), C(32, 64, 4, 16),
+              C(64, 64, 4, 12), C(16, 128, 8, 10)]
+# Large-M tiles: the two in use (ig.CONFIGS' last), then wider and deeper ones.
+LARGE = [ig.CONFIGS[-2][1], ig.CONFIGS[-1][1], C(128, 128, 8, 4), C(128, 256, 8, 3),
+         C(128, 128, 4, 4), C(64, 256, 8, 4)]
 CALLS = 32
 
 
@@ -52,14 +56,19 @@ def timed(fn, weights: list[torch.Tensor]) -> float:
     return sorted(times)[2]
 
 
-def invariant_rows(cfg: ig.GemmConfig, x: torch.Tensor, w: torch.Tensor) -> bool:
-    """Whether cfg's rows equal the same rows inside 128- and 512-row products."""
-    m = x.shape[0]
+def fixed(cfg: ig.GemmConfig, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     ig.FIXED_CONFIG = cfg
     try:
-        small = ig.matmul(x, w)
+        return ig.matmul(x, w)
     finally:
         ig.FIXED_CONFIG = None
+
+
+def invariant_rows(cfg: ig.GemmConfig, x: torch.Tensor, w: torch.Tensor) -> bool:
+    """Whether cfg's rows equal the same rows inside 128- and 512-row products (the
+    tiles pick_config gives there)."""
+    m = x.shape[0]
+    small = fixed(cfg, x, w)
     for rows in (128, 512):
         rest = torch.randn(rows - m, x.shape[1], device=x.device, dtype=x.dtype)
         if not torch.equal(ig.matmul(torch.cat([x, rest]), w)[:m], small):
@@ -67,15 +76,40 @@ def invariant_rows(cfg: ig.GemmConfig, x: torch.Tensor, w: torch.Tensor) -> bool
     return True
 
 
+def label(cfg: ig.GemmConfig) -> str:
+    return "x".join(map(str, cfg))
+
+
+def large_rows(rows: list[int], dev: torch.device) -> None:
+    """Prefill sizes: the large-M tiles beside cuBLAS (F.linear), TFLOP/s; '!' as above."""
+    print("large M: microseconds per call (TFLOP/s); peer: cuBLAS")
+    print(" | ".join(["shape", "rows", "cuBLAS"] + [label(c) for c in LARGE]))
+    for name, (n, k) in SHAPES.items():
+        w = torch.randn(n, k, device=dev, dtype=torch.bfloat16) * 0.02
+        one = torch.randn(1, k, device=dev, dtype=torch.bfloat16)
+        alone = ig.matmul(one, w)
+        for m in rows:
+            x = torch.cat([one, torch.randn(m - 1, k, device=dev, dtype=torch.bfloat16)])
+            flop = 2 * m * n * k
+            us = timed(lambda w, x=x: torch.nn.functional.linear(x, w), [w])
+            cells = [f"{us:.1f} ({flop / us / 1e6:.0f})"]
+            for cfg in LARGE:
+                ok = torch.equal(fixed(cfg, x, w)[:1], alone)
+                us = timed(lambda w, x=x, cfg=cfg: fixed(cfg, x, w), [w])
+                cells.append(f"{us:.1f} ({flop / us / 1e6:.0f}){'' if ok else ' !'}")
+            print(" | ".join([name, str(m)] + cells), flush=True)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--rows", type=int, nargs="+", default=[1, 8, 32])
+    p.add_argument("--large-rows", type=int, nargs="*", default=[512, 4096])
     args = p.parse_args()
     torch.manual_seed(0)
     dev = torch.device("cuda")
     print(f"{torch.cuda.get_device_name()}; microseconds per call (weight TB/s); "
           "'!' = rows not bit-identical to the large-M tiles")
-    header = ["shape", "rows", "bf16 GEMV"] + ["x".join(map(str, c)) for c in CANDIDATES]
+    header = ["shape", "rows", "bf16 GEMV"] + [label(c) for c in CANDIDATES]
     print(" | ".join(header))
     for name, (n, k) in SHAPES.items():
         copies = max(2, (512 << 20) // (n * k * 2))
@@ -101,6 +135,7 @@ def main() -> None:
             print(" | ".join([name, str(m)] + cells), flush=True)
         del weights
         torch.cuda.empty_cache()
+    large_rows(args.large_rows, dev)
 
 
 if __name__ == "__main__":

@@ -9,16 +9,18 @@ order, never split across programs: a program owns a [BLOCK_M, BLOCK_N] tile
 and walks all of K.
 
 The tile is picked by M (and, at decode sizes, by the weight's shape, which
-is fixed per layer) from `CONFIGS` / `pick_config` (few programs, or too few
-weight bytes in flight, at small M would leave HBM idle: the small-M tiles
-were measured on an H200 by benchmarks/invariant_gemm.py, 2.5-4.0 TB/s of
-weights at one row). That keeps a row's bits only if the tensor-core instruction
-computes each output from its own row and column whatever the tile's extent,
-which holds for one instruction family: every config has BLOCK_M >= 64 and
-warps in multiples of 4, so on Hopper all of them compile to wgmma, on
-Ampere to mma.sync, with the same BLOCK_K. `tests/gpu/test_determinism_gpu.py`
-checks it bit for bit on the GPU; `FIXED_CONFIG` pins one tile for every M if
-a device ever disagreed.
+is fixed per layer) from `CONFIGS` / `pick_config`. The weight is the tensor
+core's row operand (y.T = W @ x.T): its 64-row side covers weight rows, so a
+decode tile pads the tokens to 16 rows, not 64, and a stage of shared memory
+is mostly weight: at one row an H200 reads Llama-8B's projections at 3.3-4.0
+TB/s of weights with it (benchmarks/invariant_gemm.py; 2.2-3.3 with the tokens
+as the row operand, 3.1-4.3 for our bf16 GEMV). That keeps a row's bits only
+if the tensor-core instruction computes each output from its own row and
+column whatever the tile's extent, which holds for one instruction family and
+one operand order: every config has BLOCK_N >= 64 and warps in multiples of 4,
+so on Hopper all of them compile to wgmma, on Ampere to mma.sync, with the
+same BLOCK_K. `tests/gpu/test_determinism_gpu.py` checks it bit for bit on
+the GPU; `FIXED_CONFIG` pins one tile for every M if a device ever disagreed.
 
 Contract: x [..., K] (last dim contiguous), weight [N, K] contiguous, bias [N]
 or None, one dtype (bf16, fp16 or fp32; fp32 products in IEEE fp32), one CUDA
@@ -40,24 +42,26 @@ BLOCK_K = 64  # every config's: the K blocks fix each output's summation order
 
 
 class GemmConfig(NamedTuple):
-    block_m: int
-    block_n: int
+    block_m: int  # token rows a program (the instruction's column operand)
+    block_n: int  # weight rows a program (its row operand: >= 64 for wgmma)
     warps: int
     stages: int
 
 
-# (largest M, config), by increasing M: big tiles for reuse above decode sizes.
+# (largest M, config), by increasing M. Up to 64 rows a step streams the weight:
+# 16 padded token rows, 64 weight rows, a deep pipeline (deeper for a long K);
+# wide layers take 64 token rows from 17 on (H200, Llama-8B's projections).
+DECODE = GemmConfig(16, 64, 4, 12)
+DECODE_LONG_K = GemmConfig(16, 64, 4, 20)  # K >= 8192: down
+# Prefill: 256 token rows a program once there are enough of them (H200, Llama-8B's
+# projections at 4096 rows: 545-645 TFLOP/s against 500-540 for 128 x 128 and
+# cuBLAS's 630-780; at 512 rows 256-row tiles leave SMs idle).
 CONFIGS: tuple[tuple[int, GemmConfig], ...] = (
+    (64, GemmConfig(64, 64, 4, 12)),
     (256, GemmConfig(64, 128, 4, 4)),
-    (1 << 62, GemmConfig(128, 128, 8, 3)),
+    (1024, GemmConfig(128, 128, 8, 3)),
+    (1 << 62, GemmConfig(256, 128, 8, 3)),
 )
-# Up to 64 rows a step streams the weight: by the weight's shape, enough programs
-# and enough stages in flight (H200, Llama-8B's projections, one row: o and down
-# 2.7 and 3.3 TB/s with 12 stages of narrow tiles, qkv and gate_up 2.9 and 4.0
-# with wider ones, against 2.1-3.3 for one tile for all).
-DECODE_ROWS = 64
-DEEP = GemmConfig(64, 32, 4, 12)  # few output rows or a long K: deep pipelines
-WIDE = GemmConfig(64, 64, 4, 6)
 FIXED_CONFIG: GemmConfig | None = None  # one tile for every M when set
 
 
@@ -74,8 +78,8 @@ def fit_stages(cfg: GemmConfig, elem_bytes: int) -> GemmConfig:
 def pick_config(m: int, n: int, k: int) -> GemmConfig:
     if FIXED_CONFIG is not None:
         return FIXED_CONFIG
-    if m <= DECODE_ROWS:
-        return DEEP if n <= 4096 or k >= 8192 else WIDE
+    if m <= 16 or (m <= 64 and n <= 4096):
+        return DECODE_LONG_K if k >= 8192 else DECODE
     return next(cfg for limit, cfg in CONFIGS if m <= limit)
 
 
@@ -98,13 +102,14 @@ def _matmul_kernel(X, W, B, Y, M, N, K, stride_xm, stride_wn, stride_ym,
     offs_k = tl.arange(0, BLOCK_K_)
     x_rows = X + offs_m[:, None].to(tl.int64) * stride_xm
     w_rows = W + offs_n[:, None].to(tl.int64) * stride_wn
-    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    acc_t = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)  # y.T's tile
     for k0 in range(0, K, BLOCK_K_):
         cols = k0 + offs_k[None, :]
         # Padding rows, columns and K lanes load zeros: exact zero products.
         x = tl.load(x_rows + cols, mask=(offs_m[:, None] < M) & (cols < K), other=0.0)
         w = tl.load(w_rows + cols, mask=(offs_n[:, None] < N) & (cols < K), other=0.0)
-        acc = tl.dot(x, tl.trans(w), acc, input_precision=DOT_PREC)
+        acc_t = tl.dot(w, tl.trans(x), acc_t, input_precision=DOT_PREC)
+    acc = tl.trans(acc_t)
     if HAS_BIAS:
         acc += tl.load(B + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[None, :]
     y_ptr = Y + offs_m[:, None].to(tl.int64) * stride_ym + offs_n[None, :]

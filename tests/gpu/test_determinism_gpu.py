@@ -101,7 +101,7 @@ def test_attention_rows_do_not_depend_on_chunking_batch_or_decode(dtype, heads, 
 
 # ---- GEMM ---------------------------------------------------------------------------
 
-# Each decode tile of invariant_gemm (DEEP by N, DEEP by K, WIDE) and the large-M ones.
+# Each decode tile of invariant_gemm (by K, by N) and the large-M ones.
 GEMM_SHAPES = [(4096, 4096), (1024, 8192), (6144, 1024)] if HAS_CUDA else [(100, 130)]
 
 
@@ -112,13 +112,17 @@ def test_gemm_rows_do_not_depend_on_the_row_count(dtype, n, k):
     from radixlm.layers import invariant_gemm as ig
 
     gen = torch.Generator().manual_seed(0)
-    rows = [1, 2, 8, 63, 64, 65, 256, 257, 1024] if HAS_CUDA else [1, 3, 64, 65, 130]
+    rows = ([1, 2, 8, 17, 32, 63, 64, 65, 256, 257, 1024, 1025, 1500] if HAS_CUDA
+            # The interpreter's dot is numpy's matmul, whose order changes with a
+            # 16-wide operand: there rows are compared within the decode tile.
+            else [1, 3, 16, 130])
     w = (torch.randn(n, k, generator=gen) * 0.02).to(dtype).to(DEV)
     bias = torch.randn(n, generator=gen).to(dtype).to(DEV)
     x = torch.randn(max(rows), k, generator=gen).to(dtype).to(DEV)
     alone = ig.matmul(x[:1], w, bias)
-    for m in rows:  # every config of ig.CONFIGS
-        assert torch.equal(ig.matmul(x[:m], w, bias)[:1], alone), m
+    for m in rows:  # every config pick_config gives for these shapes
+        if HAS_CUDA or m <= 16:
+            assert torch.equal(ig.matmul(x[:m], w, bias)[:1], alone), m
     ref = x.double() @ w.double().T + bias.double()
     tol = 1e-4 if dtype == torch.float32 else 2e-2
     assert (ig.matmul(x, w, bias).double() - ref).abs().max() <= tol * ref.abs().max()
