@@ -1,6 +1,5 @@
 """The small kernels of one MoE decode layer, each beside the rate its bytes allow:
-the router (`fused_topk`) under candidate logits tiles and a candidate FMA-tile
-logits kernel defined here (moved into `topk.py` if it wins), the direct path's down
+the router (`fused_topk`) under candidate logits tiles, the direct path's down
 kernel looped vs one-block (`GemvTiles.hoist`), and the one-row bf16 GEMV tiles
 on the layer's attention projections. Batch 1, dummy bf16 weights of a
 `fused_moe.SHAPES` entry with the attention dims of `moe_decode.SHAPES`.
@@ -11,7 +10,8 @@ on the layer's attention projections. Batch 1, dummy bf16 weights of a
 Why: a single-stream profile of Qwen3-30B-A3B's shape (`decode_profile.py
 --disable-pdl`, 2026-12-03) put the router's logits kernel at 11.3 us a call for
 1 MiB of fp32 weights and the direct down kernel at 14.1 us for 25 MB, both far
-below the copy rate; this names the tile that fixes each, in one run.
+below the copy rate; this names the tile that fixes each, in one run (its first
+run moved the router's logits from a dot to the FMA tile now in `topk.py`).
 
 Each variant: GROUP calls in one CUDA graph, each on other weights (so none sits
 in L2), REPS replays; min / median / max microseconds per call. "roofline" is
@@ -28,7 +28,6 @@ import functools
 
 import torch
 import triton
-import triton.language as tl
 from fused_moe import DEV, DT, SHAPES, copy_rate, time_graph
 from moe_decode import SHAPES as MODEL_SHAPES
 
@@ -38,60 +37,15 @@ from radixlm.layers.moe.triton_ops import topk as TK
 
 GROUP = 16
 LOGITS_TILES = TK.logits_tiles  # the rule the router candidates vary (patched while timed)
-# (BLOCK_E, programs aimed at for one token, BLOCK_K, warps, stages); the first is
-# `topk.logits_tiles` today (32 programs of 32 experts x 256 features).
-ROUTER_TILES = [(32, 32, 64, 4, 3), (32, 128, 64, 4, 3), (16, 128, 64, 4, 3), (16, 128, 64, 2, 2),
-                (16, 64, 64, 4, 3), (16, 128, 64, 4, 1), (16, 128, 32, 2, 1), (16, 256, 32, 4, 2)]
+# (BLOCK_T, BLOCK_E, programs aimed at for one token, BLOCK_K, warps); the first is
+# `topk.logits_tiles` today (128 programs of 8 tokens x 16 experts x 128 features).
+ROUTER_TILES = [(8, 16, 128, 32, 4), (16, 16, 128, 16, 4), (8, 16, 128, 32, 2), (8, 8, 256, 32, 4),
+                (4, 16, 128, 32, 4), (8, 16, 64, 32, 4), (8, 32, 128, 32, 4)]
 # Down (BN, BK, warps, hoist); the first is `pick_gemv_tiles` today.
 DOWN_TILES = [(2, 1024, 4, False), (2, 1024, 4, True), (2, 1024, 8, True), (1, 1024, 4, True),
               (4, 1024, 8, True), (2, 1024, 2, True), (2, 1024, 1, True)]
 GEMV_TILES = [(4, 1024, 4), (2, 1024, 4), (2, 2048, 4), (8, 512, 4), (4, 512, 4), (2, 512, 2),
               (1, 2048, 4), (4, 2048, 4), (8, 1024, 4), (2, 1024, 2)]
-
-
-@triton.jit(do_not_specialize=["T"])
-def _logits_fma_kernel(x_ptr, w_ptr, out_ptr, T, E, H, stride_x, BLOCK_T: tl.constexpr,
-                       BLOCK_E: tl.constexpr, CHUNK_K: tl.constexpr, BLOCK_K: tl.constexpr):
-    """A candidate for `topk._logits_kernel` (same grid, workspace and contract, H a
-    multiple of CHUNK_K): products FMA-ed into a [BLOCK_T, BLOCK_E, BLOCK_K] register
-    tile, one sum over K after the chunk, so neither operand goes through shared
-    memory (the ieee tl.dot's FMA path stages both and reads the weight across
-    rows). Its own fixed order: batch-invariant, not the same bits as the dot."""
-    offs_t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
-    offs_e = tl.program_id(1) * BLOCK_E + tl.arange(0, BLOCK_E)
-    k_lo = tl.program_id(2) * CHUNK_K
-    offs_k = tl.arange(0, BLOCK_K)
-    rows_t = tl.minimum(offs_t, T - 1).to(tl.int64)
-    rows_e = tl.minimum(offs_e, E - 1).to(tl.int64)
-    x_ptrs = x_ptr + rows_t[:, None] * stride_x + k_lo + offs_k[None, :]
-    w_ptrs = w_ptr + rows_e[:, None] * H + k_lo + offs_k[None, :]
-    acc = tl.zeros([BLOCK_T, BLOCK_E, BLOCK_K], dtype=tl.float32)
-    for kk in range(0, CHUNK_K, BLOCK_K):
-        x = tl.load(x_ptrs + kk).to(tl.float32)
-        w = tl.load(w_ptrs + kk)
-        acc += x[:, None, :] * w[None, :, :]
-    out = out_ptr + (tl.program_id(2) * T + offs_t[:, None].to(tl.int64)) * E + offs_e[None, :]
-    tl.store(out, tl.sum(acc, axis=2), mask=(offs_t < T)[:, None] & (offs_e < E)[None, :])
-
-
-def fma_topk(x, weight, top_k, renormalize, round_dtype, tiles):
-    """fused_topk with the candidate logits kernel (one pass, T <= topk.CHUNK_TOKENS)."""
-    t, h = x.shape
-    e = weight.shape[0]
-    splits = triton.cdiv(h, tiles.chunk_k)
-    partials = torch.empty((splits, t, e), dtype=torch.float32, device=x.device)
-    _logits_fma_kernel[(triton.cdiv(t, tiles.block_t), triton.cdiv(e, tiles.block_e), splits)](
-        x, weight, partials, t, e, h, x.stride(0), BLOCK_T=tiles.block_t, BLOCK_E=tiles.block_e,
-        CHUNK_K=tiles.chunk_k, BLOCK_K=tiles.block_k, num_warps=tiles.warps)
-    weights = torch.empty((t, top_k), dtype=torch.float32, device=x.device)
-    ids = torch.empty((t, top_k), dtype=torch.int32, device=x.device)
-    TK._topk(partials, weights, ids, renormalize, TK.ROUND_CODES.get(round_dtype, 0))
-    return weights, ids
-
-
-# (BLOCK_T, BLOCK_E, programs aimed at for one token, BLOCK_K, warps) of the candidate.
-FMA_TILES = [(16, 16, 128, 16, 4), (8, 16, 128, 32, 4), (16, 8, 256, 32, 4), (4, 16, 128, 64, 4),
-             (16, 16, 64, 16, 4), (1, 16, 128, 128, 4), (1, 32, 128, 64, 2)]
 
 
 def fmt(ts: tuple[float, float, float], nbytes: float, rate: float) -> str:
@@ -100,11 +54,11 @@ def fmt(ts: tuple[float, float, float], nbytes: float, rate: float) -> str:
             f"  ({nbytes / rate * 1e6:5.1f} us at the copy rate)")
 
 
-def router_tiles(e: int, h: int, be: int, programs: int, bk: int, warps: int,
-                 stages: int) -> TK.LogitsTiles:
+def router_tiles(e: int, h: int, bt: int, be: int, programs: int, bk: int,
+                 warps: int) -> TK.LogitsTiles:
     """`topk.logits_tiles` (the unpatched one) with a candidate's knobs."""
-    return LOGITS_TILES(e, h, block_e=be, programs=programs, block_k=bk, warps=warps,
-                        stages=stages)
+    return LOGITS_TILES(e, h, block_t=bt, block_e=be, programs=programs, block_k=bk,
+                        warps=warps)
 
 
 def bench_router(e: int, h: int, k: int, rate: float) -> None:
@@ -113,27 +67,17 @@ def bench_router(e: int, h: int, k: int, rate: float) -> None:
     xs = torch.randn(4096, h, device=DEV).to(DT)
     ws = [torch.randn(e, h, device=DEV) * 0.02 for _ in range(GROUP)]
     base = None
-    cands = [("dot", c) for c in ROUTER_TILES] + [("fma", c) for c in FMA_TILES]
-    for kind, cand in cands:
-        if kind == "dot":
-            tiles = router_tiles(e, h, *cand)
-            call = TK.fused_topk
-            label = f"dot {cand[0]:>2} experts x {tiles.chunk_k:>4}"
-        else:
-            bt, be, programs, bk, warps = cand
-            tiles = router_tiles(e, h, be, programs, bk, warps, 1)._replace(block_t=bt)
-            if h % tiles.chunk_k:
-                continue  # the candidate kernel has no K mask
-            call = functools.partial(fma_topk, tiles=tiles)
-            label = f"fma {bt:>2} tok x {be:>2} experts x {tiles.chunk_k:>4}"
+    for cand in ROUTER_TILES:
+        tiles = router_tiles(e, h, *cand)
+        label = f"{tiles.block_t:>2} tok x {tiles.block_e:>2} experts x {tiles.chunk_k:>4}"
         programs = triton.cdiv(e, tiles.block_e) * triton.cdiv(h, tiles.chunk_k)
-        label += f" ({programs:>3} programs), BK {tiles.block_k}, {tiles.warps}w {tiles.stages}st"
+        label += f" ({programs:>3} programs), BK {tiles.block_k}, {tiles.warps}w"
         TK.logits_tiles = lambda e_, h_, tiles=tiles: tiles
         try:
-            ts = time_graph([functools.partial(call, xs[:1], w, k, True, DT) for w in ws])
-            big = time_graph([functools.partial(call, xs, ws[0], k, True, DT)] * 2)
-            w1, i1 = call(xs[:1], ws[0], k, True, DT)
-            wb, ib = call(xs, ws[0], k, True, DT)
+            ts = time_graph([functools.partial(TK.fused_topk, xs[:1], w, k, True, DT) for w in ws])
+            big = time_graph([functools.partial(TK.fused_topk, xs, ws[0], k, True, DT)] * 2)
+            w1, i1 = TK.fused_topk(xs[:1], ws[0], k, True, DT)
+            wb, ib = TK.fused_topk(xs, ws[0], k, True, DT)
         except Exception as err:  # noqa: BLE001 - a tile the compiler refuses
             print(f"  {label}: failed: {str(err).splitlines()[0][:100]}")
             continue

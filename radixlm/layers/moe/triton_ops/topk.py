@@ -15,7 +15,7 @@ layer, more than the experts' own grouped GEMMs.
    (i, j, s) takes BLOCK_T tokens, BLOCK_E experts and the s-th CHUNK_K slice of H,
    and writes those partial dot products to an fp32 workspace [S, T, E]. Splitting H
    as well as E is what gives one decode token enough programs to stream the weight
-   (128 x 2048 fp32 = 1 MiB) at bandwidth: 32 programs there.
+   (128 x 2048 fp32 = 1 MiB) at bandwidth: 128 programs there.
 2. Top-k (`_topk_kernel`), one program per BLOCK_R tokens: the S partials added in
    order of s, softmax, top_k rounds of (max, lowest id holding it), renormalisation,
    rounding, one store of each output tile.
@@ -26,8 +26,9 @@ Contract:
   the Triton interpreter (`TRITON_INTERPRET=1`). Returns fresh contiguous (weights
   [T, top_k] float32, ids [T, top_k] int32); T = 0 returns them empty, launching
   nothing.
-- Numerics: IEEE fp32 products (never TF32); each logit is S partial sums (each an
-  fp32 FMA chain over its chunk of H, as Triton lowers an ieee dot), added in order.
+- Numerics: IEEE fp32 products (never TF32); each logit is S partial sums, added in
+  order; a partial is BLOCK_K fp32 FMA chains over its chunk of H (lane j takes
+  features j, j + BLOCK_K, ...), summed once at the end.
   The exponential is libdevice's expf on CUDA (tl.exp's ex2.approx is a few ulps
   coarser than torch's); probs = exp(l - max) / sum. Rounding is to nearest even, as
   torch's `.to(dtype)`. Not bit-identical to the torch path (cuBLAS and torch's
@@ -66,19 +67,21 @@ from radixlm.layers.pdl import pdl_trigger, pdl_wait
 
 MAX_EXPERTS = 512  # the top-k kernel holds a [BLOCK_R, E rounded up] fp32 register tile
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-# Tokens per pass: bounds the workspace [S, tokens, E] (64 MiB at E 128, H 2048, S 8).
-CHUNK_TOKENS = 16384
+# Tokens per pass: bounds the workspace [S, tokens, E] (64 MiB at E 128, H 2048, S 16).
+CHUNK_TOKENS = 8192
 # The H split is chosen for at least this many logits programs at T = 1, so that one
 # decode token streams the weight from that many SMs (an H200 has 132); each further
 # chunk adds E floats per token to the workspace a prefill writes and rereads.
-# Not tuned on a GPU yet: `logits_tiles` is the one place to retune.
-DECODE_PROGRAMS = 32
+# H200, E 128 / H 2048 (benchmarks/moe_decode_kernels.py): 8 tokens x 16 experts x 128
+# features a program (128 programs) took the router from 16.1 to 8.4 us at one token
+# and from 600 to 332 us at 4096; 32 programs of 32 x 256 on a dot took the 16.1.
+DECODE_PROGRAMS = 128
 MIN_CHUNK_K = 128
 ROUND_CODES = {torch.bfloat16: 1, torch.float16: 2}
 
 
 class LogitsTiles(NamedTuple):
-    block_t: int  # tokens per program: tl.dot's smallest M
+    block_t: int  # tokens per program
     block_e: int
     chunk_k: int  # H per program; the top-k kernel adds the chunks' partials in order
     block_k: int
@@ -86,19 +89,18 @@ class LogitsTiles(NamedTuple):
     stages: int
 
 
-def logits_tiles(num_experts: int, hidden: int, *, block_e: int | None = None,
-                 programs: int = DECODE_PROGRAMS, block_k: int = 64, warps: int = 4,
-                 stages: int = 3) -> LogitsTiles:
+def logits_tiles(num_experts: int, hidden: int, *, block_e: int = 16,
+                 programs: int = DECODE_PROGRAMS, block_k: int = 32, warps: int = 4,
+                 stages: int = 1, block_t: int = 8) -> LogitsTiles:
     """The logits kernel's tiles for weight [num_experts, hidden]: shapes of the layer
     only, never the token count, which keeps every token's sums in one order. H is
     split for about `programs` programs at one token; the keywords are the knobs a
     tuning run (`benchmarks/moe_decode_kernels.py`) sweeps."""
-    block_e = block_e or (32 if num_experts > 16 else 16)
     blocks_e = triton.cdiv(num_experts, block_e)
     splits = max(1, min(triton.cdiv(programs, blocks_e),
                         triton.cdiv(hidden, max(MIN_CHUNK_K, block_k))))
     chunk_k = triton.cdiv(triton.cdiv(hidden, splits), block_k) * block_k
-    return LogitsTiles(16, block_e, chunk_k, block_k, warps, stages)
+    return LogitsTiles(block_t, block_e, chunk_k, block_k, warps, stages)
 
 
 def topk_rows(num_experts: int) -> int:
@@ -200,7 +202,10 @@ def _logits_kernel(x_ptr, w_ptr, out_ptr, T, E, H, stride_x,
     rows_e = tl.minimum(offs_e, E - 1).to(tl.int64)
     x_ptrs = x_ptr + rows_t[:, None] * stride_x + k_lo + offs_k[None, :]
     w_ptrs = w_ptr + rows_e[:, None] * H + k_lo + offs_k[None, :]
-    acc = tl.zeros([BLOCK_T, BLOCK_E], dtype=tl.float32)
+    # Products FMA-ed into a [BLOCK_T, BLOCK_E, BLOCK_K] register tile, one sum over
+    # its K lanes after the chunk: neither operand goes through shared memory (an
+    # ieee tl.dot stages both and reads the weight across rows: 2x slower here).
+    acc = tl.zeros([BLOCK_T, BLOCK_E, BLOCK_K], dtype=tl.float32)
     for kk in range(0, CHUNK_K, BLOCK_K):
         if EVEN_K:
             x = tl.load(x_ptrs + kk)
@@ -210,9 +215,9 @@ def _logits_kernel(x_ptr, w_ptr, out_ptr, T, E, H, stride_x,
             k_ok = (k_lo + kk + offs_k < H)[None, :]
             x = tl.load(x_ptrs + kk, mask=k_ok, other=0.0)
             w = tl.load(w_ptrs + kk, mask=k_ok, other=0.0)
-        acc = tl.dot(x.to(tl.float32), tl.trans(w), acc, input_precision="ieee")
+        acc += x.to(tl.float32)[:, None, :] * w[None, :, :]
     out = out_ptr + (tl.program_id(2) * T + offs_t[:, None].to(tl.int64)) * E + offs_e[None, :]
-    tl.store(out, acc, mask=(offs_t < T)[:, None] & (offs_e < E)[None, :])
+    tl.store(out, tl.sum(acc, axis=2), mask=(offs_t < T)[:, None] & (offs_e < E)[None, :])
 
 
 @triton.jit
