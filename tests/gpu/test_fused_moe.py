@@ -557,8 +557,8 @@ def test_direct_refusals():
 @needs_kernels
 @pytest.mark.parametrize("case", ["random", "remote", "scaled"])
 def test_direct_one_block_down(monkeypatch, case):
-    """The down kernel's one-block form (`GemvTiles(hoist=True)`, taken where K <= BK)
-    against the looped form and the float64 loop: random routing with -1 ids; shared
+    """The down kernel's one-block form (`GemvTiles(hoist=True)`, the default, taken
+    where K <= BK) against the looped form and the float64 loop: random routing with -1 ids; shared
     and remote experts with NaN in every expert not chosen (none is read); FP8-style
     per-channel scales (fp16 weights, fp32 activations: the scale math exactly)."""
     from radixlm.layers.moe.triton_ops import moe_gemv
@@ -582,10 +582,11 @@ def test_direct_one_block_down(monkeypatch, case):
         tw, ti = make_routing(5, 8, 2, "ep", gen)
         kw = dict(w13_scale=s13.contiguous(), w2_scale=s2.contiguous())
         ref = ref_experts(x, d13, d2, tw, ti)
-    assert real(x.shape[0], w2.shape[1], w2.shape[2]).block_k >= w2.shape[2]  # one block
-    looped = fused_experts(x, w13, w2, tw, ti, direct=True, **kw)
-    monkeypatch.setattr(moe_gemv, "pick_gemv_tiles", lambda *a: real(*a)._replace(hoist=True))
+    tiles = real(x.shape[0], w2.shape[1], w2.shape[2])
+    assert tiles.hoist and tiles.block_k >= w2.shape[2]  # the default takes one block
     hoisted = fused_experts(x, w13, w2, tw, ti, direct=True, **kw)
+    monkeypatch.setattr(moe_gemv, "pick_gemv_tiles", lambda *a: real(*a)._replace(hoist=False))
+    looped = fused_experts(x, w13, w2, tw, ti, direct=True, **kw)
     assert torch.isfinite(hoisted).all()
     assert rel_err(hoisted, looped.double()) < TOL[dtype] / 8
     assert rel_err(hoisted, ref) < TOL[dtype]

@@ -13,8 +13,8 @@ top-k in a fourth kernel; here each pair is its own row of work instead:
 2. `_down_kernel`, grid (T, cdiv(H, BN)): token t, output columns c, computes
    w2[e_j, c] @ act[t * k + j] for j = 0..k-1 in that order, skipping invalid ids,
    and sums the pairs' weighted rows itself, so no [T * k, H] buffer is written.
-   Where K fits one BK step and the tiles ask (`GemvTiles.hoist`, opt-in until its
-   GPU tests run), `_down_one_block` loads all k pairs as one tile before any sum.
+   Where K fits one BK step (`GemvTiles.hoist`), `_down_one_block` loads all k
+   pairs as one tile before any sum.
 
 Numerics match the aligned path's rounding points (`grouped_gemm.py`,
 `moe_sum.py`): fp32 sums (FMA into [BN, BK] tiles, reduced once after K); a
@@ -53,8 +53,9 @@ class GemvTiles(NamedTuple):
     block_k: int  # features per loop step
     num_warps: int
     # Down, K <= BK: every pair's loads before one sum (`_down_one_block`; its sm_90
-    # SASS has no barrier between the pairs). Opt-in until its GPU tests have run.
-    hoist: bool = False
+    # SASS has no barrier between the pairs): H200, Qwen3-30B-A3B's layer at one
+    # token, gate/up + down 29.4 -> 24.9 us (benchmarks/moe_decode_kernels.py).
+    hoist: bool = True
 
 
 def pick_gemv_tiles(programs_per_row: int, n: int, k: int) -> GemvTiles:
@@ -66,7 +67,8 @@ def pick_gemv_tiles(programs_per_row: int, n: int, k: int) -> GemvTiles:
     and FMAs in its loop. A one-run sweep on an H200 (Qwen3-30B-A3B, Mixtral-8x7B,
     OLMoE-1B-7B at T = 1 and 2; BN 2-16, BK 256-1024, 2 or 4 warps) put BN 2,
     BK 1024, 4 warps at or within noise of the best for both kernels at T = 1;
-    BN 16 with BK 256 ran up to 1.5x slower. K not a multiple of BK is masked."""
+    BN 16 with BK 256 ran up to 1.5x slower (2 warps and BN 1-4 too, one-block down).
+    K not a multiple of BK is masked."""
     del programs_per_row, n  # kept for tuning by grid size
     # The interpreter runs programs one after another: wider rows keep the CPU tests
     # (which thus run BN 16, the GPU tests BN 2) within their budget.
