@@ -422,3 +422,22 @@ def test_bench_quant_prints_each_method_beside_the_first(aligned, capsys):
     table = capsys.readouterr().out.split("quantization", 1)[1]
     rows = {line.split()[0] for line in table.splitlines()[1:] if line.strip()}
     assert {"none", "fp8"} <= rows
+
+
+def test_bench_quant_perplexity_counts_the_projection_bytes(aligned):
+    """The weights-MB column of `bench quant-perplexity`: every projection's bytes
+    (it printed 0.0 while it looked for the runner where the scheduler no longer
+    keeps it); FP8 codes take a quarter of fp32's."""
+    import radixlm
+    from radixlm.bench.quant_perplexity import linear_weight_bytes
+
+    sizes = {}
+    for q in ("none", "fp8"):
+        with radixlm.Engine(aligned[2], device="cpu", dtype="float32", quantization=q,
+                            skip_tokenizer_init=True, log_level="warning") as e:
+            sizes[q] = linear_weight_bytes(e)
+    config = aligned[0]
+    h, inter, layers = config.hidden_size, config.intermediate_size, config.num_hidden_layers
+    kv = config.num_key_value_heads * (h // config.num_attention_heads)
+    assert sizes["none"] == 4 * layers * (h * (h + 2 * kv) + h * h + 3 * h * inter)
+    assert sizes["none"] // 4 <= sizes["fp8"] < sizes["none"] // 3

@@ -24,6 +24,7 @@ import json
 import shutil
 import tempfile
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -63,6 +64,12 @@ def write_int4(src: str, dst: Path, fmt: str, group: int) -> str:
     return str(dst)
 
 
+def linear_weight_bytes(engine: Any) -> int:
+    """Bytes of the projections' parameters (quantized codes and scales included)."""
+    model = engine.scheduler.worker.runner.model
+    return sum(p.numel() * p.element_size() for n, p in model.named_parameters() if "proj" in n)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="radixlm.bench quant-perplexity",
                                      description=__doc__.split("\n\n")[0])
@@ -90,9 +97,7 @@ def main(argv: list[str] | None = None) -> None:
             kwargs = {**vars(server_args), "model_path": path, "quantization": quantization,
                       "load_format": "auto"}
             with Engine(**kwargs) as engine:
-                runner = getattr(engine.scheduler, "runner", None)
-                nbytes = sum(p.numel() * p.element_size() for n, p in
-                             runner.model.named_parameters() if "proj" in n) if runner else 0
+                nbytes = linear_weight_bytes(engine)
                 tokens, gaps = greedy(engine, PROMPTS, args.new_tokens)
                 results[fmt] = (perplexity(engine, TEXT), tokens, nbytes)
             if torch.cuda.is_available():
