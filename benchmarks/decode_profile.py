@@ -5,6 +5,8 @@ idle time, kernels by kind and by name, host events).
     python benchmarks/decode_profile.py --model-path benchmarks/llama-3.1-8b \
         --load-format dummy --dtype bfloat16 [--quantization fp8] [--steps 40]
     python benchmarks/decode_profile.py --shape qwen3-30b-a3b     # a MoE shape
+    python benchmarks/decode_profile.py --model-path ... --enable-deterministic-inference \
+        --replay-draft 2,3                                       # speculative verify steps
 
 `--shape` takes a config of `moe_decode.SHAPES` (dummy bf16 weights). Under PDL
 (the default on Hopper) a kernel starts while the one before it runs and waits
@@ -46,16 +48,26 @@ def log(*args: object) -> None:
 
 
 def profile_decode(engine, name: str, steps: int = 40, top: int = 8,
-                   prompt_len: int = 128, vocab: int = 32000) -> None:
+                   prompt_len: int = 128, vocab: int = 32000,
+                   replay: tuple[int, int] | None = None) -> None:
     """Trace `steps` single-stream decode steps on every rank and print rank 0's
-    per-step breakdown (`top` kernels by time)."""
+    per-step breakdown (`top` kernels by time). `replay` (k, L): verify steps
+    instead, drafts replayed from a plain run so each verify keeps L - 1 of k
+    (`bench speculative simulated`'s drafter; in-process engines only)."""
     out_dir = tempfile.mkdtemp(prefix="radixlm-prof-")
     greedy = {"temperature": 0.0, "ignore_eos": True}
     g = torch.Generator().manual_seed(3)
     ids = torch.randint(100, vocab - 100, (prompt_len,), generator=g).tolist()
-    engine.generate(input_ids=ids, sampling_params={**greedy, "max_new_tokens": 8})
+    plain = engine.generate(input_ids=ids, sampling_params={
+        **greedy, "max_new_tokens": 8 if replay is None else (steps + 16) * replay[1]})
+    if replay is not None:
+        from radixlm.bench.speculative import ReplayDrafter
+
+        engine.scheduler.drafter = ReplayDrafter(plain["output_ids"], *replay, vocab)
     engine.start_profile(output_dir=out_dir, num_steps=steps)
-    engine.generate(input_ids=ids, sampling_params={**greedy, "max_new_tokens": steps + 16})
+    per_step = 1 if replay is None else replay[1]
+    engine.generate(input_ids=ids, sampling_params={**greedy,
+                                                    "max_new_tokens": (steps + 16) * per_step})
     engine.flush_cache()
     paths: list[str] = []
     for _ in range(100):  # the rank writes the trace when its step count runs out
@@ -127,6 +139,9 @@ def main() -> None:
     p.add_argument("--disable-pdl", action="store_true",
                    help="each kernel's own time: under PDL a kernel's span includes its wait "
                         "for the one before it")
+    p.add_argument("--replay-draft", default=None, metavar="K,L",
+                   help="profile verify steps of k replayed drafts keeping L - 1 each "
+                        "(SIMULATED acceptance)")
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--top", type=int, default=25)
     args = p.parse_args()
@@ -147,8 +162,9 @@ def main() -> None:
         if args.quantization:
             kwargs["quantization"] = args.quantization
         with radixlm.Engine(**kwargs) as engine:
+            replay = tuple(map(int, args.replay_draft.split(","))) if args.replay_draft else None
             profile_decode(engine, args.shape or os.path.basename(path), args.steps, args.top,
-                           vocab=vocab)
+                           vocab=vocab, replay=replay)
 
 
 if __name__ == "__main__":
