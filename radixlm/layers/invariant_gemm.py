@@ -12,7 +12,7 @@ The tile is picked by M (and, at decode sizes, by the weight's shape, which
 is fixed per layer) from `CONFIGS` / `pick_config`. The weight is the tensor
 core's row operand (y.T = W @ x.T): its 64-row side covers weight rows, so a
 decode tile pads the tokens to 16 rows, not 64, and a stage of shared memory
-is mostly weight: at one row an H200 reads Llama-8B's projections at 3.3-4.0
+is mostly weight: at one row an H200 reads Llama-8B's projections at 2.9-4.0
 TB/s of weights with it (benchmarks/invariant_gemm.py; 2.2-3.3 with the tokens
 as the row operand, 3.1-4.3 for our bf16 GEMV). That keeps a row's bits only
 if the tensor-core instruction computes each output from its own row and
