@@ -58,16 +58,16 @@ def profile_decode(engine, name: str, steps: int = 40, top: int = 8,
     greedy = {"temperature": 0.0, "ignore_eos": True}
     g = torch.Generator().manual_seed(3)
     ids = torch.randint(100, vocab - 100, (prompt_len,), generator=g).tolist()
+    # Enough tokens for `steps` traced steps past warm-up, at 1 or L tokens a step.
+    length = (steps + 16) * (1 if replay is None else replay[1])
     plain = engine.generate(input_ids=ids, sampling_params={
-        **greedy, "max_new_tokens": 8 if replay is None else (steps + 16) * replay[1]})
-    if replay is not None:
+        **greedy, "max_new_tokens": 8 if replay is None else length})
+    if replay is not None:  # the warm-up run is the continuation the drafts replay
         from radixlm.bench.speculative import ReplayDrafter
 
         engine.scheduler.drafter = ReplayDrafter(plain["output_ids"], *replay, vocab)
     engine.start_profile(output_dir=out_dir, num_steps=steps)
-    per_step = 1 if replay is None else replay[1]
-    engine.generate(input_ids=ids, sampling_params={**greedy,
-                                                    "max_new_tokens": (steps + 16) * per_step})
+    engine.generate(input_ids=ids, sampling_params={**greedy, "max_new_tokens": length})
     engine.flush_cache()
     paths: list[str] = []
     for _ in range(100):  # the rank writes the trace when its step count runs out
