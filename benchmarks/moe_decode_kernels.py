@@ -41,8 +41,9 @@ LOGITS_TILES = TK.logits_tiles  # the rule the router candidates vary (patched w
 # `topk.logits_tiles` today (128 programs of 8 tokens x 16 experts x 128 features).
 ROUTER_TILES = [(8, 16, 128, 32, 4), (16, 16, 128, 16, 4), (8, 16, 128, 32, 2), (8, 8, 256, 32, 4),
                 (4, 16, 128, 32, 4), (8, 16, 64, 32, 4), (8, 32, 128, 32, 4)]
-# Down (BN, BK, warps, hoist); the first is `pick_gemv_tiles` today.
-DOWN_TILES = [(2, 1024, 4, False), (2, 1024, 4, True), (2, 1024, 8, True), (1, 1024, 4, True),
+# Down (BN, BK, warps, hoist); the first is `pick_gemv_tiles` today (one block where
+# K <= BK), the second the looped form it replaced.
+DOWN_TILES = [(2, 1024, 4, True), (2, 1024, 4, False), (2, 1024, 8, True), (1, 1024, 4, True),
               (4, 1024, 8, True), (2, 1024, 2, True), (2, 1024, 1, True)]
 GEMV_TILES = [(4, 1024, 4), (2, 1024, 4), (2, 2048, 4), (8, 512, 4), (4, 512, 4), (2, 512, 2),
               (1, 2048, 4), (4, 2048, 4), (8, 1024, 4), (2, 1024, 2)]
