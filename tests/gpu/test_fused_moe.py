@@ -558,9 +558,10 @@ def test_direct_refusals():
 @pytest.mark.parametrize("case", ["random", "remote", "scaled"])
 def test_direct_one_block_down(monkeypatch, case):
     """The down kernel's one-block form (`GemvTiles(hoist=True)`, the default, taken
-    where K <= BK) against the looped form and the float64 loop: random routing with -1 ids; shared
-    and remote experts with NaN in every expert not chosen (none is read); FP8-style
-    per-channel scales (fp16 weights, fp32 activations: the scale math exactly)."""
+    where K <= BK) against the looped form and the float64 loop: random routing with
+    -1 ids; shared and remote experts with NaN in every expert not chosen (none is
+    read); FP8-style per-channel scales (fp16 weights, fp32 activations: the scale
+    math exactly)."""
     from radixlm.layers.moe.triton_ops import moe_gemv
     from radixlm.layers.moe.triton_ops.fused_moe import fused_experts
 
