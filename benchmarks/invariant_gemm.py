@@ -64,6 +64,7 @@ def timed(fn, weights: list[torch.Tensor]) -> float:
 
 
 def fixed(cfg: ig.GemmConfig, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x @ w.T on tile cfg, whatever pick_config would take."""
     ig.FIXED_CONFIG = cfg
     try:
         return ig.matmul(x, w)
@@ -137,11 +138,7 @@ def main() -> None:
                 print(" | ".join(["shape", "rows", "GEMV / cuBLAS"] + [label(c) for c in cands]))
             for cfg in cands:
                 ok = invariant_rows(cfg, x, weights[0])
-                ig.FIXED_CONFIG = cfg
-                try:
-                    us = timed(lambda w, x=x: ig.matmul(x, w), weights)
-                finally:
-                    ig.FIXED_CONFIG = None
+                us = timed(lambda w, x=x, cfg=cfg: fixed(cfg, x, w), weights)
                 cells.append(f"{us:.1f} ({nbytes / us / 1e6:.2f}){'' if ok else ' !'}")
             print(" | ".join([name, str(m)] + cells), flush=True)
         del weights
