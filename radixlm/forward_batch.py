@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from radixlm.utils import to_device
+from radixlm.utils import ints_to_device, to_device
 
 if TYPE_CHECKING:
     from radixlm.cache.memory_pool import KVPool, ReqToTokenPool
@@ -114,6 +114,9 @@ class ForwardBatch:
     captured: list[torch.Tensor] = field(default_factory=list)
     _parts: tuple[ForwardBatch, ForwardBatch] | None = None
     _verify_view: ForwardBatch | None = None
+    # Verify, from `build`: the decode view's request slots, sequence lengths, ones
+    # and row numbers per row (else computed on the device).
+    _view_rows: tuple[torch.Tensor, ...] | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -141,25 +144,29 @@ class ForwardBatch:
         Backends attend it with their decode path; made once."""
         assert self.mode.is_verify(), "verify_decode_view of a batch that is not a verify"
         if self._verify_view is None:
-            lens = torch.tensor(self.extend_seq_lens_cpu, dtype=torch.int64)
-            rows = torch.repeat_interleave(torch.arange(self.batch_size), lens)
             positions_cpu = _verify_positions(self.extend_prefix_lens_cpu,
                                               self.extend_seq_lens_cpu, self.tree)
             seq_lens_cpu = [p + 1 for p in positions_cpu]
             n = self.num_tokens
-            seq_lens = self.positions + 1
-            device = self.positions.device
             pool = self.req_to_token_pool
-            req_pool_indices = self.req_pool_indices[to_device(rows, device)]
+            if self._view_rows is not None:
+                req_pool_indices, seq_lens, ones, row_ids = self._view_rows
+            else:
+                device = self.positions.device
+                lens = torch.tensor(self.extend_seq_lens_cpu, dtype=torch.int64)
+                rows = torch.repeat_interleave(torch.arange(self.batch_size), lens)
+                req_pool_indices = self.req_pool_indices[to_device(rows, device)]
+                seq_lens = self.positions + 1
+                ones, row_ids = torch.ones_like(seq_lens), torch.arange(n, device=device)
             if self.tree is not None:
                 pool = _PathTable(self._tree_table(req_pool_indices, seq_lens_cpu))
-                req_pool_indices = torch.arange(n, device=device)
+                req_pool_indices = row_ids
             self._verify_view = ForwardBatch(
                 mode=ForwardMode.DECODE, batch_size=n, input_ids=self.input_ids,
                 positions=self.positions, req_pool_indices=req_pool_indices,
                 seq_lens=seq_lens, out_cache_loc=self.out_cache_loc,
-                extend_seq_lens=torch.ones_like(seq_lens), extend_prefix_lens=self.positions,
-                extend_start_loc=torch.arange(n, device=device),
+                extend_seq_lens=ones, extend_prefix_lens=self.positions,
+                extend_start_loc=row_ids,
                 seq_lens_cpu=seq_lens_cpu, extend_seq_lens_cpu=[1] * n,
                 extend_prefix_lens_cpu=[s - 1 for s in seq_lens_cpu],
                 req_to_token_pool=pool, token_to_kv_pool=self.token_to_kv_pool,
@@ -223,22 +230,28 @@ class ForwardBatch:
             starts.append(acc)
             acc += e
 
-        def t(x: list[int]) -> torch.Tensor:
-            return to_device(torch.tensor(x, dtype=torch.int64), device)
-
         if logit_rows is None:
             logit_rows = (list(range(len(positions))) if mode.is_verify()
                           else [s + e - 1 for s, e in zip(starts, extend_lens)])
-        return cls(
-            mode=mode, batch_size=len(req_pool_indices), input_ids=t(input_ids),
-            positions=t(positions), req_pool_indices=t(req_pool_indices), seq_lens=t(seq_lens),
-            out_cache_loc=to_device(out_cache_loc, device),
-            extend_seq_lens=t(extend_lens), extend_prefix_lens=t(prefix_lens),
-            extend_start_loc=t(starts), seq_lens_cpu=seq_lens, extend_seq_lens_cpu=extend_lens,
+        parts: list[Any] = [input_ids, positions, req_pool_indices, seq_lens, extend_lens,
+                            prefix_lens, starts, logit_rows, out_cache_loc]
+        if mode.is_verify():  # the decode view's own rows, in the same copy
+            n = len(positions)
+            parts += [[r for r, e in zip(req_pool_indices, extend_lens) for _ in range(e)],
+                      [p + 1 for p in positions], [1] * n, list(range(n))]
+        dev = ints_to_device(parts, device)
+        fb = cls(
+            mode=mode, batch_size=len(req_pool_indices), input_ids=dev[0], positions=dev[1],
+            req_pool_indices=dev[2], seq_lens=dev[3], out_cache_loc=dev[8],
+            extend_seq_lens=dev[4], extend_prefix_lens=dev[5], extend_start_loc=dev[6],
+            seq_lens_cpu=seq_lens, extend_seq_lens_cpu=extend_lens,
             extend_prefix_lens_cpu=prefix_lens, req_to_token_pool=req_to_token_pool,
             token_to_kv_pool=token_to_kv_pool, attn_backend=attn_backend,
-            logit_rows=t(logit_rows),
+            logit_rows=dev[7],
             num_extend=len(extend_lens) if num_extend is None else num_extend, tree=tree)
+        if mode.is_verify():
+            fb._view_rows = tuple(dev[9:])
+        return fb
 
 
 class _PathTable:

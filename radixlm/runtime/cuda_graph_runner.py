@@ -58,11 +58,11 @@ class CudaGraphRunner:
         self.max_bs = self.sizes[-1]
         dev = runner.device
         n = self.max_bs
-        self.input_ids = torch.zeros(n, dtype=torch.int64, device=dev)
-        self.positions = torch.zeros(n, dtype=torch.int64, device=dev)
-        self.req_pool_indices = torch.zeros(n, dtype=torch.int64, device=dev)
-        self.seq_lens = torch.zeros(n, dtype=torch.int64, device=dev)
-        self.out_cache_loc = torch.zeros(n, dtype=torch.int64, device=dev)
+        # The graphs' inputs, rows of one buffer so a replay fills them in one copy
+        # (an even row length keeps every row 16-byte aligned).
+        self.static = torch.zeros(5, n + n % 2, dtype=torch.int64, device=dev)
+        (self.input_ids, self.positions, self.req_pool_indices, self.seq_lens,
+         self.out_cache_loc) = (row[:n] for row in self.static)
         self.rows = torch.arange(n, dtype=torch.int64, device=dev)
         table = runner.req_to_token_pool
         # Tree verifies of up to this many rows replay: as many as there are spare
@@ -130,17 +130,11 @@ class CudaGraphRunner:
             fb = fb.verify_decode_view()
         bs = fb.batch_size
         padded = self.sizes[bisect.bisect_left(self.sizes, bs)]
-        if padded > bs:
-            self.seq_lens[bs:padded].zero_()
-            self.out_cache_loc[bs:padded].zero_()
-            self.input_ids[bs:padded].zero_()
-            self.positions[bs:padded].zero_()
-        self.input_ids[:bs].copy_(fb.input_ids, non_blocking=True)
-        self.positions[:bs].copy_(fb.positions, non_blocking=True)
-        self.req_pool_indices[:bs].copy_(self._path_rows(fb) if caller.tree is not None
-                                         else fb.req_pool_indices, non_blocking=True)
-        self.seq_lens[:bs].copy_(fb.seq_lens, non_blocking=True)
-        self.out_cache_loc[:bs].copy_(fb.out_cache_loc, non_blocking=True)
+        if padded > bs:  # padded rows: length 0, K/V to slot 0, request slot 0
+            self.static[:, bs:padded].zero_()
+        pools = self._path_rows(fb) if caller.tree is not None else fb.req_pool_indices
+        self.static[:, :bs].copy_(torch.stack(
+            [fb.input_ids, fb.positions, pools, fb.seq_lens, fb.out_cache_loc]))
         self.runner.attn_backend.init_forward_metadata_cuda_graph(
             padded, self.req_pool_indices[:padded], self.seq_lens[:padded],
             prefix_groups=groups if self.cascade else None)

@@ -19,7 +19,7 @@ import torch
 from radixlm.cache.base import PrefixCache
 from radixlm.cache.memory_pool import KVPool, ReqToTokenPool
 from radixlm.scheduler.req import Req
-from radixlm.utils import to_device
+from radixlm.utils import ints_to_device, to_device
 
 
 class KVManager:
@@ -86,12 +86,10 @@ class KVManager:
         host-to-device copy per request."""
         counts = counts or [1] * len(reqs)
         table = self.req_to_token_pool.req_to_token
-        rows = torch.tensor([r.req_pool_idx for r, n in zip(reqs, counts) for _ in range(n)],
-                            dtype=torch.int64)
-        cols = torch.tensor([r.kv_len + j for r, n in zip(reqs, counts) for j in range(n)],
-                            dtype=torch.int64)
-        dev = table.device
-        table[to_device(rows, dev), to_device(cols, dev)] = to_device(slots, dev, torch.int32)
+        rows = [r.req_pool_idx for r, n in zip(reqs, counts) for _ in range(n)]
+        cols = [r.kv_len + j for r, n in zip(reqs, counts) for j in range(n)]
+        rows_d, cols_d, slots_d = ints_to_device([rows, cols, slots], table.device)
+        table[rows_d, cols_d] = slots_d.to(torch.int32)
         gone = [self._window_gone(r, r.kv_len) for r in reqs] if self.kv_pool.window else []
         flat, at = slots.tolist(), 0
         for r, n in zip(reqs, counts):

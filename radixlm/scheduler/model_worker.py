@@ -51,7 +51,7 @@ from radixlm.scheduler.token_table import TokenTable
 from radixlm.speculative import check_target, create_drafter, tree
 from radixlm.speculative.model_drafter import ModelDrafter
 from radixlm.speculative.rejection import token_logprobs, verify_sampled
-from radixlm.utils import to_device
+from radixlm.utils import ints_to_device, to_device
 
 
 @dataclass(frozen=True)
@@ -421,18 +421,24 @@ class ModelWorker:
         """Write the sampled tokens into the token table; for a verify batch (`kept`:
         each request's tokens and how many it keeps) return the counts (on the device)."""
         idx = [i for i in range(batch.batch_size) if batch.sample[i]]
-        sel = to_device(torch.tensor(idx, dtype=torch.int64), self.device)
-        slots = fb.req_pool_indices[sel]
+        # Every request samples in decode and verify steps: no index to copy over.
+        sel = None if len(idx) == batch.batch_size else \
+            to_device(torch.tensor(idx, dtype=torch.int64), self.device)
+
+        def pick(t: torch.Tensor, lo: int = 0, hi: int | None = None) -> torch.Tensor:
+            return t[lo:hi] if sel is None else t[sel[lo:hi]]
+
+        slots = pick(fb.req_pool_indices)
         if kept is not None:
             tokens, counts = kept
-            self.tokens.write_steps(slots, fb.extend_prefix_lens[sel], tokens, counts)
+            self.tokens.write_steps(slots, pick(fb.extend_prefix_lens), tokens, counts)
             return counts
         n_ext = sum(1 for i in idx if i < batch.num_extend)
         if n_ext:  # prefill rows: the token after each request's last input
-            last = (fb.extend_prefix_lens + fb.extend_seq_lens)[sel[:n_ext]]
+            last = pick(fb.extend_prefix_lens + fb.extend_seq_lens, 0, n_ext)
             self.tokens.write_extend(slots[:n_ext], last, sampled[:n_ext])
         if n_ext < len(idx):  # decode rows
-            self.tokens.write_steps(slots[n_ext:], fb.extend_prefix_lens[sel[n_ext:]],
+            self.tokens.write_steps(slots[n_ext:], pick(fb.extend_prefix_lens, n_ext),
                                     sampled[n_ext:, None])
         return None
 
@@ -530,9 +536,10 @@ def _accept_drafts(batch: ScheduleBatch, sampled: torch.Tensor, device: torch.de
         index.append([offset + min(j, k) for j in range(width)])
         padded.append(drafts + [-1] * (width - 1 - k))  # -1 never matches
         offset += k + 1
-    index_t = to_device(torch.tensor(index, dtype=torch.int64), device)
-    drafts_t = to_device(torch.tensor(padded, dtype=torch.int64).view(len(lens), width - 1),
-                         device)
+    flat_index, flat_drafts = ints_to_device([[i for row in index for i in row],
+                                              [t for row in padded for t in row]], device)
+    index_t = flat_index.view(len(lens), width)
+    drafts_t = flat_drafts.view(len(lens), width - 1)
     tokens = sampled[index_t]
     agree = (tokens[:, :-1] == drafts_t).to(torch.int64).cumprod(dim=1).sum(dim=1)
     return tokens, agree + 1
