@@ -121,23 +121,25 @@ class SamplingBatchInfo:
                                                       stop_token_ids))
         greedy = [p.is_greedy for p in params]
         top_ks = [_effective_top_k(p, vocab_size) for p in params]
-        floats = torch.tensor([[1.0 if g else p.temperature, p.top_p, p.min_p]
-                               for p, g in zip(params, greedy, strict=True)],
-                              dtype=torch.float32)
+        # One row per field, so each field is a contiguous view (no device copies);
+        # rows of a multiple of 4 keep each field's start 16-byte aligned (Triton).
+        pad = [0] * (-bs % 4)
+        floats = torch.tensor([[1.0 if g else p.temperature for p, g in zip(params, greedy)]
+                               + pad, [p.top_p for p in params] + pad,
+                               [p.min_p for p in params] + pad], dtype=torch.float32)
         # Greedy rows draw no noise: skip their (host-side) key hashing.
-        ints = torch.tensor([[k, _to_int64(s), st, 0 if g else noise_key(s, st)]
-                             for k, s, st, g in zip(top_ks, seeds, steps, greedy, strict=True)],
+        ints = torch.tensor([top_ks + pad, [_to_int64(s) for s in seeds] + pad, steps + pad,
+                             [0 if g else noise_key(s, st)
+                              for s, st, g in zip(seeds, steps, greedy, strict=True)] + pad],
                             dtype=torch.int64)
-        floats, ints = to_device(floats, device), to_device(ints, device)
+        floats, ints = to_device(floats, device)[:, :bs], to_device(ints, device)[:, :bs]
         sampled = [i for i in range(bs) if not greedy[i]]
         filtered = [j for j, i in enumerate(sampled)
                     if top_ks[i] < vocab_size or params[i].top_p < 1.0]
         info = cls(
             vocab_size=vocab_size,
-            temperatures=floats[:, 0:1], top_ps=floats[:, 1].contiguous(),
-            top_ks=ints[:, 0].contiguous(), min_ps=floats[:, 2].contiguous(),
-            seeds=ints[:, 1].contiguous(), steps=ints[:, 2].contiguous(),
-            noise_keys=ints[:, 3].contiguous(),
+            temperatures=floats[0][:, None], top_ps=floats[1], top_ks=ints[0],
+            min_ps=floats[2], seeds=ints[1], steps=ints[2], noise_keys=ints[3],
             is_all_greedy=not sampled,
             need_top_p=any(params[sampled[j]].top_p < 1.0 for j in filtered),
             need_top_k=any(top_ks[sampled[j]] < vocab_size for j in filtered),
@@ -426,7 +428,11 @@ def _to_int64(seed: int) -> int:
 
 
 def _index_or_none(rows: list[int], n: int, device: torch.device | str) -> Tensor | None:
-    return None if len(rows) == n else to_device(torch.tensor(rows, dtype=torch.int64), device)
+    if len(rows) == n:
+        return None
+    if not rows:  # made where it lives: no host-to-device copy for nothing
+        return torch.empty(0, dtype=torch.int64, device=device)
+    return to_device(torch.tensor(rows, dtype=torch.int64), device)
 
 
 def _column(values: list[float], device: torch.device | str) -> Tensor:
