@@ -34,12 +34,12 @@ SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096),
 C = ig.GemmConfig
 CANDIDATES = [ig.DECODE, ig.DECODE_LONG_K, C(16, 64, 4, 8), C(16, 64, 4, 16), C(32, 64, 4, 16),
               C(64, 64, 4, 12), C(16, 128, 8, 10)]
-# Batched decode (65-256 rows, e.g. offline decode at batch 256): the tile in use
-# (ig.CONFIGS' second), then more programs (narrower weight tiles) and deeper ones.
-MID = [ig.CONFIGS[1][1], C(128, 128, 8, 3), C(64, 64, 4, 8), C(128, 64, 4, 4), C(32, 128, 4, 6),
-       C(64, 128, 4, 6)]
-# Large-M tiles: the two in use (ig.CONFIGS' last), then wider and deeper ones.
-LARGE = [ig.CONFIGS[-2][1], ig.CONFIGS[-1][1], C(128, 128, 8, 4), C(128, 256, 8, 3),
+# Batched decode (65-256 rows, e.g. offline decode at batch 256): the tiles in use
+# (ig.BATCHED, pick_config's choice among them by programs), then the single tile
+# used before them, others wider, deeper and taller.
+MID = [*ig.BATCHED, C(64, 128, 4, 4), C(128, 64, 8, 4), C(64, 128, 4, 6), C(256, 64, 8, 3)]
+# Large-M tiles: the two in use (ig.CONFIGS), then wider and deeper ones.
+LARGE = [ig.CONFIGS[0][1], ig.CONFIGS[1][1], C(128, 128, 8, 4), C(128, 256, 8, 3),
          C(128, 128, 4, 4), C(64, 256, 8, 4)]
 CALLS = 32
 
@@ -73,11 +73,11 @@ def fixed(cfg: ig.GemmConfig, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 
 def invariant_rows(cfg: ig.GemmConfig, x: torch.Tensor, w: torch.Tensor) -> bool:
-    """Whether cfg's rows equal the same rows inside 128- and 512-row products (the
-    tiles pick_config gives there)."""
+    """Whether cfg's rows equal the same rows inside two larger products (at least
+    128 and 512 rows: the tiles pick_config gives there)."""
     m = x.shape[0]
     small = fixed(cfg, x, w)
-    for rows in (128, 512):
+    for rows in sorted({max(128, 2 * m), max(512, 4 * m)}):
         rest = torch.randn(rows - m, x.shape[1], device=x.device, dtype=x.dtype)
         if not torch.equal(ig.matmul(torch.cat([x, rest]), w)[:m], small):
             return False

@@ -48,17 +48,25 @@ class GemmConfig(NamedTuple):
     stages: int
 
 
-# (largest M, config), by increasing M. Up to 64 rows a step streams the weight:
-# 16 padded token rows, 64 weight rows, a deep pipeline (deeper for a long K);
-# wide layers take 64 token rows from 17 on (H200, Llama-8B's projections).
+# Up to 64 rows a step streams the weight: 16 padded token rows, 64 weight rows, a
+# deep pipeline (deeper for a long K); wide layers take 64 token rows from 17 on
+# (H200, Llama-8B's projections).
 DECODE = GemmConfig(16, 64, 4, 12)
 DECODE_LONG_K = GemmConfig(16, 64, 4, 20)  # K >= 8192: down
+NARROW_MAX_N = 4096
+NARROW = GemmConfig(64, 64, 4, 12)  # 17-64 rows where N > NARROW_MAX_N
+# Batched decode (65-256 rows): the largest of these tiles that still gives most of
+# a wave of programs (an H200 has 132 SMs). At 128 / 256 rows on Llama-8B's
+# projections (qkv, o, gate_up, down; us, cuBLAS 16.3 / 14.1 / 65.7 / 36.6 at 128):
+# 21.8 / 15.0 / 73.2 / 43.9 and 32.1 / 20.5 / 129.2 / 65.5, against one 64 x 128
+# tile for all, 27.4 / 25.2 / 80.0 / 80.9 and 36.5 / 25.5 / 149.1 / 81.7.
+BATCHED = (GemmConfig(128, 128, 8, 4), GemmConfig(128, 64, 8, 6), NARROW)
+BATCHED_MAX_M = 256
+MIN_PROGRAMS = 96
 # Prefill: 256 token rows a program once there are enough of them (H200, Llama-8B's
 # projections at 4096 rows: 545-645 TFLOP/s against 500-540 for 128 x 128 and
-# cuBLAS's 630-780; at 512 rows 256-row tiles leave SMs idle).
+# cuBLAS's 630-780; at 512 rows 256-row tiles leave SMs idle). (largest M, config).
 CONFIGS: tuple[tuple[int, GemmConfig], ...] = (
-    (64, GemmConfig(64, 64, 4, 12)),
-    (256, GemmConfig(64, 128, 4, 4)),
     (1024, GemmConfig(128, 128, 8, 3)),
     (1 << 62, GemmConfig(256, 128, 8, 3)),
 )
@@ -78,9 +86,17 @@ def fit_stages(cfg: GemmConfig, elem_bytes: int) -> GemmConfig:
 def pick_config(m: int, n: int, k: int) -> GemmConfig:
     if FIXED_CONFIG is not None:
         return FIXED_CONFIG
-    if m <= 16 or (m <= 64 and n <= 4096):
+    if m <= 16 or (m <= 64 and n <= NARROW_MAX_N):
         return DECODE_LONG_K if k >= 8192 else DECODE
+    if m <= 64:
+        return NARROW
+    if m <= BATCHED_MAX_M:
+        return next((c for c in BATCHED if programs(c, m, n) >= MIN_PROGRAMS), BATCHED[-1])
     return next(cfg for limit, cfg in CONFIGS if m <= limit)
+
+
+def programs(cfg: GemmConfig, m: int, n: int) -> int:
+    return triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
 
 
 @triton.jit
@@ -132,7 +148,7 @@ def matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     if m == 0:
         return y.view(*x.shape[:-1], n)
     cfg = fit_stages(pick_config(m, n, k), x.element_size())
-    grid = (triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n),)
+    grid = (programs(cfg, m, n),)
     _matmul_kernel[grid](
         x2, weight, bias if bias is not None else weight, y, m, n, k, x2.stride(0),
         weight.stride(0), y.stride(0), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,

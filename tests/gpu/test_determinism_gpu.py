@@ -112,7 +112,7 @@ def test_gemm_rows_do_not_depend_on_the_row_count(dtype, n, k):
     from radixlm.layers import invariant_gemm as ig
 
     gen = torch.Generator().manual_seed(0)
-    rows = ([1, 2, 8, 17, 32, 63, 64, 65, 256, 257, 1024, 1025, 1500] if HAS_CUDA
+    rows = ([1, 2, 8, 17, 32, 63, 64, 65, 128, 129, 256, 257, 1024, 1025, 1500] if HAS_CUDA
             # The interpreter's dot is numpy's matmul, whose order changes with a
             # 16-wide operand: there rows are compared within the decode tile.
             else [1, 3, 16, 130])
