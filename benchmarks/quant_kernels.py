@@ -4,6 +4,7 @@ Llama-3.1-8B projection shapes (tp 1), at 1, 8, 64 and 4096 rows.
     python benchmarks/quant_kernels.py                 # the table (~1 min on an H200)
     python benchmarks/quant_kernels.py --rows 1,8      # fewer rows
     python benchmarks/quant_kernels.py --sweep         # GEMV configs at one row (~2 min)
+    python benchmarks/quant_kernels.py --gemm-sweep    # W8A8 GEMM tiles, 256 and 4096 rows
 
 Each variant runs 64 back-to-back calls in one CUDA graph, replayed 10 times
 (median, time / 64), with weights rotating through copies of >= 256 MiB so
@@ -168,14 +169,50 @@ def sweep() -> None:
         torch.cuda.empty_cache()
 
 
+GEMM_CANDIDATES = [F8.GemmConfig(*c) for c in
+                   [(128, 128, 128, 8, 4), (128, 256, 128, 8, 3), (256, 128, 128, 8, 3),
+                    (128, 128, 128, 4, 4), (128, 128, 128, 8, 3), (128, 256, 64, 8, 4),
+                    (64, 256, 128, 8, 3), (128, 128, 64, 8, 5)]]
+
+
+def gemm_sweep(rows: list[int]) -> None:
+    """Graph time of W8A8 GEMM tiles (per-channel scales, activations quantized
+    beforehand, as the scaled_mm peer's are) beside torch._scaled_mm and bf16
+    cuBLAS: what pick_gemm_config should say at prefill sizes."""
+    for name, k, n in SHAPES:
+        for m in rows:
+            xqs = F8.quantize_activations(torch.randn(m, k, device=DEV).bfloat16())
+            ws = copies(lambda n=n, k=k: fp8_weights(n, k, False), n * k)
+            flop = 2 * m * n * k
+            peer = time_graph(lambda x, w: torch._scaled_mm(
+                x[0], w[0].t(), scale_a=x[1], scale_b=w[1].view(1, -1),
+                out_dtype=torch.bfloat16), xqs, ws)
+            x16 = torch.randn(m, k, device=DEV).bfloat16()
+            bf16 = time_graph(lambda x, w: F.linear(x, w),
+                              x16, copies(lambda n=n, k=k: torch.randn(
+                                  n, k, device=DEV).bfloat16(), 2 * n * k))
+            cells = [f"scaled_mm {flop / peer / 1e12:.0f}", f"bf16 {flop / bf16 / 1e12:.0f}"]
+            for c in GEMM_CANDIDATES:
+                t = time_graph(lambda x, w, c=c: F8.fp8_gemm(
+                    x[0], x[1], w[0], w[1], 0, 1, None, torch.bfloat16, config=c), xqs, ws)
+                cells.append(f"{'x'.join(map(str, c[:5]))} {flop / t / 1e12:.0f}")
+            print(f"{name:<8}{m:>6} TFLOP/s: " + " | ".join(cells), flush=True)
+            del ws
+            torch.cuda.empty_cache()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rows", default="1,8,64,4096")
     parser.add_argument("--sweep", action="store_true")
+    parser.add_argument("--gemm-sweep", action="store_true")
     args = parser.parse_args()
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}")
     if args.sweep:
         sweep()
+    elif args.gemm_sweep:
+        gemm_sweep([int(r) for r in args.rows.split(",")] if args.rows != "1,8,64,4096"
+                   else [256, 4096])
     else:
         table([int(r) for r in args.rows.split(",")])
 
