@@ -115,7 +115,7 @@ class ForwardBatch:
     _parts: tuple[ForwardBatch, ForwardBatch] | None = None
     _verify_view: ForwardBatch | None = None
     # Verify, from `build`: the decode view's request slots, sequence lengths, ones
-    # and row numbers per row (else computed on the device).
+    # and row numbers per row (every verify batch is built there).
     _view_rows: tuple[torch.Tensor, ...] | None = None
 
     @property
@@ -149,15 +149,8 @@ class ForwardBatch:
             seq_lens_cpu = [p + 1 for p in positions_cpu]
             n = self.num_tokens
             pool = self.req_to_token_pool
-            if self._view_rows is not None:
-                req_pool_indices, seq_lens, ones, row_ids = self._view_rows
-            else:
-                device = self.positions.device
-                lens = torch.tensor(self.extend_seq_lens_cpu, dtype=torch.int64)
-                rows = torch.repeat_interleave(torch.arange(self.batch_size), lens)
-                req_pool_indices = self.req_pool_indices[to_device(rows, device)]
-                seq_lens = self.positions + 1
-                ones, row_ids = torch.ones_like(seq_lens), torch.arange(n, device=device)
+            assert self._view_rows is not None, "a verify batch not made by build"
+            req_pool_indices, seq_lens, ones, row_ids = self._view_rows
             if self.tree is not None:
                 pool = _PathTable(self._tree_table(req_pool_indices, seq_lens_cpu))
                 req_pool_indices = row_ids
