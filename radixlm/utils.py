@@ -116,7 +116,8 @@ def ints_to_device(parts: Sequence[Sequence[int] | torch.Tensor],
             flat.append(0)  # int64 pairs: 16-byte aligned starts
         spans.append((i, len(p)))
     pin = device.type == "cuda"
-    host = torch.tensor(flat, dtype=torch.int64, pin_memory=pin)
+    # Pinned once: here, or after the long tensors join the lists' values.
+    host = torch.tensor(flat, dtype=torch.int64, pin_memory=pin and not big)
     if big:
         pieces = [host]
         for i, t in big:

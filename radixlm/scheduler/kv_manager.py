@@ -88,10 +88,10 @@ class KVManager:
         table = self.req_to_token_pool.req_to_token
         rows = [r.req_pool_idx for r, n in zip(reqs, counts) for _ in range(n)]
         cols = [r.kv_len + j for r, n in zip(reqs, counts) for j in range(n)]
-        rows_d, cols_d, slots_d = ints_to_device([rows, cols, slots], table.device)
+        flat, at = slots.tolist(), 0
+        rows_d, cols_d, slots_d = ints_to_device([rows, cols, flat], table.device)
         table[rows_d, cols_d] = slots_d.to(torch.int32)
         gone = [self._window_gone(r, r.kv_len) for r in reqs] if self.kv_pool.window else []
-        flat, at = slots.tolist(), 0
         for r, n in zip(reqs, counts):
             r.slots += flat[at:at + n]
             r.kv_len += n
