@@ -203,7 +203,8 @@ def gemm_sweep(rows: list[int]) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--rows", default="1,8,64,4096")
+    parser.add_argument("--rows", default=None,
+                        help="comma-separated (default 1,8,64,4096; --gemm-sweep 256,4096)")
     parser.add_argument("--sweep", action="store_true")
     parser.add_argument("--gemm-sweep", action="store_true")
     args = parser.parse_args()
@@ -211,10 +212,9 @@ def main() -> None:
     if args.sweep:
         sweep()
     elif args.gemm_sweep:
-        gemm_sweep([int(r) for r in args.rows.split(",")] if args.rows != "1,8,64,4096"
-                   else [256, 4096])
+        gemm_sweep([int(r) for r in (args.rows or "256,4096").split(",")])
     else:
-        table([int(r) for r in args.rows.split(",")])
+        table([int(r) for r in (args.rows or "1,8,64,4096").split(",")])
 
 
 if __name__ == "__main__":
