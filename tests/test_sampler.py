@@ -50,8 +50,7 @@ def build(params: list[SP], seeds: list[int] | None = None, steps: list[int] | N
 
 
 def sample(logits: torch.Tensor, info: SamplingBatchInfo) -> list[int]:
-    device = info.seeds.device
-    return Sampler()(logits.to(device), info).next_token_ids.tolist()
+    return Sampler()(logits.to(info.device), info).next_token_ids.tolist()
 
 
 # ---- greedy, bias, penalties, min_new_tokens --------------------------------
@@ -66,6 +65,10 @@ def test_greedy_equals_argmax_in_mixed_batch(device):
     assert torch.equal(out[greedy], logits.argmax(-1)[greedy])
     all_greedy = build([SP(temperature=0)] * 8, vocab=1000, device=device)
     assert torch.equal(torch.tensor(sample(logits, all_greedy)), logits.argmax(-1))
+    # An all-greedy batch copies none of its per-row fields: only sampling reads them.
+    assert all_greedy.temperatures.device.type == "cpu"
+    mixed = build(params, vocab=1000, device=device)
+    assert mixed.temperatures.device.type == mixed.noise_keys.device.type == device
 
 
 def test_logits_are_not_modified():

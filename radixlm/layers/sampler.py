@@ -61,7 +61,9 @@ _NOISE_CHUNK_DEFAULT = 1 << 24
 class SamplingBatchInfo:
     """Per-batch sampling tensors, built once per forward by `build`.
 
-    Row i describes request i of the batch; tensors live on the sampling device.
+    Row i describes request i of the batch; tensors live on the sampling device,
+    except the per-row fields of an all-greedy batch (temperatures .. noise_keys),
+    which only sampling reads: they stay on the host, saving a copy per step.
     Optional stages are None when no row uses them, so the sampler skips them.
     """
 
@@ -84,6 +86,7 @@ class SamplingBatchInfo:
     # Columns the top-k/top-p stage looks at: the largest top_k of the filtered
     # rows, or vocab_size (a full sort) when one of them uses top-p without top-k.
     filter_width: int
+    device: torch.device
     # Penalties (vLLM's definitions): repetition over prompt + output tokens,
     # frequency and presence over output tokens only.
     frequency_penalties: Tensor | None = None  # [bs, 1] float32
@@ -132,8 +135,10 @@ class SamplingBatchInfo:
                              [0 if g else noise_key(s, st)
                               for s, st, g in zip(seeds, steps, greedy, strict=True)] + pad],
                             dtype=torch.int64)
-        floats, ints = to_device(floats, device)[:, :bs], to_device(ints, device)[:, :bs]
         sampled = [i for i in range(bs) if not greedy[i]]
+        if sampled:
+            floats, ints = to_device(floats, device), to_device(ints, device)
+        floats, ints = floats[:, :bs], ints[:, :bs]
         filtered = [j for j, i in enumerate(sampled)
                     if top_ks[i] < vocab_size or params[i].top_p < 1.0]
         info = cls(
@@ -149,6 +154,7 @@ class SamplingBatchInfo:
             # top-k alone needs only the top max(k) values (torch.topk, far cheaper
             # than a sort); top-p without top-k (k == vocab_size) needs a full sort.
             filter_width=max((top_ks[sampled[j]] for j in filtered), default=vocab_size),
+            device=torch.device(device),
         )
         info._add_penalties(params, prompt_ids, output_ids, device)
         info._add_bias(params, vocab_size, device)

@@ -541,7 +541,7 @@ def _accept_drafts(batch: ScheduleBatch, sampled: torch.Tensor, device: torch.de
     index_t = flat_index.view(len(lens), width)
     drafts_t = flat_drafts.view(len(lens), width - 1)
     tokens = sampled[index_t]
-    agree = (tokens[:, :-1] == drafts_t).to(torch.int64).cumprod(dim=1).sum(dim=1)
+    agree = (tokens[:, :-1] == drafts_t).cumprod(dim=1).sum(dim=1)  # bool cumprod: int64
     return tokens, agree + 1
 
 

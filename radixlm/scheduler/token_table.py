@@ -46,12 +46,13 @@ class TokenTable:
         """Decode / verify rows: request i read its input at `input_positions[i]` and
         sampled `tokens[i, :counts[i]]` (counts None: every column) after it."""
         n, m = tokens.shape
-        valid = self.known[slots] == input_positions + 1
-        cols = input_positions[:, None] + 1 + torch.arange(m, device=tokens.device)
+        known = self.known[slots]
+        start = input_positions + 1
+        valid = known == start
+        steps = torch.arange(m, device=tokens.device)
         keep = valid[:, None]
         if counts is not None:
-            keep = keep & (torch.arange(m, device=tokens.device)[None, :] < counts[:, None])
-        cols = torch.where(keep, cols, self.positions)
+            keep = keep & (steps[None, :] < counts[:, None])
+        cols = torch.where(keep, start[:, None] + steps, self.positions)
         self.table[slots[:, None].expand(n, m), cols] = tokens
-        got = counts if counts is not None else torch.full_like(slots, m)
-        self.known[slots] = torch.where(valid, input_positions + 1 + got, self.known[slots])
+        self.known[slots] = torch.where(valid, start + (m if counts is None else counts), known)
