@@ -170,35 +170,55 @@ def sweep() -> None:
 
 
 GEMM_CANDIDATES = [F8.GemmConfig(*c) for c in
-                   [(128, 128, 128, 8, 4), (128, 256, 128, 8, 3), (256, 128, 128, 8, 3),
-                    (128, 128, 128, 4, 4), (128, 128, 128, 8, 3), (128, 256, 64, 8, 4),
-                    (64, 256, 128, 8, 3), (128, 128, 64, 8, 5)]]
+                   [(128, 128, 128, 8, 4), (256, 128, 128, 8, 3), (64, 128, 128, 4, 4),
+                    (64, 128, 128, 4, 4, 8, True), (128, 128, 128, 8, 4, 8, True),
+                    (256, 128, 128, 8, 3, 8, True), (128, 256, 128, 8, 3, 8, True),
+                    (128, 128, 128, 8, 4, 8, True, True), (256, 128, 128, 8, 3, 8, True, True),
+                    (128, 256, 128, 8, 3, 8, True, True)]]
+
+
+def tile_name(c: F8.GemmConfig) -> str:
+    return "x".join(map(str, c[:5])) + ("-tma" if c.tma else "") + ("-p" if c.persistent else "")
 
 
 def gemm_sweep(rows: list[int]) -> None:
-    """Graph time of W8A8 GEMM tiles (per-channel scales, activations quantized
-    beforehand, as the scaled_mm peer's are) beside torch._scaled_mm and bf16
-    cuBLAS: what pick_gemm_config should say at prefill sizes."""
-    for name, k, n in SHAPES:
-        for m in rows:
-            xqs = F8.quantize_activations(torch.randn(m, k, device=DEV).bfloat16())
-            ws = copies(lambda n=n, k=k: fp8_weights(n, k, False), n * k)
-            flop = 2 * m * n * k
-            peer = time_graph(lambda x, w: torch._scaled_mm(
-                x[0], w[0].t(), scale_a=x[1], scale_b=w[1].view(1, -1),
-                out_dtype=torch.bfloat16), xqs, ws)
-            x16 = torch.randn(m, k, device=DEV).bfloat16()
-            bf16 = time_graph(lambda x, w: F.linear(x, w),
-                              x16, copies(lambda n=n, k=k: torch.randn(
-                                  n, k, device=DEV).bfloat16(), 2 * n * k))
-            cells = [f"scaled_mm {flop / peer / 1e12:.0f}", f"bf16 {flop / bf16 / 1e12:.0f}"]
-            for c in GEMM_CANDIDATES:
-                t = time_graph(lambda x, w, c=c: F8.fp8_gemm(
-                    x[0], x[1], w[0], w[1], 0, 1, None, torch.bfloat16, config=c), xqs, ws)
-                cells.append(f"{'x'.join(map(str, c[:5]))} {flop / t / 1e12:.0f}")
-            print(f"{name:<8}{m:>6} TFLOP/s: " + " | ".join(cells), flush=True)
-            del ws
-            torch.cuda.empty_cache()
+    """Graph time of W8A8 GEMM tiles (per-channel and 128x128 block scales,
+    activations quantized beforehand, as the scaled_mm peer's are) beside
+    torch._scaled_mm and bf16 cuBLAS: what pick_gemm_config should say at
+    prefill sizes. `picked` is the heuristic's tile."""
+    for block in (False, True):
+        for name, k, n in SHAPES:
+            for m in rows:
+                x16 = torch.randn(m, k, device=DEV).bfloat16()
+                xqs = F8.quantize_activations(x16, 128 if block else 0)
+                ws = copies(lambda n=n, k=k, block=block: fp8_weights(n, k, block), n * k)
+                flop = 2 * m * n * k
+                cells = []
+                if not block:
+                    peer = time_graph(lambda x, w: torch._scaled_mm(
+                        x[0], w[0].t(), scale_a=x[1], scale_b=w[1].view(1, -1),
+                        out_dtype=torch.bfloat16), xqs, ws)
+                    bf16 = time_graph(lambda x, w: F.linear(x, w),
+                                      x16, copies(lambda n=n, k=k: torch.randn(
+                                          n, k, device=DEV).bfloat16(), 2 * n * k))
+                    cells = [f"scaled_mm {flop / peer / 1e12:.0f}",
+                             f"bf16 {flop / bf16 / 1e12:.0f}"]
+                picked = F8.pick_gemm_config(m, n, 128 if block else 0)
+                for c in GEMM_CANDIDATES:
+                    try:
+                        t = time_graph(lambda x, w, c=c: F8.fp8_gemm(
+                            x[0], x[1], w[0], w[1], w[2], w[3], None, torch.bfloat16,
+                            config=c), xqs, ws)
+                        cell = f"{flop / t / 1e12:.0f}"
+                    except Exception as e:  # a tile that does not compile: say so, go on
+                        cell = f"failed ({type(e).__name__})"
+                        torch.cuda.synchronize()
+                    mark = "*" if c == picked else ""
+                    cells.append(f"{tile_name(c)}{mark} {cell}")
+                label = "block" if block else "chan"
+                print(f"{label:<6}{name:<8}{m:>6} TFLOP/s: " + " | ".join(cells), flush=True)
+                del ws
+                torch.cuda.empty_cache()
 
 
 def main() -> None:

@@ -38,6 +38,7 @@ from typing import NamedTuple
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from radixlm.layers import pdl
 from radixlm.layers.gemv import _load_w, _load_x, _silu_mul
@@ -63,6 +64,11 @@ class GemmConfig(NamedTuple):
     warps: int
     stages: int
     group_m: int = 8
+    # Operand tiles through TMA descriptors (FP8 activations, 16-byte rows), and
+    # with `persistent` one program per SM walking the tiles, the next tile's
+    # loads issued under this one's epilogue.
+    tma: bool = False
+    persistent: bool = False
 
 
 def pick_gemv_config(m: int, n: int, k: int, block_k: int) -> GemvConfig:
@@ -79,13 +85,30 @@ def pick_gemv_config(m: int, n: int, k: int, block_k: int) -> GemvConfig:
     return GemvConfig("mma", 64, bk, 4, 4)
 
 
-def pick_gemm_config(m: int, n: int, block_k: int) -> GemmConfig:
+def pick_gemm_config(m: int, n: int, block_k: int, a_fp8: bool = True) -> GemmConfig:
+    """From the H200 sweep (benchmarks/quant_kernels.py --gemm-sweep, Llama-8B's
+    four projections at 256 and 4096 rows):
+    - per channel: a persistent 256 x 128 tile over TMA descriptors wherever it
+      gives >= 128 tiles for the 132 SMs (934-990 TFLOP/s at 4096 rows, against
+      809-848 for 128 x 128); where it would not, 64 x 128 (725 against 635 for
+      qkv at 256 rows).
+    - 128 x 128 block scales: 64 x 128 through TMA above 64 rows (563-711,
+      against 418-582 for 128 x 128); a 256-row tile holds two accumulators and
+      spills (97-263), and a persistent one is slower still.
+    - bf16 activations (weight-only): no TMA (its rows are FP8 here) and no
+      256-row tile (240 KB of shared memory)."""
     bk = block_k or 128
     if m <= 64:
         return GemmConfig(64, 64, bk, 4, 4)
-    if m <= 128 or n <= 4096:
-        return GemmConfig(64, 128, bk, 4, 4)
-    return GemmConfig(128, 128, bk, 8, 4)
+    if not a_fp8:
+        if m <= 128 or n <= 4096:
+            return GemmConfig(64, 128, bk, 4, 4)
+        return GemmConfig(128, 128, bk, 8, 4)
+    if block_k:
+        return GemmConfig(64, 128, bk, 4, 4, tma=True)
+    if triton.cdiv(m, 256) * triton.cdiv(n, 128) >= 128:
+        return GemmConfig(256, 128, bk, 8, 3, tma=True, persistent=True)
+    return GemmConfig(64, 128, bk, 4, 4)
 
 
 def _pow2_divisor(n: int, cap: int) -> int:
@@ -200,6 +223,23 @@ def quantize_activations(x: torch.Tensor, block_k: int = 0,
     return q, s
 
 
+def tma_fits(xq: torch.Tensor, weight: torch.Tensor) -> bool:
+    """TMA reads FP8 operands whose rows start on 16-byte boundaries."""
+    return (xq.dtype == FP8 and xq.shape[1] % 16 == 0 and xq.stride(1) == 1
+            and weight.stride(1) == 1 and all(t.stride(0) % 16 == 0 and t.data_ptr() % 16 == 0
+                                              for t in (xq, weight)))
+
+
+_SM_COUNTS: dict[int, int] = {}
+
+
+def _sm_count(device: torch.device) -> int:
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _SM_COUNTS:
+        _SM_COUNTS[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    return _SM_COUNTS[index]
+
+
 def fp8_gemm(xq: torch.Tensor, xs: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor,
              block_k: int, scale_rows: int, bias: torch.Tensor | None, out_dtype: torch.dtype,
              config: GemmConfig | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -207,7 +247,7 @@ def fp8_gemm(xq: torch.Tensor, xs: torch.Tensor, weight: torch.Tensor, scales: t
     bf16/fp16 rather than FP8 has no scales (`xs` is ignored): weight-only."""
     m, k = xq.shape
     n = weight.shape[0]
-    cfg = config or pick_gemm_config(m, n, block_k)
+    cfg = config or pick_gemm_config(m, n, block_k, xq.dtype == FP8)
     if block_k:
         cfg = cfg._replace(bk=block_k)  # one K block per step: its scales are two vectors
     if out is None:
@@ -218,7 +258,19 @@ def fp8_gemm(xq: torch.Tensor, xs: torch.Tensor, weight: torch.Tensor, scales: t
     if m == 0:
         return y
     b = bias if bias is not None else scales
-    grid = (triton.cdiv(m, cfg.bm) * triton.cdiv(n, cfg.bn),)
+    tiles = triton.cdiv(m, cfg.bm) * triton.cdiv(n, cfg.bn)
+    if cfg.tma and tma_fits(xq, weight):
+        grid = (min(tiles, _sm_count(xq.device)) if cfg.persistent else tiles,)
+        a_desc = TensorDescriptor(xq, [m, k], [xq.stride(0), 1], [cfg.bm, cfg.bk])
+        b_desc = TensorDescriptor(weight, [n, k], [weight.stride(0), 1], [cfg.bn, cfg.bk])
+        _fp8_gemm_tma_kernel[grid](
+            a_desc, b_desc, xs, scales, b, y, m, n, k, xs.stride(0),
+            xs.stride(1) if xs.dim() == 2 else 0, scales.stride(0) if block_k else 0,
+            y.stride(0), BM=cfg.bm, BN=cfg.bn, BK=cfg.bk, GROUP_M=cfg.group_m,
+            BLOCK_K=block_k, SCALE_ROWS=scale_rows, HAS_BIAS=bias is not None,
+            FLATTEN=cfg.persistent, num_warps=cfg.warps, num_stages=cfg.stages)
+        return y
+    grid = (tiles,)
     _fp8_gemm_kernel[grid](xq, xs, weight, scales, b, y, m, n, k, xq.stride(0), xs.stride(0),
                            xs.stride(1) if xs.dim() == 2 else 0, weight.stride(0),
                            scales.stride(0) if block_k else 0, y.stride(0),
@@ -227,6 +279,49 @@ def fp8_gemm(xq: torch.Tensor, xs: torch.Tensor, weight: torch.Tensor, scales: t
                            EVEN_K=k % cfg.bk == 0, A_FP8=xq.dtype == FP8, num_warps=cfg.warps,
                            num_stages=cfg.stages)
     return y
+
+
+@triton.jit
+def _fp8_gemm_tma_kernel(a_desc, b_desc, as_ptr, bs_ptr, bias_ptr, c_ptr, M, N, K,
+                         stride_asm, stride_ask, stride_bsn, stride_cm,
+                         BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                         GROUP_M: tl.constexpr, BLOCK_K: tl.constexpr,
+                         SCALE_ROWS: tl.constexpr, HAS_BIAS: tl.constexpr,
+                         FLATTEN: tl.constexpr):
+    """`_fp8_gemm_kernel` (FP8 activations) with its operand tiles through TMA:
+    edges read as zeros, no masks or address arithmetic in the loop. Programs
+    walk the tiles with a stride of the grid (one tile each unless persistent)."""
+    num_m = tl.cdiv(M, BM)
+    num_n = tl.cdiv(N, BN)
+    in_group = GROUP_M * num_n
+    for tile in tl.range(tl.program_id(0), num_m * num_n, tl.num_programs(0),
+                         flatten=FLATTEN):
+        first_m = (tile // in_group) * GROUP_M
+        size_m = tl.minimum(num_m - first_m, GROUP_M)
+        pid_m = first_m + (tile % in_group) % size_m
+        pid_n = (tile % in_group) // size_m
+        offs_m = pid_m * BM + tl.arange(0, BM)
+        offs_n = pid_n * BN + tl.arange(0, BN)
+        rm = tl.minimum(offs_m, M - 1).to(tl.int64)
+        rn = tl.minimum(offs_n, N - 1).to(tl.int64)
+        acc = tl.zeros([BM, BN], dtype=tl.float32)
+        for k in range(0, K, BK):
+            a = a_desc.load([pid_m * BM, k])
+            b = b_desc.load([pid_n * BN, k])
+            if BLOCK_K:  # BK == BLOCK_K
+                b_s = tl.load(bs_ptr + (rn // SCALE_ROWS) * stride_bsn + k // BLOCK_K)
+                a_s = tl.load(as_ptr + rm * stride_asm + (k // BLOCK_K) * stride_ask)
+                acc += tl.dot(a, b.T) * a_s[:, None] * b_s[None, :]
+            else:  # promoted every BK terms, as in `_fp8_gemm_kernel`
+                acc = tl.dot(a, b.T, acc, max_num_imprecise_acc=BK)
+        if not BLOCK_K:
+            acc *= tl.load(bs_ptr + rn)[None, :]
+            acc *= tl.load(as_ptr + rm * stride_asm)[:, None]
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + rn).to(tl.float32)[None, :]
+        c_ptrs = c_ptr + offs_m[:, None].to(tl.int64) * stride_cm + offs_n[None, :]
+        tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty),
+                 mask=(offs_m[:, None] < M) & (offs_n[None, :] < N))
 
 
 @triton.jit
