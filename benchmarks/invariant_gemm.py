@@ -35,12 +35,15 @@ C = ig.GemmConfig
 CANDIDATES = [ig.DECODE, ig.DECODE_LONG_K, C(16, 64, 4, 8), C(16, 64, 4, 16), C(32, 64, 4, 16),
               C(64, 64, 4, 12), C(16, 128, 8, 10)]
 # Batched decode (65-256 rows, e.g. offline decode at batch 256): the tiles in use
-# (ig.BATCHED, pick_config's choice among them by programs), then the single tile
-# used before them, others wider, deeper and taller.
-MID = [*ig.BATCHED, C(64, 128, 4, 4), C(128, 64, 8, 4), C(64, 128, 4, 6), C(256, 64, 8, 3)]
-# Large-M tiles: the two in use (ig.CONFIGS), then wider and deeper ones.
-LARGE = [ig.CONFIGS[0][1], ig.CONFIGS[1][1], C(128, 128, 8, 4), C(128, 256, 8, 3),
-         C(128, 128, 4, 4), C(64, 256, 8, 4)]
+# (ig.BATCHED, pick_config's choice among them by programs), the same through
+# pointer loads or TMA (whichever they are not), then others wider, deeper, taller.
+MID = [*ig.BATCHED, *(c._replace(tma=not c.tma) for c in ig.BATCHED), C(64, 128, 4, 4),
+       C(128, 64, 8, 4), C(256, 64, 8, 3)]
+# Large-M tiles: the two in use (ig.CONFIGS), the same through pointer loads or
+# TMA (whichever they are not), then wider and deeper ones.
+LARGE = [ig.CONFIGS[0][1], ig.CONFIGS[1][1],
+         *(c._replace(tma=not c.tma) for _, c in ig.CONFIGS),
+         C(128, 128, 8, 3, True), C(128, 256, 8, 3, True), C(256, 128, 8, 3, True)]
 CALLS = 32
 
 
@@ -85,7 +88,7 @@ def invariant_rows(cfg: ig.GemmConfig, x: torch.Tensor, w: torch.Tensor) -> bool
 
 
 def label(cfg: ig.GemmConfig) -> str:
-    return "x".join(map(str, cfg))
+    return "x".join(map(str, cfg[:4])) + ("-tma" if cfg.tma else "")
 
 
 def large_rows(rows: list[int], dev: torch.device) -> None:

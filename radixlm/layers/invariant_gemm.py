@@ -30,11 +30,13 @@ host sync, no allocation besides the output: CUDA-graph safe.
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from radixlm.layers.attention.triton_ops.decode_attention import dot_precision
 
@@ -46,6 +48,9 @@ class GemmConfig(NamedTuple):
     block_n: int  # weight rows a program (its row operand: >= 64 for wgmma)
     warps: int
     stages: int
+    # Operand tiles through TMA descriptors (Hopper): the same wgmma chain over
+    # the same K blocks, fed by the copy engine instead of per-thread loads.
+    tma: bool = False
 
 
 # Up to 64 rows a step streams the weight: 16 padded token rows, 64 weight rows, a
@@ -60,15 +65,19 @@ NARROW = GemmConfig(64, 64, 4, 12)  # 17-64 rows where N > NARROW_MAX_N
 # projections (qkv, o, gate_up, down; us, cuBLAS 16.3 / 14.1 / 65.7 / 36.6 at 128):
 # 21.8 / 15.0 / 73.2 / 43.9 and 32.1 / 20.5 / 129.2 / 65.5, against one 64 x 128
 # tile for all, 27.4 / 25.2 / 80.0 / 80.9 and 36.5 / 25.5 / 149.1 / 81.7.
-BATCHED = (GemmConfig(128, 128, 8, 4), GemmConfig(128, 64, 8, 6), NARROW)
+# Through TMA these take 0-15 % less (same benchmark, --rows 128 256).
+BATCHED = (GemmConfig(128, 128, 8, 4, tma=True), GemmConfig(128, 64, 8, 6, tma=True),
+           NARROW._replace(tma=True))
 BATCHED_MAX_M = 256
 MIN_PROGRAMS = 96
-# Prefill: 256 token rows a program once there are enough of them (H200, Llama-8B's
-# projections at 4096 rows: 545-645 TFLOP/s against 500-540 for 128 x 128 and
-# cuBLAS's 630-780; at 512 rows 256-row tiles leave SMs idle). (largest M, config).
+# Prefill (H200, Llama-8B's projections; benchmarks/invariant_gemm.py --large-rows):
+# TMA-fed tiles, 128 x 128 up to 1024 rows and 256 x 128 beyond (at 512 rows those
+# leave SMs idle). At 4096 rows 632-676 TFLOP/s against 545-573 for the same tile
+# through per-thread loads and cuBLAS's 668-785; at 512 rows 510-705 against
+# 457-501. (largest M, config).
 CONFIGS: tuple[tuple[int, GemmConfig], ...] = (
-    (1024, GemmConfig(128, 128, 8, 3)),
-    (1 << 62, GemmConfig(256, 128, 8, 3)),
+    (1024, GemmConfig(128, 128, 8, 4, tma=True)),
+    (1 << 62, GemmConfig(256, 128, 8, 4, tma=True)),
 )
 FIXED_CONFIG: GemmConfig | None = None  # one tile for every M when set
 
@@ -100,19 +109,35 @@ def programs(cfg: GemmConfig, m: int, n: int) -> int:
 
 
 @triton.jit
-def _matmul_kernel(X, W, B, Y, M, N, K, stride_xm, stride_wn, stride_ym,
-                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K_: tl.constexpr,
-                   HAS_BIAS: tl.constexpr, DOT_PREC: tl.constexpr, GROUP_M: tl.constexpr):
+def _tile(M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    """This program's (tile row, tile column), in grouped order: programs that
+    run together share weight tiles in L2."""
     pid = tl.program_id(0)
-    # Grouped order: programs that run together share weight tiles in L2.
     num_m = tl.cdiv(M, BLOCK_M)
     num_n = tl.cdiv(N, BLOCK_N)
     width = GROUP_M * num_n
-    group = pid // width
-    first_m = group * GROUP_M
+    first_m = (pid // width) * GROUP_M
     size_m = tl.minimum(num_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % width) % size_m
-    pid_n = (pid % width) // size_m
+    return first_m + (pid % width) % size_m, (pid % width) // size_m
+
+
+@triton.jit
+def _store(acc_t, B, Y, M, N, stride_ym, pid_m, pid_n, BLOCK_M: tl.constexpr,
+           BLOCK_N: tl.constexpr, HAS_BIAS: tl.constexpr):
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    acc = tl.trans(acc_t)
+    if HAS_BIAS:
+        acc += tl.load(B + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[None, :]
+    y_ptr = Y + offs_m[:, None].to(tl.int64) * stride_ym + offs_n[None, :]
+    tl.store(y_ptr, acc.to(Y.dtype.element_ty), mask=(offs_m[:, None] < M) & (offs_n[None, :] < N))
+
+
+@triton.jit
+def _matmul_kernel(X, W, B, Y, M, N, K, stride_xm, stride_wn, stride_ym,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K_: tl.constexpr,
+                   HAS_BIAS: tl.constexpr, DOT_PREC: tl.constexpr, GROUP_M: tl.constexpr):
+    pid_m, pid_n = _tile(M, N, BLOCK_M, BLOCK_N, GROUP_M)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K_)
@@ -125,11 +150,35 @@ def _matmul_kernel(X, W, B, Y, M, N, K, stride_xm, stride_wn, stride_ym,
         x = tl.load(x_rows + cols, mask=(offs_m[:, None] < M) & (cols < K), other=0.0)
         w = tl.load(w_rows + cols, mask=(offs_n[:, None] < N) & (cols < K), other=0.0)
         acc_t = tl.dot(w, tl.trans(x), acc_t, input_precision=DOT_PREC)
-    acc = tl.trans(acc_t)
-    if HAS_BIAS:
-        acc += tl.load(B + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[None, :]
-    y_ptr = Y + offs_m[:, None].to(tl.int64) * stride_ym + offs_n[None, :]
-    tl.store(y_ptr, acc.to(Y.dtype.element_ty), mask=(offs_m[:, None] < M) & (offs_n[None, :] < N))
+    _store(acc_t, B, Y, M, N, stride_ym, pid_m, pid_n, BLOCK_M, BLOCK_N, HAS_BIAS)
+
+
+@triton.jit
+def _matmul_tma_kernel(x_desc, w_desc, B, Y, M, N, K, stride_ym,
+                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K_: tl.constexpr,
+                       HAS_BIAS: tl.constexpr, DOT_PREC: tl.constexpr, GROUP_M: tl.constexpr):
+    """`_matmul_kernel` with its tiles through TMA: edges read as zeros, as the
+    masked loads do, so every output is the same chain of products."""
+    pid_m, pid_n = _tile(M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    acc_t = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
+    for k0 in range(0, K, BLOCK_K_):
+        x = x_desc.load([pid_m * BLOCK_M, k0])
+        w = w_desc.load([pid_n * BLOCK_N, k0])
+        acc_t = tl.dot(w, tl.trans(x), acc_t, input_precision=DOT_PREC)
+    _store(acc_t, B, Y, M, N, stride_ym, pid_m, pid_n, BLOCK_M, BLOCK_N, HAS_BIAS)
+
+
+@functools.cache
+def _has_tma(device_index: int) -> bool:
+    return torch.cuda.get_device_capability(device_index)[0] >= 9
+
+
+def tma_fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """TMA needs a Hopper-class device and rows that start on 16-byte boundaries."""
+    return (x.is_cuda and _has_tma(x.device.index if x.device.index is not None
+                                   else torch.cuda.current_device())
+            and all(t.stride(0) * t.element_size() % 16 == 0 and t.data_ptr() % 16 == 0
+                    for t in (x, weight)))
 
 
 def matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
@@ -149,9 +198,15 @@ def matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         return y.view(*x.shape[:-1], n)
     cfg = fit_stages(pick_config(m, n, k), x.element_size())
     grid = (programs(cfg, m, n),)
-    _matmul_kernel[grid](
-        x2, weight, bias if bias is not None else weight, y, m, n, k, x2.stride(0),
-        weight.stride(0), y.stride(0), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-        BLOCK_K_=BLOCK_K, HAS_BIAS=bias is not None, DOT_PREC=dot_precision(x.dtype),
-        GROUP_M=8, num_warps=cfg.warps, num_stages=cfg.stages)
+    b = bias if bias is not None else weight
+    consts = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K_=BLOCK_K,
+                  HAS_BIAS=bias is not None, DOT_PREC=dot_precision(x.dtype), GROUP_M=8,
+                  num_warps=cfg.warps, num_stages=cfg.stages)
+    if cfg.tma and tma_fits(x2, weight):
+        x_desc = TensorDescriptor(x2, [m, k], [x2.stride(0), 1], [cfg.block_m, BLOCK_K])
+        w_desc = TensorDescriptor(weight, [n, k], [weight.stride(0), 1], [cfg.block_n, BLOCK_K])
+        _matmul_tma_kernel[grid](x_desc, w_desc, b, y, m, n, k, y.stride(0), **consts)
+    else:
+        _matmul_kernel[grid](x2, weight, b, y, m, n, k, x2.stride(0), weight.stride(0),
+                             y.stride(0), **consts)
     return y.view(*x.shape[:-1], n)
