@@ -260,7 +260,8 @@ def fp8_gemm(xq: torch.Tensor, xs: torch.Tensor, weight: torch.Tensor, scales: t
     b = bias if bias is not None else scales
     tiles = triton.cdiv(m, cfg.bm) * triton.cdiv(n, cfg.bn)
     if cfg.tma and tma_fits(xq, weight):
-        grid = (min(tiles, _sm_count(xq.device)) if cfg.persistent else tiles,)
+        persistent = cfg.persistent and xq.is_cuda  # the interpreter: a program a tile
+        grid = (min(tiles, _sm_count(xq.device)) if persistent else tiles,)
         a_desc = TensorDescriptor(xq, [m, k], [xq.stride(0), 1], [cfg.bm, cfg.bk])
         b_desc = TensorDescriptor(weight, [n, k], [weight.stride(0), 1], [cfg.bn, cfg.bk])
         _fp8_gemm_tma_kernel[grid](
