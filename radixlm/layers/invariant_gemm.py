@@ -39,6 +39,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from radixlm.layers.attention.triton_ops.decode_attention import dot_precision
+from radixlm.layers.tiles import grouped_tile
 
 BLOCK_K = 64  # every config's: the K blocks fix each output's summation order
 
@@ -109,19 +110,6 @@ def programs(cfg: GemmConfig, m: int, n: int) -> int:
 
 
 @triton.jit
-def _tile(M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
-    """This program's (tile row, tile column), in grouped order: programs that
-    run together share weight tiles in L2."""
-    pid = tl.program_id(0)
-    num_m = tl.cdiv(M, BLOCK_M)
-    num_n = tl.cdiv(N, BLOCK_N)
-    width = GROUP_M * num_n
-    first_m = (pid // width) * GROUP_M
-    size_m = tl.minimum(num_m - first_m, GROUP_M)
-    return first_m + (pid % width) % size_m, (pid % width) // size_m
-
-
-@triton.jit
 def _store(acc_t, B, Y, M, N, stride_ym, pid_m, pid_n, BLOCK_M: tl.constexpr,
            BLOCK_N: tl.constexpr, HAS_BIAS: tl.constexpr):
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -137,7 +125,7 @@ def _store(acc_t, B, Y, M, N, stride_ym, pid_m, pid_n, BLOCK_M: tl.constexpr,
 def _matmul_kernel(X, W, B, Y, M, N, K, stride_xm, stride_wn, stride_ym,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K_: tl.constexpr,
                    HAS_BIAS: tl.constexpr, DOT_PREC: tl.constexpr, GROUP_M: tl.constexpr):
-    pid_m, pid_n = _tile(M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    pid_m, pid_n = grouped_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K_)
@@ -159,7 +147,7 @@ def _matmul_tma_kernel(x_desc, w_desc, B, Y, M, N, K, stride_ym,
                        HAS_BIAS: tl.constexpr, DOT_PREC: tl.constexpr, GROUP_M: tl.constexpr):
     """`_matmul_kernel` with its tiles through TMA: edges read as zeros, as the
     masked loads do, so every output is the same chain of products."""
-    pid_m, pid_n = _tile(M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    pid_m, pid_n = grouped_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
     acc_t = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
     for k0 in range(0, K, BLOCK_K_):
         x = x_desc.load([pid_m * BLOCK_M, k0])

@@ -43,6 +43,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from radixlm.layers import pdl
 from radixlm.layers.gemv import _load_w, _load_x, _silu_mul
 from radixlm.layers.pdl import pdl_trigger, pdl_wait
+from radixlm.layers.tiles import grouped_tile
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
@@ -292,15 +293,9 @@ def _fp8_gemm_tma_kernel(a_desc, b_desc, as_ptr, bs_ptr, bias_ptr, c_ptr, M, N, 
     """`_fp8_gemm_kernel` (FP8 activations) with its operand tiles through TMA:
     edges read as zeros, no masks or address arithmetic in the loop. Programs
     walk the tiles with a stride of the grid (one tile each unless persistent)."""
-    num_m = tl.cdiv(M, BM)
-    num_n = tl.cdiv(N, BN)
-    in_group = GROUP_M * num_n
-    for tile in tl.range(tl.program_id(0), num_m * num_n, tl.num_programs(0),
-                         flatten=FLATTEN):
-        first_m = (tile // in_group) * GROUP_M
-        size_m = tl.minimum(num_m - first_m, GROUP_M)
-        pid_m = first_m + (tile % in_group) % size_m
-        pid_n = (tile % in_group) // size_m
+    tiles = tl.cdiv(M, BM) * tl.cdiv(N, BN)
+    for tile in tl.range(tl.program_id(0), tiles, tl.num_programs(0), flatten=FLATTEN):
+        pid_m, pid_n = grouped_tile(tile, M, N, BM, BN, GROUP_M)
         offs_m = pid_m * BM + tl.arange(0, BM)
         offs_n = pid_n * BN + tl.arange(0, BN)
         rm = tl.minimum(offs_m, M - 1).to(tl.int64)
@@ -511,15 +506,7 @@ def _fp8_gemm_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, bias_ptr, c_ptr, M, N, K,
                      BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                      GROUP_M: tl.constexpr, BLOCK_K: tl.constexpr, SCALE_ROWS: tl.constexpr,
                      HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, A_FP8: tl.constexpr):
-    # Tiles in groups of GROUP_M row blocks, so neighbouring programs share weight tiles in L2.
-    pid = tl.program_id(0)
-    num_m = tl.cdiv(M, BM)
-    num_n = tl.cdiv(N, BN)
-    in_group = GROUP_M * num_n
-    first_m = (pid // in_group) * GROUP_M
-    size_m = tl.minimum(num_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % in_group) % size_m
-    pid_n = (pid % in_group) // size_m
+    pid_m, pid_n = grouped_tile(tl.program_id(0), M, N, BM, BN, GROUP_M)
     offs_m = pid_m * BM + tl.arange(0, BM)
     offs_n = pid_n * BN + tl.arange(0, BN)
     rm = tl.minimum(offs_m, M - 1).to(tl.int64)

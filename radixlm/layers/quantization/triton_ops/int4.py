@@ -44,6 +44,7 @@ import triton.language as tl
 from radixlm.layers import pdl
 from radixlm.layers.gemv import _silu_mul
 from radixlm.layers.pdl import pdl_trigger, pdl_wait
+from radixlm.layers.tiles import grouped_tile
 
 MAX_SUB_STEPS = 4
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # no inline PTX there
@@ -446,15 +447,7 @@ def _int4_gemm_kernel(x_ptr, qw_ptr, z_ptr, s_ptr, g_ptr, b_ptr, y_ptr, M, N, K,
                       BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                       GROUP: tl.constexpr, GROUP_M: tl.constexpr, ACT_ORDER: tl.constexpr,
                       HAS_BIAS: tl.constexpr):
-    # Tiles in groups of GROUP_M row blocks, so neighbouring programs share weight tiles in L2.
-    pid = tl.program_id(0)
-    num_m = tl.cdiv(M, BM)
-    num_n = tl.cdiv(N, BN)
-    in_group = GROUP_M * num_n
-    first_m = (pid // in_group) * GROUP_M
-    size_m = tl.minimum(num_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % in_group) % size_m
-    pid_n = (pid % in_group) // size_m
+    pid_m, pid_n = grouped_tile(tl.program_id(0), M, N, BM, BN, GROUP_M)
     offs_m = pid_m * BM + tl.arange(0, BM)
     offs_n = pid_n * BN + tl.arange(0, BN)
     rm = tl.minimum(offs_m, M - 1).to(tl.int64)
