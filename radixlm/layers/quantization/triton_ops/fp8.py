@@ -310,14 +310,8 @@ def _fp8_gemm_tma_kernel(a_desc, b_desc, as_ptr, bs_ptr, bias_ptr, c_ptr, M, N, 
                 acc += tl.dot(a, b.T) * a_s[:, None] * b_s[None, :]
             else:  # promoted every BK terms, as in `_fp8_gemm_kernel`
                 acc = tl.dot(a, b.T, acc, max_num_imprecise_acc=BK)
-        if not BLOCK_K:
-            acc *= tl.load(bs_ptr + rn)[None, :]
-            acc *= tl.load(as_ptr + rm * stride_asm)[:, None]
-        if HAS_BIAS:
-            acc += tl.load(bias_ptr + rn).to(tl.float32)[None, :]
-        c_ptrs = c_ptr + offs_m[:, None].to(tl.int64) * stride_cm + offs_n[None, :]
-        tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty),
-                 mask=(offs_m[:, None] < M) & (offs_n[None, :] < N))
+        _gemm_store(acc, as_ptr, bs_ptr, bias_ptr, c_ptr, M, N, stride_asm, stride_cm,
+                    offs_m, offs_n, rm, rn, BLOCK_K, HAS_BIAS, True)
 
 
 @triton.jit
@@ -539,6 +533,16 @@ def _fp8_gemm_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, bias_ptr, c_ptr, M, N, K,
             acc = tl.dot(a, b, acc, max_num_imprecise_acc=BK)
         else:
             acc = tl.dot(a, b, acc)
+    _gemm_store(acc, as_ptr, bs_ptr, bias_ptr, c_ptr, M, N, stride_asm, stride_cm,
+                offs_m, offs_n, rm, rn, BLOCK_K, HAS_BIAS, A_FP8)
+
+
+@triton.jit
+def _gemm_store(acc, as_ptr, bs_ptr, bias_ptr, c_ptr, M, N, stride_asm, stride_cm,
+                offs_m, offs_n, rm, rn, BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr,
+                A_FP8: tl.constexpr):
+    """The W8A8 GEMMs' epilogue: per-row scales (block scales were applied per K
+    step), the bias, the masked store in the output's dtype."""
     if not BLOCK_K:
         acc *= tl.load(bs_ptr + rn)[None, :]
         if A_FP8:
