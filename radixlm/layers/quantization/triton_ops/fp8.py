@@ -26,7 +26,9 @@ scale `scales[r // scale_rows, j]`). w_true = w * scale.
 - `fp8_gemm` (any rows): the quantized activations times the weight on the
   FP8 tensor cores, promoted to fp32 every K block (Hopper's FP8 MMA itself
   sums in less): per-row scales applied once at the end, block scales per K
-  block (DeepSeek-V3's recipe).
+  block (DeepSeek-V3's recipe). Where rows are 16-byte aligned the operand
+  tiles come through TMA descriptors (`_fp8_gemm_tma_kernel`), the largest
+  per-channel tile with one persistent program per SM (`pick_gemm_config`).
 No host sync and no allocation but the outputs (CUDA graphs capture these);
 configs come from fixed heuristics, so the only warm-up is Triton's compile.
 """
