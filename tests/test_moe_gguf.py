@@ -199,6 +199,36 @@ def test_kept_experts_track_the_dequantized_model(moe_gguf):
     assert torch.equal(WeightMap(kept).resolve(expert_name).gather(), data)
 
 
+def test_a_lone_tokens_grouped_experts_equal_the_per_expert_path(moe_gguf):
+    """Decode at batch 1 takes one grouped product per part (`_one_token`): the
+    same bits as one product pair per expert (`routed_sum`), in fp32 and bf16,
+    with a slot of another rank's expert (-1) among the choices."""
+    if not qgemm.load():
+        pytest.skip("no C++ compiler: the quantized kernels are unavailable")
+    from radixlm.layers.moe.cpu import routed_sum
+    from radixlm.layers.quantization.gguf import _product
+
+    name, config, path, model_dir = moe_gguf
+    kept, _ = _kept(path, model_dir)
+    moe = next(m for m in kept.modules() if type(m).__name__ == "FusedMoE")
+    method, experts = moe.quant_method, moe.packed_experts
+    assert moe.grouped_experts
+    k = config.num_experts_per_tok
+    g = torch.Generator().manual_seed(11)
+    for dtype in (torch.float32, torch.bfloat16):
+        x = torch.randn(1, config.hidden_size, generator=g).to(dtype)
+        ids = torch.randperm(len(experts), generator=g)[:k].view(1, k)
+        ids[0, -1] = -1
+        weights = torch.rand(1, k, generator=g)
+
+        def per_expert(e, rows):
+            gate_up, down = experts[e]
+            return _product(method.act(_product(rows, gate_up)), down)
+
+        old = routed_sum(x, weights, ids, len(experts), per_expert).to(dtype)
+        assert torch.equal(method.apply(moe, x, weights, ids), old), (name, dtype)
+
+
 def test_greedy_tokens_agree_with_the_dequantized_model(moe_gguf, capsys):
     if not qgemm.load():
         pytest.skip("no C++ compiler: the quantized kernels are unavailable")

@@ -352,6 +352,46 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& qweight, const at::Tens
   return out;
 }
 
+// The routed experts of one token: out[e] = x[x_rows ? e : 0] W_e^T for the
+// weights W_e of one shape and format (gate/up of each chosen expert against the
+// one token, or down against each expert's own row). The rows are quantized
+// once, and every expert's tiles are one pool job, so the products of a MoE
+// layer hand off to the workers once instead of once per expert, and a worker
+// that finishes one expert's tiles takes the next's.
+void grouped_linear(const at::Tensor& x, at::TensorList qweights, at::TensorList scales,
+                    at::TensorList mins, int64_t format, int64_t n, at::Tensor& out,
+                    int64_t isa) {
+  const Kernels* kernels = kernels_for(isa);
+  check_act_input(x);
+  const int64_t experts = static_cast<int64_t>(qweights.size()), m = x.size(0), k = x.size(1);
+  TORCH_CHECK(experts > 0 && static_cast<int64_t>(scales.size()) == experts &&
+                  static_cast<int64_t>(mins.size()) == experts,
+              "grouped_linear: one qweight, scales and mins per expert");
+  TORCH_CHECK(m == 1 || m == experts, "grouped_linear: x has one row, or one per expert");
+  std::vector<PackedWeight> w;
+  w.reserve(experts);
+  for (int64_t e = 0; e < experts; ++e)
+    w.push_back(packed_weight(qweights[e], scales[e], mins[e], format, n, k));
+  const Out o = out_view(out, experts, n);
+  const int64_t elem = o.bf16 ? 2 : 4;
+  const ActBuffers buf = quantize_into(kernels, x);
+  const QuantAct all = buf.view();
+  const auto row = [&](int64_t e) {
+    const int64_t r = m == 1 ? 0 : e, blocks = k / kActBlock;
+    return QuantAct{1, k, all.q + r * k, all.d + r * blocks, all.sum16 + r * (k / 16),
+                    all.dsum + r * blocks};
+  };
+  const int64_t step = tile_step(w[0].tiles * experts, at::get_num_threads());
+  const int64_t per_expert = (w[0].tiles + step - 1) / step;
+  const auto chunk = [&](int64_t c) {
+    const int64_t e = c / per_expert, t0 = (c % per_expert) * step;
+    const Out oe{static_cast<char*>(o.data) + e * o.ld * elem, o.ld, o.bf16};
+    kernels->gemm(w[e], row(e), 0, 1, t0, std::min(w[e].tiles, t0 + step), oe);
+  };
+  if (on_pool(1, experts * per_expert, chunk)) return;
+  for (int64_t c = 0; c < experts * per_expert; ++c) chunk(c);
+}
+
 // Rows `rows` of W, dequantized to `dtype` (float32 or bfloat16): an embedding
 // lookup, or the whole weight read back.
 at::Tensor dequantize(const at::Tensor& qweight, const at::Tensor& scales, const at::Tensor& mins,
@@ -386,6 +426,8 @@ TORCH_LIBRARY(radixlm_q, m) {
         "int isa) -> Tensor");
   m.def("dequantize(Tensor qweight, Tensor scales, Tensor mins, int format, int n, int k, "
         "Tensor rows, ScalarType dtype) -> Tensor");
+  m.def("grouped_linear(Tensor x, Tensor[] qweights, Tensor[] scales, Tensor[] mins, "
+        "int format, int n, Tensor(a!) out, int isa) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(radixlm_q, CPU, m) {
@@ -393,4 +435,5 @@ TORCH_LIBRARY_IMPL(radixlm_q, CPU, m) {
   m.impl("gemm", &gemm);
   m.impl("linear", &linear);
   m.impl("dequantize", &dequantize);
+  m.impl("grouped_linear", &grouped_linear);
 }

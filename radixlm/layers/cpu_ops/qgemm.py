@@ -205,6 +205,21 @@ def gemm_into(act: QuantizedActivations, w: QuantizedWeight, out: torch.Tensor,
                              w.format_code, w.n, out, _isa_code(isa))
 
 
+def grouped_linear(x: torch.Tensor, weights: list[QuantizedWeight],
+                   isa: str | None = None) -> torch.Tensor:
+    """[len(weights), n]: row e is x[e] W_e^T (x [len(weights), k]), or x[0] W_e^T
+    (x [1, k]): one token's routed experts, one call, one pool job. The weights
+    share their format and shape; the rows are x's dtype, bit for bit what
+    `linear` gives row by row."""
+    w0 = weights[0]
+    x2 = _rows(x, w0)
+    out = x2.new_empty(len(weights), w0.n)
+    _ops().grouped_linear(x2, [w.qweight for w in weights], [w.scales for w in weights],
+                          [w.mins for w in weights], w0.format_code, w0.n, out,
+                          _isa_code(isa))
+    return out
+
+
 def dequantize(w: QuantizedWeight, rows: torch.Tensor | None = None,
                dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """W[rows] ([len(rows), in_features]; all of W without `rows`) in `dtype`, the
