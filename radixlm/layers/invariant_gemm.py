@@ -30,7 +30,6 @@ host sync, no allocation besides the output: CUDA-graph safe.
 
 from __future__ import annotations
 
-import functools
 from typing import NamedTuple
 
 import torch
@@ -39,7 +38,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from radixlm.layers.attention.triton_ops.decode_attention import dot_precision
-from radixlm.layers.tiles import grouped_tile
+from radixlm.layers.tiles import grouped_tile, tma_fits
 
 BLOCK_K = 64  # every config's: the K blocks fix each output's summation order
 
@@ -154,19 +153,6 @@ def _matmul_tma_kernel(x_desc, w_desc, B, Y, M, N, K, stride_ym,
         w = w_desc.load([pid_n * BLOCK_N, k0])
         acc_t = tl.dot(w, tl.trans(x), acc_t, input_precision=DOT_PREC)
     _store(acc_t, B, Y, M, N, stride_ym, pid_m, pid_n, BLOCK_M, BLOCK_N, HAS_BIAS)
-
-
-@functools.cache
-def _has_tma(device_index: int) -> bool:
-    return torch.cuda.get_device_capability(device_index)[0] >= 9
-
-
-def tma_fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """TMA needs a Hopper-class device and rows that start on 16-byte boundaries."""
-    return (x.is_cuda and _has_tma(x.device.index if x.device.index is not None
-                                   else torch.cuda.current_device())
-            and all(t.stride(0) * t.element_size() % 16 == 0 and t.data_ptr() % 16 == 0
-                    for t in (x, weight)))
 
 
 def matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,

@@ -42,7 +42,7 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from radixlm.layers import pdl
+from radixlm.layers import pdl, tiles
 from radixlm.layers.gemv import _load_w, _load_x, _silu_mul
 from radixlm.layers.pdl import pdl_trigger, pdl_wait
 from radixlm.layers.tiles import grouped_tile
@@ -227,20 +227,9 @@ def quantize_activations(x: torch.Tensor, block_k: int = 0,
 
 
 def tma_fits(xq: torch.Tensor, weight: torch.Tensor) -> bool:
-    """TMA reads FP8 operands whose rows start on 16-byte boundaries."""
-    return (xq.dtype == FP8 and xq.shape[1] % 16 == 0 and xq.stride(1) == 1
-            and weight.stride(1) == 1 and all(t.stride(0) % 16 == 0 and t.data_ptr() % 16 == 0
-                                              for t in (xq, weight)))
-
-
-_SM_COUNTS: dict[int, int] = {}
-
-
-def _sm_count(device: torch.device) -> int:
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _SM_COUNTS:
-        _SM_COUNTS[index] = torch.cuda.get_device_properties(index).multi_processor_count
-    return _SM_COUNTS[index]
+    """The TMA kernel takes FP8 activations whose rows (and the weight's) TMA
+    can read (`tiles.tma_fits`)."""
+    return xq.dtype == FP8 and xq.shape[1] % 16 == 0 and tiles.tma_fits(xq, weight)
 
 
 def fp8_gemm(xq: torch.Tensor, xs: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor,
@@ -261,10 +250,10 @@ def fp8_gemm(xq: torch.Tensor, xs: torch.Tensor, weight: torch.Tensor, scales: t
     if m == 0:
         return y
     b = bias if bias is not None else scales
-    tiles = triton.cdiv(m, cfg.bm) * triton.cdiv(n, cfg.bn)
+    n_tiles = triton.cdiv(m, cfg.bm) * triton.cdiv(n, cfg.bn)
     if cfg.tma and tma_fits(xq, weight):
         persistent = cfg.persistent and xq.is_cuda  # the interpreter: a program a tile
-        grid = (min(tiles, _sm_count(xq.device)) if persistent else tiles,)
+        grid = (min(n_tiles, tiles.sm_count(xq.device)) if persistent else n_tiles,)
         a_desc = TensorDescriptor(xq, [m, k], [xq.stride(0), 1], [cfg.bm, cfg.bk])
         b_desc = TensorDescriptor(weight, [n, k], [weight.stride(0), 1], [cfg.bn, cfg.bk])
         _fp8_gemm_tma_kernel[grid](
@@ -272,9 +261,9 @@ def fp8_gemm(xq: torch.Tensor, xs: torch.Tensor, weight: torch.Tensor, scales: t
             xs.stride(1) if xs.dim() == 2 else 0, scales.stride(0) if block_k else 0,
             y.stride(0), BM=cfg.bm, BN=cfg.bn, BK=cfg.bk, GROUP_M=cfg.group_m,
             BLOCK_K=block_k, SCALE_ROWS=scale_rows, HAS_BIAS=bias is not None,
-            FLATTEN=cfg.persistent, num_warps=cfg.warps, num_stages=cfg.stages)
+            FLATTEN=persistent, num_warps=cfg.warps, num_stages=cfg.stages)
         return y
-    grid = (tiles,)
+    grid = (n_tiles,)
     _fp8_gemm_kernel[grid](xq, xs, weight, scales, b, y, m, n, k, xq.stride(0), xs.stride(0),
                            xs.stride(1) if xs.dim() == 2 else 0, weight.stride(0),
                            scales.stride(0) if block_k else 0, y.stride(0),
@@ -295,8 +284,8 @@ def _fp8_gemm_tma_kernel(a_desc, b_desc, as_ptr, bs_ptr, bias_ptr, c_ptr, M, N, 
     """`_fp8_gemm_kernel` (FP8 activations) with its operand tiles through TMA:
     edges read as zeros, no masks or address arithmetic in the loop. Programs
     walk the tiles with a stride of the grid (one tile each unless persistent)."""
-    tiles = tl.cdiv(M, BM) * tl.cdiv(N, BN)
-    for tile in tl.range(tl.program_id(0), tiles, tl.num_programs(0), flatten=FLATTEN):
+    n_tiles = tl.cdiv(M, BM) * tl.cdiv(N, BN)
+    for tile in tl.range(tl.program_id(0), n_tiles, tl.num_programs(0), flatten=FLATTEN):
         pid_m, pid_n = grouped_tile(tile, M, N, BM, BN, GROUP_M)
         offs_m = pid_m * BM + tl.arange(0, BM)
         offs_n = pid_n * BN + tl.arange(0, BN)
