@@ -352,7 +352,7 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& qweight, const at::Tens
   return out;
 }
 
-// The routed experts of one token: out[e] = x[x_rows ? e : 0] W_e^T for the
+// The routed experts of one token: out[e] = x[m == 1 ? 0 : e] W_e^T for the
 // weights W_e of one shape and format (gate/up of each chosen expert against the
 // one token, or down against each expert's own row). The rows are quantized
 // once, and every expert's tiles are one pool job, so the products of a MoE
@@ -374,8 +374,16 @@ void grouped_linear(const at::Tensor& x, at::TensorList qweights, at::TensorList
     w.push_back(packed_weight(qweights[e], scales[e], mins[e], format, n, k));
   const Out o = out_view(out, experts, n);
   const int64_t elem = o.bf16 ? 2 : 4;
-  const ActBuffers buf = quantize_into(kernels, x);
-  const QuantAct all = buf.view();
+  // The per-thread scratch where it holds the rows, as `linear` takes it.
+  ActBuffers buf;
+  QuantAct all;
+  if (m * k <= kScratchValues) {
+    all = scratch_act(m, k);
+    quantize_rows(kernels, x, all);
+  } else {
+    buf = quantize_into(kernels, x);
+    all = buf.view();
+  }
   const auto row = [&](int64_t e) {
     const int64_t r = m == 1 ? 0 : e, blocks = k / kActBlock;
     return QuantAct{1, k, all.q + r * k, all.d + r * blocks, all.sum16 + r * (k / 16),
