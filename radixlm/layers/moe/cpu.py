@@ -35,17 +35,26 @@ def group_by_expert(topk_ids: torch.Tensor, num_experts: int
 
 
 def routed_sum(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
-               num_experts: int, expert_mlp: Callable[[int, torch.Tensor], torch.Tensor]
+               num_experts: int, expert_mlp: Callable[[int, torch.Tensor], torch.Tensor],
+               experts_mlp: Callable[[list[int], torch.Tensor], torch.Tensor] | None = None
                ) -> torch.Tensor:
     """Each token's chosen experts' outputs `expert_mlp(expert, rows)`, weighted
     and summed in float32 [T, H]: one expert call per expert with tokens (one
-    per choice for a lone token, which needs no grouping); ids -1 add nothing."""
+    per choice for a lone token, which needs no grouping); ids -1 add nothing.
+    `experts_mlp(experts, x)`, where given, computes a lone token's chosen
+    experts in one call ([len(experts), H]), each row what expert_mlp gives."""
     acc = torch.zeros(x.shape, dtype=torch.float32)
     tokens, k = topk_ids.shape
     if tokens == 1:  # decode at batch 1: no grouping, one weighted add per expert
-        for expert, weight in zip(topk_ids[0].tolist(), topk_weights[0].tolist(), strict=True):
-            if expert >= 0:
-                acc.add_(expert_mlp(expert, x), alpha=weight)
+        chosen = [(e, w) for e, w in zip(topk_ids[0].tolist(), topk_weights[0].tolist(),
+                                         strict=True) if e >= 0]
+        if experts_mlp is not None and chosen:
+            outs = experts_mlp([e for e, _ in chosen], x)
+            rows = [outs[j:j + 1] for j in range(len(chosen))]
+        else:
+            rows = [expert_mlp(e, x) for e, _ in chosen]
+        for row, (_, weight) in zip(rows, chosen, strict=True):
+            acc.add_(row, alpha=weight)
         return acc
     order, counts, start = group_by_expert(topk_ids, num_experts)
     pair_tokens = order // k

@@ -113,7 +113,7 @@ class GGUFFusedMoEMethod(FusedMoEMethod):
             tuple(self._runs(getattr(layer, name), e) for name in EXPERT_PARTS)
             for e in range(layer.num_local_experts)]
         # One run per part (gate/up in one format): a lone token's experts take
-        # one grouped product per part (`_one_token`).
+        # one grouped product per part.
         layer.grouped_experts = all(len(runs) == 1 for parts in layer.packed_experts
                                     for runs in parts)
 
@@ -132,32 +132,20 @@ class GGUFFusedMoEMethod(FusedMoEMethod):
 
         experts = layer.packed_experts
         assert experts is not None, "process_weights_after_loading has not run on this layer"
-        if x.shape[0] == 1 and layer.grouped_experts:
-            return self._one_token(experts, x, topk_weights, topk_ids)
 
         def expert_mlp(expert: int, rows: torch.Tensor) -> torch.Tensor:
             gate_up, down = experts[expert]
             return _product(self.act(_product(rows, gate_up)), down)
 
-        return routed_sum(x, topk_weights, topk_ids, len(experts), expert_mlp).to(x.dtype)
+        def experts_mlp(chosen: list[int], x: torch.Tensor) -> torch.Tensor:
+            """A lone token's experts: their gate/up products in one call, the
+            activation over their rows, their down products in one call (one
+            pool job each), each row the bits expert_mlp gives."""
+            gate_up = qgemm.grouped_linear(x, [experts[e][0][0][0] for e in chosen])
+            return qgemm.grouped_linear(self.act(gate_up), [experts[e][1][0][0] for e in chosen])
 
-    def _one_token(self, experts: list, x: torch.Tensor, topk_weights: torch.Tensor,
-                   topk_ids: torch.Tensor) -> torch.Tensor:
-        """Decode at batch 1: the chosen experts' gate/up products in one call, the
-        activation over their rows, their down products in one call, then the
-        weighted sum in choice order: each expert's arithmetic is `routed_sum`'s
-        (the same kernels per row), with one Python round trip per part instead
-        of one per expert."""
-        chosen = [(e, w) for e, w in zip(topk_ids[0].tolist(), topk_weights[0].tolist(),
-                                         strict=True) if e >= 0]
-        acc = torch.zeros(x.shape, dtype=torch.float32)
-        if not chosen:
-            return acc.to(x.dtype)
-        gate_up = qgemm.grouped_linear(x, [experts[e][0][0][0] for e, _ in chosen])
-        down = qgemm.grouped_linear(self.act(gate_up), [experts[e][1][0][0] for e, _ in chosen])
-        for j, (_, weight) in enumerate(chosen):
-            acc.add_(down[j:j + 1], alpha=weight)
-        return acc.to(x.dtype)
+        return routed_sum(x, topk_weights, topk_ids, len(experts), expert_mlp,
+                          experts_mlp if layer.grouped_experts else None).to(x.dtype)
 
     def describe(self, layer: Any) -> str:
         kinds = ", ".join(f"{n} {'/'.join(sorted(set(f)))}" for n, f in self.formats.items())
