@@ -177,10 +177,6 @@ GEMM_CANDIDATES = [F8.GemmConfig(*c) for c in
                     (128, 256, 128, 8, 3, 8, True, True)]]
 
 
-def tile_name(c: F8.GemmConfig) -> str:
-    return "x".join(map(str, c[:5])) + ("-tma" if c.tma else "") + ("-p" if c.persistent else "")
-
-
 def gemm_sweep(rows: list[int]) -> None:
     """Graph time of W8A8 GEMM tiles (per-channel and 128x128 block scales,
     activations quantized beforehand, as the scaled_mm peer's are) beside
@@ -214,7 +210,7 @@ def gemm_sweep(rows: list[int]) -> None:
                         cell = f"failed ({type(e).__name__})"
                         torch.cuda.synchronize()
                     mark = "*" if c == picked else ""
-                    cells.append(f"{tile_name(c)}{mark} {cell}")
+                    cells.append(f"{c.label()}{mark} {cell}")
                 label = "block" if block else "chan"
                 print(f"{label:<6}{name:<8}{m:>6} TFLOP/s: " + " | ".join(cells), flush=True)
                 del ws

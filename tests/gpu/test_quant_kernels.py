@@ -204,22 +204,28 @@ GEMM_TILES = sorted({F.pick_gemm_config(m, n, block_k, a_fp8) for m in (64, 128,
                      for n in (4096, 28672) for block_k in (0, 128) for a_fp8 in (True, False)})
 
 
-@pytest.mark.parametrize("cfg", GEMM_TILES, ids=lambda c: "x".join(map(str, c[:5]))
-                         + ("-tma" if c.tma else "") + ("-p" if c.persistent else ""))
-@pytest.mark.parametrize("case", ["channel-ragged", "block-ragged", "block-fused-parts"])
-def test_fp8_gemm_every_picked_tile(cfg, case):
-    """Each tile the heuristic can pick, on rows and columns that leave partial
-    tiles at both edges (the 256-row one too), against float64."""
+def check_tile(cfg: F.GemmConfig, case: str, seed: int) -> None:
+    """300 rows (partial row tiles) of `case` through tile `cfg`, against float64
+    of the same quantized activations."""
     n, k, block, parts = CASES[case]
     dtype = DTYPES[0]
-    w = fp8_weight(n, k, block, parts, seed=3)
-    x = randn(300, k, seed=4, dtype=dtype)
+    w = fp8_weight(n, k, block, parts, seed=seed)
+    x = randn(300, k, seed=seed + 1, dtype=dtype)
     xq, xs = F.quantize_activations(x, w.block_k)
+    assert F.tma_fits(xq, w.weight) == (k % 16 == 0)
     out = F.fp8_gemm(xq, xs, w.weight, w.scales, w.block_k, w.scale_rows, None, dtype,
                      config=cfg)
     rq, rs = fp8_ref_quant(x, w.block_k or None)
     xd = rq.double() * rs.double().repeat_interleave(w.block_k or k, 1)[:, :k]
     check(out, xd @ w.dequantize().double().T, dtype, k, fp8_mma=True)
+
+
+@pytest.mark.parametrize("cfg", GEMM_TILES, ids=F.GemmConfig.label)
+@pytest.mark.parametrize("case", ["channel-ragged", "block-ragged", "block-fused-parts"])
+def test_fp8_gemm_every_picked_tile(cfg, case):
+    """Each tile the heuristic can pick, on rows and columns that leave partial
+    tiles at both edges (the 256-row one too), against float64."""
+    check_tile(cfg, case, seed=3)
 
 
 TMA_TILES = [F.GemmConfig(*c) for c in [(64, 128, 128, 4, 4, 8, True),
@@ -229,24 +235,13 @@ TMA_TILES = [F.GemmConfig(*c) for c in [(64, 128, 128, 4, 4, 8, True),
                                         (256, 128, 128, 8, 3, 8, True, True)]]
 
 
-@pytest.mark.parametrize("cfg", TMA_TILES, ids=lambda c: "x".join(map(str, c[:5]))
-                         + ("-p" if c.persistent else ""))
+@pytest.mark.parametrize("cfg", TMA_TILES, ids=F.GemmConfig.label)
 @pytest.mark.parametrize("case", ["channel", "block", "block-fused-parts", "channel-ragged"])
 def test_fp8_gemm_tma_tiles(cfg, case):
     """The TMA kernel (one tile per program, or persistent) on partial row
     tiles; channel-ragged's K of 300 is no multiple of 16, so it takes the
     pointer kernel: the fallback is pinned too."""
-    n, k, block, parts = CASES[case]
-    dtype = DTYPES[0]
-    w = fp8_weight(n, k, block, parts, seed=5)
-    x = randn(300, k, seed=6, dtype=dtype)
-    xq, xs = F.quantize_activations(x, w.block_k)
-    assert F.tma_fits(xq, w.weight) == (k % 16 == 0)
-    out = F.fp8_gemm(xq, xs, w.weight, w.scales, w.block_k, w.scale_rows, None, dtype,
-                     config=cfg)
-    rq, rs = fp8_ref_quant(x, w.block_k or None)
-    xd = rq.double() * rs.double().repeat_interleave(w.block_k or k, 1)[:, :k]
-    check(out, xd @ w.dequantize().double().T, dtype, k, fp8_mma=True)
+    check_tile(cfg, case, seed=5)
 
 
 def test_fp8_gemm_picks_the_wide_tile_only_where_it_fills_the_gpu():

@@ -73,6 +73,11 @@ class GemmConfig(NamedTuple):
     tma: bool = False
     persistent: bool = False
 
+    def label(self) -> str:
+        """bm x bn x bk x warps x stages, -tma / -p (sweeps, test ids)."""
+        return ("x".join(map(str, self[:5])) + ("-tma" if self.tma else "")
+                + ("-p" if self.persistent else ""))
+
 
 def pick_gemv_config(m: int, n: int, k: int, block_k: int) -> GemvConfig:
     """bf16's `pick_config` at the same bytes per step (twice the features: one
