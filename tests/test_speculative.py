@@ -286,3 +286,42 @@ def test_bench_replayed_tree_keeps_the_simulated_acceptance(k, length, topk):
     assert _tree_flags([(6, 4), (6, 4, 2), (8, 3, 4)]) == dict(
         speculative_algorithm="NGRAM", speculative_eagle_topk=4, speculative_num_steps=3)
     assert _tree_flags([(6, 4)]) == {}
+
+
+def test_bench_calibration_replays_the_verifies_own_continuation():
+    """`bench speculative simulated` without the deterministic flag: where verify
+    rows round otherwise than decode rows, the replay must draft what the
+    verifies produce, found by replaying each run's output until it holds."""
+    from types import SimpleNamespace
+
+    from radixlm.bench.speculative import _calibrate
+
+    plain = list(range(100, 120))
+
+    class Verifies:
+        """Greedy tokens under speculation: the plain run's, except that token 7
+        and (from a run that drafted the new token 7) token 12 round otherwise;
+        what the drafts were does not change a row's own token."""
+
+        def __init__(self):
+            self.scheduler = SimpleNamespace(drafter=None)
+            self.runs = 0
+
+        def generate(self, input_ids, sampling_params):
+            self.runs += 1
+            out = list(plain)
+            out[7] = 7
+            if self.scheduler.drafter.continuation[7] == 7:
+                out[12] = 12
+            return {"output_ids": out}
+
+    engine = Verifies()
+    ref, (runs, first) = _calibrate(engine, (2, 3), plain, 1000, [1, 2], {})
+    assert ref[7] == 7 and ref[12] == 12 and ref[:7] == plain[:7]
+    assert (runs, first, engine.runs) == (3, 7, 3)  # plain, then each new parting, then held
+    engine = Verifies()
+    ref, (runs, _) = _calibrate(engine, (2, 3), plain, 1000, [1, 2], {}, passes=2)
+    assert runs == 2 and ref[12] == 12  # stops at `passes`, returning the latest output
+    same = SimpleNamespace(scheduler=SimpleNamespace(drafter=None),
+                           generate=lambda **kw: {"output_ids": list(plain)})
+    assert _calibrate(same, (4, 4), plain, 1000, [1], {}) == (plain, (1, -1))

@@ -16,8 +16,12 @@
 - `simulated`: single-stream decode with a replayed draft: the plain run's own
   continuation with every (L)-th draft token wrong, so each verify keeps exactly
   L - 1 drafts plus its own token (acceptance length L, SIMULATED: no drafter
-  reached it). Measures the engine's verify path at a given acceptance, end to
-  end and after the first token (a 1-token request's time taken off). A case
+  reached it). In bf16 without --enable-deterministic-inference a verify row
+  may round a near-tie otherwise than the decode row, so each case first finds
+  the continuation its own verifies produce and replays that (`_calibrate`,
+  reported with where it parts from the plain run). Measures the engine's
+  verify path at a given acceptance, end to end and after the first token (a
+  1-token request's time taken off). A case
   k,L,T with T > 1 replays a tree of k draft tokens instead (T children per
   level, the right one among wrong ones and the only one expanded, level L
   all wrong): the same draft-token budget and acceptance as the chain k,L
@@ -302,6 +306,32 @@ def _tree_flags(cases: list[tuple[int, ...]]) -> dict[str, Any]:
                 speculative_num_steps=depth)
 
 
+def _calibrate(engine: Any, case: tuple[int, ...], plain: list[int], vocab: int,
+               prompt: list[int], sp: dict[str, Any], passes: int = 4
+               ) -> tuple[list[int], tuple[int, int]]:
+    """The continuation a replay of `case` must draft so its acceptance holds in bf16
+    without the deterministic flag: (tokens, (runs taken, first token parting from
+    `plain`, or -1)).
+
+    A verify row is not rounded as a decode row is, so greedy tokens under
+    speculation may part from the plain run's at a near-tie, and a replay of the
+    plain run would then be rejected from there on. But every verify of a case has
+    the same row count, and a row's products and its attention (computed as the
+    decode step at its position) do not depend on its place among the rows: the
+    speculative run's own output, replayed, reproduces itself. Replay, take the
+    output as the next reference, until it holds (or `passes` runs)."""
+    ref, runs = plain, 0
+    while runs < passes:
+        runs += 1
+        engine.scheduler.drafter = _replay(case, ref, vocab)
+        out = engine.generate(input_ids=prompt, sampling_params=sp)["output_ids"]
+        if out == ref:
+            break
+        ref = out
+    first = next((i for i, (a, b) in enumerate(zip(ref, plain)) if a != b), -1)
+    return ref, (runs, first)
+
+
 def simulated(args: argparse.Namespace) -> None:
     import radixlm
 
@@ -311,9 +341,10 @@ def simulated(args: argparse.Namespace) -> None:
               **_tree_flags(args.cases))
     # Losslessness is exact in fp32 and under the deterministic flag; in bf16 without
     # it a verify row is not computed as a decode row is, so greedy tokens may part
-    # at a near-tie (reported; acceptance is then below the replayed L).
+    # at a near-tie: each case then replays its own continuation (`_calibrate`).
     exact = args.dtype == "float32" or args.enable_deterministic_inference
     parted: dict[str, int] = {}
+    calibrated: dict[str, tuple[int, int]] = {}
     g = torch.Generator().manual_seed(0)
     with radixlm.Engine(args.model_path, **kw) as e:
         vocab = e.scheduler.vocab_size
@@ -324,13 +355,19 @@ def simulated(args: argparse.Namespace) -> None:
               f"{args.device} {args.dtype}; SIMULATED acceptance (a replayed draft); "
               f"{args.repeats} repeats, tok/s min / median / max")
         rows = [("plain", None)] + [(_case_name(c), c) for c in args.cases]
+        refs: dict[str, list[int]] = {"plain": plain}
+        for name, case in rows[1:]:
+            refs[name] = plain
+            if not exact:
+                refs[name], calibrated[name] = _calibrate(e, case, plain, vocab, prompt, sp)
         rates: dict[str, list[float]] = {name: [] for name, _ in rows}
         decode: dict[str, list[float]] = {name: [] for name, _ in rows}  # after token 1
         first = {**sp, "max_new_tokens": 1}
         counts = {name: [0, 0] for name, _ in rows}  # verifies, accepted drafts
         for _ in range(args.repeats):
             for name, case in rows:
-                e.scheduler.drafter = None if case is None else _replay(case, plain, vocab)
+                ref = refs[name]
+                e.scheduler.drafter = None if case is None else _replay(case, ref, vocab)
                 t0 = time.perf_counter()
                 e.generate(input_ids=prompt, sampling_params=first)
                 one = time.perf_counter() - t0
@@ -343,10 +380,9 @@ def simulated(args: argparse.Namespace) -> None:
                 after = _spec_counts(e)
                 counts[name][0] += after[0] - before[0]
                 counts[name][1] += after[2] - before[2]
-                if out != plain:
+                if out != ref:
                     assert not exact, f"{name}: tokens changed"
-                    parted[name] = next(i for i, (a, b) in enumerate(zip(out, plain))
-                                        if a != b)
+                    parted[name] = next(i for i, (a, b) in enumerate(zip(out, ref)) if a != b)
         base = statistics.median(rates["plain"])
         print("tok/s: end to end (the cached prompt's prefill step included); decode: "
               "after the first token (the time of a 1-token request taken off)")
@@ -358,10 +394,15 @@ def simulated(args: argparse.Namespace) -> None:
             print(f"{name:22} {_stats(rates[name]):>24} "
                   f"{statistics.median(rates[name]) / base:8.2f} {_stats(decode[name]):>24} "
                   f"{per_verify:>10}")
+        for name, (passes, first) in calibrated.items():
+            where = ("equals the plain run's" if first < 0 else
+                     f"parts from the plain run's at token {first} (bf16 rounds a verify "
+                     "row as it does not a decode row)")
+            print(f"{name}: replays its own verifies' continuation (found in {passes} "
+                  f"run(s)), which {where}")
         for name, at in parted.items():
-            print(f"{name}: greedy tokens parted from the plain run at token {at} (bf16 "
-                  "without --enable-deterministic-inference; the acceptance after it is "
-                  "below the replayed L)")
+            print(f"{name}: greedy tokens parted from the replayed continuation at token "
+                  f"{at}; the acceptance after it is below the replayed L")
 
 
 def main(argv: list[str]) -> None:
