@@ -9,6 +9,7 @@ one CUDA graph, replayed, time / 64. Medians throughout.
 
     python benchmarks/gemv.py            # the table
     python benchmarks/gemv.py --sweep    # graph time of every candidate config
+    python benchmarks/gemv.py --sweep --m1    # ... at one row only
 """
 
 from __future__ import annotations
@@ -138,7 +139,7 @@ def sweep() -> None:
     for name, k, n in SHAPES:
         ws = weight_copies(k, n)
         nbytes = n * k * 2
-        for m in MS:
+        for m in (1,) if "--m1" in sys.argv else MS:
             x = torch.randn(m, k, device=DEV).bfloat16()
             ref = nbytes / time_graph(lambda x, w: F.linear(x, w), x, ws) / 1e9
             res = []

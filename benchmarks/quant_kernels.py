@@ -137,7 +137,7 @@ def table(rows: list[int]) -> None:
                       f"{2 * m * n * k / t / 1e12:>7.0f}{vs_bf16:>9}{vs_peer:>14}")
 
 
-def sweep() -> None:
+def sweep(int4: bool = True) -> None:
     """Graph time of GEMV configs at one row, per shape: what pick_*_config should say."""
     fp8_cands = [F8.GemvConfig("fma", bn, bk, w, st) for bn, bk, w, st in  # st 2: tile pairs
                  [(8, 1024, 4, 1), (4, 2048, 4, 1), (8, 1024, 4, 2), (4, 2048, 4, 2),
@@ -156,7 +156,11 @@ def sweep() -> None:
                                  x, ws), c) for c in fp8_cands)
         print(f"fp8  {name:<8} best {res[0][1]} {n * k / res[0][0] / 1e12:.2f} TB/s; "
               f"default {F8.pick_gemv_config(1, n, k, 0)}")
+        for t, c in res:
+            print(f"    {c}: {t * 1e6:.1f} us, {n * k / t / 1e12:.2f} TB/s")
         del ws
+        if not int4:
+            continue
         ws = copies(lambda n=n, k=k: int4_weights(n, k), n * k // 2)
         res = sorted((time_graph(lambda x, w, c=c: T4.int4_gemv(x, w[0], w[1], w[2], 128, None,
                                                                 config=c), x, ws), c)
@@ -222,11 +226,12 @@ def main() -> None:
     parser.add_argument("--rows", default=None,
                         help="comma-separated (default 1,8,64,4096; --gemm-sweep 256,4096)")
     parser.add_argument("--sweep", action="store_true")
+    parser.add_argument("--fp8-only", action="store_true", help="--sweep: no int4 tiles")
     parser.add_argument("--gemm-sweep", action="store_true")
     args = parser.parse_args()
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}")
     if args.sweep:
-        sweep()
+        sweep(int4=not args.fp8_only)
     elif args.gemm_sweep:
         gemm_sweep([int(r) for r in (args.rows or "256,4096").split(",")])
     else:
