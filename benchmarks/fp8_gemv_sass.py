@@ -1,0 +1,74 @@
+"""The one-row FP8 GEMV's loop, read from its sm_90 SASS on a machine without a GPU.
+
+Triton's bundled `ptxas` and `cuobjdump` compile and disassemble for a Hopper
+target anywhere, so a tile's instruction mix can be counted before device time
+is spent on it. Compiled with the launch's divisibility hints (pointers,
+N, K and the row stride multiples of 16, as every Llama shape is); per tile:
+the loop's instructions per weight and its barriers and shared-memory traffic.
+
+    python benchmarks/fp8_gemv_sass.py
+
+The Triton installed here may differ from the device's (3.6 there), so read the
+counts as a guide to what a tile's loop does, not as the device's code.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import re
+import subprocess
+import tempfile
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from radixlm.layers.quantization.triton_ops import fp8 as F8
+
+SIGNATURE = {"x_ptr": "*bf16", "w_ptr": "*fp8e4nv", "s_ptr": "*fp32", "b_ptr": "*fp32",
+             "y_ptr": "*bf16", "N": "i32", "K": "i32", "stride_wn": "i32", "stride_sn": "i32"}
+HINTS = {(i,): [["tt.divisibility", 16]] for i in range(8)}  # all but stride_sn
+TILES = [(8, 1024, 4, False), (8, 512, 4, True), (4, 2048, 4, False), (2, 2048, 4, False),
+         (16, 512, 4, False), (4, 1024, 2, False), (2, 1024, 1, False)]
+
+
+def loop_ops(bn: int, bk: int, warps: int, pairs: bool) -> tuple[int, collections.Counter]:
+    """(instructions, opcode counts) of the kernel's main loop for this tile."""
+    consts = dict(BN=bn, BK=bk, BLOCK_K=0, SCALE_ROWS=1, HAS_BIAS=False, EVEN_K=True,
+                  SILU_MUL=False, PAIRS=pairs, PDL=False)
+    kernel = triton.compile(ASTSource(F8._fp8_gemv_fma_kernel, SIGNATURE, consts, HINTS),
+                            target=GPUTarget("cuda", 90, 32),
+                            options={"num_warps": warps, "num_stages": 1})
+    cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/cuobjdump")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(kernel.asm["cubin"])
+        f.flush()
+        sass = subprocess.run([cuobjdump, "-sass", f.name], capture_output=True, text=True,
+                              check=True).stdout
+    ins = [(int(m.group(1), 16), m.group(2).strip())
+           for m in re.finditer(r"/\*([0-9a-f]{4,})\*/\s+(.*?);", sass)]
+    loops = []  # (target, branch) of every backward branch
+    for addr, text in ins:
+        target = re.search(r"0x([0-9a-f]+)", text) if "BRA" in text else None
+        if target and int(target.group(1), 16) < addr:
+            loops.append((int(target.group(1), 16), addr))
+    lo, hi = max(loops, key=lambda span: span[1] - span[0])
+    body = [text for addr, text in ins if lo <= addr <= hi]
+    opcode = [(t.split()[1] if t.startswith("@") else t.split()[0]).split(".")[0] for t in body]
+    return len(body), collections.Counter(opcode)
+
+
+def main() -> None:
+    print(f"Triton {triton.__version__}, sm_90; the one-row FP8 GEMV's main loop per tile")
+    print(f"{'tile':<26}{'instr':>7}{'/weight':>9}{'BAR':>5}{'LDS':>5}{'STS':>5}{'LDG':>5}")
+    for bn, bk, warps, pairs in TILES:
+        n, ops = loop_ops(bn, bk, warps, pairs)
+        weights = bn * bk * (2 if pairs else 1) // (32 * warps)
+        name = f"{bn}x{bk}, {warps} warps" + (", pairs" if pairs else "")
+        print(f"{name:<26}{n:>7}{n / weights:>9.2f}{ops['BAR']:>5}{ops['LDS']:>5}"
+              f"{ops['STS']:>5}{ops['LDG']:>5}")
+
+
+if __name__ == "__main__":
+    main()
