@@ -3,8 +3,9 @@
 Triton's bundled `ptxas` and `cuobjdump` compile and disassemble for a Hopper
 target anywhere, so a tile's instruction mix can be counted before device time
 is spent on it. Compiled with the launch's divisibility hints (pointers,
-N, K and the row stride multiples of 16, as every Llama shape is); per tile:
-the loop's instructions per weight and its barriers and shared-memory traffic.
+N, K and the row stride multiples of 16, as every Llama shape is); per tile,
+with 16-byte weight vectors and with 8-byte ones (`GemvConfig.vec8`): the
+loop's instructions per weight and its barriers and shared-memory traffic.
 
     python benchmarks/fp8_gemv_sass.py
 
@@ -33,10 +34,11 @@ TILES = [(8, 1024, 4, False), (8, 512, 4, True), (4, 2048, 4, False), (2, 2048, 
          (16, 512, 4, False), (4, 1024, 2, False), (2, 1024, 1, False)]
 
 
-def loop_ops(bn: int, bk: int, warps: int, pairs: bool) -> tuple[int, collections.Counter]:
+def loop_ops(bn: int, bk: int, warps: int, pairs: bool,
+             vec8: bool) -> tuple[int, collections.Counter]:
     """(instructions, opcode counts) of the kernel's main loop for this tile."""
     consts = dict(BN=bn, BK=bk, BLOCK_K=0, SCALE_ROWS=1, HAS_BIAS=False, EVEN_K=True,
-                  SILU_MUL=False, PAIRS=pairs, PDL=False)
+                  SILU_MUL=False, PAIRS=pairs, VEC8=vec8, PDL=False)
     kernel = triton.compile(ASTSource(F8._fp8_gemv_fma_kernel, SIGNATURE, consts, HINTS),
                             target=GPUTarget("cuda", 90, 32),
                             options={"num_warps": warps, "num_stages": 1})
@@ -61,13 +63,15 @@ def loop_ops(bn: int, bk: int, warps: int, pairs: bool) -> tuple[int, collection
 
 def main() -> None:
     print(f"Triton {triton.__version__}, sm_90; the one-row FP8 GEMV's main loop per tile")
-    print(f"{'tile':<26}{'instr':>7}{'/weight':>9}{'BAR':>5}{'LDS':>5}{'STS':>5}{'LDG':>5}")
-    for bn, bk, warps, pairs in TILES:
-        n, ops = loop_ops(bn, bk, warps, pairs)
-        weights = bn * bk * (2 if pairs else 1) // (32 * warps)
-        name = f"{bn}x{bk}, {warps} warps" + (", pairs" if pairs else "")
-        print(f"{name:<26}{n:>7}{n / weights:>9.2f}{ops['BAR']:>5}{ops['LDS']:>5}"
-              f"{ops['STS']:>5}{ops['LDG']:>5}")
+    print(f"{'tile':<32}{'instr':>7}{'/weight':>9}{'BAR':>5}{'LDS':>5}{'STS':>5}{'LDG':>5}")
+    for vec8 in (False, True):
+        for bn, bk, warps, pairs in TILES:
+            n, ops = loop_ops(bn, bk, warps, pairs, vec8)
+            weights = bn * bk * (2 if pairs else 1) // (32 * warps)
+            name = (f"{bn}x{bk}, {warps} warps" + (", pairs" if pairs else "")
+                    + (", vec8" if vec8 else ""))
+            print(f"{name:<32}{n:>7}{n / weights:>9.2f}{ops['BAR']:>5}{ops['LDS']:>5}"
+                  f"{ops['STS']:>5}{ops['LDG']:>5}")
 
 
 if __name__ == "__main__":

@@ -149,16 +149,18 @@ def test_fp8_gemv(case, m, dtype):
 
 @pytest.mark.parametrize("case", ["channel", "channel-ragged", "block-ragged", "block-64x64"])
 @pytest.mark.parametrize("bk", [64, 128])
-def test_fp8_gemv_tile_pairs(case, bk):
-    """The one-row kernel loading its tiles in pairs (stages 2): odd and even tile
-    counts (the last tile left over by the pairs), ragged K, block scales, fused
-    SiLU: the float64 product within one GEMV's rounding."""
+@pytest.mark.parametrize("loads", ["pairs", "vec8", "pairs-vec8"])
+def test_fp8_gemv_tile_loads(case, bk, loads):
+    """The one-row kernel loading its tiles in pairs (stages 2) and/or in 8-byte
+    vectors (vec8): odd and even tile counts (the last tile left over by the
+    pairs), ragged K, block scales, fused SiLU: the float64 product within one
+    GEMV's rounding."""
     n, k, block, parts = CASES[case]
     dtype = DTYPES[0]
     w = fp8_weight(n, k, block, parts, seed=6)
     x = randn(1, k, seed=7, dtype=dtype)
     bias = randn(n, seed=8, dtype=dtype)
-    cfg = F.GemvConfig("fma", 4, bk, 4, 2)
+    cfg = F.GemvConfig("fma", 4, bk, 4, 2 if "pairs" in loads else 1, vec8="vec8" in loads)
     out = F.fp8_gemv(x, w.weight, w.scales, w.block_k, w.scale_rows, bias, config=cfg)
     check(out, x.double() @ w.dequantize().double().T + bias.double(), dtype, k)
     if n % 2 == 0 and block is None:

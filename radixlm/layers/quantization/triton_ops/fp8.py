@@ -58,6 +58,11 @@ class GemvConfig(NamedTuple):
     bk: int  # features per loop step
     warps: int
     stages: int  # "fma": 2 loads its tiles in pairs (its loop is not pipelined)
+    # "fma": weights in 8-byte vectors, so a thread's weights and its bf16 x lanes
+    # share one layout. With 16-byte vectors (the default) x moves through shared
+    # memory every step, 2-16 barriers (`benchmarks/fp8_gemv_sass.py`); at BK =
+    # 256 x warps there is none. Opt-in until measured on a GPU.
+    vec8: bool = False
 
 
 class GemmConfig(NamedTuple):
@@ -192,7 +197,7 @@ def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, block_
     if cfg.kernel == "fma":
         assert m == 1
         # stages > 1: tiles loaded in pairs (the loop is not pipelined: no dot)
-        common.update(num_stages=1, PAIRS=cfg.stages > 1)
+        common.update(num_stages=1, PAIRS=cfg.stages > 1, VEC8=cfg.vec8)
         _fp8_gemv_fma_kernel[grid](x, weight, scales, b, y, n, k, weight.stride(0), stride_s,
                                    **common)
     else:
@@ -389,11 +394,13 @@ def _fp8_gemv_fma_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, N, K, stride_wn, str
                          BN: tl.constexpr, BK: tl.constexpr, BLOCK_K: tl.constexpr,
                          SCALE_ROWS: tl.constexpr, HAS_BIAS: tl.constexpr,
                          EVEN_K: tl.constexpr, SILU_MUL: tl.constexpr, PAIRS: tl.constexpr,
-                         PDL: tl.constexpr):
+                         VEC8: tl.constexpr, PDL: tl.constexpr):
     pid = tl.program_id(0)
     offs_n = pid * BN + tl.arange(0, BN)
     rows = tl.minimum(offs_n, N - 1).to(tl.int64)  # clamped: loads need no row mask
     offs_k = tl.arange(0, BK)
+    if VEC8:  # see GemvConfig.vec8
+        offs_k = tl.max_contiguous(offs_k, 8)
     w_ptrs = w_ptr + rows[:, None] * stride_wn + offs_k[None, :]
     up_ptrs = w_ptrs + N * stride_wn  # SILU_MUL: the up rows, N below the gate rows
     # BN divides SCALE_ROWS: the program's rows (gate, and up) share a scale row.
