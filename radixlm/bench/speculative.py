@@ -306,6 +306,14 @@ def _tree_flags(cases: list[tuple[int, ...]]) -> dict[str, Any]:
                 speculative_num_steps=depth)
 
 
+def _first_difference(a: list[int], b: list[int]) -> int:
+    """Where token lists a and b first differ (the shorter's length if one is a
+    prefix of the other); -1 if they are equal."""
+    if a == b:
+        return -1
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
 def _calibrate(engine: Any, case: tuple[int, ...], plain: list[int], vocab: int,
                prompt: list[int], sp: dict[str, Any], passes: int = 4
                ) -> tuple[list[int], tuple[int, int]]:
@@ -328,8 +336,7 @@ def _calibrate(engine: Any, case: tuple[int, ...], plain: list[int], vocab: int,
         if out == ref:
             break
         ref = out
-    first = next((i for i, (a, b) in enumerate(zip(ref, plain)) if a != b), -1)
-    return ref, (runs, first)
+    return ref, (runs, _first_difference(ref, plain))
 
 
 def simulated(args: argparse.Namespace) -> None:
@@ -382,7 +389,7 @@ def simulated(args: argparse.Namespace) -> None:
                 counts[name][1] += after[2] - before[2]
                 if out != ref:
                     assert not exact, f"{name}: tokens changed"
-                    parted[name] = next(i for i, (a, b) in enumerate(zip(out, ref)) if a != b)
+                    parted[name] = _first_difference(out, ref)
         base = statistics.median(rates["plain"])
         print("tok/s: end to end (the cached prompt's prefill step included); decode: "
               "after the first token (the time of a 1-token request taken off)")
