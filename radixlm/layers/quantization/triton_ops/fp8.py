@@ -61,7 +61,7 @@ class GemvConfig(NamedTuple):
     # "fma": weights in 8-byte vectors, so a thread's weights and its bf16 x lanes
     # share one layout. With 16-byte vectors (the default) x moves through shared
     # memory every step, 2-16 barriers (`benchmarks/fp8_gemv_sass.py`); at BK =
-    # 256 x warps there is none. Opt-in until measured on a GPU.
+    # 256 x warps there is none. The one-row default (`pick_gemv_config`).
     vec8: bool = False
 
 
@@ -88,10 +88,14 @@ def pick_gemv_config(m: int, n: int, k: int, block_k: int) -> GemvConfig:
     """bf16's `pick_config` at the same bytes per step (twice the features: one
     byte each; 4 warps, so the [4, 2048] fp32 products stay in 64 registers a
     thread); the tensor-core variant steps one scale block at a time."""
-    if m == 1:  # H200 sweep of Llama-8B's shapes (benchmarks/quant_kernels.py --sweep):
-        # wide layers (qkv, gate_up) 2.68 / 3.47 TB/s with 512-feature tiles in pairs,
-        # square and long-K ones (o, down) 2.50 / 3.46 with single 1024-feature tiles
-        return GemvConfig("fma", 8, 512, 4, 2) if n > k else GemvConfig("fma", 8, 1024, 4, 1)
+    if m == 1:  # H200 sweep of Llama-8B's shapes (benchmarks/quant_kernels.py --sweep),
+        # 8-byte weight vectors at BK = 256 x warps (no barrier in the loop): wide
+        # layers (qkv, gate_up) 2.80 / 3.68 TB/s with 4 x 512 tiles on 2 warps (16-byte
+        # 8 x 512 pairs: 2.73 / 3.48), square and long-K ones (o, down) 2.58 / 3.53
+        # with 4 x 1024 on 4 warps (16-byte 8 x 1024: 2.50 / 3.40)
+        if n > k:
+            return GemvConfig("fma", 4, 512, 2, 1, vec8=True)
+        return GemvConfig("fma", 4, 1024, 4, 1, vec8=True)
     bk = block_k or 256
     if n <= 4096:
         return GemvConfig("mma", 32 if k > 2048 else 64, bk, 4, 6)
