@@ -116,14 +116,17 @@ if HAS_TRITON:
     def _rms_norm_kernel(X, R, W, Y, RO, PW, stride_x, stride_r, stride_y, stride_ro, N, eps,
                          HAS_RES: tl.constexpr, HAS_PRE: tl.constexpr, BLOCK: tl.constexpr,
                          PDL: tl.constexpr):
-        pdl_wait(PDL)
-        pdl_trigger(PDL)
         row = tl.program_id(0).to(tl.int64)
         offs = tl.arange(0, BLOCK)
         mask = offs < N
+        # The weights before the wait: after it only x and the residual are read.
+        w = tl.load(W + offs, mask=mask, other=0.0).to(tl.float32)
+        if HAS_PRE:
+            pw = tl.load(PW + offs, mask=mask, other=0.0).to(tl.float32)
+        pdl_wait(PDL)
+        pdl_trigger(PDL)
         x = tl.load(X + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
         if HAS_PRE:  # normalize x first, rounded as a separate norm's output would be
-            pw = tl.load(PW + offs, mask=mask, other=0.0).to(tl.float32)
             pre = tl.rsqrt(tl.sum(x * x, 0) / N + eps)
             x = (x * pre * pw).to(Y.dtype.element_ty).to(tl.float32)
         if HAS_RES:
@@ -134,7 +137,6 @@ if HAS_TRITON:
             tl.store(RO + row * stride_ro + offs, s, mask=mask)
             x = s.to(tl.float32)
         rstd = tl.rsqrt(tl.sum(x * x, 0) / N + eps)
-        w = tl.load(W + offs, mask=mask, other=0.0).to(tl.float32)
         tl.store(Y + row * stride_y + offs, (x * rstd * w).to(Y.dtype.element_ty), mask=mask)
 
     @triton.jit
@@ -155,15 +157,20 @@ if HAS_TRITON:
                      BLOCK_HALF: tl.constexpr,
                      STORE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                      PDL: tl.constexpr):
-        pdl_wait(PDL)
-        pdl_trigger(PDL)
         t = tl.program_id(0).to(tl.int64)
+        # The position, its cos/sin row and the cache slot are the step's inputs and
+        # a constant table (`radixlm.layers.pdl`): read before the wait, so after it
+        # only q and k (the kernel before wrote them) are one round trip away.
         pos = tl.load(Pos + t).to(tl.int64)
         offs = tl.arange(0, BLOCK_HALF)
         dmask = offs < HALF
         cos = tl.load(CosSin + pos * stride_cs + offs, mask=dmask, other=0.0).to(tl.float32)
         sin = tl.load(CosSin + pos * stride_cs + HALF + offs, mask=dmask,
                       other=0.0).to(tl.float32)
+        if STORE:
+            row = tl.load(Loc + t).to(tl.int64) * (NK * HEAD_DIM)
+        pdl_wait(PDL)
+        pdl_trigger(PDL)
         # All query heads of the token in one tile, then all key heads: one
         # program per token reads its cos/sin row once.
         hq = tl.arange(0, BLOCK_HQ)
@@ -189,7 +196,6 @@ if HAS_TRITON:
         tl.store(pk, k1, mask=mk)
         tl.store(pk + HALF, k2, mask=mk)
         if STORE:  # the rotated K row and the V row into the pool's slot (full rotary only)
-            row = tl.load(Loc + t).to(tl.int64) * (NK * HEAD_DIM)
             pkb = KBuf + row + hk[:, None] * HEAD_DIM + offs[None, :]
             tl.store(pkb, k1, mask=mk)
             tl.store(pkb + HALF, k2, mask=mk)

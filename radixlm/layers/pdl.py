@@ -10,8 +10,15 @@ its wait (address math, loading weights) overlaps the previous kernel.
 
 Contract for a kernel that takes part (it takes a `PDL: tl.constexpr` argument
 and is launched with `**launch_args()`):
-- before `pdl_wait(PDL)` it reads nothing but constant data (the weights) and
-  writes nothing; everything else comes after the wait;
+- before `pdl_wait(PDL)` it writes nothing and reads nothing the kernel just
+  before it may write: the weights, the step's inputs that the host set before
+  the pass (positions, sequence lengths, the request-to-token table, cache
+  slots), and what a kernel two or more launches back wrote (the MoE down
+  product's routing, written before its gate/up kernel). That is safe because
+  of the next rule: a kernel starts only once every program of the one before
+  it has waited, so everything two or more launches back has finished. So the
+  wait comes before any early return, and a caller that relies on a kernel
+  standing between a write and a read launches it unconditionally;
 - it calls `pdl_trigger(PDL)` after its wait, so the next kernel cannot start
   before everything earlier in the stream than this one has finished.
 Kernels that do not take part (torch's, cuBLAS, NCCL) are launched without the

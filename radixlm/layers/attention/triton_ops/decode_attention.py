@@ -97,17 +97,28 @@ def _decode_stage1_kernel(
     HAS_WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, TRANSLATE: tl.constexpr,
     PDL: tl.constexpr, KV_FP8: tl.constexpr,
 ):
-    pdl_wait(PDL)
-    pdl_trigger(PDL)
     b = tl.program_id(0)
     g = tl.program_id(1)
     s = tl.program_id(2)
-
+    # Before the wait, the step's inputs (lengths, the token table, the window's slot
+    # map: set by the host, `radixlm.layers.pdl`) down to the first block's slots,
+    # so after it only q and the K/V rows (this step's written by the kernel before)
+    # are read: two round trips to memory fewer on a split of one block, which is
+    # what a short context's decode splits are.
     seq_len = tl.load(SeqLens + b)
     first = _first_token(PrefixLens, b, seq_len, window, HAS_PREFIX, HAS_WINDOW)
     chunk = tl.cdiv(tl.cdiv(seq_len - first, num_splits), BLOCK_N) * BLOCK_N
     start = first + s * chunk
     end = tl.minimum(start + chunk, seq_len)
+    row = tl.load(ReqPoolIdx + b).to(tl.int64)
+    r2t = ReqToToken + row * stride_r2t
+    # Out-of-range tokens read slot 0 (the pool's padding row), so the K/V gathers
+    # need no mask; their scores are masked to -inf below. int64: slot * row stride
+    # overflows int32 for pools past ~2M tokens.
+    offs_n = start + tl.arange(0, BLOCK_N)
+    slot = load_slots(r2t, offs_n, offs_n < end, SlotMap, True, TRANSLATE)
+    pdl_wait(PDL)
+    pdl_trigger(PDL)
     if start >= end:  # beyond this request's length: nothing to do (stage 2 knows)
         return
 
@@ -117,9 +128,6 @@ def _decode_stage1_kernel(
     offs_d = tl.arange(0, HEAD_DIM)
     q = tl.load(Q + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
                 mask=hmask[:, None], other=0.0)
-
-    row = tl.load(ReqPoolIdx + b).to(tl.int64)
-    r2t = ReqToToken + row * stride_r2t
     k_base = K + g * stride_kh + offs_d[None, :]
     v_base = V + g * stride_vh + offs_d[None, :]
 
@@ -127,15 +135,18 @@ def _decode_stage1_kernel(
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, HEAD_DIM], tl.float32)
-    for n0 in range(start, end, BLOCK_N):
+    # The first block with the slots loaded before the wait, the rest in the loop
+    # (software-pipelined over num_stages blocks, as before the peel). Every block
+    # has >= 1 valid token, so m_i is finite and no NaN appears (a window only
+    # moves the range's start).
+    m_i, l_i, acc = attend_block(q, k_base, v_base, slot, stride_kn, stride_vn,
+                                 (offs_n < end)[None, :], m_i, l_i, acc, qk_scale, cap_log2,
+                                 DOT_PREC=DOT_PREC, MASKED=True, SOFTCAP=SOFTCAP,
+                                 EMPTY_ROWS=False, KV_FP8=KV_FP8)
+    for n0 in range(start + BLOCK_N, end, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         nmask = offs_n < end
-        # Out-of-range tokens read slot 0 (the pool's padding row), so the K/V
-        # gathers need no mask; their scores are masked to -inf below. int64:
-        # slot * row stride overflows int32 for pools past ~2M tokens.
         slot = load_slots(r2t, offs_n, nmask, SlotMap, True, TRANSLATE)
-        # Every block has >= 1 valid token, so m_i is finite and no NaN appears
-        # (a window only moves the range's start).
         m_i, l_i, acc = attend_block(q, k_base, v_base, slot, stride_kn, stride_vn,
                                      nmask[None, :], m_i, l_i, acc, qk_scale, cap_log2,
                                      DOT_PREC=DOT_PREC, MASKED=True, SOFTCAP=SOFTCAP,
@@ -159,10 +170,9 @@ def _decode_stage2_kernel(
     HEAD_DIM: tl.constexpr, HAS_PREFIX: tl.constexpr, HAS_WINDOW: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    pdl_wait(PDL)
-    pdl_trigger(PDL)
     b = tl.program_id(0)
     h = tl.program_id(1)
+    # The step's inputs before the wait (as in stage 1); the partials after it.
     seq_len = tl.load(SeqLens + b)
     if HAS_PREFIX:
         n_pre = tl.load(NumPrefix + b)
@@ -170,6 +180,8 @@ def _decode_stage2_kernel(
     # Same chunking as stage 1: the number of splits that did work.
     chunk = tl.cdiv(tl.cdiv(n, num_splits), CHUNK_ALIGN) * CHUNK_ALIGN
     n_valid = tl.cdiv(n, tl.maximum(chunk, 1))
+    pdl_wait(PDL)
+    pdl_trigger(PDL)
 
     offs_s = tl.arange(0, BLOCK_S)
     smask = offs_s < n_valid
