@@ -29,9 +29,11 @@ Scales: none (`SCALE` 0) or one per expert and output channel (`SCALE` 1: [E, 2I
 and [E, H]); block scales stay on the aligned path. Weights may have strided
 rows and experts (K contiguous); x, act and the routing tensors are contiguous.
 
-Both kernels take part in PDL (`radixlm.layers.pdl`). They wait first: which
-weights to read depends on topk_ids, which the previous kernel (the router)
-writes. No host sync, no allocation but the workspace: CUDA-graph capturable.
+Both kernels take part in PDL (`radixlm.layers.pdl`). Gate/up waits first: which
+weights to read depends on topk_ids, which the kernel before it (the router)
+writes. Down, one-block form, reads the ids and its weight tile before its wait
+(gate/up stands between it and the router). No host sync, no allocation but the
+workspace: CUDA-graph capturable.
 """
 
 from __future__ import annotations
@@ -174,8 +176,6 @@ def _down_kernel(act_ptr, w_ptr, s_ptr, ids_ptr, topk_w_ptr, out_ptr, E, N, K,
                  stride_we, stride_wn, stride_se, stride_out,
                  TOP_K: tl.constexpr, SCALE: tl.constexpr, EVEN_K: tl.constexpr,
                  BN: tl.constexpr, BK: tl.constexpr, HOIST: tl.constexpr, PDL: tl.constexpr):
-    pdl_wait(PDL)
-    pdl_trigger(PDL)
     token = tl.program_id(0).to(tl.int64)
     offs_n = tl.program_id(1) * BN + tl.arange(0, BN)
     rows = tl.minimum(offs_n, N - 1).to(tl.int64)
@@ -185,8 +185,10 @@ def _down_kernel(act_ptr, w_ptr, s_ptr, ids_ptr, topk_w_ptr, out_ptr, E, N, K,
     if HOIST:
         acc = _down_one_block(act_ptr, w_ptr, s_ptr, ids_ptr, topk_w_ptr, E, K, stride_we,
                               stride_wn, stride_se, token, rows, offs_k, acc, dtype,
-                              TOP_K, SCALE)
+                              TOP_K, SCALE, PDL)
     else:
+        pdl_wait(PDL)
+        pdl_trigger(PDL)
         for j in tl.static_range(TOP_K):  # fixed pair order: the sum rounds as moe_sum's
             pair = token * TOP_K + j
             expert = tl.load(ids_ptr + pair)
@@ -211,7 +213,7 @@ def _down_kernel(act_ptr, w_ptr, s_ptr, ids_ptr, topk_w_ptr, out_ptr, E, N, K,
 @triton.jit
 def _down_one_block(act_ptr, w_ptr, s_ptr, ids_ptr, topk_w_ptr, E, K, stride_we, stride_wn,
                     stride_se, token, rows, offs_k, acc, dtype: tl.constexpr,
-                    TOP_K: tl.constexpr, SCALE: tl.constexpr):
+                    TOP_K: tl.constexpr, SCALE: tl.constexpr, PDL: tl.constexpr):
     """The k pairs of one token when K fits one BK step, as one [KP, BN, BK] tile:
     every pair's id, weight rows and act row are loaded before any sum, so they
     are in flight together (the looped form reduces each pair across warps
@@ -219,7 +221,13 @@ def _down_one_block(act_ptr, w_ptr, s_ptr, ids_ptr, topk_w_ptr, E, K, stride_we,
     barrier: k round trips to memory one after another). Another rank's pair
     (id outside [0, E)) loads nothing (masked) and adds +0.0. The pairs' rounded
     rows are added in pair order, as the looped form; only the K sum's tree may
-    differ from it."""
+    differ from it.
+
+    The ids, routing weights, weight rows and scales are read before the PDL wait:
+    the router wrote the ids and routing weights before the gate/up kernel that
+    precedes this one, so they are final once this kernel starts
+    (`radixlm.layers.pdl`), and the weight tile then streams in while gate/up
+    finishes. Only the act rows, gate/up's output, wait."""
     KP: tl.constexpr = triton.next_power_of_2(TOP_K)
     slots = tl.arange(0, KP)
     pairs = token * TOP_K + slots
@@ -229,13 +237,17 @@ def _down_one_block(act_ptr, w_ptr, s_ptr, ids_ptr, topk_w_ptr, E, K, stride_we,
     k_in = offs_k < K
     w = tl.load(w_ptr + e[:, None, None] * stride_we + rows[None, :, None] * stride_wn
                 + offs_k[None, None, :], mask=ok[:, None, None] & k_in[None, None, :], other=0.0)
+    weight = tl.load(topk_w_ptr + pairs, mask=ok, other=0.0)
+    if SCALE == 1:
+        scale = tl.load(s_ptr + e[:, None] * stride_se + rows[None, :], mask=ok[:, None],
+                        other=0.0)
+    pdl_wait(PDL)
+    pdl_trigger(PDL)
     a = tl.load(act_ptr + pairs[:, None] * K + offs_k[None, :], mask=ok[:, None] & k_in[None, :],
                 other=0.0)
     y = tl.sum(w.to(dtype).to(tl.float32) * a.to(tl.float32)[:, None, :], axis=2)  # [KP, BN]
     if SCALE == 1:
-        y = y * tl.load(s_ptr + e[:, None] * stride_se + rows[None, :], mask=ok[:, None],
-                        other=0.0)
-    weight = tl.load(topk_w_ptr + pairs, mask=ok, other=0.0)
+        y = y * scale
     y = tl.where(ok[:, None], (y * weight[:, None]).to(dtype).to(tl.float32), 0.0)
     for j in tl.static_range(TOP_K):  # one nonzero row per sum: exact, in pair order
         acc += tl.sum(tl.where(slots[:, None] == j, y, 0.0), axis=0)
