@@ -6,6 +6,7 @@ on the layer's attention projections. Batch 1, dummy bf16 weights of a
 
     python benchmarks/moe_decode_kernels.py                  # Qwen3-30B-A3B's shape
     python benchmarks/moe_decode_kernels.py --shape mixtral-8x7b   # K > BK: no one-block down
+    python benchmarks/moe_decode_kernels.py --pdl            # launched as the engine does
 
 Why: a single-stream profile of Qwen3-30B-A3B's shape (`decode_profile.py
 --disable-pdl`, 2026-12-03) put the router's logits kernel at 11.3 us a call for
@@ -32,6 +33,7 @@ from fused_moe import DEV, DT, SHAPES, copy_rate, time_graph
 from moe_decode import SHAPES as MODEL_SHAPES
 
 from radixlm.layers import gemv as GV
+from radixlm.layers import pdl
 from radixlm.layers.moe.triton_ops import moe_gemv as MG
 from radixlm.layers.moe.triton_ops import topk as TK
 
@@ -45,6 +47,10 @@ ROUTER_TILES = [(8, 16, 128, 32, 4), (16, 16, 128, 16, 4), (8, 16, 128, 32, 2), 
 # K <= BK), the second the looped form it replaced.
 DOWN_TILES = [(2, 1024, 4, True), (2, 1024, 4, False), (2, 1024, 8, True), (1, 1024, 4, True),
               (4, 1024, 8, True), (2, 1024, 2, True), (2, 1024, 1, True)]
+# Gate/up (BN, BK, warps); the first is `pick_gemv_tiles` today. BK = H (2048 for
+# Qwen3-30B-A3B) makes the loop one step: every load of a program in flight at once.
+GATE_UP_TILES = [(2, 1024, 4), (1, 2048, 4), (2, 2048, 4), (2, 2048, 8), (4, 2048, 8),
+                 (1, 2048, 2), (1, 1024, 2), (4, 1024, 4)]
 GEMV_TILES = [(4, 1024, 4), (2, 1024, 4), (2, 2048, 4), (8, 512, 4), (4, 512, 4), (2, 512, 2),
               (1, 2048, 4), (4, 2048, 4), (8, 1024, 4), (2, 1024, 2)]
 
@@ -92,7 +98,8 @@ def bench_router(e: int, h: int, k: int, rate: float) -> None:
 
 
 def bench_down(e: int, h: int, inter: int, k: int, rate: float) -> None:
-    print(f"\ndirect path, E {e}, H {h}, I {inter}, top-{k}, 1 token: gate/up (default) + down")
+    print(f"\ndirect path, E {e}, H {h}, I {inter}, top-{k}, 1 token: gate/up + down, "
+          f"one kernel's tiles varied, the other's the default")
     x = torch.randn(1, h, device=DEV).to(DT)
     layers = [(torch.randn(e, 2 * inter, h, device=DEV).to(DT) * 0.02,
                torch.randn(e, h, inter, device=DEV).to(DT) * 0.02) for _ in range(2)]
@@ -102,12 +109,16 @@ def bench_down(e: int, h: int, inter: int, k: int, rate: float) -> None:
     out = torch.empty(1, h, device=DEV, dtype=DT)
     default, ref = MG.pick_gemv_tiles, None
     nbytes = k * 3 * h * inter * 2
+    variants = ([("down", inter, MG.GemvTiles(bn, bk, w, hoist)) for bn, bk, w, hoist in DOWN_TILES]
+                + [("gate/up", h, MG.GemvTiles(bn, bk, w)) for bn, bk, w in GATE_UP_TILES])
     try:
-        for bn, bk, warps, hoist in DOWN_TILES:
-            def pick(p, n, kk, tiles=MG.GemvTiles(bn, bk, warps, hoist)):
-                return tiles if kk == inter else default(p, n, kk)
+        for name, k_varied, tiles in variants:
+            def pick(p, n, kk, tiles=tiles, k_varied=k_varied):
+                return tiles if kk == k_varied else default(p, n, kk)
             MG.pick_gemv_tiles = pick
-            label = f"down BN {bn} BK {bk} {warps}w {'one-block' if hoist else 'looped   '}"
+            label = (f"{name} BN {tiles.block_n} BK {tiles.block_k} {tiles.num_warps}w"
+                     + ({True: " one-block", False: " looped   "}[tiles.hoist]
+                        if name == "down" else ""))
             try:
                 ts = time_graph([lambda i=i: MG.moe_gemv(x, *layers[i % 2], tw, ids[i], out, "silu",
                                                          None, None) for i in range(GROUP)])
@@ -141,14 +152,17 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--shape", default="qwen3-30b-a3b",
                     choices=sorted(set(SHAPES) & set(MODEL_SHAPES)))
+    ap.add_argument("--pdl", action="store_true",
+                    help="launch with programmatic dependent launch, as the engine does")
     args = ap.parse_args()
+    pdl.set_pdl(args.pdl)
     e, h, inter, k = SHAPES[args.shape]
     cfg = MODEL_SHAPES[args.shape]
     d = cfg.get("head_dim") or h // cfg["num_attention_heads"]
     q, kv = cfg["num_attention_heads"] * d, cfg["num_key_value_heads"] * d
     rate = copy_rate()
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__};"
-          f" {args.shape}; copy rate {rate / 1e12:.2f} TB/s")
+          f" {args.shape}; copy rate {rate / 1e12:.2f} TB/s; PDL {pdl.pdl_on()}")
     bench_router(e, h, k, rate)
     bench_down(e, h, inter, k, rate)
     bench_gemv([("qkv", q + 2 * kv, h), ("o", h, q)], rate)
