@@ -177,9 +177,12 @@ if HAS_TRITON:
         offs_k = tl.arange(0, BK)
         w_ptrs = w_ptr + rows[:, None] * K + offs_k[None, :]
         up_ptrs = w_ptrs + N * K  # SILU_MUL: the up rows, N below the gate rows
-        # The first weight tile is loaded before the PDL wait: weights are constant,
-        # so these reads overlap the previous kernel's tail.
+        # The first weight tile (and the bias) is loaded before the PDL wait: weights
+        # are constant, so these reads overlap the previous kernel's tail.
         w, wu = _load_w(w_ptrs, up_ptrs, 0, offs_k, K, EVEN_K, SILU_MUL)
+        bias = 0.0
+        if HAS_BIAS:
+            bias = tl.load(b_ptr + rows).to(tl.float32)
         pdl_wait(PDL)
         pdl_trigger(PDL)
         xk = _load_x(x_ptr, 0, offs_k, K, EVEN_K).to(tl.float32)[None, :]
@@ -193,7 +196,7 @@ if HAS_TRITON:
                 acc_up += wu.to(tl.float32) * xk
         y = tl.sum(acc, axis=1)
         if HAS_BIAS:
-            y += tl.load(b_ptr + rows).to(tl.float32)
+            y += bias
         if SILU_MUL:
             y = _silu_mul(y, tl.sum(acc_up, axis=1), y_ptr.dtype.element_ty)
         tl.store(y_ptr + offs_n, y.to(y_ptr.dtype.element_ty), mask=offs_n < N)

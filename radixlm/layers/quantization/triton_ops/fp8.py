@@ -410,8 +410,19 @@ def _fp8_gemv_fma_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, N, K, stride_wn, str
     # BN divides SCALE_ROWS: the program's rows (gate, and up) share a scale row.
     s_row = s_ptr + ((pid * BN) // SCALE_ROWS) * stride_sn
     s_row_up = s_ptr + ((pid * BN + N) // SCALE_ROWS) * stride_sn
-    # The first weight tile before the PDL wait: weights are constant.
+    # The first weight tile, the row scales and the bias before the PDL wait: they
+    # are constant, and loaded after the loop they were one more round trip to
+    # memory at the end of every program.
     w, wu = _load_w(w_ptrs, up_ptrs, 0, offs_k, K, EVEN_K, SILU_MUL)
+    scale = 1.0
+    scale_up = 1.0
+    if not BLOCK_K:
+        scale = tl.load(s_ptr + rows)
+        if SILU_MUL:
+            scale_up = tl.load(s_ptr + rows + N)
+    bias = 0.0
+    if HAS_BIAS:
+        bias = tl.load(b_ptr + rows).to(tl.float32)
     pdl_wait(PDL)
     pdl_trigger(PDL)
     acc = tl.zeros([BN, BK], dtype=tl.float32)
@@ -442,11 +453,11 @@ def _fp8_gemv_fma_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, N, K, stride_wn, str
     y = tl.sum(acc, axis=1)
     y_up = tl.sum(acc_up, axis=1)
     if not BLOCK_K:
-        y *= tl.load(s_ptr + rows)
+        y *= scale
         if SILU_MUL:
-            y_up *= tl.load(s_ptr + rows + N)
+            y_up *= scale_up
     if HAS_BIAS:
-        y += tl.load(b_ptr + rows).to(tl.float32)
+        y += bias
     if SILU_MUL:
         y = _silu_mul(y, y_up, y_ptr.dtype.element_ty)
     tl.store(y_ptr + offs_n, y.to(y_ptr.dtype.element_ty), mask=offs_n < N)
