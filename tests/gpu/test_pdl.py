@@ -72,6 +72,48 @@ def test_pdl_chain_bit_identical(rows):
         assert torch.equal(x_out, wx) and torch.equal(r_out, wr)
 
 
+E, TOP_K, MOE_H, MOE_I = 64, 8, 2048, 768  # a Qwen3-MoE-like layer, fewer experts
+
+
+def _moe_chain(x: torch.Tensor, res: torch.Tensor, layers) -> tuple[torch.Tensor, torch.Tensor]:
+    """Norm (+ residual) -> router logits -> top-k -> gate/up -> down, per layer. The
+    down kernel reads the router's ids before its PDL wait (two launches back):
+    a stale read would route this replay's token by the last one's choice."""
+    from radixlm.layers.moe.triton_ops.fused_moe import fused_experts
+    from radixlm.layers.moe.triton_ops.topk import fused_topk
+
+    for norm_w, router, w13, w2 in layers:
+        h, res = rms_norm(x, norm_w, 1e-5, res)
+        weights, ids = fused_topk(h, router, TOP_K, True, torch.bfloat16)
+        x = fused_experts(h, w13, w2, weights, ids, direct=True)
+    return x, res
+
+
+def test_pdl_moe_chain_bit_identical():
+    g = torch.Generator(device=DEV).manual_seed(1)
+    layers = [(torch.rand(MOE_H, device=DEV, generator=g).bfloat16() + 0.5,
+               torch.randn(E, MOE_H, device=DEV, generator=g),
+               (torch.randn(E, 2 * MOE_I, MOE_H, device=DEV, generator=g) * 0.03).bfloat16(),
+               (torch.randn(E, MOE_H, MOE_I, device=DEV, generator=g) * 0.03).bfloat16())
+              for _ in range(3)]
+    # Each input routes its token to other experts than the one before it.
+    inputs = [(torch.randn(1, MOE_H, device=DEV, generator=g).bfloat16(),
+               torch.randn(1, MOE_H, device=DEV, generator=g).bfloat16()) for _ in range(6)]
+    assert not pdl.set_pdl(False)
+    want = [_moe_chain(x, r, layers) for x, r in inputs]
+    assert pdl.set_pdl(True, DEV)
+    x_in, r_in = (t.clone() for t in inputs[0])
+    graph, (x_out, r_out) = capture_graph(lambda: _moe_chain(x_in, r_in, layers))
+    for (x, r), (wx, wr) in zip(inputs, want):
+        ex, er = _moe_chain(x, r, layers)
+        assert torch.equal(ex, wx) and torch.equal(er, wr)
+        x_in.copy_(x)
+        r_in.copy_(r)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(x_out, wx) and torch.equal(r_out, wr)
+
+
 def test_pdl_switch():
     assert pdl.set_pdl(True, DEV)
     assert pdl.launch_args() == {"PDL": True, "launch_pdl": True}
