@@ -195,8 +195,6 @@ def _topk(partials: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, reno
 def _logits_kernel(x_ptr, w_ptr, out_ptr, T, E, H, stride_x,
                    BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, CHUNK_K: tl.constexpr,
                    BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, PDL: tl.constexpr):
-    # Guarded, though pdl_wait checks PDL itself: an interpreted kernel cannot call a
-    # device function that was jitted before TRITON_INTERPRET was set (the tests).
     offs_t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     offs_e = tl.program_id(1) * BLOCK_E + tl.arange(0, BLOCK_E)
     k_lo = tl.program_id(2) * CHUNK_K
