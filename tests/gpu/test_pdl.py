@@ -52,24 +52,30 @@ def _chain(x: torch.Tensor, res: torch.Tensor, weights) -> tuple[torch.Tensor, t
     return x, res
 
 
-@pytest.mark.parametrize("rows", [1, 4])  # the fma and the mma GEMV kernels
-def test_pdl_chain_bit_identical(rows):
-    weights = _weights(4)
-    inputs = [(torch.randn(rows, H, device=DEV).bfloat16(),
-               torch.randn(rows, H, device=DEV).bfloat16()) for _ in range(4)]
+def _same_bits_with_pdl(chain, inputs) -> None:
+    """`chain(x, residual)` with PDL, eagerly and replayed from one CUDA graph per
+    input in turn, gives the bits it gives without PDL."""
     assert not pdl.set_pdl(False)
-    want = [_chain(x, r, weights) for x, r in inputs]
+    want = [chain(x, r) for x, r in inputs]
     assert pdl.set_pdl(True, DEV)
-    eager = [_chain(x, r, weights) for x, r in inputs]
     x_in, r_in = (t.clone() for t in inputs[0])
-    graph, (x_out, r_out) = capture_graph(lambda: _chain(x_in, r_in, weights))
-    for (x, r), (wx, wr), (ex, er) in zip(inputs, want, eager):
+    graph, (x_out, r_out) = capture_graph(lambda: chain(x_in, r_in))
+    for (x, r), (wx, wr) in zip(inputs, want):
+        ex, er = chain(x, r)
         assert torch.equal(ex, wx) and torch.equal(er, wr)
         x_in.copy_(x)
         r_in.copy_(r)
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(x_out, wx) and torch.equal(r_out, wr)
+
+
+@pytest.mark.parametrize("rows", [1, 4])  # the fma and the mma GEMV kernels
+def test_pdl_chain_bit_identical(rows):
+    weights = _weights(4)
+    inputs = [(torch.randn(rows, H, device=DEV).bfloat16(),
+               torch.randn(rows, H, device=DEV).bfloat16()) for _ in range(4)]
+    _same_bits_with_pdl(lambda x, r: _chain(x, r, weights), inputs)
 
 
 E, TOP_K, MOE_H, MOE_I = 64, 8, 2048, 768  # a Qwen3-MoE-like layer, fewer experts
@@ -99,19 +105,7 @@ def test_pdl_moe_chain_bit_identical():
     # Each input routes its token to other experts than the one before it.
     inputs = [(torch.randn(1, MOE_H, device=DEV, generator=g).bfloat16(),
                torch.randn(1, MOE_H, device=DEV, generator=g).bfloat16()) for _ in range(6)]
-    assert not pdl.set_pdl(False)
-    want = [_moe_chain(x, r, layers) for x, r in inputs]
-    assert pdl.set_pdl(True, DEV)
-    x_in, r_in = (t.clone() for t in inputs[0])
-    graph, (x_out, r_out) = capture_graph(lambda: _moe_chain(x_in, r_in, layers))
-    for (x, r), (wx, wr) in zip(inputs, want):
-        ex, er = _moe_chain(x, r, layers)
-        assert torch.equal(ex, wx) and torch.equal(er, wr)
-        x_in.copy_(x)
-        r_in.copy_(r)
-        graph.replay()
-        torch.cuda.synchronize()
-        assert torch.equal(x_out, wx) and torch.equal(r_out, wr)
+    _same_bits_with_pdl(lambda x, r: _moe_chain(x, r, layers), inputs)
 
 
 def test_pdl_switch():
