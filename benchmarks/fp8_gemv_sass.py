@@ -1,8 +1,7 @@
 """The one-row FP8 GEMV's loop, read from its sm_90 SASS on a machine without a GPU.
 
-Triton's bundled `ptxas` and `cuobjdump` compile and disassemble for a Hopper
-target anywhere, so a tile's instruction mix can be counted before device time
-is spent on it. Compiled with the launch's divisibility hints (pointers,
+Compiled for a Hopper target here (`sass.py`), so a tile's instruction mix can be
+counted before device time is spent on it. Compiled with the launch's divisibility hints (pointers,
 N, K and the row stride multiples of 16, as every Llama shape is); per tile,
 with 16-byte weight vectors and with 8-byte ones (`GemvConfig.vec8`): the
 loop's instructions per weight and its barriers and shared-memory traffic.
@@ -16,14 +15,10 @@ counts as a guide to what a tile's loop does, not as the device's code.
 from __future__ import annotations
 
 import collections
-import os
 import re
-import subprocess
-import tempfile
 
 import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
+from sass import opcode, sm90_sass
 
 from radixlm.layers.quantization.triton_ops import fp8 as F8
 
@@ -39,17 +34,7 @@ def loop_ops(bn: int, bk: int, warps: int, pairs: bool,
     """(instructions, opcode counts) of the kernel's main loop for this tile."""
     consts = dict(BN=bn, BK=bk, BLOCK_K=0, SCALE_ROWS=1, HAS_BIAS=False, EVEN_K=True,
                   SILU_MUL=False, PAIRS=pairs, VEC8=vec8, PDL=False)
-    kernel = triton.compile(ASTSource(F8._fp8_gemv_fma_kernel, SIGNATURE, consts, HINTS),
-                            target=GPUTarget("cuda", 90, 32),
-                            options={"num_warps": warps, "num_stages": 1})
-    cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/cuobjdump")
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(kernel.asm["cubin"])
-        f.flush()
-        sass = subprocess.run([cuobjdump, "-sass", f.name], capture_output=True, text=True,
-                              check=True).stdout
-    ins = [(int(m.group(1), 16), m.group(2).strip())
-           for m in re.finditer(r"/\*([0-9a-f]{4,})\*/\s+(.*?);", sass)]
+    ins = sm90_sass(F8._fp8_gemv_fma_kernel, SIGNATURE, consts, warps, hints=HINTS)
     loops = []  # (target, branch) of every backward branch
     for addr, text in ins:
         target = re.search(r"0x([0-9a-f]+)", text) if "BRA" in text else None
@@ -57,8 +42,7 @@ def loop_ops(bn: int, bk: int, warps: int, pairs: bool,
             loops.append((int(target.group(1), 16), addr))
     lo, hi = max(loops, key=lambda span: span[1] - span[0])
     body = [text for addr, text in ins if lo <= addr <= hi]
-    opcode = [(t.split()[1] if t.startswith("@") else t.split()[0]).split(".")[0] for t in body]
-    return len(body), collections.Counter(opcode)
+    return len(body), collections.Counter(opcode(t) for t in body)
 
 
 def main() -> None:

@@ -1,0 +1,85 @@
+"""Where the decode-path kernels' memory reads sit around their PDL wait, from their
+sm_90 SASS, on a machine without a GPU (`sass.py`).
+
+At batch 1 these kernels are short chains of dependent reads, so what one costs
+is how many round trips to memory follow its wait (`radixlm/layers/pdl.py`). Per
+kernel, compiled with PDL on at a decode shape (Qwen3-30B-A3B's where it has one):
+the global loads (LDG) issued before the wait (ACQBULK, `griddepcontrol.wait`) and
+after it, and the order of loads, float adds/FMAs, barriers and stores after it,
+run-length coded (`LDGx16 FADDx16`: sixteen loads in flight before the first add).
+
+    python benchmarks/pdl_sass.py
+"""
+
+from __future__ import annotations
+
+import triton
+from sass import opcode, signature, sm90_sass
+
+from radixlm.layers import fused_ops, gemv
+from radixlm.layers.attention.triton_ops import decode_attention as DA
+from radixlm.layers.moe.triton_ops import moe_gemv as MG
+from radixlm.layers.moe.triton_ops import topk as TK
+
+SHOWN = ("LDG", "ACQBULK", "FADD", "FFMA", "BAR", "STG", "HMMA")
+
+
+def kernels():
+    """(name, jitted fn, pointer types, fp32 scalars, constexprs, warps)."""
+    f32, b16, i32, i64 = "*fp32", "*bf16", "*i32", "*i64"
+    yield ("router logits", TK._logits_kernel, {"x_ptr": b16, "w_ptr": f32, "out_ptr": f32}, (),
+           dict(BLOCK_T=8, BLOCK_E=16, CHUNK_K=128, BLOCK_K=32, EVEN_K=True, PDL=True), 4)
+    yield ("router top-k", TK._topk_kernel, {"part_ptr": f32, "w_out_ptr": f32, "id_out_ptr": i32},
+           (), dict(S=16, TOP_K=8, EP=128, KP=8, RENORM=True, ROUND=1, LIBDEVICE_EXP=True,
+                    PDL=True), 4)
+    moe = {"x_ptr": b16, "act_ptr": b16, "w_ptr": b16, "s_ptr": f32, "ids_ptr": i32,
+           "topk_w_ptr": f32, "out_ptr": b16}
+    yield ("MoE gate/up", MG._gate_up_kernel, moe, (),
+           dict(TOP_K=8, ACT=0, SCALE=0, EVEN_K=True, BN=2, BK=1024, PDL=True), 4)
+    yield ("MoE down (one block)", MG._down_kernel, moe, (),
+           dict(TOP_K=8, SCALE=0, EVEN_K=False, BN=2, BK=1024, HOIST=True, PDL=True), 4)
+    yield ("RMSNorm + residual", fused_ops._rms_norm_kernel,
+           {k: b16 for k in ("X", "R", "W", "Y", "RO", "PW")}, ("eps",),
+           dict(HAS_RES=True, HAS_PRE=False, BLOCK=2048, PDL=True), 4)
+    yield ("QK-norm + RoPE + KV store", fused_ops._rope_kernel,
+           {"Q": b16, "K": b16, "CosSin": f32, "Pos": i64, "V": b16, "KBuf": b16, "VBuf": b16,
+            "Loc": i64, "WQ": b16, "WK": b16}, ("eps",),
+           dict(QK_NORM=True, NQ=32, NK=4, BLOCK_HQ=32, BLOCK_HK=4, HALF=64, BLOCK_HALF=64,
+                STORE=True, HEAD_DIM=128, BLOCK_D=128, PDL=True), 4)
+    attn = {"Q": b16, "K": b16, "V": b16, "ReqToToken": i32, "ReqPoolIdx": i64, "SeqLens": i32,
+            "PrefixLens": i32, "SlotMap": i64, "MidO": f32, "MidLse": f32, "KScale": f32,
+            "VScale": f32}
+    yield ("decode attention, stage 1", DA._decode_stage1_kernel, attn,
+           ("qk_scale", "cap_log2"),
+           dict(GROUP=8, BLOCK_H=16, BLOCK_N=32, HEAD_DIM=128, DOT_PREC="tf32", HAS_PREFIX=False,
+                HAS_WINDOW=False, SOFTCAP=False, TRANSLATE=False, PDL=True, KV_FP8=False), 2)
+    yield ("bf16 GEMV, one row", gemv._gemv_fma_kernel,
+           {"x_ptr": b16, "w_ptr": b16, "b_ptr": b16, "y_ptr": b16}, (),
+           dict(BN=4, BK=1024, HAS_BIAS=True, EVEN_K=True, SILU_MUL=False, PDL=True), 4)
+
+
+def run_length(ops: list[str]) -> str:
+    out: list[list] = []
+    for op in ops:
+        if out and out[-1][0] == op:
+            out[-1][1] += 1
+        else:
+            out.append([op, 1])
+    return " ".join(f"{op}x{n}" for op, n in out)
+
+
+def main() -> None:
+    print(f"Triton {triton.__version__}, sm_90, PDL on; loads before / after the wait, then "
+          f"the code after the wait")
+    for name, fn, pointers, floats, consts, warps in kernels():
+        ops = [opcode(text) for _, text in
+               sm90_sass(fn, signature(fn, pointers, floats), consts, warps)]
+        wait = ops.index("ACQBULK")
+        before, after = ops[:wait].count("LDG"), ops[wait:].count("LDG")
+        shown = [op for op in ops[wait + 1:] if op in SHOWN]
+        print(f"\n{name}: {before} LDG before the wait, {after} after")
+        print(f"  {run_length(shown)[:300]}")
+
+
+if __name__ == "__main__":
+    main()
