@@ -39,13 +39,10 @@ from radixlm.layers.moe.triton_ops import topk as TK
 
 GROUP = 16
 LOGITS_TILES = TK.logits_tiles  # the rule the router candidates vary (patched while timed)
-# (BLOCK_T, BLOCK_E, programs aimed at for one token, BLOCK_K, warps, x_per_expert); the
-# first is `topk.logits_tiles` today (128 programs of 8 tokens x 16 experts x 128
-# features); x_per_expert: x loaded per product lane, not through shared memory.
-ROUTER_TILES = [(8, 16, 128, 32, 4, False), (8, 16, 128, 32, 4, True), (8, 16, 128, 32, 2, True),
-                (4, 16, 128, 32, 4, True), (8, 8, 256, 32, 4, True), (16, 16, 128, 16, 4, False),
-                (8, 16, 128, 32, 2, False), (8, 8, 256, 32, 4, False), (4, 16, 128, 32, 4, False),
-                (8, 16, 64, 32, 4, False), (8, 32, 128, 32, 4, False)]
+# (BLOCK_T, BLOCK_E, programs aimed at for one token, BLOCK_K, warps); the first is
+# `topk.logits_tiles` today (128 programs of 8 tokens x 16 experts x 128 features).
+ROUTER_TILES = [(8, 16, 128, 32, 4), (16, 16, 128, 16, 4), (8, 16, 128, 32, 2), (8, 8, 256, 32, 4),
+                (4, 16, 128, 32, 4), (8, 16, 64, 32, 4), (8, 32, 128, 32, 4)]
 # Down (BN, BK, warps, hoist); the first is `pick_gemv_tiles` today (one block where
 # K <= BK), the second the looped form it replaced.
 DOWN_TILES = [(2, 1024, 4, True), (2, 1024, 4, False), (2, 1024, 8, True), (1, 1024, 4, True),
@@ -65,10 +62,10 @@ def fmt(ts: tuple[float, float, float], nbytes: float, rate: float) -> str:
 
 
 def router_tiles(e: int, h: int, bt: int, be: int, programs: int, bk: int,
-                 warps: int, x_per_expert: bool) -> TK.LogitsTiles:
+                 warps: int) -> TK.LogitsTiles:
     """`topk.logits_tiles` (the unpatched one) with a candidate's knobs."""
     return LOGITS_TILES(e, h, block_t=bt, block_e=be, programs=programs, block_k=bk,
-                        warps=warps, x_per_expert=x_per_expert)
+                        warps=warps)
 
 
 def bench_router(e: int, h: int, k: int, rate: float) -> None:
@@ -81,8 +78,7 @@ def bench_router(e: int, h: int, k: int, rate: float) -> None:
         tiles = router_tiles(e, h, *cand)
         label = f"{tiles.block_t:>2} tok x {tiles.block_e:>2} experts x {tiles.chunk_k:>4}"
         programs = triton.cdiv(e, tiles.block_e) * triton.cdiv(h, tiles.chunk_k)
-        label += (f" ({programs:>3} programs), BK {tiles.block_k}, {tiles.warps}w"
-                  + (", x per expert" if tiles.x_per_expert else ""))
+        label += f" ({programs:>3} programs), BK {tiles.block_k}, {tiles.warps}w"
         TK.logits_tiles = lambda e_, h_, tiles=tiles: tiles
         try:
             ts = time_graph([functools.partial(TK.fused_topk, xs[:1], w, k, True, DT) for w in ws])

@@ -27,11 +27,8 @@ SHOWN = ("LDG", "ACQBULK", "FADD", "FFMA", "BAR", "STG", "HMMA")
 def kernels():
     """(name, jitted fn, pointer types, fp32 scalars, constexprs, warps)."""
     f32, b16, i32, i64 = "*fp32", "*bf16", "*i32", "*i64"
-    for x_full in (False, True):  # LogitsTiles.x_per_expert
-        yield (f"router logits{', x per expert' if x_full else ''}", TK._logits_kernel,
-               {"x_ptr": b16, "w_ptr": f32, "out_ptr": f32}, (),
-               dict(BLOCK_T=8, BLOCK_E=16, CHUNK_K=128, BLOCK_K=32, EVEN_K=True,
-                    X_FULL=x_full, PDL=True), 4)
+    yield ("router logits", TK._logits_kernel, {"x_ptr": b16, "w_ptr": f32, "out_ptr": f32}, (),
+           dict(BLOCK_T=8, BLOCK_E=16, CHUNK_K=128, BLOCK_K=32, EVEN_K=True, PDL=True), 4)
     yield ("router top-k", TK._topk_kernel, {"part_ptr": f32, "w_out_ptr": f32, "id_out_ptr": i32},
            (), dict(S=16, TOP_K=8, EP=128, KP=8, RENORM=True, ROUND=1, LIBDEVICE_EXP=True,
                     PDL=True), 4)

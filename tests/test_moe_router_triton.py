@@ -164,31 +164,6 @@ def test_batch_invariant(e: int, h: int) -> None:
 
 
 @in_interpreter
-@pytest.mark.parametrize("e,h,t,k", [(60, 100, 33, 4), (128, 256, 5, 8)])
-def test_x_per_expert_tiles(e: int, h: int, t: int, k: int,
-                            monkeypatch: pytest.MonkeyPatch) -> None:
-    """The opt-in logits tile whose x pointers span the product tile
-    (`LogitsTiles.x_per_expert`): exact logits give the torch router's ids, ragged H
-    (100) included; a token's result is the same alone and in the batch."""
-    from radixlm.layers.moe.triton_ops import topk
-
-    default = topk.logits_tiles
-    monkeypatch.setattr(topk, "logits_tiles",
-                        lambda e_, h_: default(e_, h_, x_per_expert=True))
-    assert topk.logits_tiles(e, h).x_per_expert
-    for renormalize, round_weights, dtype in FLAGS[::3]:
-        x, weight = dyadic_inputs(t, e, h, dtype, seed=13)
-        check_against_torch(x, weight, k, renormalize, round_weights)
-    x = torch.randn(t, h, generator=torch.Generator().manual_seed(14)).to(torch.bfloat16)
-    weight = torch.randn(e, h, generator=torch.Generator().manual_seed(15)) * 0.1
-    batch_w, batch_ids = fused(x, weight, k, renormalize=True, round_weights=False)
-    for row in (0, t - 1):
-        one_w, one_ids = fused(x[row:row + 1], weight, k, renormalize=True,
-                               round_weights=False)
-        assert torch.equal(one_w[0], batch_w[row]) and torch.equal(one_ids[0], batch_ids[row])
-
-
-@in_interpreter
 def test_padded_experts_never_chosen() -> None:
     e, h = 60, 64
     weight = torch.randn(e, h, generator=torch.Generator().manual_seed(9))

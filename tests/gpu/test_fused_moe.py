@@ -718,30 +718,6 @@ def test_router_batch_invariant(e, k, h):
 
 
 @needs_cuda
-@pytest.mark.parametrize("e,k,h", ROUTER_SHAPES)
-def test_router_x_per_expert_tiles(e, k, h, monkeypatch):
-    """The opt-in logits tile (`LogitsTiles.x_per_expert`) beside the default: the
-    same ids and weights within fp32's reordering, every token of a batch of 257 bit
-    for bit as alone."""
-    from radixlm.layers.moe.triton_ops import topk
-
-    gen = torch.Generator(device=DEV).manual_seed(16)
-    x = torch.randn(257, h, generator=gen, device=DEV).bfloat16()
-    weight = torch.randn(e, h, generator=gen, device=DEV) * 0.03
-    ref_w, ref_ids = topk.fused_topk(x, weight, k, True, None)
-    default = topk.logits_tiles
-    monkeypatch.setattr(topk, "logits_tiles",
-                        lambda e_, h_: default(e_, h_, x_per_expert=True))
-    got_w, got_ids = topk.fused_topk(x, weight, k, True, None)
-    assert (got_ids == ref_ids).float().mean() > 0.99  # near ties may swap
-    same = (got_ids == ref_ids).all(dim=-1)
-    torch.testing.assert_close(got_w[same], ref_w[same], rtol=1e-5, atol=1e-7)
-    for row in (0, 1, 128, 256):
-        one_w, one_ids = topk.fused_topk(x[row:row + 1], weight, k, True, None)
-        assert torch.equal(one_w[0], got_w[row]) and torch.equal(one_ids[0], got_ids[row])
-
-
-@needs_cuda
 @pytest.mark.parametrize("t", [1, 64])
 def test_router_cuda_graph_replay(t):
     """The router captured once (two launches, no host sync), replayed on new inputs:

@@ -96,18 +96,11 @@ class LogitsTiles(NamedTuple):
     block_k: int
     warps: int
     stages: int
-    # x's pointers span the whole [tokens, experts, BLOCK_K] product tile, so each
-    # thread loads the x features it multiplies (L1 hits after the first). Without
-    # it x's tile moves through shared memory every step (STSM, barrier, LDSM), and
-    # each step's loads wait for the step before: CHUNK_K / BLOCK_K round trips
-    # where this has one (`benchmarks/pdl_sass.py`). Opt-in until timed on a GPU.
-    x_per_expert: bool = False
 
 
 def logits_tiles(num_experts: int, hidden: int, *, block_e: int = 16,
                  programs: int = DECODE_PROGRAMS, block_k: int = 32, warps: int = 4,
-                 stages: int = 1, block_t: int = 8,
-                 x_per_expert: bool = False) -> LogitsTiles:
+                 stages: int = 1, block_t: int = 8) -> LogitsTiles:
     """The logits kernel's tiles for weight [num_experts, hidden]: shapes of the layer
     only, never the token count, which keeps every token's sums in one order. H is
     split for about `programs` programs at one token; the keywords are the knobs a
@@ -116,7 +109,7 @@ def logits_tiles(num_experts: int, hidden: int, *, block_e: int = 16,
     splits = max(1, min(triton.cdiv(programs, blocks_e),
                         triton.cdiv(hidden, max(MIN_CHUNK_K, block_k))))
     chunk_k = triton.cdiv(triton.cdiv(hidden, splits), block_k) * block_k
-    return LogitsTiles(block_t, block_e, chunk_k, block_k, warps, stages, x_per_expert)
+    return LogitsTiles(block_t, block_e, chunk_k, block_k, warps, stages)
 
 
 def topk_warps(num_experts: int) -> int:
@@ -181,7 +174,7 @@ def _logits(x: torch.Tensor, weight: torch.Tensor, tiles: LogitsTiles) -> torch.
     _logits_kernel[grid](
         x, weight, partials, t, e, h, x.stride(0),
         BLOCK_T=tiles.block_t, BLOCK_E=tiles.block_e, CHUNK_K=tiles.chunk_k,
-        BLOCK_K=tiles.block_k, EVEN_K=h % tiles.chunk_k == 0, X_FULL=tiles.x_per_expert,
+        BLOCK_K=tiles.block_k, EVEN_K=h % tiles.chunk_k == 0,
         num_warps=tiles.warps, num_stages=tiles.stages, **pdl.launch_args())
     return partials
 
@@ -201,8 +194,7 @@ def _topk(partials: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, reno
 @triton.jit(do_not_specialize=["T"])
 def _logits_kernel(x_ptr, w_ptr, out_ptr, T, E, H, stride_x,
                    BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, CHUNK_K: tl.constexpr,
-                   BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, X_FULL: tl.constexpr,
-                   PDL: tl.constexpr):
+                   BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, PDL: tl.constexpr):
     offs_t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     offs_e = tl.program_id(1) * BLOCK_E + tl.arange(0, BLOCK_E)
     k_lo = tl.program_id(2) * CHUNK_K
@@ -211,16 +203,11 @@ def _logits_kernel(x_ptr, w_ptr, out_ptr, T, E, H, stride_x,
     # row and column, and the clamped ones are never stored.
     rows_t = tl.minimum(offs_t, T - 1).to(tl.int64)
     rows_e = tl.minimum(offs_e, E - 1).to(tl.int64)
-    if X_FULL:  # [BLOCK_T, BLOCK_E, BLOCK_K] pointers to x, [1, BLOCK_E, BLOCK_K] to w
-        x_ptrs = (x_ptr + rows_t[:, None, None] * stride_x + k_lo + offs_k[None, None, :]
-                  + 0 * offs_e[None, :, None])
-        w_ptrs = w_ptr + rows_e[None, :, None] * H + k_lo + offs_k[None, None, :]
-    else:  # [BLOCK_T, BLOCK_K] and [BLOCK_E, BLOCK_K], broadcast in the product
-        x_ptrs = x_ptr + rows_t[:, None] * stride_x + k_lo + offs_k[None, :]
-        w_ptrs = w_ptr + rows_e[:, None] * H + k_lo + offs_k[None, :]
+    x_ptrs = x_ptr + rows_t[:, None] * stride_x + k_lo + offs_k[None, :]
+    w_ptrs = w_ptr + rows_e[:, None] * H + k_lo + offs_k[None, :]
     # The first weight tile is read before the wait (the weight is constant), so it
     # overlaps the kernel before this one.
-    w = _load_chunk(w_ptrs, k_lo, 0, offs_k, H, EVEN_K, X_FULL)
+    w = _load_chunk(w_ptrs, k_lo, 0, offs_k, H, EVEN_K)
     # Guarded, though pdl_wait checks PDL itself: an interpreted kernel cannot call a
     # device function that was jitted before TRITON_INTERPRET was set (the tests).
     if PDL:
@@ -233,28 +220,20 @@ def _logits_kernel(x_ptr, w_ptr, out_ptr, T, E, H, stride_x,
     acc = tl.zeros([BLOCK_T, BLOCK_E, BLOCK_K], dtype=tl.float32)
     for kk in tl.static_range(0, CHUNK_K, BLOCK_K):
         if kk > 0:
-            w = _load_chunk(w_ptrs, k_lo, kk, offs_k, H, EVEN_K, X_FULL)
+            w = _load_chunk(w_ptrs, k_lo, kk, offs_k, H, EVEN_K)
         # Lanes past H load zeros: fma(0, 0, acc) leaves acc as it is.
-        x = _load_chunk(x_ptrs, k_lo, kk, offs_k, H, EVEN_K, X_FULL)
-        if X_FULL:
-            acc += x.to(tl.float32) * w
-        else:
-            acc += x.to(tl.float32)[:, None, :] * w[None, :, :]
+        x = _load_chunk(x_ptrs, k_lo, kk, offs_k, H, EVEN_K)
+        acc += x.to(tl.float32)[:, None, :] * w[None, :, :]
     out = out_ptr + (tl.program_id(2) * T + offs_t[:, None].to(tl.int64)) * E + offs_e[None, :]
     tl.store(out, tl.sum(acc, axis=2), mask=(offs_t < T)[:, None] & (offs_e < E)[None, :])
 
 
 @triton.jit
-def _load_chunk(ptrs, k_lo, kk: tl.constexpr, offs_k, H, EVEN_K: tl.constexpr,
-                THREE_D: tl.constexpr):
-    """The [..., BLOCK_K] tile at feature k_lo + kk (2-D, or 3-D with THREE_D);
-    lanes past H load zeros."""
+def _load_chunk(ptrs, k_lo, kk: tl.constexpr, offs_k, H, EVEN_K: tl.constexpr):
+    """The [rows, BLOCK_K] tile at feature k_lo + kk; lanes past H load zeros."""
     if EVEN_K:
         return tl.load(ptrs + kk)
-    k_ok = k_lo + kk + offs_k < H
-    if THREE_D:
-        return tl.load(ptrs + kk, mask=k_ok[None, None, :], other=0.0)
-    return tl.load(ptrs + kk, mask=k_ok[None, :], other=0.0)
+    return tl.load(ptrs + kk, mask=(k_lo + kk + offs_k < H)[None, :], other=0.0)
 
 
 @triton.jit
