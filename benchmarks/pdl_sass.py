@@ -14,7 +14,7 @@ run-length coded (`LDGx16 FADDx16`: sixteen loads in flight before the first add
 from __future__ import annotations
 
 import triton
-from sass import opcode, signature, sm90_sass
+from sass import divisibility, opcode, signature, sm90_sass
 
 from radixlm.layers import fused_ops, gemv
 from radixlm.layers.attention.triton_ops import decode_attention as DA
@@ -72,8 +72,12 @@ def main() -> None:
     print(f"Triton {triton.__version__}, sm_90, PDL on; loads before / after the wait, then "
           f"the code after the wait")
     for name, fn, pointers, floats, consts, warps in kernels():
+        # Pointers, strides and the layer's sizes are multiples of 16 at these shapes.
+        aligned = {p.name for p in fn.params if p.name in pointers
+                   or p.name.startswith("stride") or p.name in ("N", "K", "H")}
         ops = [opcode(text) for _, text in
-               sm90_sass(fn, signature(fn, pointers, floats), consts, warps)]
+               sm90_sass(fn, signature(fn, pointers, floats), consts, warps,
+                         hints=divisibility(fn, aligned))]
         wait = ops.index("ACQBULK")
         before, after = ops[:wait].count("LDG"), ops[wait:].count("LDG")
         shown = [op for op in ops[wait + 1:] if op in SHOWN]

@@ -30,6 +30,14 @@ def signature(fn, pointers: dict[str, str], floats: tuple[str, ...] = ()) -> dic
     return sig
 
 
+def divisibility(fn, names) -> dict:
+    """Hints that the arguments `names` of jitted `fn` are multiples of 16, as Triton
+    specializes them at a launch where they are (aligned pointers, strides and sizes
+    of the decode shapes): without them loads compile unvectorized."""
+    return {(i,): [["tt.divisibility", 16]] for i, p in enumerate(fn.params)
+            if p.name in names}
+
+
 def sm90_sass(fn, sig: dict[str, str], constants: dict, warps: int, stages: int = 1,
               hints: dict | None = None) -> list[tuple[int, str]]:
     """(address, instruction) of `fn` compiled for sm_90 with these constexprs."""
