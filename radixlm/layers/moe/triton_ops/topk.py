@@ -21,12 +21,14 @@ layer, more than the experts' own grouped GEMMs.
    rounding, one store of each output tile.
 
 Both kernels are short chains of dependent memory reads, so what they cost at one
-decode token is how many round trips to memory follow one another, not bytes:
-the logits kernel loads its first weight tile before the PDL wait and unrolls its
-CHUNK_K loop, so the later tiles' loads are issued together; the top-k kernel
-unrolls its loop over the S partials (S is a constant of the layer), so the S loads
-are in flight together rather than one after another (an H200 profile of
-Qwen3-30B-A3B's decode had the rolled loop at 5.2 us a layer for 16 partials).
+decode token is how many round trips to memory follow one another, not bytes.
+The top-k kernel unrolls its loop over the S partials (S is a constant of the
+layer), so the S loads are in flight together rather than one after another (an
+H200 profile of Qwen3-30B-A3B's decode had the rolled loop at 5.2 us a layer for
+16 partials; `benchmarks/pdl_sass.py` shows the 16 loads issued back to back). The
+logits kernel loads its first weight tile before the PDL wait; after it, each
+step's x tile still moves through shared memory before the next step's loads
+issue (a round trip a step).
 
 Contract:
 - x [T, H] bf16 / fp16 / fp32 with contiguous rows (stride(1) == 1); weight [E, H]
@@ -216,7 +218,6 @@ def _logits_kernel(x_ptr, w_ptr, out_ptr, T, E, H, stride_x,
     # Products FMA-ed into a [BLOCK_T, BLOCK_E, BLOCK_K] register tile, one sum over
     # its K lanes after the chunk: neither operand goes through shared memory (an
     # ieee tl.dot stages both and reads the weight across rows: 2x slower here).
-    # Unrolled: every step's loads can be issued before the first step's FMAs.
     acc = tl.zeros([BLOCK_T, BLOCK_E, BLOCK_K], dtype=tl.float32)
     for kk in tl.static_range(0, CHUNK_K, BLOCK_K):
         if kk > 0:
