@@ -16,16 +16,20 @@ from __future__ import annotations
 import triton
 from sass import divisibility, opcode, signature, sm90_sass
 
-from radixlm.layers import fused_ops, gemv
+from radixlm.layers import allreduce_norm, fused_ops, gemv
 from radixlm.layers.attention.triton_ops import decode_attention as DA
 from radixlm.layers.moe.triton_ops import moe_gemv as MG
 from radixlm.layers.moe.triton_ops import topk as TK
+from radixlm.layers.quantization.triton_ops import fp8 as F8
+from radixlm.layers.quantization.triton_ops import int4 as I4
 
 SHOWN = ("LDG", "ACQBULK", "FADD", "FFMA", "BAR", "STG", "HMMA")
 
 
 def kernels():
-    """(name, jitted fn, pointer types, fp32 scalars, constexprs, warps)."""
+    """(name, jitted fn, pointer types, fp32 scalars, constexprs, warps): every kernel
+    that takes part in PDL, at its decode configuration (`tests/test_pdl_contract.py`
+    checks that none is missing)."""
     f32, b16, i32, i64 = "*fp32", "*bf16", "*i32", "*i64"
     yield ("router logits", TK._logits_kernel, {"x_ptr": b16, "w_ptr": f32, "out_ptr": f32}, (),
            dict(BLOCK_T=8, BLOCK_E=16, CHUNK_K=128, BLOCK_K=32, EVEN_K=True, PDL=True), 4)
@@ -53,9 +57,37 @@ def kernels():
            ("qk_scale", "cap_log2"),
            dict(GROUP=8, BLOCK_H=16, BLOCK_N=32, HEAD_DIM=128, DOT_PREC="tf32", HAS_PREFIX=False,
                 HAS_WINDOW=False, SOFTCAP=False, TRANSLATE=False, PDL=True, KV_FP8=False), 2)
-    yield ("bf16 GEMV, one row", gemv._gemv_fma_kernel,
-           {"x_ptr": b16, "w_ptr": b16, "b_ptr": b16, "y_ptr": b16}, (),
+    yield ("decode attention, stage 2", DA._decode_stage2_kernel,
+           {"MidO": f32, "MidLse": f32, "Out": b16, "SeqLens": i32, "PrefixLens": i32,
+            "NumPrefix": i32, "MidPO": f32, "MidPLse": f32}, (),
+           dict(BLOCK_S=16, BLOCK_P=16, CHUNK_ALIGN=32, HEAD_DIM=128, HAS_PREFIX=False,
+                HAS_WINDOW=False, PDL=True), 4)
+    yield ("SiLU-and-mul", fused_ops._act_and_mul_kernel, {"X": b16, "Y": b16}, (),
+           dict(BLOCK=1024, GELU_TANH=False, PDL=True), 4)
+    gemv_ptrs = {"x_ptr": b16, "w_ptr": b16, "b_ptr": b16, "y_ptr": b16}
+    yield ("bf16 GEMV, one row", gemv._gemv_fma_kernel, gemv_ptrs, (),
            dict(BN=4, BK=1024, HAS_BIAS=True, EVEN_K=True, SILU_MUL=False, PDL=True), 4)
+    yield ("bf16 GEMV, 2-8 rows", gemv._gemv_mma_kernel, gemv_ptrs, (),
+           dict(BM=16, BN=64, BK=128, HAS_BIAS=False, EVEN_K=True, SILU_MUL=False, PDL=True),
+           4)
+    fp8 = {"x_ptr": b16, "w_ptr": "*fp8e4nv", "s_ptr": f32, "b_ptr": b16, "y_ptr": b16}
+    yield ("FP8 GEMV, one row", F8._fp8_gemv_fma_kernel, fp8, (),
+           dict(BN=4, BK=1024, BLOCK_K=0, SCALE_ROWS=1, HAS_BIAS=False, EVEN_K=True,
+                SILU_MUL=False, PAIRS=False, VEC8=True, PDL=True), 4)
+    yield ("FP8 GEMV, 2-8 rows", F8._fp8_gemv_mma_kernel, fp8, (),
+           dict(BM=16, BN=64, BK=128, BLOCK_K=128, SCALE_ROWS=128, HAS_BIAS=False,
+                EVEN_K=True, SILU_MUL=False, PDL=True), 4)
+    int4 = {"x_ptr": b16, "qw_ptr": i32, "z_ptr": i32, "s_ptr": b16, "g_ptr": i32,
+            "b_ptr": b16, "y_ptr": b16, "ws_ptr": f32}
+    yield ("int4 GEMV, split K", I4._int4_gemv_kernel, int4, (),
+           dict(BN=64, ROWS=16, GROUP=128, SUB_STEPS=2, ACT_ORDER=False, HAS_BIAS=False,
+                SILU_MUL=False, PARTIAL=True, EVEN=True, PACKED=True, BF16=True, PDL=True), 4)
+    yield ("int4 split-K sum", I4._int4_split_sum_kernel,
+           {"ws_ptr": f32, "b_ptr": b16, "y_ptr": b16}, (),
+           dict(SPLIT=8, BLOCK=256, HAS_BIAS=False, SILU_MUL=False, PDL=True), 2)
+    yield ("all-reduce + RMSNorm (2 ranks)", allreduce_norm._allreduce_add_rms_norm_kernel,
+           {"BufPtrs": i64, "PadPtrs": i64, "R": b16, "W": b16, "Y": b16, "RO": b16}, ("eps",),
+           dict(RANK=0, WORLD=2, BLOCK=4096, PDL=True), 8)
 
 
 def run_length(ops: list[str]) -> str:

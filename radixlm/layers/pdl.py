@@ -21,6 +21,8 @@ and is launched with `**launch_args()`):
   standing between a write and a read launches it unconditionally;
 - it calls `pdl_trigger(PDL)` after its wait, so the next kernel cannot start
   before everything earlier in the stream than this one has finished.
+`tests/test_pdl_contract.py` checks the wait, the trigger, and no write or exit
+before the wait in every taking-part kernel's compiled code.
 Kernels that do not take part (torch's, cuBLAS, NCCL) are launched without the
 attribute: they start only after everything before them has finished, and the
 kernel after them may start early only if they signal; its wait still covers
