@@ -18,13 +18,15 @@ import collections
 import re
 
 import triton
-from sass import opcode, sm90_sass
+from sass import divisibility, opcode, signature, sm90_sass
 
 from radixlm.layers.quantization.triton_ops import fp8 as F8
 
-SIGNATURE = {"x_ptr": "*bf16", "w_ptr": "*fp8e4nv", "s_ptr": "*fp32", "b_ptr": "*fp32",
-             "y_ptr": "*bf16", "N": "i32", "K": "i32", "stride_wn": "i32", "stride_sn": "i32"}
-HINTS = {(i,): [["tt.divisibility", 16]] for i in range(8)}  # all but stride_sn
+KERNEL = F8._fp8_gemv_fma_kernel
+SIGNATURE = signature(KERNEL, {"x_ptr": "*bf16", "w_ptr": "*fp8e4nv", "s_ptr": "*fp32",
+                               "b_ptr": "*fp32", "y_ptr": "*bf16"})
+HINTS = divisibility(KERNEL, {"x_ptr", "w_ptr", "s_ptr", "b_ptr", "y_ptr", "N", "K",
+                              "stride_wn"})  # all but stride_sn
 TILES = [(8, 1024, 4, False), (8, 512, 4, True), (4, 2048, 4, False), (2, 2048, 4, False),
          (16, 512, 4, False), (4, 1024, 2, False), (2, 1024, 1, False)]
 
@@ -34,7 +36,7 @@ def loop_ops(bn: int, bk: int, warps: int, pairs: bool,
     """(instructions, opcode counts) of the kernel's main loop for this tile."""
     consts = dict(BN=bn, BK=bk, BLOCK_K=0, SCALE_ROWS=1, HAS_BIAS=False, EVEN_K=True,
                   SILU_MUL=False, PAIRS=pairs, VEC8=vec8, PDL=False)
-    ins = sm90_sass(F8._fp8_gemv_fma_kernel, SIGNATURE, consts, warps, hints=HINTS)
+    ins = sm90_sass(KERNEL, SIGNATURE, consts, warps, hints=HINTS)
     loops = []  # (target, branch) of every backward branch
     for addr, text in ins:
         target = re.search(r"0x([0-9a-f]+)", text) if "BRA" in text else None

@@ -116,9 +116,8 @@ def bench_down(e: int, h: int, inter: int, k: int, rate: float) -> None:
             def pick(p, n, kk, tiles=tiles, k_varied=k_varied):
                 return tiles if kk == k_varied else default(p, n, kk)
             MG.pick_gemv_tiles = pick
-            label = (f"{name} BN {tiles.block_n} BK {tiles.block_k} {tiles.num_warps}w"
-                     + ({True: " one-block", False: " looped   "}[tiles.hoist]
-                        if name == "down" else ""))
+            form = (" one-block" if tiles.hoist else " looped   ") if name == "down" else ""
+            label = f"{name} BN {tiles.block_n} BK {tiles.block_k} {tiles.num_warps}w{form}"
             try:
                 ts = time_graph([lambda i=i: MG.moe_gemv(x, *layers[i % 2], tw, ids[i], out, "silu",
                                                          None, None) for i in range(GROUP)])

@@ -100,16 +100,22 @@ def run_length(ops: list[str]) -> str:
     return " ".join(f"{op}x{n}" for op, n in out)
 
 
+def case_ops(case) -> list[str]:
+    """The opcodes of one `kernels()` entry's sm_90 SASS, in order."""
+    _, fn, pointers, floats, consts, warps = case
+    # Pointers, strides and the layer's sizes are multiples of 16 at these shapes.
+    aligned = {p.name for p in fn.params if p.name in pointers
+               or p.name.startswith("stride") or p.name in ("N", "K", "H")}
+    return [opcode(text) for _, text in
+            sm90_sass(fn, signature(fn, pointers, floats), consts, warps,
+                      hints=divisibility(fn, aligned))]
+
+
 def main() -> None:
     print(f"Triton {triton.__version__}, sm_90, PDL on; loads before / after the wait, then "
           f"the code after the wait")
-    for name, fn, pointers, floats, consts, warps in kernels():
-        # Pointers, strides and the layer's sizes are multiples of 16 at these shapes.
-        aligned = {p.name for p in fn.params if p.name in pointers
-                   or p.name.startswith("stride") or p.name in ("N", "K", "H")}
-        ops = [opcode(text) for _, text in
-               sm90_sass(fn, signature(fn, pointers, floats), consts, warps,
-                         hints=divisibility(fn, aligned))]
+    for case in kernels():
+        name, ops = case[0], case_ops(case)
         wait = ops.index("ACQBULK")
         before, after = ops[:wait].count("LDG"), ops[wait:].count("LDG")
         shown = [op for op in ops[wait + 1:] if op in SHOWN]

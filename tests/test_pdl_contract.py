@@ -32,8 +32,7 @@ if os.environ.get("TRITON_INTERPRET") == "1":
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import triton  # noqa: E402
-from pdl_sass import kernels  # noqa: E402
-from sass import divisibility, opcode, signature, sm90_sass  # noqa: E402
+from pdl_sass import case_ops, kernels  # noqa: E402
 
 import radixlm  # noqa: E402
 
@@ -70,11 +69,7 @@ def test_every_pdl_kernel_is_checked() -> None:
                     reason="no ptxas in this Triton install")
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
 def test_wait_before_any_write_or_exit(case) -> None:
-    name, fn, pointers, floats, consts, warps = case
-    aligned = {p.name for p in fn.params if p.name in pointers}
-    ops = [opcode(text) for _, text in
-           sm90_sass(fn, signature(fn, pointers, floats), consts, warps,
-                     hints=divisibility(fn, aligned))]
+    name, ops = case[0], case_ops(case)
     assert ops.count("ACQBULK") == 1, f"{name}: expected one wait"
     wait = ops.index("ACQBULK")
     assert "PREEXIT" in ops[wait:], f"{name}: no signal after the wait"
