@@ -15,10 +15,9 @@ counts as a guide to what a tile's loop does, not as the device's code.
 from __future__ import annotations
 
 import collections
-import re
 
 import triton
-from sass import divisibility, opcode, signature, sm90_sass
+from sass import divisibility, main_loop, opcode_counts, signature, sm90_sass
 
 from radixlm.layers.quantization.triton_ops import fp8 as F8
 
@@ -36,15 +35,8 @@ def loop_ops(bn: int, bk: int, warps: int, pairs: bool,
     """(instructions, opcode counts) of the kernel's main loop for this tile."""
     consts = dict(BN=bn, BK=bk, BLOCK_K=0, SCALE_ROWS=1, HAS_BIAS=False, EVEN_K=True,
                   SILU_MUL=False, PAIRS=pairs, VEC8=vec8, PDL=False)
-    ins = sm90_sass(KERNEL, SIGNATURE, consts, warps, hints=HINTS)
-    loops = []  # (target, branch) of every backward branch
-    for addr, text in ins:
-        target = re.search(r"0x([0-9a-f]+)", text) if "BRA" in text else None
-        if target and int(target.group(1), 16) < addr:
-            loops.append((int(target.group(1), 16), addr))
-    lo, hi = max(loops, key=lambda span: span[1] - span[0])
-    body = [text for addr, text in ins if lo <= addr <= hi]
-    return len(body), collections.Counter(opcode(t) for t in body)
+    body = main_loop(sm90_sass(KERNEL, SIGNATURE, consts, warps, hints=HINTS))
+    return len(body), opcode_counts(body)
 
 
 def main() -> None:

@@ -81,7 +81,8 @@ def kernels():
             "b_ptr": b16, "y_ptr": b16, "ws_ptr": f32}
     yield ("int4 GEMV, split K", I4._int4_gemv_kernel, int4, (),
            dict(BN=64, ROWS=16, GROUP=128, SUB_STEPS=2, ACT_ORDER=False, HAS_BIAS=False,
-                SILU_MUL=False, PARTIAL=True, EVEN=True, PACKED=True, BF16=True, PDL=True), 4)
+                SILU_MUL=False, PARTIAL=True, EVEN=True, PACKED=True, BF16=True, LEAN=False,
+                PDL=True), 4)
     yield ("int4 split-K sum", I4._int4_split_sum_kernel,
            {"ws_ptr": f32, "b_ptr": b16, "y_ptr": b16}, (),
            dict(SPLIT=8, BLOCK=256, HAS_BIAS=False, SILU_MUL=False, PDL=True), 2)

@@ -4,6 +4,7 @@ Llama-3.1-8B projection shapes (tp 1), at 1, 8, 64 and 4096 rows.
     python benchmarks/quant_kernels.py                 # the table (~1 min on an H200)
     python benchmarks/quant_kernels.py --rows 1,8      # fewer rows
     python benchmarks/quant_kernels.py --sweep         # GEMV configs at one row (~2 min)
+    python benchmarks/quant_kernels.py --sweep --int4-only   # (--fp8-only) one format
     python benchmarks/quant_kernels.py --gemm-sweep    # W8A8 GEMM tiles, 256 and 4096 rows
 
 Each variant runs 64 back-to-back calls in one CUDA graph, replayed 10 times
@@ -137,7 +138,7 @@ def table(rows: list[int]) -> None:
                       f"{2 * m * n * k / t / 1e12:>7.0f}{vs_bf16:>9}{vs_peer:>14}")
 
 
-def sweep(int4: bool = True) -> None:
+def sweep(fp8: bool = True, int4: bool = True) -> None:
     """Graph time of GEMV configs at one row, per shape: what pick_*_config should say."""
     fp8_cands = [F8.GemvConfig("fma", bn, bk, w, st) for bn, bk, w, st in  # st 2: tile pairs
                  [(8, 1024, 4, 1), (4, 2048, 4, 1), (8, 1024, 4, 2), (4, 2048, 4, 2),
@@ -147,21 +148,24 @@ def sweep(int4: bool = True) -> None:
                   [(8, 1024, 4), (4, 2048, 4), (4, 1024, 4), (16, 1024, 4), (8, 2048, 8),
                    (4, 512, 2), (8, 512, 2)]]
     int4_cands = [T4.Int4Config(1, bn, bk, w, st, sp, pk) for bn, bk, w, st, sp, pk in
-                  [(64, 256, 4, 3, 8, False), (64, 512, 4, 3, 8, False), (32, 256, 2, 3, 8, False),
-                   (64, 256, 4, 3, 8, True), (64, 512, 4, 3, 8, True), (32, 256, 2, 3, 8, True),
-                   (64, 256, 4, 3, 4, True), (64, 256, 4, 3, 16, True), (128, 256, 4, 3, 8, True),
-                   (128, 256, 8, 3, 8, True), (128, 512, 4, 3, 8, True), (64, 256, 2, 3, 8, True),
-                   (32, 512, 2, 3, 8, True)]]
+                  [(64, 256, 4, 3, 8, False), (64, 256, 4, 3, 8, True), (64, 512, 4, 3, 8, True),
+                   (64, 256, 4, 3, 16, True), (128, 256, 4, 3, 8, True)]]
+    int4_cands += [T4.Int4Config(1, bn, bk, w, 3, sp, True, lean=True) for bn, bk, w, sp in
+                   [(64, 256, 4, 8), (64, 256, 4, 16), (64, 512, 4, 8), (32, 256, 2, 8),
+                    (128, 256, 4, 8), (128, 256, 4, 16), (128, 256, 8, 8), (128, 512, 4, 8),
+                    (256, 256, 4, 8), (256, 256, 8, 16)]]
     for name, k, n in SHAPES:
         x = torch.randn(1, k, device=DEV).bfloat16()
-        ws = copies(lambda n=n, k=k: fp8_weights(n, k, False), n * k)
-        res = sorted((time_graph(lambda x, w, c=c: F8.fp8_gemv(x, w[0], w[1], 0, 1, config=c),
-                                 x, ws), c) for c in fp8_cands)
-        print(f"fp8  {name:<8} best {res[0][1]} {n * k / res[0][0] / 1e12:.2f} TB/s; "
-              f"default {F8.pick_gemv_config(1, n, k, 0)}")
-        for t, c in res:
-            print(f"    {c}: {t * 1e6:.1f} us, {n * k / t / 1e12:.2f} TB/s")
-        del ws
+        if fp8:
+            ws = copies(lambda n=n, k=k: fp8_weights(n, k, False), n * k)
+            res = sorted((time_graph(lambda x, w, c=c: F8.fp8_gemv(x, w[0], w[1], 0, 1,
+                                                                   config=c), x, ws), c)
+                         for c in fp8_cands)
+            print(f"fp8  {name:<8} best {res[0][1]} {n * k / res[0][0] / 1e12:.2f} TB/s; "
+                  f"default {F8.pick_gemv_config(1, n, k, 0)}")
+            for t, c in res:
+                print(f"    {c}: {t * 1e6:.1f} us, {n * k / t / 1e12:.2f} TB/s")
+            del ws
         if not int4:
             continue
         ws = copies(lambda n=n, k=k: int4_weights(n, k), n * k // 2)
@@ -230,11 +234,12 @@ def main() -> None:
                         help="comma-separated (default 1,8,64,4096; --gemm-sweep 256,4096)")
     parser.add_argument("--sweep", action="store_true")
     parser.add_argument("--fp8-only", action="store_true", help="--sweep: no int4 tiles")
+    parser.add_argument("--int4-only", action="store_true", help="--sweep: no FP8 tiles")
     parser.add_argument("--gemm-sweep", action="store_true")
     args = parser.parse_args()
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}")
     if args.sweep:
-        sweep(int4=not args.fp8_only)
+        sweep(fp8=not args.int4_only, int4=not args.fp8_only)
     elif args.gemm_sweep:
         gemm_sweep([int(r) for r in (args.rows or "256,4096").split(",")])
     else:

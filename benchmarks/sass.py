@@ -9,6 +9,7 @@ SASS as a guide to the device's code, not as that code. Used by
 
 from __future__ import annotations
 
+import collections
 import os
 import re
 import subprocess
@@ -58,3 +59,19 @@ def opcode(instruction: str) -> str:
     """'LDG' for '@P0 LDG.E.128 R4, desc[UR4][R2.64]' (predicate and modifiers dropped)."""
     return (instruction.split()[1] if instruction.startswith("@") else
             instruction.split()[0]).split(".")[0]
+
+
+def main_loop(ins: list[tuple[int, str]]) -> list[str]:
+    """The instructions of the widest loop in `ins` (the span of its longest
+    backward branch): a GEMV's main loop."""
+    loops = []  # (target, branch) of every backward branch
+    for addr, text in ins:
+        target = re.search(r"0x([0-9a-f]+)", text) if "BRA" in text else None
+        if target and int(target.group(1), 16) < addr:
+            loops.append((int(target.group(1), 16), addr))
+    lo, hi = max(loops, key=lambda span: span[1] - span[0])
+    return [text for addr, text in ins if lo <= addr <= hi]
+
+
+def opcode_counts(body: list[str]) -> collections.Counter:
+    return collections.Counter(opcode(t) for t in body)

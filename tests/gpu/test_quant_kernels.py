@@ -350,19 +350,20 @@ def check_packed(out, ref, x, w, dtype) -> torch.Tensor:
     return mag
 
 
-@needs_cuda
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("split", [1, 4])
-def test_int4_gemv_packed_halves(dtype, split):
-    """The packed-halves GEMV (`Int4Config.packed`, inline PTX: CUDA only): products
-    and 4-term sums rounded to x's dtype, so the error is bounded by a few of its
-    roundings of the products' magnitudes (|x| @ |W|^T), where a wrong nibble, zero
-    or pairing would be off by the products themselves; the fused SiLU too."""
+@pytest.mark.parametrize("lean", [False, True])
+def test_int4_gemv_packed_halves(dtype, split, lean):
+    """The packed-halves GEMV (`Int4Config.packed`; inline PTX on the GPU, emulated
+    under the interpreter), also in its lean form: products and 4-term sums rounded
+    to x's dtype, so the error is bounded by a few of its roundings of the products'
+    magnitudes (|x| @ |W|^T), where a wrong nibble, zero or pairing would be off by
+    the products themselves; the fused SiLU too."""
     n, k, group = 256, 2048, 128
     w = int4_weight(n, k, group, False, seed=31)
     x = randn(1, k, seed=32, dtype=dtype)
     bias = randn(n, seed=33, dtype=dtype)
-    cfg = T.Int4Config(1, 64, 256, 4, 3, split, packed=True)
+    cfg = T.Int4Config(1, 64, 256, 4, 3, split, packed=True, lean=lean)
     assert T.gemv_packs(n, k, group, None, cfg)
     out = T.int4_gemv(x, w.qweight, w.zeros, w.scales, w.group, w.g_idx, bias, config=cfg)
     ref = x.double() @ w.dequantize().double().T + bias.double()

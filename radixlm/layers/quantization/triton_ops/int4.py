@@ -19,6 +19,10 @@ for act-order checkpoints.
   loads; SASS counted, 14.3 -> 5.9 instructions a weight). With `silu_mul` a
   program streams matching gate and up columns of a merged [gate; up] layer
   and applies silu(gate) * up in registers (one launch for the MLP's input).
+  `Int4Config.packed` (the default) does the products in packed halves of x's
+  dtype instead (`_PACKED_ASM`, inline PTX; emulated in Triton operations under
+  the interpreter, so CPU tests cover its indexing), and `Int4Config.lean` trims
+  that loop's x loads, index arithmetic and widening (opt-in until GPU-tested).
   Split-K (`Int4Config.split` > 1): programs also split K in equal runs of
   whole steps, so a narrow layer still puts enough words in flight on every
   SM; each writes fp32 partial sums [split, N] and a second launch adds them
@@ -58,6 +62,7 @@ class Int4Config(NamedTuple):
     stages: int
     split: int = 1  # GEMV: programs along K (their partial sums added by a second launch)
     packed: bool = False  # GEMV: products in packed halves of x's dtype (`_PACKED_ASM`)
+    lean: bool = False  # GEMV, packed: fewer instructions (`_gemv_sub_step_packed`)
 
 
 def _pow2_divisor(n: int, cap: int) -> int:
@@ -79,13 +84,13 @@ def pick_gemv_config(n: int, k: int, group: int) -> Int4Config:
 def gemv_packs(n: int, k: int, group: int, g_idx: torch.Tensor | None,
                config: Int4Config | None = None) -> bool:
     """Whether `int4_gemv` (N: the columns its programs cover, half the layer's
-    with `silu_mul`) takes the packed halves: the config asks, no act-order, N
-    and K even for the tile (no masked loads), and not the interpreter (no
-    inline PTX there)."""
+    with `silu_mul`) takes the packed halves: the config asks, no act-order, and N
+    and K even for the tile (no masked loads). (A lean config also wants x 4-byte
+    aligned: it reads x in 32-bit words. Under the interpreter the PTX is emulated.)"""
     cfg = config or pick_gemv_config(n, k, group)
     rows = _pow2_divisor(group // 8, 16) if g_idx is None else 16
     step = 8 * rows * max(1, min(MAX_SUB_STEPS, cfg.bk // (8 * rows)))
-    return (cfg.packed and g_idx is None and not INTERPRET and n % cfg.bn == 0
+    return (cfg.packed and g_idx is None and n % cfg.bn == 0
             and k % step == 0)
 
 
@@ -149,7 +154,7 @@ def int4_gemv(x: torch.Tensor, qweight: torch.Tensor, zeros: torch.Tensor,
     k_split = triton.cdiv(triton.cdiv(k, cfg.split), step) * step
     split = triton.cdiv(k, k_split)
     even = n % cfg.bn == 0 and k % step == 0
-    packed = gemv_packs(n, k, group, g_idx, cfg)
+    packed = gemv_packs(n, k, group, g_idx, cfg) and (not cfg.lean or x.data_ptr() % 4 == 0)
     assert not packed or x.dtype in (torch.bfloat16, torch.float16)
     y = _out(x, n, out)
     dummy = scales
@@ -161,7 +166,7 @@ def int4_gemv(x: torch.Tensor, qweight: torch.Tensor, zeros: torch.Tensor,
         qweight.stride(0), zeros.stride(0), scales.stride(0), ws.stride(0), BN=cfg.bn,
         ROWS=rows, GROUP=group, SUB_STEPS=sub_steps, ACT_ORDER=g_idx is not None,
         HAS_BIAS=bias is not None, SILU_MUL=silu_mul, PARTIAL=split > 1,
-        EVEN=even, PACKED=packed, BF16=x.dtype == torch.bfloat16,
+        EVEN=even, PACKED=packed, BF16=x.dtype == torch.bfloat16, LEAN=cfg.lean,
         num_warps=cfg.warps, num_stages=cfg.stages, **pdl.launch_args())
     if split > 1:
         _int4_split_sum_kernel[(triton.cdiv(n, 256),)](
@@ -223,7 +228,8 @@ def _nibbles_1024(words, i: tl.constexpr):
 # One word's 8 products in packed halves (PACKED): nibble pairs (i, i + 4) masked out
 # two at a time and OR-ed into the units of 128.0 (bf16) / 1024.0 (fp16), the zero
 # point subtracted (exact), then multiplied by x's matching pair and summed in the
-# halves; the two lanes added in fp32. $1 the word, $2 the zero pair, $3-$6 x pairs.
+# halves; the two lanes widened and added in fp32. $1 the word, $2 the zero pair,
+# $3-$6 x pairs.
 _PACKED_ASM = """{{
 .reg .b32 t0, t1, t2, t3, w, p;
 .reg .b16 lo, hi;
@@ -243,13 +249,24 @@ mul.rn.{t}x2 p, t0, $3;
 fma.rn.{t}x2 p, t1, $4, p;
 fma.rn.{t}x2 p, t2, $5, p;
 fma.rn.{t}x2 p, t3, $6, p;
-mov.b32 {{lo, hi}}, p;
-cvt.f32.{t} a, lo;
-cvt.f32.{t} b, hi;
+{widen}
 add.f32 $0, a, b;
 }}"""
-PACKED_BF16_ASM = tl.constexpr(_PACKED_ASM.format(magic="0x43004300", t="bf16"))
-PACKED_FP16_ASM = tl.constexpr(_PACKED_ASM.format(magic="0x64006400", t="f16"))
+_CVT = """mov.b32 {{lo, hi}}, p;
+cvt.f32.{t} a, lo;
+cvt.f32.{t} b, hi;"""
+# A bf16 is the top half of its fp32, so a shift and a mask widen the lanes exactly;
+# ptxas makes each `cvt.f32.bf16` of a lane a PRMT and a shift (SASS counted).
+_SHIFT_MASK = """shl.b32 t0, p, 16;
+and.b32 t1, p, 0xFFFF0000;
+mov.b32 a, t0;
+mov.b32 b, t1;"""
+PACKED_BF16_ASM = tl.constexpr(_PACKED_ASM.format(
+    magic="0x43004300", t="bf16", widen=_CVT.format(t="bf16")))
+PACKED_BF16_LEAN_ASM = tl.constexpr(_PACKED_ASM.format(
+    magic="0x43004300", t="bf16", widen=_SHIFT_MASK))
+PACKED_FP16_ASM = tl.constexpr(_PACKED_ASM.format(
+    magic="0x64006400", t="f16", widen=_CVT.format(t="f16")))
 
 
 @triton.jit
@@ -260,27 +277,115 @@ def _half_pair(lo, hi):
     return lo | (hi << 16)
 
 
+_EMULATE = tl.constexpr(INTERPRET)
+
+
+@triton.jit
+def _halves(pair, dt: tl.constexpr):
+    """The low and high 16-bit floats of a 32-bit word, as `dt`."""
+    lo = (pair & 0xFFFF).to(tl.int16).to(dt, bitcast=True)
+    hi = (pair >> 16).to(tl.int16).to(dt, bitcast=True)
+    return lo, hi
+
+
+@triton.jit
+def _round_half(v, BF16: tl.constexpr):
+    """fp32 v rounded to the nearest bf16 / fp16 (ties to even), as fp32. The bf16
+    rounding is done on the bits: the interpreter's conversion to bf16 truncates."""
+    if BF16:
+        bits = v.to(tl.int32, bitcast=True)
+        bits = (bits + (0x7FFF + ((bits >> 16) & 1))) & -65536
+        return bits.to(tl.float32, bitcast=True)
+    return v.to(tl.float16).to(tl.float32)
+
+
+@triton.jit
+def _packed_word_emulated(words, zz, x0, x1, x2, x3, BF16: tl.constexpr):
+    """`_PACKED_ASM` in Triton operations, for the interpreter (no inline PTX there):
+    the same nibble pairs and the same rounding to x's dtype after each product and
+    multiply-add (an fp32 sum rounded once, as the fma rounds once, except where the
+    fp32 sum itself rounds), then the two lanes added in fp32. The subtraction of
+    the zero is exact either way, so it is done in fp32 (the interpreter's bf16
+    arithmetic is not to be trusted)."""
+    dt: tl.constexpr = tl.bfloat16 if BF16 else tl.float16
+    magic: tl.constexpr = 0x43004300 if BF16 else 0x64006400
+    z_lo, z_hi = _halves(zz, dt)
+    p_lo = tl.zeros(words.shape, dtype=tl.float32)
+    p_hi = tl.zeros(words.shape, dtype=tl.float32)
+    for j in tl.static_range(4):
+        x = x0 if j == 0 else (x1 if j == 1 else (x2 if j == 2 else x3))
+        x_lo, x_hi = _halves(x, dt)
+        t_lo, t_hi = _halves(((words >> (4 * j)) & 0x000F000F) | magic, dt)
+        q_lo = t_lo.to(tl.float32) - z_lo.to(tl.float32)
+        q_hi = t_hi.to(tl.float32) - z_hi.to(tl.float32)
+        p_lo = _round_half(q_lo * x_lo.to(tl.float32) + p_lo, BF16)
+        p_hi = _round_half(q_hi * x_hi.to(tl.float32) + p_hi, BF16)
+    return p_lo + p_hi
+
+
+@triton.jit
+def _prmt(a, b, SELECT: tl.constexpr):
+    """The halves of a and b that SELECT names (0x5410: the low ones, 0x7632: the
+    high ones) as one word, a's in the low half: one PRMT (a shift and a mask
+    each compile to two)."""
+    if _EMULATE:
+        if SELECT == 0x5410:
+            return (a & 0xFFFF) | (b << 16)
+        return ((a >> 16) & 0xFFFF) | (b & -65536)
+    if SELECT == 0x5410:
+        return tl.inline_asm_elementwise("prmt.b32 $0, $1, $2, 0x5410;", "=r,r,r", [a, b],
+                                         dtype=tl.int32, is_pure=True, pack=1)
+    return tl.inline_asm_elementwise("prmt.b32 $0, $1, $2, 0x7632;", "=r,r,r", [a, b],
+                                     dtype=tl.int32, is_pure=True, pack=1)
+
+
+@triton.jit
+def _x_pairs(x_ptrs, k, LEAN: tl.constexpr):
+    """x's features (k + j, k + j + 4) as one 32-bit word (the first in the low half),
+    j = 0..3. LEAN: from four 32-bit loads of the row's 8 features; else eight
+    16-bit loads and a pack each."""
+    if LEAN:
+        x32 = x_ptrs.to(tl.pointer_type(tl.int32)) + k // 2
+        a = tl.load(x32)
+        b = tl.load(x32 + 1)
+        c = tl.load(x32 + 2)
+        d = tl.load(x32 + 3)
+        return _prmt(a, c, 0x5410), _prmt(a, c, 0x7632), _prmt(b, d, 0x5410), _prmt(b, d, 0x7632)
+    return (_half_pair(tl.load(x_ptrs + k), tl.load(x_ptrs + (k + 4))),
+            _half_pair(tl.load(x_ptrs + (k + 1)), tl.load(x_ptrs + (k + 5))),
+            _half_pair(tl.load(x_ptrs + (k + 2)), tl.load(x_ptrs + (k + 6))),
+            _half_pair(tl.load(x_ptrs + (k + 3)), tl.load(x_ptrs + (k + 7))))
+
+
 @triton.jit
 def _gemv_sub_step_packed(words, x_ptrs, z_ptr, s_ptr, k, cols, NUM_GROUPS, stride_z,
-                          stride_s, GROUP: tl.constexpr, BF16: tl.constexpr):
+                          stride_s, GROUP: tl.constexpr, BF16: tl.constexpr,
+                          LEAN: tl.constexpr):
     """`_gemv_sub_step` (one group, even shapes) on packed halves: per word 4 shifts,
     4 LOP3, 4 subtractions and 4 multiply-adds for its 8 weights, in x's dtype
-    (products and 4-term sums rounded there), the word's sum then scaled in fp32."""
-    g = tl.minimum(k // GROUP, NUM_GROUPS - 1)
+    (products and 4-term sums rounded there), the word's sum then scaled in fp32.
+    LEAN (opt-in until GPU-tested): x in 32-bit loads, bf16 lanes widened by a
+    shift and a mask, no clamp of the group (EVEN: k < K), 3.77 -> 3.4
+    instructions a weight in sm_90 SASS (`benchmarks/int4_gemv_sass.py`)."""
+    g = k // GROUP if LEAN else tl.minimum(k // GROUP, NUM_GROUPS - 1)
     s = tl.load(s_ptr + g * stride_s + cols).to(tl.float32)
     z = tl.load(z_ptr + g * stride_z + cols).to(tl.int32)
     zz = (z | (0x4300 if BF16 else 0x6400)) * 0x10001  # (magic + z) in both halves
-    x0 = _half_pair(tl.load(x_ptrs + k), tl.load(x_ptrs + (k + 4)))
-    x1 = _half_pair(tl.load(x_ptrs + (k + 1)), tl.load(x_ptrs + (k + 5)))
-    x2 = _half_pair(tl.load(x_ptrs + (k + 2)), tl.load(x_ptrs + (k + 6)))
-    x3 = _half_pair(tl.load(x_ptrs + (k + 3)), tl.load(x_ptrs + (k + 7)))
-    args = [words, zz[None, :], x0[:, None], x1[:, None], x2[:, None], x3[:, None]]
-    if BF16:
-        word = tl.inline_asm_elementwise(PACKED_BF16_ASM, "=f,r,r,r,r,r,r", args,
-                                         dtype=tl.float32, is_pure=True, pack=1)
+    x0, x1, x2, x3 = _x_pairs(x_ptrs, k, LEAN)
+    if _EMULATE:
+        word = _packed_word_emulated(words, zz[None, :], x0[:, None], x1[:, None],
+                                     x2[:, None], x3[:, None], BF16)
     else:
-        word = tl.inline_asm_elementwise(PACKED_FP16_ASM, "=f,r,r,r,r,r,r", args,
-                                         dtype=tl.float32, is_pure=True, pack=1)
+        args = [words, zz[None, :], x0[:, None], x1[:, None], x2[:, None], x3[:, None]]
+        if BF16 and LEAN:
+            word = tl.inline_asm_elementwise(PACKED_BF16_LEAN_ASM, "=f,r,r,r,r,r,r", args,
+                                             dtype=tl.float32, is_pure=True, pack=1)
+        elif BF16:
+            word = tl.inline_asm_elementwise(PACKED_BF16_ASM, "=f,r,r,r,r,r,r", args,
+                                             dtype=tl.float32, is_pure=True, pack=1)
+        else:
+            word = tl.inline_asm_elementwise(PACKED_FP16_ASM, "=f,r,r,r,r,r,r", args,
+                                             dtype=tl.float32, is_pure=True, pack=1)
     return word * s[None, :]
 
 
@@ -325,12 +430,14 @@ def _gemv_step(acc, first, k0, qw_ptrs, x_ptrs, z_ptr, s_ptr, g_ptr, offs_r, col
                NUM_GROUPS, stride_qw, stride_z, stride_s, BN: tl.constexpr, ROWS: tl.constexpr,
                GROUP: tl.constexpr, SUB_STEPS: tl.constexpr, ACT_ORDER: tl.constexpr,
                FIRST: tl.constexpr, EVEN: tl.constexpr, PACKED: tl.constexpr,
-               BF16: tl.constexpr):
+               BF16: tl.constexpr, LEAN: tl.constexpr):
     """SUB_STEPS sub-steps from feature k0 (their loads independent, so in flight
     together); with FIRST the first sub-step's words are `first`, loaded earlier."""
     word_rows = K // 8
     for j in tl.static_range(SUB_STEPS):
         k = k0 + j * 8 * ROWS
+        if LEAN:  # k >= 0: unsigned, so k // 8 is a shift (signed needs a sign fix)
+            k = k.to(tl.uint32)
         if FIRST and j == 0:
             words = first
         else:
@@ -338,7 +445,7 @@ def _gemv_step(acc, first, k0, qw_ptrs, x_ptrs, z_ptr, s_ptr, g_ptr, offs_r, col
                                 (k // 8 + offs_r)[:, None] < word_rows, EVEN)
         if PACKED:
             acc += _gemv_sub_step_packed(words, x_ptrs, z_ptr, s_ptr, k, cols, NUM_GROUPS,
-                                         stride_z, stride_s, GROUP, BF16)
+                                         stride_z, stride_s, GROUP, BF16, LEAN)
         else:
             acc += _gemv_sub_step(words, x_ptrs, z_ptr, s_ptr, g_ptr, k, cols, K, NUM_GROUPS,
                                   stride_z, stride_s, BN, ROWS, GROUP, ACT_ORDER, EVEN)
@@ -360,7 +467,7 @@ def _int4_gemv_kernel(x_ptr, qw_ptr, z_ptr, s_ptr, g_ptr, b_ptr, y_ptr, ws_ptr, 
                       SUB_STEPS: tl.constexpr, ACT_ORDER: tl.constexpr,
                       HAS_BIAS: tl.constexpr, SILU_MUL: tl.constexpr, PARTIAL: tl.constexpr,
                       EVEN: tl.constexpr, PACKED: tl.constexpr, BF16: tl.constexpr,
-                      PDL: tl.constexpr):
+                      LEAN: tl.constexpr, PDL: tl.constexpr):
     """Program (column block, K split): features [k_lo, min(K, k_lo + K_SPLIT)) of
     BN columns; the whole output (PARTIAL False) or fp32 partial sums into row
     `split` of the workspace (gate columns, then up columns with SILU_MUL)."""
@@ -386,21 +493,22 @@ def _int4_gemv_kernel(x_ptr, qw_ptr, z_ptr, s_ptr, g_ptr, b_ptr, y_ptr, ws_ptr, 
     STEP: tl.constexpr = 8 * ROWS * SUB_STEPS
     acc = _gemv_step(tl.zeros([ROWS, BN], dtype=tl.float32), first, k_lo, qw_ptrs, x_ptrs, z_ptr,
                      s_ptr, g_ptr, offs_r, cols, K, NUM_GROUPS, stride_qw, stride_z, stride_s,
-                     BN, ROWS, GROUP, SUB_STEPS, ACT_ORDER, True, EVEN, PACKED, BF16)
+                     BN, ROWS, GROUP, SUB_STEPS, ACT_ORDER, True, EVEN, PACKED, BF16, LEAN)
     acc_up = acc
     if SILU_MUL:
         acc_up = _gemv_step(tl.zeros([ROWS, BN], dtype=tl.float32), first_up, k_lo, up_ptrs,
                             x_ptrs, z_ptr, s_ptr, g_ptr, offs_r, cols_up, K, NUM_GROUPS,
                             stride_qw, stride_z, stride_s, BN, ROWS, GROUP, SUB_STEPS, ACT_ORDER,
-                            True, EVEN, PACKED, BF16)
+                            True, EVEN, PACKED, BF16, LEAN)
     for k0 in range(k_lo + STEP, k_hi, STEP):
         acc = _gemv_step(acc, first, k0, qw_ptrs, x_ptrs, z_ptr, s_ptr, g_ptr, offs_r, cols, K,
                          NUM_GROUPS, stride_qw, stride_z, stride_s, BN, ROWS, GROUP, SUB_STEPS,
-                         ACT_ORDER, False, EVEN, PACKED, BF16)
+                         ACT_ORDER, False, EVEN, PACKED, BF16, LEAN)
         if SILU_MUL:
             acc_up = _gemv_step(acc_up, first_up, k0, up_ptrs, x_ptrs, z_ptr, s_ptr, g_ptr,
                                 offs_r, cols_up, K, NUM_GROUPS, stride_qw, stride_z, stride_s,
-                                BN, ROWS, GROUP, SUB_STEPS, ACT_ORDER, False, EVEN, PACKED, BF16)
+                                BN, ROWS, GROUP, SUB_STEPS, ACT_ORDER, False, EVEN, PACKED, BF16,
+                                LEAN)
     acc = tl.sum(acc, axis=0)  # the rows, once
     if SILU_MUL:
         acc_up = tl.sum(acc_up, axis=0)

@@ -1,0 +1,27 @@
+"""The one-row int4 GEMV's packed-halves path (`triton_ops/int4.py`, the GPU's
+default for AWQ / GPTQ decode) on the CPU: `test_int4_gemv_packed_halves` of
+tests/gpu/test_quant_kernels.py, in bf16 and fp16, with and without split K and
+`Int4Config.lean`, against float64, in a child pytest under Triton's interpreter
+(tests/interpreter.py says why a child). The kernel's PTX is emulated there in
+Triton operations with the same nibble pairs, x pairs and roundings, so what this
+covers is the indexing: which nibbles, zeros, scales and x features meet. ~35 s
+on 2 cores.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+from interpreter import run_file_under_interpreter
+
+from radixlm.utils import triton_installed
+
+if not triton_installed():
+    pytest.skip("Triton is not installed", allow_module_level=True)
+
+GPU_TESTS = os.path.join(os.path.dirname(__file__), "gpu", "test_quant_kernels.py")
+
+
+def test_packed_halves_under_interpreter() -> None:
+    run_file_under_interpreter(GPU_TESTS, "packed_halves", min_passed=8)
