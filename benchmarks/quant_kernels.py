@@ -36,6 +36,7 @@ from radixlm.layers.quantization import int4 as I
 from radixlm.layers.quantization.fp8 import block_table, quantize_rows
 from radixlm.layers.quantization.triton_ops import fp8 as F8
 from radixlm.layers.quantization.triton_ops import int4 as T4
+from radixlm.layers.quantization.triton_ops import int4_mma as M4
 
 SHAPES = [("qkv", 4096, 6144), ("o", 4096, 4096), ("gate_up", 4096, 28672),
           ("down", 14336, 4096)]
@@ -83,7 +84,7 @@ def int4_weights(n: int, k: int) -> tuple[torch.Tensor, ...]:
     q = torch.randint(0, 16, (k, n), device=DEV, dtype=torch.int32)
     zeros = torch.randint(6, 10, (k // 128, n), device=DEV, dtype=torch.uint8)
     scales = (torch.rand(k // 128, n, device=DEV) * 1e-3 + 1e-4).half()
-    return I.pack_rows(q), zeros, scales
+    return I.pack_rows(q), zeros, scales, M4.mma_layout(q)
 
 
 def variants(m: int, n: int, k: int) -> dict[str, tuple[Call, Callable[[], object], int]]:
@@ -113,6 +114,9 @@ def variants(m: int, n: int, k: int) -> dict[str, tuple[Call, Callable[[], objec
     def int4(x, w):
         return T4.int4_linear(x, w[0], w[1], w[2], 128, None)
     out["int4 g128"] = (int4, lambda: int4_weights(n, k), n * k // 2 + 3 * n * k // 128)
+    if m == 1:
+        out["int4 g128 MMA"] = (lambda x, w: M4.int4_gemv_mma(x, w[3], w[1], w[2], 128),
+                                out["int4 g128"][1], out["int4 g128"][2])
     return out
 
 
@@ -136,6 +140,11 @@ def table(rows: list[int]) -> None:
                 vs_peer = f"{peer / t:.2f}x" if peer else "-"
                 print(f"{name:<8}{m:>6}  {label:<12}{t * 1e6:>8.1f}{nbytes / t / 1e12:>7.2f}"
                       f"{2 * m * n * k / t / 1e12:>7.0f}{vs_bf16:>9}{vs_peer:>14}")
+
+
+MMA_CANDIDATES = [M4.MmaConfig(w, nt, sp) for w, nt, sp in  # the tensor-core int4 GEMV
+                  [(4, 1, 8), (4, 1, 16), (4, 2, 8), (4, 2, 4), (8, 1, 8), (2, 1, 8),
+                   (4, 4, 4), (8, 2, 16)]]
 
 
 def sweep(fp8: bool = True, int4: bool = True) -> None:
@@ -172,6 +181,10 @@ def sweep(fp8: bool = True, int4: bool = True) -> None:
         res = sorted((time_graph(lambda x, w, c=c: T4.int4_gemv(x, w[0], w[1], w[2], 128, None,
                                                                 config=c), x, ws), c)
                      for c in int4_cands)
+        res += [(time_graph(lambda x, w, c=c: M4.int4_gemv_mma(x, w[3], w[1], w[2], 128,
+                                                               config=c), x, ws), c)
+                for c in MMA_CANDIDATES]
+        res.sort(key=lambda r: r[0])
         print(f"int4 {name:<8} best {res[0][1]} {n * k / 2 / res[0][0] / 1e12:.2f} TB/s; "
               f"default {T4.pick_gemv_config(n, k, 128)}")
         for t, c in res:

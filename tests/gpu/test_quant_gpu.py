@@ -111,6 +111,16 @@ def test_quantized_checkpoint_on_cuda_tracks_its_dequantized_model(fmt, model):
     _compare(_run(q, None, prompts), _run(deq, None, prompts), fmt)
 
 
+def test_awq_on_the_tensor_core_gemv_tracks_its_dequantized_model(model, monkeypatch):
+    """$RADIXLM_INT4_GEMV=mma: decode's one-row products on the MMA GEMV
+    (`int4_mma.py`), prefill's on the dequantizing GEMM, as before."""
+    monkeypatch.setenv("RADIXLM_INT4_GEMV", "mma")
+    root, config, floats, prompts = model
+    quantize, qconfig = FORMATS["awq-g128"]
+    q, deq = write_pair(root, "awq-g128", config, floats, quantize, qconfig)
+    _compare(_run(q, None, prompts), _run(deq, None, prompts), "awq-g128, MMA GEMV")
+
+
 def test_online_fp8_on_cuda_tracks_its_dequantized_model(model):
     root, config, floats, prompts = model
     deq = {k: fp8_per_channel(w)[2] if k.endswith("proj.weight") else w

@@ -375,6 +375,39 @@ def test_int4_gemv_packed_halves(dtype, split, lean):
     check_int4_silu_mul(x, w, cfg)
 
 
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("group,cfg", [(128, (4, 1, 1)), (128, (4, 2, 4)), (64, (2, 1, 3)),
+                                       (128, (8, 4, 8))])
+def test_int4_gemv_mma(dtype, group, cfg):
+    """The tensor-core GEMV (`int4_mma.py`, weights in MMA fragment order): exact
+    products summed in fp32, so within the output's rounding of the float64 product
+    (and a few fp32 roundings of the magnitudes); bias, the fused SiLU, and the
+    route through `int4_linear` (its `mma` argument) give the same bits."""
+    from radixlm.layers.quantization.triton_ops import int4_mma as MM
+
+    n, k = 512, 2048
+    w = int4_weight(n, k, group, False, seed=41)
+    words = MM.mma_layout(I.unpack_rows(w.qweight))
+    x = randn(1, k, seed=42, dtype=dtype)
+    bias = randn(n, seed=43, dtype=dtype)
+    config = MM.MmaConfig(*cfg)
+    out = MM.int4_gemv_mma(x, words, w.zeros, w.scales, group, bias, config=config)
+    ref = x.double() @ w.dequantize().double().T + bias.double()
+    eps = 2.0 ** -8 if dtype == torch.bfloat16 else 2.0 ** -11
+    mag = x.double().abs() @ w.dequantize().double().abs().T
+    err = (out.double() - ref).abs()
+    assert (err <= eps * ref.abs() + 1e-4 * mag + 1e-6).all(), f"max {(err / mag).max():.3g}"
+    assert torch.equal(T.int4_linear(x, w.qweight, w.zeros, w.scales, group, None, bias,
+                                     mma=words),
+                       MM.int4_gemv_mma(x, words, w.zeros, w.scales, group, bias))
+    fused = MM.int4_gemv_mma(x, words, w.zeros, w.scales, group, config=config, silu_mul=True)
+    plain = MM.int4_gemv_mma(x, words, w.zeros, w.scales, group, config=config)
+    gate, up = plain.float().split(n // 2, -1)
+    torch.testing.assert_close(fused.float(), torch.nn.functional.silu(gate) * up,
+                               rtol=2e-2, atol=2e-2)
+
+
 def test_int4_out_buffer_and_awq_repacking():
     """An AWQ checkpoint's qweight repacked at load gives the same products as the
     GPTQ-packed words of the same values."""

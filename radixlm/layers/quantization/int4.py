@@ -26,11 +26,15 @@ registers, fused with the MLP's silu(gate) * up on a merged gate/up layer;
 more rows: the weights dequantized tile by tile to x's dtype on the tensor
 cores); elsewhere the weight is dequantized at matmul time (fp32
 [N, K] for the one product, then freed: the memory stays half a byte per
-weight).
+weight). With $RADIXLM_INT4_GEMV=mma (opt-in until GPU-tested) the one-row
+product runs on the tensor cores instead (`triton_ops/int4_mma.py`), from a
+second copy of the weights in MMA fragment order (half a byte more a weight;
+the GEMM above one row keeps reading `qweight`).
 """
 
 from __future__ import annotations
 
+import os
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -56,6 +60,12 @@ if TYPE_CHECKING:
     from radixlm.layers.linear import LinearBase
 
 _ops = lazy_import("radixlm.layers.quantization.triton_ops.int4")  # Triton: CUDA only
+_mma = lazy_import("radixlm.layers.quantization.triton_ops.int4_mma")
+MMA_ENV = "RADIXLM_INT4_GEMV"  # "mma": the tensor-core one-row GEMV (opt-in)
+
+
+def mma_requested() -> bool:
+    return os.environ.get(MMA_ENV, "") == "mma"
 INT32 = frozenset({torch.int32})
 # The output feature (within its 8) that AWQ packs into nibble i.
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
@@ -267,6 +277,7 @@ class Int4Weight:
     scales: torch.Tensor  # fp16 [groups, N]
     group: int
     g_idx: torch.Tensor | None = None  # int32 [K], act-order only
+    mma: torch.Tensor | None = None  # the weights again in MMA fragment order (MMA_ENV)
 
     def dequantize(self) -> torch.Tensor:
         k = self.qweight.shape[0] * 8
@@ -340,8 +351,14 @@ class Int4LinearMethod(LinearMethod):
                 g_idx = None
             elif torch.equal(g_idx, trivial):
                 g_idx = None if piece.whole else g_idx
-        layer.int4 = Int4Weight(layer.qweight.data, layer.qzeros.data, layer.scales.data, g,
-                                None if g_idx is None else g_idx.to(torch.int32).contiguous())
+        qweight = layer.qweight.data
+        mma = None
+        if (mma_requested() and qweight.is_cuda
+                and _mma.takes(qweight.shape[1], 8 * qweight.shape[0], g, g_idx, 1)):
+            mma = _mma.mma_layout(unpack_rows(qweight))
+        layer.int4 = Int4Weight(qweight, layer.qzeros.data, layer.scales.data, g,
+                                None if g_idx is None else g_idx.to(torch.int32).contiguous(),
+                                mma)
 
     def drop_derived(self, layer: LinearBase) -> None:
         layer.int4 = None
@@ -352,7 +369,7 @@ class Int4LinearMethod(LinearMethod):
         assert w is not None, "process_weights_after_loading has not run on this layer"
         if kernels_run(x):
             return _ops.int4_linear(x, w.qweight, w.zeros, w.scales, w.group, w.g_idx, bias,
-                                    out=out)
+                                    out=out, mma=w.mma)
         return plain_linear(x, w.dequantize().to(x.dtype), bias, out)
 
     def apply_silu_mul(self, layer: LinearBase, x: torch.Tensor) -> torch.Tensor | None:
@@ -361,7 +378,7 @@ class Int4LinearMethod(LinearMethod):
         if layer.bias is not None or not kernels_run(x):
             return None
         return _ops.int4_linear(x, w.qweight, w.zeros, w.scales, w.group, w.g_idx,
-                                silu_mul=True)
+                                silu_mul=True, mma=w.mma)
 
 
 # ---- the configs -----------------------------------------------------------------------------
@@ -416,10 +433,12 @@ class _Int4Config(QuantizationConfig):
         f = self.fmt
         order = ", act-order (g_idx)" if f.desc_act else ""
         source = "" if self.from_checkpoint else " (dummy weights: round-to-nearest int4)"
+        gemv = (f" on the tensor cores (${MMA_ENV}=mma: a second copy of the weights in MMA "
+                "fragment order)" if mma_requested() else "")
         return (f"quantization {self.name}{source}: {self.counts['int4']} linear layers in int4 "
                 f"(group size {f.group_size}, zero points{order}), {self.counts['float']} in "
                 "floats (the LM head, layers the checkpoint leaves unquantized); CUDA: our int4 "
-                "GEMV at one row, dequantizing GEMM above; elsewhere the weights are "
+                f"GEMV at one row{gemv}, dequantizing GEMM above; elsewhere the weights are "
                 "dequantized at matmul time")
 
 

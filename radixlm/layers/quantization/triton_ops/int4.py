@@ -105,27 +105,39 @@ def pick_gemm_config(m: int, n: int, group: int) -> Int4Config:
 def int4_linear(x: torch.Tensor, qweight: torch.Tensor, zeros: torch.Tensor,
                 scales: torch.Tensor, group: int, g_idx: torch.Tensor | None,
                 bias: torch.Tensor | None = None, *, out: torch.Tensor | None = None,
-                silu_mul: bool = False) -> torch.Tensor | None:
+                silu_mul: bool = False, mma: torch.Tensor | None = None) -> torch.Tensor | None:
     """x @ W^T (+ bias) for x [..., K] bf16/fp16: [..., N] in x's dtype. With
     `silu_mul` (W a merged [gate; up], no bias): silu(gate) * up [..., N / 2] at
-    one row, None otherwise (only the GEMV fuses it)."""
+    one row, None otherwise (only the GEMV fuses it). `mma`: the same weights in
+    `int4_mma.mma_layout`, for the tensor-core GEMV at one (16-byte aligned) row."""
     k, n = x.shape[-1], qweight.shape[1]
     assert qweight.stride(1) == zeros.stride(1) == scales.stride(1) == 1
     x2 = x.reshape(-1, k)
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     m = x2.shape[0]
+    tensor_cores = mma is not None and m == 1 and x2.data_ptr() % 16 == 0
     if silu_mul:
         if m != 1:
             return None
-        y = int4_gemv(x2, qweight, zeros, scales, group, g_idx, silu_mul=True)
+        y = (_mma().int4_gemv_mma(x2, mma, zeros, scales, group, silu_mul=True) if tensor_cores
+             else int4_gemv(x2, qweight, zeros, scales, group, g_idx, silu_mul=True))
         return y.view(*x.shape[:-1], n // 2)
     if out is not None:
         assert out.is_contiguous() and out.dtype == x.dtype and out.numel() == m * n
         out = out.view(m, n)
-    fn = int4_gemv if m == 1 else int4_gemm
-    y = fn(x2, qweight, zeros, scales, group, g_idx, bias, out=out)
+    if tensor_cores:
+        y = _mma().int4_gemv_mma(x2, mma, zeros, scales, group, bias, out=out)
+    else:
+        fn = int4_gemv if m == 1 else int4_gemm
+        y = fn(x2, qweight, zeros, scales, group, g_idx, bias, out=out)
     return y.view(*x.shape[:-1], n)
+
+
+def _mma():
+    from radixlm.layers.quantization.triton_ops import int4_mma  # it imports this module
+
+    return int4_mma
 
 
 def _out(x: torch.Tensor, n: int, out: torch.Tensor | None) -> torch.Tensor:

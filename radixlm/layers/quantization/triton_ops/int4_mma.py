@@ -1,0 +1,278 @@
+"""The one-row int4 GEMV on the tensor cores (opt-in until GPU-tested): the weights
+in the fragment order of `mma.m16n8k16`, so that each 32-bit word a lane loads
+is, after three shifts and four LOP3, exactly its A operand for one MMA.
+
+Why: the CUDA-core GEMV (`int4.py`, packed halves) spends ~19 instructions on a
+word of 8 weights (unpack, zero, 4 packed multiply-adds, widening to fp32 and
+scaling), and at ~3 instructions a weight it issues, not reads, at its limit.
+Here the products and their fp32 sums are one MMA per word, so a word costs
+~12: 3 shifts, 4 LOP3 (the nibble pairs OR-ed into 128.0's bf16 bits), 4
+exact subtractions of 128 + z, and the MMA. The products are exact and summed
+in fp32 (the packed halves round every product to bf16).
+
+The product is y^T = W x^T as an MMA with the weights as A (16 output columns
+by 16 features) and x as B (16 features by 8 columns, every column the same x,
+so every column of D is the same y): lane (g, t) = (lane / 4, lane % 4) holds A's
+rows g and g + 8 at features 2t, 2t + 1, 2t + 8, 2t + 9, and D's rows g and g + 8.
+The features of a 64-feature chunk are permuted so that a lane's x is 16
+contiguous features (two 16-byte loads): MMA block b's feature kappa of lane t
+is chunk feature 16 t + 4 b + 2 (kappa >= 8) + kappa % 2. Any permutation of
+the features applied to both operands leaves the sum unchanged.
+
+Word layout (`mma_layout`): int32 [N / 16, K / 64, 32, 4], word (tile, chunk,
+lane, b) holds for pair j = 0..3 (A register j) the weights of output column
+16 tile + g + 8 (j % 2) at chunk features 16 t + 4 b + 2 (j // 2) + {0, 1} in
+nibbles j and j + 4. A warp reads a tile's chunk as 512 contiguous bytes.
+
+Each warp owns NT column tiles and walks its program's groups (the K split is in
+whole groups): per group it loads every chunk's words and x, then the zero
+points and scales of its columns, runs the MMAs into a fresh fp32 accumulator
+and adds s * D to its sums. Lanes t = 0 write fp32 partial sums [split, N]; the
+second launch of the CUDA-core path (`_int4_split_sum_kernel`) adds them, the
+bias and the SiLU-and-mul. The whole loop is PTX inside one Triton program of
+one element a thread (the lane and warp come from %tid.x, so nothing depends on
+how Triton lays a tensor out); Triton launches it and handles PDL. Groups must be
+whole chunks of 64 (64 or 128 features); act-order and other shapes take the
+CUDA-core path.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+from radixlm.layers import pdl
+from radixlm.layers.pdl import pdl_trigger, pdl_wait
+from radixlm.layers.quantization.triton_ops.int4 import _int4_split_sum_kernel
+
+CHUNK = 64  # features a lane's 4 words cover (4 MMA blocks of 16)
+GROUPS = (64, 128)  # group sizes the kernel takes (whole chunks, <= 2 chunks unrolled)
+
+
+# ---- the layout (torch, any device) --------------------------------------------------
+def mma_layout(q: torch.Tensor) -> torch.Tensor:
+    """int4 values q [K, N] (0..15, any integer dtype) -> the fragment-order words
+    int32 [N / 16, K / 64, 32, 4] (module docstring)."""
+    k, n = q.shape
+    assert n % 16 == 0 and k % CHUNK == 0, (n, k)
+    v = q.t().to(torch.int64).reshape(n // 16, 2, 8, k // CHUNK, 4, 4, 2, 2)
+    # dims: tile, j % 2, g, chunk, t, b, j // 2, h  ->  tile, chunk, g, t, b, h, j // 2, j % 2
+    v = v.permute(0, 3, 2, 4, 5, 7, 6, 1).reshape(n // 16, k // CHUNK, 32, 4, 8)
+    shifts = torch.arange(0, 32, 4, dtype=torch.int64, device=q.device)
+    words = (v << shifts).sum(-1)  # nibble h * 4 + (j // 2) * 2 + j % 2 = j + 4 h
+    return torch.where(words >= 2 ** 31, words - 2 ** 32, words).to(torch.int32)
+
+
+def mma_unlayout(words: torch.Tensor) -> torch.Tensor:
+    """The inverse of `mma_layout`: int32 q [K, N]."""
+    tiles, chunks = words.shape[:2]
+    shifts = torch.arange(0, 32, 4, dtype=torch.int32, device=words.device)
+    v = (words[..., None] >> shifts) & 0xF  # tile, chunk, lane, b, nibble
+    v = v.reshape(tiles, chunks, 8, 4, 4, 2, 2, 2).permute(0, 7, 2, 1, 3, 4, 6, 5)
+    return v.reshape(tiles * 16, chunks * CHUNK).t().contiguous()
+
+
+def takes(n: int, k: int, group: int, g_idx: torch.Tensor | None, split: int) -> bool:
+    """Whether the MMA GEMV takes this layer: whole tiles and chunks, a group of 64
+    or 128 (or one per column when K is 64 or 128), no act-order, K splits into whole
+    groups."""
+    return (g_idx is None and group in GROUPS and n % 16 == 0 and k % group == 0
+            and split >= 1)
+
+
+# ---- the PTX --------------------------------------------------------------------------
+def _regs(prefix: str, n: int) -> str:
+    return ", ".join(f"{prefix}{i}" for i in range(n))
+
+
+def gemv_ptx(nt: int, chunks: int, bf16: bool) -> str:
+    """The PTX of one thread's work: `nt` column tiles, `chunks` chunks a group.
+    Operands: $0 a dummy output; $1 x, $2 words, $3 zeros, $4 scales, $5 this
+    program's partial-sum row (64-bit addresses); $6 the program's first warp
+    index, $7 / $8 its first / past-last group, $9 column tiles in all, $10 chunks a
+    row of tiles (K / 64), $11 N, $12 / $13 the zeros' / scales' row strides (in
+    elements)."""
+    magic = "0x43004300" if bf16 else "0x64006400"
+    t = "bf16" if bf16 else "f16"
+    w_regs = nt * chunks * 4
+    x_regs = chunks * 8
+    lines = [
+        "{",
+        ".reg .pred skip, more, writer;",
+        ".reg .b32 tid, lane, warp, g, t, tile, grp, tmp, q0, q1, q2, q3, z;",
+        f".reg .b32 {_regs('w', w_regs)};",
+        f".reg .b32 {_regs('x', x_regs)};",
+        f".reg .b32 {_regs('zz', 2 * nt)};",
+        f".reg .f32 {_regs('s', 2 * nt)};",
+        f".reg .f32 {_regs('acc', 2 * nt)};",
+        f".reg .f32 {_regs('d', 4 * nt)};",
+        ".reg .b16 sh;",
+        f".reg .b64 {_regs('wa', nt)}, xa, za, sa, ya, off;",
+        "mov.u32 tid, %tid.x;",
+        "and.b32 lane, tid, 31;",
+        "shr.u32 warp, tid, 5;",
+        "shr.u32 g, lane, 2;",
+        "and.b32 t, lane, 3;",
+        "add.u32 tile, $6, warp;",
+        f"mul.lo.u32 tile, tile, {nt};",  # this warp's first column tile
+        "setp.ge.u32 skip, tile, $9;",
+        "@skip bra.uni L_int4_mma_done;",
+        # words: ((tile * chunks_per_row + grp * chunks) * 32 + lane) * 16 bytes
+        "mul.lo.u32 tmp, $7, " + str(chunks) + ";",
+        "mad.lo.u32 tmp, tile, $10, tmp;",
+        "mad.lo.u32 tmp, tmp, 32, lane;",
+        "mul.wide.u32 off, tmp, 16;",
+        "add.u64 wa0, $2, off;",
+        "mul.wide.u32 off, $10, 512;",  # the next tile's stream: K / 64 chunks further
+    ] + [f"add.u64 wa{i}, wa{i - 1}, off;" for i in range(1, nt)] + [
+        # x: (grp * chunks * 64 + 16 t) * 2 bytes
+        "mul.lo.u32 tmp, $7, " + str(chunks * CHUNK) + ";",
+        "mad.lo.u32 tmp, t, 16, tmp;",
+        "mul.wide.u32 off, tmp, 2;",
+        "add.u64 xa, $1, off;",
+        # zeros (u8) and scales (fp16) of column tile * 16 + g at group grp
+        "mad.lo.u32 tmp, tile, 16, g;",
+        "mad.lo.u32 z, $7, $12, tmp;",
+        "cvt.u64.u32 off, z;",
+        "add.u64 za, $3, off;",
+        "mad.lo.u32 z, $7, $13, tmp;",
+        "mul.wide.u32 off, z, 2;",
+        "add.u64 sa, $4, off;",
+        # partial sums of column tile * 16 + g (4 bytes each)
+        "mul.wide.u32 off, tmp, 4;",
+        "add.u64 ya, $5, off;",
+    ]
+    lines += [f"mov.f32 acc{i}, 0f00000000;" for i in range(2 * nt)]
+    lines += ["mov.u32 grp, $7;", "L_int4_mma_group:"]
+    # Every load of the group first: the words of each chunk and tile, then x.
+    for c in range(chunks):
+        for i in range(nt):
+            r = (c * nt + i) * 4
+            lines.append(f"ld.global.nc.L1::no_allocate.v4.u32 {{w{r}, w{r + 1}, w{r + 2}, "
+                         f"w{r + 3}}}, [wa{i}+{c * 512}];")
+        for h in range(2):
+            r = c * 8 + h * 4
+            lines.append(f"ld.global.v4.u32 {{x{r}, x{r + 1}, x{r + 2}, x{r + 3}}}, "
+                         f"[xa+{c * 128 + h * 16}];")
+    # Zero points (as magic + z in both halves) and scales of rows g and g + 8.
+    for i in range(nt):
+        for half in range(2):
+            col = 16 * i + 8 * half
+            lines += [f"ld.global.u8 z, [za+{col}];",
+                      f"mad.lo.u32 zz{2 * i + half}, z, 65537, {magic};",
+                      f"ld.global.b16 sh, [sa+{2 * col}];",
+                      f"cvt.f32.f16 s{2 * i + half}, sh;"]
+    for i in range(4 * nt):
+        lines.append(f"mov.f32 d{i}, 0f00000000;")
+    for c in range(chunks):
+        for b in range(4):
+            xb = f"x{c * 8 + 2 * b}, x{c * 8 + 2 * b + 1}"
+            for i in range(nt):
+                w = f"w{(c * nt + i) * 4 + b}"
+                lines += [
+                    f"lop3.b32 q0, {w}, 0x000F000F, {magic}, 0xEA;",
+                    f"shr.u32 tmp, {w}, 4;",
+                    f"lop3.b32 q1, tmp, 0x000F000F, {magic}, 0xEA;",
+                    f"shr.u32 tmp, {w}, 8;",
+                    f"lop3.b32 q2, tmp, 0x000F000F, {magic}, 0xEA;",
+                    f"shr.u32 tmp, {w}, 12;",
+                    f"lop3.b32 q3, tmp, 0x000F000F, {magic}, 0xEA;",
+                    f"sub.rn.{t}x2 q0, q0, zz{2 * i};",
+                    f"sub.rn.{t}x2 q1, q1, zz{2 * i + 1};",
+                    f"sub.rn.{t}x2 q2, q2, zz{2 * i};",
+                    f"sub.rn.{t}x2 q3, q3, zz{2 * i + 1};",
+                    f"mma.sync.aligned.m16n8k16.row.col.f32.{t}.{t}.f32 "
+                    f"{{d{4 * i}, d{4 * i + 1}, d{4 * i + 2}, d{4 * i + 3}}}, "
+                    f"{{q0, q1, q2, q3}}, {{{xb}}}, "
+                    f"{{d{4 * i}, d{4 * i + 1}, d{4 * i + 2}, d{4 * i + 3}}};",
+                ]
+    for i in range(nt):  # D rows g (d0) and g + 8 (d2) of every column: s * D
+        lines += [f"fma.rn.f32 acc{2 * i}, s{2 * i}, d{4 * i}, acc{2 * i};",
+                  f"fma.rn.f32 acc{2 * i + 1}, s{2 * i + 1}, d{4 * i + 2}, acc{2 * i + 1};"]
+    lines += [
+        "add.u32 grp, grp, 1;",
+    ] + [f"add.u64 wa{i}, wa{i}, {chunks * 512};" for i in range(nt)] + [
+        f"add.u64 xa, xa, {chunks * CHUNK * 2};",
+        "cvt.u64.u32 off, $12;",
+        "add.u64 za, za, off;",
+        "mul.wide.u32 off, $13, 2;",
+        "add.u64 sa, sa, off;",
+        "setp.lt.u32 more, grp, $8;",
+        "@more bra.uni L_int4_mma_group;",
+        "setp.eq.u32 writer, t, 0;",
+    ]
+    for i in range(nt):
+        for half in range(2):
+            lines.append(f"@writer st.global.f32 [ya+{4 * (16 * i + 8 * half)}], "
+                         f"acc{2 * i + half};")
+    lines += ["L_int4_mma_done:", "mov.u32 $0, 0;", "}"]
+    return "\n".join(lines)
+
+
+# ---- the launch ----------------------------------------------------------------------------
+@triton.jit
+def _int4_gemv_mma_kernel(x_ptr, qw_ptr, z_ptr, s_ptr, ws_ptr, TILES, CHUNKS_PER_ROW, N,
+                          NUM_GROUPS, G_SPLIT, stride_z, stride_s, stride_ws,
+                          WARPS: tl.constexpr, NT: tl.constexpr, PTX: tl.constexpr,
+                          PDL: tl.constexpr):
+    """Program (column block of WARPS * NT tiles, K split): the groups
+    [g_lo, g_hi) of its columns, as fp32 partial sums into row `split` of `ws`."""
+    one = tl.zeros([32 * WARPS], dtype=tl.int32)  # one element a thread: the PTX's lanes
+    g_lo = tl.program_id(1) * G_SPLIT
+    g_hi = tl.minimum(NUM_GROUPS, g_lo + G_SPLIT)
+    ws_row = ws_ptr + tl.program_id(1).to(tl.int64) * stride_ws
+    pdl_wait(PDL)
+    pdl_trigger(PDL)
+    tl.inline_asm_elementwise(
+        PTX, "=r,l,l,l,l,l,r,r,r,r,r,r,r,r",
+        [x_ptr.to(tl.int64, bitcast=True) + one, qw_ptr.to(tl.int64, bitcast=True) + one,
+         z_ptr.to(tl.int64, bitcast=True) + one, s_ptr.to(tl.int64, bitcast=True) + one,
+         ws_row.to(tl.int64, bitcast=True) + one, tl.program_id(0) * WARPS + one,
+         g_lo + one, g_hi + one, TILES + one, CHUNKS_PER_ROW + one, N + one,
+         stride_z + one, stride_s + one],
+        dtype=tl.int32, is_pure=False, pack=1)
+
+
+class MmaConfig(NamedTuple):
+    warps: int = 4
+    nt: int = 1  # column tiles (16 columns) a warp
+    split: int = 8  # programs along K (whole groups each)
+
+
+def pick_config(n: int, k: int) -> MmaConfig:
+    """Untimed (the kernel has not met a GPU yet): the CUDA-core path's split."""
+    return MmaConfig(4, 1, 16 if k >= 8192 else 8)
+
+
+def int4_gemv_mma(x: torch.Tensor, words: torch.Tensor, zeros: torch.Tensor,
+                  scales: torch.Tensor, group: int, bias: torch.Tensor | None = None,
+                  config: MmaConfig | None = None, out: torch.Tensor | None = None,
+                  silu_mul: bool = False) -> torch.Tensor:
+    """One row: x [1, K] (bf16 / fp16, 16-byte aligned) times the int4 weight in
+    `mma_layout` `words`, [1, N] (`silu_mul`: silu(gate) * up, [1, N / 2])."""
+    tiles, chunks_per_row = words.shape[:2]
+    n, k = tiles * 16, chunks_per_row * CHUNK
+    assert x.shape == (1, k) and x.stride(1) == 1 and x.data_ptr() % 16 == 0
+    assert x.dtype in (torch.bfloat16, torch.float16) and words.is_contiguous()
+    assert group in GROUPS and k % group == 0 and zeros.stride(1) == scales.stride(1) == 1
+    cfg = config or pick_config(n, k)
+    num_groups = k // group
+    g_split = triton.cdiv(num_groups, cfg.split)
+    split = triton.cdiv(num_groups, g_split)
+    ws = torch.empty((split, n), device=x.device, dtype=torch.float32)
+    n_out = n // 2 if silu_mul else n
+    y = torch.empty((1, n_out), device=x.device, dtype=x.dtype) if out is None else out
+    ptx = gemv_ptx(cfg.nt, group // CHUNK, x.dtype == torch.bfloat16)
+    _int4_gemv_mma_kernel[(triton.cdiv(tiles, cfg.warps * cfg.nt), split)](
+        x, words, zeros, scales, ws, tiles, chunks_per_row, n, num_groups, g_split,
+        zeros.stride(0), scales.stride(0), ws.stride(0), WARPS=cfg.warps, NT=cfg.nt,
+        PTX=ptx, num_warps=cfg.warps, **pdl.launch_args())
+    dummy = scales
+    _int4_split_sum_kernel[(triton.cdiv(n_out, 256),)](
+        ws, bias if bias is not None else dummy, y, n_out, ws.stride(0), SPLIT=split,
+        BLOCK=256, HAS_BIAS=bias is not None, SILU_MUL=silu_mul, num_warps=2,
+        **pdl.launch_args())
+    return y

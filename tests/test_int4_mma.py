@@ -1,0 +1,122 @@
+"""The tensor-core int4 GEMV (`triton_ops/int4_mma.py`) on the CPU: its weight layout,
+its exact PTX run by a warp-level simulator (tests/ptx_sim.py) against float64, and
+its compiled sm_90 code (one MMA per word, no shared memory: the one-element-a-
+thread launch holds). The GPU test is tests/gpu/test_quant_kernels.py -k mma."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from radixlm.layers.quantization import int4 as I
+from radixlm.layers.quantization.triton_ops import int4_mma as M
+
+sys.path.insert(0, os.path.dirname(__file__))
+from ptx_sim import Memory, run_block  # noqa: E402
+
+
+def int4_case(n: int, k: int, group: int, seed: int):
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randint(0, 16, (k, n), generator=gen, dtype=torch.int32)
+    z = torch.randint(0, 16, (k // group, n), generator=gen).to(torch.uint8)
+    s = (torch.rand(k // group, n, generator=gen) * 0.02 + 0.005).half()
+    return q, z, s
+
+
+def test_layout_round_trip_and_formula() -> None:
+    n, k = 48, 192
+    q = torch.randint(0, 16, (k, n), generator=torch.Generator().manual_seed(0))
+    words = M.mma_layout(q)
+    assert words.shape == (3, 3, 32, 4) and words.dtype == torch.int32
+    assert torch.equal(M.mma_unlayout(words), q.to(torch.int32))
+    # The docstring's formula, word by word: nibble j + 4h of (tile, chunk, lane, b) is
+    # column 16 tile + g + 8 (j % 2), feature 64 chunk + 16 t + 4 b + 2 (j // 2) + h.
+    for tile, chunk, lane, b in [(0, 0, 0, 0), (2, 1, 13, 3), (1, 2, 31, 2)]:
+        g, t = lane // 4, lane % 4
+        word = int(words[tile, chunk, lane, b]) & 0xFFFFFFFF
+        for j in range(4):
+            for h in range(2):
+                col = 16 * tile + g + 8 * (j % 2)
+                feat = 64 * chunk + 16 * t + 4 * b + 2 * (j // 2) + h
+                assert (word >> (4 * (j + 4 * h))) & 0xF == int(q[feat, col])
+
+
+def simulate(x: torch.Tensor, q, z, s, group: int, cfg: M.MmaConfig) -> torch.Tensor:
+    """What `int4_gemv_mma` computes before its split-K sum: the PTX of every program
+    in the simulator, operands as `_int4_gemv_mma_kernel` passes them; fp32 [N]."""
+    k, n = q.shape
+    words = M.mma_layout(q)
+    tiles, cpr = words.shape[:2]
+    num_groups = k // group
+    g_split = -(-num_groups // cfg.split)
+    split = -(-num_groups // g_split)
+    mem = Memory()
+    xa = mem.add(x.view(torch.int16).numpy())
+    wa = mem.add(words.numpy())
+    za = mem.add(z.numpy())
+    sa = mem.add(s.view(torch.int16).numpy())
+    ws = mem.add(np.zeros((split, n), dtype=np.float32))
+    ptx = M.gemv_ptx(cfg.nt, group // M.CHUNK, x.dtype == torch.bfloat16)
+    for pid_n in range(-(-tiles // (cfg.warps * cfg.nt))):
+        for pid_k in range(split):
+            g_lo = pid_k * g_split
+            ops = [0, xa, wa, za, sa, ws + pid_k * n * 4, pid_n * cfg.warps, g_lo,
+                   min(num_groups, g_lo + g_split), tiles, cpr, n, n, n]
+            run_block(ptx, ops, cfg.warps, mem)
+    return torch.from_numpy(mem.buffer(ws).view(np.float32).reshape(split, n).copy()).sum(0)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("n,k,group,cfg", [
+    (16, 128, 64, M.MmaConfig(1, 1, 1)),
+    (48, 256, 128, M.MmaConfig(2, 1, 2)),  # a warp past the last tile idles
+    (64, 384, 128, M.MmaConfig(1, 2, 2)),  # 3 groups in splits of 2 + 1
+    (96, 256, 64, M.MmaConfig(4, 2, 3)),
+])
+def test_ptx_against_float64(dtype, n, k, group, cfg) -> None:
+    q, z, s = int4_case(n, k, group, seed=n + k)
+    x = (torch.randn(1, k, generator=torch.Generator().manual_seed(k)) * 0.5).to(dtype)
+    got = simulate(x, q, z, s, group, cfg)
+    w = (q.double() - z.double().repeat_interleave(group, 0)) * s.double().repeat_interleave(
+        group, 0)
+    ref = (x.double() @ w)[0]
+    mag = (x.double().abs() @ w.abs())[0]
+    # exact products, fp32 sums: a few fp32 roundings of the magnitudes
+    assert ((got.double() - ref).abs() <= 1e-6 * mag + 1e-7).all(), (got - ref).abs().max()
+
+
+def test_refuses_act_order_and_odd_groups() -> None:
+    assert M.takes(4096, 4096, 128, None, 8)
+    assert not M.takes(4096, 4096, 32, None, 8)
+    assert not M.takes(4096, 4096, 128, torch.zeros(4096, dtype=torch.int32), 8)
+    assert not M.takes(4100, 4096, 128, None, 8)
+
+
+def test_layout_of_a_gptq_checkpoint() -> None:
+    """From our [K / 8, N] words (GPTQ's packing) to the fragment layout and back."""
+    q, _, _ = int4_case(32, 128, 64, seed=5)
+    packed = I.pack_rows(q)
+    assert torch.equal(M.mma_unlayout(M.mma_layout(I.unpack_rows(packed))), q)
+
+
+def test_sm90_code_one_mma_a_word_no_shared_memory() -> None:
+    """Compiled for sm_90 here: the group loop holds one HMMA per word and thread
+    (so Triton gave each thread exactly one element: two would run the PTX twice)
+    and no shared memory or barrier."""
+    pytest.importorskip("triton")
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
+    from sass import divisibility, main_loop, opcode_counts, signature, sm90_sass
+
+    kernel = M._int4_gemv_mma_kernel
+    sig = signature(kernel, {"x_ptr": "*bf16", "qw_ptr": "*i32", "z_ptr": "*u8",
+                             "s_ptr": "*fp16", "ws_ptr": "*fp32"})
+    hints = divisibility(kernel, {"x_ptr", "qw_ptr", "z_ptr", "s_ptr", "ws_ptr"})
+    for nt, chunks, warps in [(1, 2, 4), (2, 1, 2)]:
+        consts = dict(WARPS=warps, NT=nt, PTX=M.gemv_ptx(nt, chunks, True), PDL=True)
+        ops = opcode_counts(main_loop(sm90_sass(kernel, sig, consts, warps, hints=hints)))
+        assert ops["HMMA"] == nt * chunks * 4, ops
+        assert ops["LDS"] == ops["STS"] == ops["BAR"] == 0, ops
