@@ -3,8 +3,9 @@
 Compiled for a Hopper target here (`sass.py`) with the launch's divisibility hints
 (pointers, N, K and strides multiples of 16, as every Llama shape is), group 128,
 bf16 x; per tile, the unpacked fp32 form, the packed halves (today's default) and
-the packed halves with `Int4Config.lean`: the loop's instructions per weight and
-the opcodes that make them up.
+the packed halves with `Int4Config.lean`; then the tensor-core GEMV
+(`int4_mma.py`) per `MmaConfig`: the loop's instructions per weight (a thread's
+share) and the opcodes that make them up.
 
     python benchmarks/int4_gemv_sass.py
 
@@ -20,6 +21,7 @@ import triton
 from sass import divisibility, main_loop, opcode_counts, signature, sm90_sass
 
 from radixlm.layers.quantization.triton_ops import int4 as I4
+from radixlm.layers.quantization.triton_ops import int4_mma as I4M
 
 KERNEL = I4._int4_gemv_kernel
 SIGNATURE = signature(KERNEL, {"x_ptr": "*bf16", "qw_ptr": "*i32", "z_ptr": "*u8",
@@ -55,5 +57,26 @@ def main() -> None:
             print(f"{f'{bn}x{bk}, {warps} warps, {name}':<30}{n:>7}{n / weights:>9.2f}  {top}")
 
 
+def mma_loop_ops(warps: int, nt: int, chunks: int = 2) -> tuple[int, collections.Counter]:
+    """(instructions, opcode counts) of the tensor-core GEMV's group loop."""
+    kernel = I4M._int4_gemv_mma_kernel
+    sig = signature(kernel, {"x_ptr": "*bf16", "qw_ptr": "*i32", "z_ptr": "*u8",
+                             "s_ptr": "*fp16", "ws_ptr": "*fp32"})
+    hints = divisibility(kernel, {"x_ptr", "qw_ptr", "z_ptr", "s_ptr", "ws_ptr"})
+    consts = dict(WARPS=warps, NT=nt, PTX=I4M.gemv_ptx(nt, chunks, True), PDL=False)
+    body = main_loop(sm90_sass(kernel, sig, consts, warps, hints=hints))
+    return len(body), opcode_counts(body)
+
+
+def main_mma() -> None:
+    print("\nthe tensor-core GEMV's group loop (group 128: 2 chunks of 64 features)")
+    for warps, nt in [(4, 1), (4, 2), (4, 4)]:
+        n, ops = mma_loop_ops(warps, nt)
+        weights = nt * 16 * 128 // 32
+        top = " ".join(f"{op}x{c}" for op, c in ops.most_common(8))
+        print(f"{f'{warps} warps, {nt} tiles a warp':<30}{n:>7}{n / weights:>9.2f}  {top}")
+
+
 if __name__ == "__main__":
     main()
+    main_mma()

@@ -206,6 +206,13 @@ class Warp:
                 hy = _half_to_f32((y >> np.uint64(half)) & np.uint64(0xFFFF), bf16)
                 out |= _f32_to_half(hx.astype(np.float64) - hy, bf16).astype(np.uint64) << half
             self.set(a[0], out, on)
+        elif op == "cvt.rn.f32.u32":
+            self.set_f32(a[0], (self.val(a[1]) & m32).astype(np.float32), on)
+        elif op in ("add.f32", "mul.f32"):
+            x, y = self.f32(a[1]).astype(np.float64), self.f32(a[2])
+            self.set_f32(a[0], (x + y if op == "add.f32" else x * y).astype(np.float32), on)
+        elif op == "neg.f32":
+            self.set_f32(a[0], -self.f32(a[1]), on)
         elif op == "fma.rn.f32":
             r = (self.f32(a[1]).astype(np.float64) * self.f32(a[2]) + self.f32(a[3]))
             self.set_f32(a[0], r.astype(np.float32), on)

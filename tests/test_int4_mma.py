@@ -1,7 +1,8 @@
 """The tensor-core int4 GEMV (`triton_ops/int4_mma.py`) on the CPU: its weight layout,
 its exact PTX run by a warp-level simulator (tests/ptx_sim.py) against float64, and
-its compiled sm_90 code (one MMA per word, no shared memory: the one-element-a-
-thread launch holds). The GPU test is tests/gpu/test_quant_kernels.py -k mma."""
+its compiled sm_90 code (one MMA per word and one per block for x's sums, no shared
+memory: the one-element-a-thread launch holds). The GPU test is
+tests/gpu/test_quant_kernels.py -k mma."""
 
 from __future__ import annotations
 
@@ -81,12 +82,16 @@ def test_ptx_against_float64(dtype, n, k, group, cfg) -> None:
     q, z, s = int4_case(n, k, group, seed=n + k)
     x = (torch.randn(1, k, generator=torch.Generator().manual_seed(k)) * 0.5).to(dtype)
     got = simulate(x, q, z, s, group, cfg)
-    w = (q.double() - z.double().repeat_interleave(group, 0)) * s.double().repeat_interleave(
-        group, 0)
+    scale = s.double().repeat_interleave(group, 0)  # [K, N]: each weight's scale
+    w = (q.double() - z.double().repeat_interleave(group, 0)) * scale
     ref = (x.double() @ w)[0]
-    mag = (x.double().abs() @ w.abs())[0]
-    # exact products, fp32 sums: a few fp32 roundings of the magnitudes
-    assert ((got.double() - ref).abs() <= 1e-6 * mag + 1e-7).all(), (got - ref).abs().max()
+    # Exact products summed in fp32, but of offset + q (128 + q in bf16, 1024 + q in
+    # fp16), the zero point's term taken out once per group: fp32 roundings of
+    # (offset + 16) |x| s, a few units of 2^-24 each.
+    offset = 128 if dtype == torch.bfloat16 else 1024
+    folded = (x.double().abs() @ scale)[0] * (offset + 16)
+    err = (got.double() - ref).abs()
+    assert (err <= 2.0 ** -20 * folded).all(), (err / folded).max()
 
 
 def test_refuses_act_order_and_odd_groups() -> None:
@@ -104,9 +109,10 @@ def test_layout_of_a_gptq_checkpoint() -> None:
 
 
 def test_sm90_code_one_mma_a_word_no_shared_memory() -> None:
-    """Compiled for sm_90 here: the group loop holds one HMMA per word and thread
-    (so Triton gave each thread exactly one element: two would run the PTX twice)
-    and no shared memory or barrier."""
+    """Compiled for sm_90 here: the group loop holds one HMMA per word and thread,
+    and one per block of 16 features for x's sums (so Triton gave each thread
+    exactly one element: two would run the PTX twice), and no shared memory or
+    barrier."""
     pytest.importorskip("triton")
     sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
     from sass import divisibility, main_loop, opcode_counts, signature, sm90_sass
@@ -118,5 +124,5 @@ def test_sm90_code_one_mma_a_word_no_shared_memory() -> None:
     for nt, chunks, warps in [(1, 2, 4), (2, 1, 2)]:
         consts = dict(WARPS=warps, NT=nt, PTX=M.gemv_ptx(nt, chunks, True), PDL=True)
         ops = opcode_counts(main_loop(sm90_sass(kernel, sig, consts, warps, hints=hints)))
-        assert ops["HMMA"] == nt * chunks * 4, ops
+        assert ops["HMMA"] == (nt + 1) * chunks * 4, ops  # and x's sums (all-ones A)
         assert ops["LDS"] == ops["STS"] == ops["BAR"] == 0, ops

@@ -5,10 +5,16 @@ is, after three shifts and four LOP3, exactly its A operand for one MMA.
 Why: the CUDA-core GEMV (`int4.py`, packed halves) spends ~19 instructions on a
 word of 8 weights (unpack, zero, 4 packed multiply-adds, widening to fp32 and
 scaling), and at ~3 instructions a weight it issues, not reads, at its limit.
-Here the products and their fp32 sums are one MMA per word, so a word costs
-~12: 3 shifts, 4 LOP3 (the nibble pairs OR-ed into 128.0's bf16 bits), 4
-exact subtractions of 128 + z, and the MMA. The products are exact and summed
-in fp32 (the packed halves round every product to bf16).
+Here a word costs 3 shifts, 4 LOP3 (the nibble pairs OR-ed into the bits of
+128.0 in bf16, 1024.0 in fp16: offset + q, exact) and one MMA: the products are
+exact and summed in fp32 (the packed halves round every product to bf16). The
+zero point is not subtracted per weight: s sum (q - z) x = s sum (offset + q) x -
+s (offset + z) sum x, and sum x over a group comes from one more MMA per 16
+features with an all-ones A, shared by every column tile. sm_90 SASS of the
+group loop: 1.5-1.8 instructions a weight (3.8 for the packed halves;
+`benchmarks/int4_gemv_sass.py`). The price of the fold: the fp32 sums carry
+(offset + q) x, so their rounding is that of ~(offset + 16) |x| s, not |q - z|
+|x| s (tests/test_int4_mma.py bounds it).
 
 The product is y^T = W x^T as an MMA with the weights as A (16 output columns
 by 16 features) and x as B (16 features by 8 columns, every column the same x,
@@ -26,14 +32,14 @@ nibbles j and j + 4. A warp reads a tile's chunk as 512 contiguous bytes.
 
 Each warp owns NT column tiles and walks its program's groups (the K split is in
 whole groups): per group it loads every chunk's words and x, then the zero
-points and scales of its columns, runs the MMAs into a fresh fp32 accumulator
-and adds s * D to its sums. Lanes t = 0 write fp32 partial sums [split, N]; the
-second launch of the CUDA-core path (`_int4_split_sum_kernel`) adds them, the
-bias and the SiLU-and-mul. The whole loop is PTX inside one Triton program of
-one element a thread (the lane and warp come from %tid.x, so nothing depends on
-how Triton lays a tensor out); Triton launches it and handles PDL. Groups must be
-whole chunks of 64 (64 or 128 features); act-order and other shapes take the
-CUDA-core path.
+points and scales of its columns, runs the MMAs into fresh fp32 accumulators
+(x's sum in its own) and adds s D - s (offset + z) sum x to its sums. Lanes t
+= 0 write fp32 partial sums [split, N]; the second launch of the CUDA-core path
+(`_int4_split_sum_kernel`) adds them, the bias and the SiLU-and-mul. The whole
+loop is PTX inside one Triton program of one element a thread (the lane and
+warp come from %tid.x, so nothing depends on how Triton lays a tensor out);
+Triton launches it and handles PDL. Groups must be whole chunks of 64 (64 or
+128 features); act-order and other shapes take the CUDA-core path.
 """
 
 from __future__ import annotations
@@ -95,7 +101,9 @@ def gemv_ptx(nt: int, chunks: int, bf16: bool) -> str:
     index, $7 / $8 its first / past-last group, $9 column tiles in all, $10 chunks a
     row of tiles (K / 64), $11 N, $12 / $13 the zeros' / scales' row strides (in
     elements)."""
-    magic = "0x43004300" if bf16 else "0x64006400"
+    magic = "0x43004300" if bf16 else "0x64006400"  # 128.0 / 1024.0 in both halves
+    offset = "0f43000000" if bf16 else "0f44800000"  # the same, one fp32
+    one = "0x3F803F80" if bf16 else "0x3C003C00"  # 1.0 in both halves
     t = "bf16" if bf16 else "f16"
     w_regs = nt * chunks * 4
     x_regs = chunks * 8
@@ -105,8 +113,9 @@ def gemv_ptx(nt: int, chunks: int, bf16: bool) -> str:
         ".reg .b32 tid, lane, warp, g, t, tile, grp, tmp, q0, q1, q2, q3, z;",
         f".reg .b32 {_regs('w', w_regs)};",
         f".reg .b32 {_regs('x', x_regs)};",
-        f".reg .b32 {_regs('zz', 2 * nt)};",
-        f".reg .f32 {_regs('s', 2 * nt)};",
+        f".reg .f32 {_regs('s', 2 * nt)}, {_regs('sz', 2 * nt)}, zf;",
+        ".reg .f32 e0, e1, e2, e3;",
+        ".reg .b32 ones;",
         f".reg .f32 {_regs('acc', 2 * nt)};",
         f".reg .f32 {_regs('d', 4 * nt)};",
         ".reg .b16 sh;",
@@ -146,6 +155,7 @@ def gemv_ptx(nt: int, chunks: int, bf16: bool) -> str:
         "add.u64 ya, $5, off;",
     ]
     lines += [f"mov.f32 acc{i}, 0f00000000;" for i in range(2 * nt)]
+    lines.append(f"mov.b32 ones, {one};")
     lines += ["mov.u32 grp, $7;", "L_int4_mma_group:"]
     # Every load of the group first: the words of each chunk and tile, then x.
     for c in range(chunks):
@@ -157,16 +167,20 @@ def gemv_ptx(nt: int, chunks: int, bf16: bool) -> str:
             r = c * 8 + h * 4
             lines.append(f"ld.global.v4.u32 {{x{r}, x{r + 1}, x{r + 2}, x{r + 3}}}, "
                          f"[xa+{c * 128 + h * 16}];")
-    # Zero points (as magic + z in both halves) and scales of rows g and g + 8.
+    # Scales s and -s (offset + z) of rows g and g + 8.
     for i in range(nt):
         for half in range(2):
-            col = 16 * i + 8 * half
+            col, r = 16 * i + 8 * half, 2 * i + half
             lines += [f"ld.global.u8 z, [za+{col}];",
-                      f"mad.lo.u32 zz{2 * i + half}, z, 65537, {magic};",
                       f"ld.global.b16 sh, [sa+{2 * col}];",
-                      f"cvt.f32.f16 s{2 * i + half}, sh;"]
+                      f"cvt.f32.f16 s{r}, sh;",
+                      "cvt.rn.f32.u32 zf, z;",
+                      f"add.f32 zf, zf, {offset};",
+                      f"mul.f32 sz{r}, s{r}, zf;",
+                      f"neg.f32 sz{r}, sz{r};"]
     for i in range(4 * nt):
         lines.append(f"mov.f32 d{i}, 0f00000000;")
+    lines += [f"mov.f32 e{i}, 0f00000000;" for i in range(4)]
     for c in range(chunks):
         for b in range(4):
             xb = f"x{c * 8 + 2 * b}, x{c * 8 + 2 * b + 1}"
@@ -180,18 +194,18 @@ def gemv_ptx(nt: int, chunks: int, bf16: bool) -> str:
                     f"lop3.b32 q2, tmp, 0x000F000F, {magic}, 0xEA;",
                     f"shr.u32 tmp, {w}, 12;",
                     f"lop3.b32 q3, tmp, 0x000F000F, {magic}, 0xEA;",
-                    f"sub.rn.{t}x2 q0, q0, zz{2 * i};",
-                    f"sub.rn.{t}x2 q1, q1, zz{2 * i + 1};",
-                    f"sub.rn.{t}x2 q2, q2, zz{2 * i};",
-                    f"sub.rn.{t}x2 q3, q3, zz{2 * i + 1};",
                     f"mma.sync.aligned.m16n8k16.row.col.f32.{t}.{t}.f32 "
                     f"{{d{4 * i}, d{4 * i + 1}, d{4 * i + 2}, d{4 * i + 3}}}, "
                     f"{{q0, q1, q2, q3}}, {{{xb}}}, "
                     f"{{d{4 * i}, d{4 * i + 1}, d{4 * i + 2}, d{4 * i + 3}}};",
                 ]
-    for i in range(nt):  # D rows g (d0) and g + 8 (d2) of every column: s * D
-        lines += [f"fma.rn.f32 acc{2 * i}, s{2 * i}, d{4 * i}, acc{2 * i};",
-                  f"fma.rn.f32 acc{2 * i + 1}, s{2 * i + 1}, d{4 * i + 2}, acc{2 * i + 1};"]
+            lines.append(f"mma.sync.aligned.m16n8k16.row.col.f32.{t}.{t}.f32 {{e0, e1, e2, e3}}, "
+                         f"{{ones, ones, ones, ones}}, {{{xb}}}, {{e0, e1, e2, e3}};")
+    for i in range(nt):  # D rows g (d0) and g + 8 (d2): s D - s (offset + z) sum(x)
+        for half in range(2):
+            r = 2 * i + half
+            lines += [f"fma.rn.f32 acc{r}, s{r}, d{4 * i + 2 * half}, acc{r};",
+                      f"fma.rn.f32 acc{r}, sz{r}, e0, acc{r};"]
     lines += [
         "add.u32 grp, grp, 1;",
     ] + [f"add.u64 wa{i}, wa{i}, {chunks * 512};" for i in range(nt)] + [
