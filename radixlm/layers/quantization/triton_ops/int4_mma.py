@@ -44,6 +44,7 @@ Triton launches it and handles PDL. Groups must be whole chunks of 64 (64 or
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import torch
@@ -94,6 +95,7 @@ def _regs(prefix: str, n: int) -> str:
     return ", ".join(f"{prefix}{i}" for i in range(n))
 
 
+@functools.cache
 def gemv_ptx(nt: int, chunks: int, bf16: bool) -> str:
     """The PTX of one thread's work: `nt` column tiles, `chunks` chunks a group.
     Operands: $0 a dummy output; $1 x, $2 words, $3 zeros, $4 scales, $5 this
