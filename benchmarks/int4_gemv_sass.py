@@ -57,24 +57,28 @@ def main() -> None:
             print(f"{f'{bn}x{bk}, {warps} warps, {name}':<30}{n:>7}{n / weights:>9.2f}  {top}")
 
 
-def mma_loop_ops(warps: int, nt: int, chunks: int = 2) -> tuple[int, collections.Counter]:
-    """(instructions, opcode counts) of the tensor-core GEMV's group loop."""
+def mma_loop_ops(warps: int, nt: int, prefetch: bool = False,
+                 chunks: int = 2) -> tuple[int, collections.Counter]:
+    """(instructions, opcode counts) of the tensor-core GEMV's group loop (two
+    groups with `prefetch`: that loop is unrolled twice)."""
     kernel = I4M._int4_gemv_mma_kernel
     sig = signature(kernel, {"x_ptr": "*bf16", "qw_ptr": "*i32", "z_ptr": "*u8",
                              "s_ptr": "*fp16", "ws_ptr": "*fp32"})
     hints = divisibility(kernel, {"x_ptr", "qw_ptr", "z_ptr", "s_ptr", "ws_ptr"})
-    consts = dict(WARPS=warps, NT=nt, PTX=I4M.gemv_ptx(nt, chunks, True), PDL=False)
+    consts = dict(WARPS=warps, NT=nt, PTX=I4M.gemv_ptx(nt, chunks, True, prefetch), PDL=False)
     body = main_loop(sm90_sass(kernel, sig, consts, warps, hints=hints))
     return len(body), opcode_counts(body)
 
 
 def main_mma() -> None:
     print("\nthe tensor-core GEMV's group loop (group 128: 2 chunks of 64 features)")
-    for warps, nt in [(4, 1), (4, 2), (4, 4)]:
-        n, ops = mma_loop_ops(warps, nt)
-        weights = nt * 16 * 128 // 32
+    for warps, nt, prefetch in [(4, 1, False), (4, 2, False), (4, 4, False), (4, 1, True),
+                                (4, 2, True)]:
+        n, ops = mma_loop_ops(warps, nt, prefetch)
+        weights = nt * 16 * 128 // 32 * (2 if prefetch else 1)
         top = " ".join(f"{op}x{c}" for op, c in ops.most_common(8))
-        print(f"{f'{warps} warps, {nt} tiles a warp':<30}{n:>7}{n / weights:>9.2f}  {top}")
+        name = f"{warps} warps, {nt} tiles a warp" + (", prefetch" if prefetch else "")
+        print(f"{name:<30}{n:>7}{n / weights:>9.2f}  {top}")
 
 
 if __name__ == "__main__":

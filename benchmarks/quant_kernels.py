@@ -142,9 +142,10 @@ def table(rows: list[int]) -> None:
                       f"{2 * m * n * k / t / 1e12:>7.0f}{vs_bf16:>9}{vs_peer:>14}")
 
 
-MMA_CANDIDATES = [M4.MmaConfig(w, nt, sp) for w, nt, sp in  # the tensor-core int4 GEMV
-                  [(4, 1, 8), (4, 1, 16), (4, 2, 8), (4, 2, 4), (8, 1, 8), (2, 1, 8),
-                   (4, 4, 4), (8, 2, 16)]]
+MMA_CANDIDATES = [M4.MmaConfig(w, nt, sp, pf) for w, nt, sp, pf in  # the tensor-core GEMV
+                  [(4, 1, 8, False), (4, 1, 16, False), (4, 2, 8, False), (4, 2, 4, False),
+                   (8, 1, 8, False), (4, 4, 4, False), (4, 1, 8, True), (4, 1, 4, True),
+                   (4, 2, 4, True), (8, 1, 4, True), (2, 1, 8, True)]]
 
 
 def sweep(fp8: bool = True, int4: bool = True) -> None:

@@ -61,7 +61,7 @@ def simulate(x: torch.Tensor, q, z, s, group: int, cfg: M.MmaConfig) -> torch.Te
     za = mem.add(z.numpy())
     sa = mem.add(s.view(torch.int16).numpy())
     ws = mem.add(np.zeros((split, n), dtype=np.float32))
-    ptx = M.gemv_ptx(cfg.nt, group // M.CHUNK, x.dtype == torch.bfloat16)
+    ptx = M.gemv_ptx(cfg.nt, group // M.CHUNK, x.dtype == torch.bfloat16, cfg.prefetch)
     for pid_n in range(-(-tiles // (cfg.warps * cfg.nt))):
         for pid_k in range(split):
             g_lo = pid_k * g_split
@@ -77,6 +77,10 @@ def simulate(x: torch.Tensor, q, z, s, group: int, cfg: M.MmaConfig) -> torch.Te
     (48, 256, 128, M.MmaConfig(2, 1, 2)),  # a warp past the last tile idles
     (64, 384, 128, M.MmaConfig(1, 2, 2)),  # 3 groups in splits of 2 + 1
     (96, 256, 64, M.MmaConfig(4, 2, 3)),
+    # the next group's loads ahead: splits of 1, 2 and 3 groups (both buffers' exits)
+    (32, 384, 64, M.MmaConfig(2, 1, 3, prefetch=True)),
+    (64, 512, 128, M.MmaConfig(1, 2, 2, prefetch=True)),
+    (32, 384, 128, M.MmaConfig(1, 1, 1, prefetch=True)),
 ])
 def test_ptx_against_float64(dtype, n, k, group, cfg) -> None:
     q, z, s = int4_case(n, k, group, seed=n + k)
@@ -121,8 +125,10 @@ def test_sm90_code_one_mma_a_word_no_shared_memory() -> None:
     sig = signature(kernel, {"x_ptr": "*bf16", "qw_ptr": "*i32", "z_ptr": "*u8",
                              "s_ptr": "*fp16", "ws_ptr": "*fp32"})
     hints = divisibility(kernel, {"x_ptr", "qw_ptr", "z_ptr", "s_ptr", "ws_ptr"})
-    for nt, chunks, warps in [(1, 2, 4), (2, 1, 2)]:
-        consts = dict(WARPS=warps, NT=nt, PTX=M.gemv_ptx(nt, chunks, True), PDL=True)
+    for nt, chunks, warps, prefetch in [(1, 2, 4, False), (2, 1, 2, False), (1, 2, 4, True)]:
+        consts = dict(WARPS=warps, NT=nt, PTX=M.gemv_ptx(nt, chunks, True, prefetch),
+                      PDL=True)
         ops = opcode_counts(main_loop(sm90_sass(kernel, sig, consts, warps, hints=hints)))
-        assert ops["HMMA"] == (nt + 1) * chunks * 4, ops  # and x's sums (all-ones A)
+        groups = 2 if prefetch else 1  # the prefetching loop is unrolled twice
+        assert ops["HMMA"] == groups * (nt + 1) * chunks * 4, ops  # + x's sums (all-ones A)
         assert ops["LDS"] == ops["STS"] == ops["BAR"] == 0, ops

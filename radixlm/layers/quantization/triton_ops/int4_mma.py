@@ -96,136 +96,179 @@ def _regs(prefix: str, n: int) -> str:
 
 
 @functools.cache
-def gemv_ptx(nt: int, chunks: int, bf16: bool) -> str:
-    """The PTX of one thread's work: `nt` column tiles, `chunks` chunks a group.
-    Operands: $0 a dummy output; $1 x, $2 words, $3 zeros, $4 scales, $5 this
-    program's partial-sum row (64-bit addresses); $6 the program's first warp
-    index, $7 / $8 its first / past-last group, $9 column tiles in all, $10 chunks a
-    row of tiles (K / 64), $11 N, $12 / $13 the zeros' / scales' row strides (in
-    elements)."""
-    magic = "0x43004300" if bf16 else "0x64006400"  # 128.0 / 1024.0 in both halves
-    offset = "0f43000000" if bf16 else "0f44800000"  # the same, one fp32
-    one = "0x3F803F80" if bf16 else "0x3C003C00"  # 1.0 in both halves
-    t = "bf16" if bf16 else "f16"
-    w_regs = nt * chunks * 4
-    x_regs = chunks * 8
-    lines = [
-        "{",
-        ".reg .pred skip, more, writer;",
-        ".reg .b32 tid, lane, warp, g, t, tile, grp, tmp, q0, q1, q2, q3, z;",
-        f".reg .b32 {_regs('w', w_regs)};",
-        f".reg .b32 {_regs('x', x_regs)};",
-        f".reg .f32 {_regs('s', 2 * nt)}, {_regs('sz', 2 * nt)}, zf;",
-        ".reg .f32 e0, e1, e2, e3;",
-        ".reg .b32 ones;",
-        f".reg .f32 {_regs('acc', 2 * nt)};",
-        f".reg .f32 {_regs('d', 4 * nt)};",
-        ".reg .b16 sh;",
-        f".reg .b64 {_regs('wa', nt)}, xa, za, sa, ya, off;",
-        "mov.u32 tid, %tid.x;",
-        "and.b32 lane, tid, 31;",
-        "shr.u32 warp, tid, 5;",
-        "shr.u32 g, lane, 2;",
-        "and.b32 t, lane, 3;",
-        "add.u32 tile, $6, warp;",
-        f"mul.lo.u32 tile, tile, {nt};",  # this warp's first column tile
-        "setp.ge.u32 skip, tile, $9;",
-        "@skip bra.uni L_int4_mma_done;",
-        # words: ((tile * chunks_per_row + grp * chunks) * 32 + lane) * 16 bytes
-        "mul.lo.u32 tmp, $7, " + str(chunks) + ";",
-        "mad.lo.u32 tmp, tile, $10, tmp;",
-        "mad.lo.u32 tmp, tmp, 32, lane;",
-        "mul.wide.u32 off, tmp, 16;",
-        "add.u64 wa0, $2, off;",
-        "mul.wide.u32 off, $10, 512;",  # the next tile's stream: K / 64 chunks further
-    ] + [f"add.u64 wa{i}, wa{i - 1}, off;" for i in range(1, nt)] + [
-        # x: (grp * chunks * 64 + 16 t) * 2 bytes
-        "mul.lo.u32 tmp, $7, " + str(chunks * CHUNK) + ";",
-        "mad.lo.u32 tmp, t, 16, tmp;",
-        "mul.wide.u32 off, tmp, 2;",
-        "add.u64 xa, $1, off;",
-        # zeros (u8) and scales (fp16) of column tile * 16 + g at group grp
-        "mad.lo.u32 tmp, tile, 16, g;",
-        "mad.lo.u32 z, $7, $12, tmp;",
-        "cvt.u64.u32 off, z;",
-        "add.u64 za, $3, off;",
-        "mad.lo.u32 z, $7, $13, tmp;",
-        "mul.wide.u32 off, z, 2;",
-        "add.u64 sa, $4, off;",
-        # partial sums of column tile * 16 + g (4 bytes each)
-        "mul.wide.u32 off, tmp, 4;",
-        "add.u64 ya, $5, off;",
-    ]
-    lines += [f"mov.f32 acc{i}, 0f00000000;" for i in range(2 * nt)]
-    lines.append(f"mov.b32 ones, {one};")
-    lines += ["mov.u32 grp, $7;", "L_int4_mma_group:"]
-    # Every load of the group first: the words of each chunk and tile, then x.
-    for c in range(chunks):
-        for i in range(nt):
-            r = (c * nt + i) * 4
-            lines.append(f"ld.global.nc.L1::no_allocate.v4.u32 {{w{r}, w{r + 1}, w{r + 2}, "
-                         f"w{r + 3}}}, [wa{i}+{c * 512}];")
-        for h in range(2):
-            r = c * 8 + h * 4
-            lines.append(f"ld.global.v4.u32 {{x{r}, x{r + 1}, x{r + 2}, x{r + 3}}}, "
-                         f"[xa+{c * 128 + h * 16}];")
-    # Scales s and -s (offset + z) of rows g and g + 8.
-    for i in range(nt):
-        for half in range(2):
-            col, r = 16 * i + 8 * half, 2 * i + half
-            lines += [f"ld.global.u8 z, [za+{col}];",
-                      f"ld.global.b16 sh, [sa+{2 * col}];",
-                      f"cvt.f32.f16 s{r}, sh;",
-                      "cvt.rn.f32.u32 zf, z;",
-                      f"add.f32 zf, zf, {offset};",
-                      f"mul.f32 sz{r}, s{r}, zf;",
-                      f"neg.f32 sz{r}, sz{r};"]
-    for i in range(4 * nt):
-        lines.append(f"mov.f32 d{i}, 0f00000000;")
-    lines += [f"mov.f32 e{i}, 0f00000000;" for i in range(4)]
-    for c in range(chunks):
-        for b in range(4):
-            xb = f"x{c * 8 + 2 * b}, x{c * 8 + 2 * b + 1}"
-            for i in range(nt):
-                w = f"w{(c * nt + i) * 4 + b}"
-                lines += [
-                    f"lop3.b32 q0, {w}, 0x000F000F, {magic}, 0xEA;",
-                    f"shr.u32 tmp, {w}, 4;",
-                    f"lop3.b32 q1, tmp, 0x000F000F, {magic}, 0xEA;",
-                    f"shr.u32 tmp, {w}, 8;",
-                    f"lop3.b32 q2, tmp, 0x000F000F, {magic}, 0xEA;",
-                    f"shr.u32 tmp, {w}, 12;",
-                    f"lop3.b32 q3, tmp, 0x000F000F, {magic}, 0xEA;",
-                    f"mma.sync.aligned.m16n8k16.row.col.f32.{t}.{t}.f32 "
-                    f"{{d{4 * i}, d{4 * i + 1}, d{4 * i + 2}, d{4 * i + 3}}}, "
-                    f"{{q0, q1, q2, q3}}, {{{xb}}}, "
-                    f"{{d{4 * i}, d{4 * i + 1}, d{4 * i + 2}, d{4 * i + 3}}};",
-                ]
-            lines.append(f"mma.sync.aligned.m16n8k16.row.col.f32.{t}.{t}.f32 {{e0, e1, e2, e3}}, "
-                         f"{{ones, ones, ones, ones}}, {{{xb}}}, {{e0, e1, e2, e3}};")
-    for i in range(nt):  # D rows g (d0) and g + 8 (d2): s D - s (offset + z) sum(x)
-        for half in range(2):
-            r = 2 * i + half
-            lines += [f"fma.rn.f32 acc{r}, s{r}, d{4 * i + 2 * half}, acc{r};",
-                      f"fma.rn.f32 acc{r}, sz{r}, e0, acc{r};"]
-    lines += [
-        "add.u32 grp, grp, 1;",
-    ] + [f"add.u64 wa{i}, wa{i}, {chunks * 512};" for i in range(nt)] + [
-        f"add.u64 xa, xa, {chunks * CHUNK * 2};",
-        "cvt.u64.u32 off, $12;",
-        "add.u64 za, za, off;",
-        "mul.wide.u32 off, $13, 2;",
-        "add.u64 sa, sa, off;",
-        "setp.lt.u32 more, grp, $8;",
-        "@more bra.uni L_int4_mma_group;",
-        "setp.eq.u32 writer, t, 0;",
-    ]
-    for i in range(nt):
-        for half in range(2):
-            lines.append(f"@writer st.global.f32 [ya+{4 * (16 * i + 8 * half)}], "
-                         f"acc{2 * i + half};")
-    lines += ["L_int4_mma_done:", "mov.u32 $0, 0;", "}"]
+def gemv_ptx(nt: int, chunks: int, bf16: bool, prefetch: bool = False) -> str:
+    """The PTX of one thread's work: `nt` column tiles, `chunks` chunks a group;
+    with `prefetch` the next group's loads are issued before this group's MMAs
+    (two register buffers, the loop unrolled twice), so a warp keeps a group in
+    flight while it computes. Operands: $0 a dummy output; $1 x, $2 words, $3
+    zeros, $4 scales, $5 this program's partial-sum row (64-bit addresses); $6
+    the program's first warp index, $7 / $8 its first / past-last group, $9
+    column tiles in all, $10 chunks a row of tiles (K / 64), $11 N, $12 / $13 the
+    zeros' / scales' row strides (in elements)."""
+    g = _PtxGroup(nt, chunks, bf16)
+    lines = ["{", *g.declarations(("A", "B") if prefetch else ("A",)), *g.setup()]
+    if not prefetch:
+        lines += ["L_int4_mma_group:", *g.loads("A", ahead=False), *g.compute("A"),
+                  *g.advance(), "setp.lt.u32 more, grp, $8;",
+                  "@more bra.uni L_int4_mma_group;"]
+    else:
+        lines += [*g.loads("A", ahead=False), "L_int4_mma_group:"]
+        for cur, nxt, last in (("A", "B", False), ("B", "A", True)):
+            lines += ["add.u32 tmp, grp, 1;", "setp.lt.u32 more, tmp, $8;",
+                      *g.loads(nxt, ahead=True, pred="@more "), *g.compute(cur), *g.advance()]
+            lines.append("@more bra.uni L_int4_mma_group;" if last else
+                         "@!more bra.uni L_int4_mma_end;")
+        lines.append("L_int4_mma_end:")
+    lines += [*g.epilogue(), "L_int4_mma_done:", "mov.u32 $0, 0;", "}"]
     return "\n".join(lines)
+
+
+class _PtxGroup:
+    """The pieces of `gemv_ptx`: per register buffer (A, B) the words `w`, x `x` and
+    the raw zero points `zr` / scales `sr` of one group."""
+
+    def __init__(self, nt: int, chunks: int, bf16: bool) -> None:
+        self.nt, self.chunks, self.t = nt, chunks, "bf16" if bf16 else "f16"
+        self.magic = "0x43004300" if bf16 else "0x64006400"  # 128.0 / 1024.0, both halves
+        self.offset = "0f43000000" if bf16 else "0f44800000"  # the same, one fp32
+        self.one = "0x3F803F80" if bf16 else "0x3C003C00"  # 1.0 in both halves
+
+    def declarations(self, bufs: tuple[str, ...]) -> list[str]:
+        nt, chunks = self.nt, self.chunks
+        out = [".reg .pred skip, more, writer;",
+               ".reg .b32 tid, lane, warp, g, t, tile, grp, tmp, q0, q1, q2, q3, ones;",
+               f".reg .f32 {_regs('s', 2 * nt)}, {_regs('sz', 2 * nt)}, zf, e0, e1, e2, e3;",
+               f".reg .f32 {_regs('acc', 2 * nt)}, {_regs('d', 4 * nt)};",
+               f".reg .b64 {_regs('wa', nt)}, xa, za, sa, zn, sn, ya, off;"]
+        for b in bufs:
+            out += [f".reg .b32 {_regs(f'w{b}', nt * chunks * 4)};",
+                    f".reg .b32 {_regs(f'x{b}', chunks * 8)}, {_regs(f'zr{b}', 2 * nt)};",
+                    f".reg .b16 {_regs(f'sr{b}', 2 * nt)};"]
+        return out
+
+    def setup(self) -> list[str]:
+        """Lane and warp; this warp's tile (past the last: straight to the end); the
+        addresses of its first group's words, x, zero points and scales and of its
+        partial sums; the sums zeroed."""
+        nt, chunks = self.nt, self.chunks
+        return [
+            "mov.u32 tid, %tid.x;",
+            "and.b32 lane, tid, 31;",
+            "shr.u32 warp, tid, 5;",
+            "shr.u32 g, lane, 2;",
+            "and.b32 t, lane, 3;",
+            "add.u32 tile, $6, warp;",
+            f"mul.lo.u32 tile, tile, {nt};",
+            "setp.ge.u32 skip, tile, $9;",
+            "@skip bra.uni L_int4_mma_done;",
+            # words: ((tile * chunks_per_row + grp * chunks) * 32 + lane) * 16 bytes
+            f"mul.lo.u32 tmp, $7, {chunks};",
+            "mad.lo.u32 tmp, tile, $10, tmp;",
+            "mad.lo.u32 tmp, tmp, 32, lane;",
+            "mul.wide.u32 off, tmp, 16;",
+            "add.u64 wa0, $2, off;",
+            "mul.wide.u32 off, $10, 512;",  # the next tile's stream: K / 64 chunks on
+            *[f"add.u64 wa{i}, wa{i - 1}, off;" for i in range(1, nt)],
+            # x: (grp * chunks * 64 + 16 t) * 2 bytes
+            f"mul.lo.u32 tmp, $7, {chunks * CHUNK};",
+            "mad.lo.u32 tmp, t, 16, tmp;",
+            "mul.wide.u32 off, tmp, 2;",
+            "add.u64 xa, $1, off;",
+            # zero points (u8) and scales (fp16) of column tile * 16 + g at group grp
+            "mad.lo.u32 tmp, tile, 16, g;",
+            "mad.lo.u32 q0, $7, $12, tmp;",
+            "cvt.u64.u32 off, q0;",
+            "add.u64 za, $3, off;",
+            "mad.lo.u32 q0, $7, $13, tmp;",
+            "mul.wide.u32 off, q0, 2;",
+            "add.u64 sa, $4, off;",
+            # partial sums of column tile * 16 + g (4 bytes each)
+            "mul.wide.u32 off, tmp, 4;",
+            "add.u64 ya, $5, off;",
+            *[f"mov.f32 acc{i}, 0f00000000;" for i in range(2 * nt)],
+            f"mov.b32 ones, {self.one};",
+            "mov.u32 grp, $7;",
+        ]
+
+    def loads(self, b: str, ahead: bool, pred: str = "") -> list[str]:
+        """Buffer b's loads of this group (`ahead`: the next one): the words of each
+        chunk and tile, x, then the zero points and scales of rows g and g + 8."""
+        nt, chunks = self.nt, self.chunks
+        skip_w, skip_x = (chunks * 512, chunks * CHUNK * 2) if ahead else (0, 0)
+        out = []
+        for c in range(chunks):
+            for i in range(nt):
+                r = (c * nt + i) * 4
+                out.append(f"{pred}ld.global.nc.L1::no_allocate.v4.u32 {{w{b}{r}, w{b}{r + 1}, "
+                           f"w{b}{r + 2}, w{b}{r + 3}}}, [wa{i}+{skip_w + c * 512}];")
+            for h in range(2):
+                r = c * 8 + h * 4
+                out.append(f"{pred}ld.global.v4.u32 {{x{b}{r}, x{b}{r + 1}, x{b}{r + 2}, "
+                           f"x{b}{r + 3}}}, [xa+{skip_x + c * 128 + h * 16}];")
+        if ahead:
+            out += ["cvt.u64.u32 off, $12;", "add.u64 zn, za, off;",
+                    "mul.wide.u32 off, $13, 2;", "add.u64 sn, sa, off;"]
+        zbase, sbase = ("zn", "sn") if ahead else ("za", "sa")
+        for i in range(nt):
+            for half in range(2):
+                col, r = 16 * i + 8 * half, 2 * i + half
+                out += [f"{pred}ld.global.u8 zr{b}{r}, [{zbase}+{col}];",
+                        f"{pred}ld.global.b16 sr{b}{r}, [{sbase}+{2 * col}];"]
+        return out
+
+    def compute(self, b: str) -> list[str]:
+        """Buffer b's group: s and -s (offset + z) per row, the MMAs (x's sums in e
+        from an all-ones A), then acc += s D - s (offset + z) sum x."""
+        nt, chunks, t, magic = self.nt, self.chunks, self.t, self.magic
+        out = []
+        for r in range(2 * nt):
+            out += [f"cvt.f32.f16 s{r}, sr{b}{r};",
+                    f"cvt.rn.f32.u32 zf, zr{b}{r};",
+                    f"add.f32 zf, zf, {self.offset};",
+                    f"mul.f32 sz{r}, s{r}, zf;",
+                    f"neg.f32 sz{r}, sz{r};"]
+        out += [f"mov.f32 d{i}, 0f00000000;" for i in range(4 * nt)]
+        out += [f"mov.f32 e{i}, 0f00000000;" for i in range(4)]
+        mma = f"mma.sync.aligned.m16n8k16.row.col.f32.{t}.{t}.f32"
+        for c in range(chunks):
+            for k in range(4):  # MMA block k of the chunk
+                xb = f"x{b}{c * 8 + 2 * k}, x{b}{c * 8 + 2 * k + 1}"
+                for i in range(nt):
+                    w = f"w{b}{(c * nt + i) * 4 + k}"
+                    d = f"d{4 * i}, d{4 * i + 1}, d{4 * i + 2}, d{4 * i + 3}"
+                    out += [f"lop3.b32 q0, {w}, 0x000F000F, {magic}, 0xEA;",
+                            f"shr.u32 tmp, {w}, 4;",
+                            f"lop3.b32 q1, tmp, 0x000F000F, {magic}, 0xEA;",
+                            f"shr.u32 tmp, {w}, 8;",
+                            f"lop3.b32 q2, tmp, 0x000F000F, {magic}, 0xEA;",
+                            f"shr.u32 tmp, {w}, 12;",
+                            f"lop3.b32 q3, tmp, 0x000F000F, {magic}, 0xEA;",
+                            f"{mma} {{{d}}}, {{q0, q1, q2, q3}}, {{{xb}}}, {{{d}}};"]
+                out.append(f"{mma} {{e0, e1, e2, e3}}, {{ones, ones, ones, ones}}, {{{xb}}}, "
+                           "{e0, e1, e2, e3};")
+        for i in range(nt):  # D rows g (d0) and g + 8 (d2)
+            for half in range(2):
+                r = 2 * i + half
+                out += [f"fma.rn.f32 acc{r}, s{r}, d{4 * i + 2 * half}, acc{r};",
+                        f"fma.rn.f32 acc{r}, sz{r}, e0, acc{r};"]
+        return out
+
+    def advance(self) -> list[str]:
+        return ["add.u32 grp, grp, 1;",
+                *[f"add.u64 wa{i}, wa{i}, {self.chunks * 512};" for i in range(self.nt)],
+                f"add.u64 xa, xa, {self.chunks * CHUNK * 2};",
+                "cvt.u64.u32 off, $12;", "add.u64 za, za, off;",
+                "mul.wide.u32 off, $13, 2;", "add.u64 sa, sa, off;"]
+
+    def epilogue(self) -> list[str]:
+        """Lanes t = 0 write rows g and g + 8 of each tile (every column of D is
+        the same y, so any t would do)."""
+        out = ["setp.eq.u32 writer, t, 0;"]
+        for i in range(self.nt):
+            for half in range(2):
+                out.append(f"@writer st.global.f32 [ya+{4 * (16 * i + 8 * half)}], "
+                           f"acc{2 * i + half};")
+        return out
 
 
 # ---- the launch ----------------------------------------------------------------------------
@@ -256,6 +299,7 @@ class MmaConfig(NamedTuple):
     warps: int = 4
     nt: int = 1  # column tiles (16 columns) a warp
     split: int = 8  # programs along K (whole groups each)
+    prefetch: bool = False  # the next group's loads before this group's MMAs
 
 
 def pick_config(n: int, k: int) -> MmaConfig:
@@ -281,7 +325,7 @@ def int4_gemv_mma(x: torch.Tensor, words: torch.Tensor, zeros: torch.Tensor,
     ws = torch.empty((split, n), device=x.device, dtype=torch.float32)
     n_out = n // 2 if silu_mul else n
     y = torch.empty((1, n_out), device=x.device, dtype=x.dtype) if out is None else out
-    ptx = gemv_ptx(cfg.nt, group // CHUNK, x.dtype == torch.bfloat16)
+    ptx = gemv_ptx(cfg.nt, group // CHUNK, x.dtype == torch.bfloat16, cfg.prefetch)
     _int4_gemv_mma_kernel[(triton.cdiv(tiles, cfg.warps * cfg.nt), split)](
         x, words, zeros, scales, ws, tiles, chunks_per_row, n, num_groups, g_split,
         zeros.stride(0), scales.stride(0), ws.stride(0), WARPS=cfg.warps, NT=cfg.nt,
