@@ -4,7 +4,8 @@ Compiled for a Hopper target here (`sass.py`), so a tile's instruction mix can b
 counted before device time is spent on it. Compiled with the launch's divisibility hints (pointers,
 N, K and the row stride multiples of 16, as every Llama shape is); per tile,
 with 16-byte weight vectors and with 8-byte ones (`GemvConfig.vec8`): the
-loop's instructions per weight and its barriers and shared-memory traffic.
+loop's instructions per weight and its barriers and shared-memory traffic; then
+the tensor-core GEMV (`fp8_mma.py`) per configuration.
 
     python benchmarks/fp8_gemv_sass.py
 
@@ -20,6 +21,7 @@ import triton
 from sass import divisibility, main_loop, opcode_counts, signature, sm90_sass
 
 from radixlm.layers.quantization.triton_ops import fp8 as F8
+from radixlm.layers.quantization.triton_ops import fp8_mma as F8M
 
 KERNEL = F8._fp8_gemv_fma_kernel
 SIGNATURE = signature(KERNEL, {"x_ptr": "*bf16", "w_ptr": "*fp8e4nv", "s_ptr": "*fp32",
@@ -52,5 +54,23 @@ def main() -> None:
                   f"{ops['STS']:>5}{ops['LDG']:>5}")
 
 
+def main_mma() -> None:
+    """The tensor-core GEMV (`fp8_mma.py`): its loop per configuration."""
+    kernel = F8M._fp8_gemv_mma_kernel
+    sig = signature(kernel, {"x_ptr": "*bf16", "w_ptr": "*i32", "s_ptr": "*fp32",
+                             "ws_ptr": "*fp32"})
+    hints = divisibility(kernel, {"x_ptr", "w_ptr", "s_ptr", "ws_ptr"})
+    print("\nthe tensor-core GEMV's loop (a step: 128 features)")
+    for warps, nt, prefetch in [(4, 1, False), (4, 2, False), (4, 1, True), (4, 2, True)]:
+        consts = dict(WARPS=warps, PTX=F8M.gemv_ptx(nt, prefetch), PDL=False)
+        body = main_loop(sm90_sass(kernel, sig, consts, warps, hints=hints))
+        ops = opcode_counts(body)
+        weights = nt * 16 * 128 // 32 * (2 if prefetch else 1)
+        name = f"{warps} warps, {nt} tiles a warp" + (", prefetch" if prefetch else "")
+        print(f"{name:<32}{len(body):>7}{len(body) / weights:>9.2f}{ops['BAR']:>5}"
+              f"{ops['LDS']:>5}{ops['STS']:>5}{ops['LDG']:>5}")
+
+
 if __name__ == "__main__":
     main()
+    main_mma()

@@ -19,6 +19,8 @@ microseconds per call, weight bytes read / time (TB/s), 2MNK / time (TFLOP/s).
   block scales, end to end: at 1-8 rows the GEMV, above the activation
   quantization kernel plus the W8A8 GEMM, both timed.
 - int4: ours (`triton_ops/int4.py`), group 128.
+- fp8 chan MMA / int4 g128 MMA (one row): the tensor-core GEMVs
+  (`fp8_mma.py`, `int4_mma.py`; opt-in in the engine until timed here).
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from radixlm.layers.gemv import gemv
 from radixlm.layers.quantization import int4 as I
 from radixlm.layers.quantization.fp8 import block_table, quantize_rows
 from radixlm.layers.quantization.triton_ops import fp8 as F8
+from radixlm.layers.quantization.triton_ops import fp8_mma as F8M
 from radixlm.layers.quantization.triton_ops import int4 as T4
 from radixlm.layers.quantization.triton_ops import int4_mma as M4
 
@@ -80,6 +83,12 @@ def fp8_weights(n: int, k: int, block: bool) -> tuple[torch.Tensor, torch.Tensor
     return q, table, 128, rows
 
 
+def fp8_row_weights(n: int, k: int) -> tuple[torch.Tensor, ...]:
+    """Per-row-scaled FP8 codes, their scales, and the codes in `fp8_mma.mma_layout`."""
+    q, s, _, _ = fp8_weights(n, k, False)
+    return q, s, F8M.mma_layout(q)
+
+
 def int4_weights(n: int, k: int) -> tuple[torch.Tensor, ...]:
     q = torch.randint(0, 16, (k, n), device=DEV, dtype=torch.int32)
     zeros = torch.randint(6, 10, (k // 128, n), device=DEV, dtype=torch.uint8)
@@ -110,6 +119,10 @@ def variants(m: int, n: int, k: int) -> dict[str, tuple[Call, Callable[[], objec
             return F8.fp8_linear(x, q, s, bk, rows, None)
         out["fp8 block" if block else "fp8 chan"] = (
             call, lambda block=block: fp8_weights(n, k, block), n * k)
+
+    if m == 1:
+        out["fp8 chan MMA"] = (lambda x, w: F8M.fp8_gemv_mma(x, w[2], w[1]),
+                               lambda: fp8_row_weights(n, k), n * k)
 
     def int4(x, w):
         return T4.int4_linear(x, w[0], w[1], w[2], 128, None)
@@ -142,6 +155,9 @@ def table(rows: list[int]) -> None:
                       f"{2 * m * n * k / t / 1e12:>7.0f}{vs_bf16:>9}{vs_peer:>14}")
 
 
+FP8_MMA_CANDIDATES = [F8M.MmaConfig(w, nt, sp, pf) for w, nt, sp, pf in  # tensor cores
+                      [(4, 1, 8, False), (4, 1, 4, False), (4, 2, 4, False), (4, 1, 8, True),
+                       (4, 1, 4, True), (4, 2, 2, True), (8, 1, 4, True), (2, 1, 8, True)]]
 MMA_CANDIDATES = [M4.MmaConfig(w, nt, sp, pf) for w, nt, sp, pf in  # the tensor-core GEMV
                   [(4, 1, 8, False), (4, 1, 16, False), (4, 2, 8, False), (4, 2, 4, False),
                    (8, 1, 8, False), (4, 4, 4, False), (4, 1, 8, True), (4, 1, 4, True),
@@ -167,10 +183,13 @@ def sweep(fp8: bool = True, int4: bool = True) -> None:
     for name, k, n in SHAPES:
         x = torch.randn(1, k, device=DEV).bfloat16()
         if fp8:
-            ws = copies(lambda n=n, k=k: fp8_weights(n, k, False), n * k)
+            ws = copies(lambda n=n, k=k: fp8_row_weights(n, k), n * k)
             res = sorted((time_graph(lambda x, w, c=c: F8.fp8_gemv(x, w[0], w[1], 0, 1,
                                                                    config=c), x, ws), c)
                          for c in fp8_cands)
+            res += [(time_graph(lambda x, w, c=c: F8M.fp8_gemv_mma(x, w[2], w[1], config=c),
+                                x, ws), c) for c in FP8_MMA_CANDIDATES]
+            res.sort(key=lambda r: r[0])
             print(f"fp8  {name:<8} best {res[0][1]} {n * k / res[0][0] / 1e12:.2f} TB/s; "
                   f"default {F8.pick_gemv_config(1, n, k, 0)}")
             for t, c in res:

@@ -166,6 +166,8 @@ class Warp:
             self.set(a[0], self.val(a[1]) & self.val(a[2]), on)
         elif op == "shr.u32":
             self.set(a[0], (self.val(a[1]) & m32) >> self.val(a[2]), on)
+        elif op == "shl.b32":
+            self.set(a[0], (self.val(a[1]) & m32) << self.val(a[2]), on)
         elif op in ("add.u32", "add.u64"):
             self.set(a[0], self.val(a[1]) + self.val(a[2]), on, 64 if op.endswith("64") else 32)
         elif op == "mul.lo.u32":

@@ -121,6 +121,12 @@ def test_awq_on_the_tensor_core_gemv_tracks_its_dequantized_model(model, monkeyp
     _compare(_run(q, None, prompts), _run(deq, None, prompts), "awq-g128, MMA GEMV")
 
 
+def test_online_fp8_on_the_tensor_core_gemv_tracks_its_dequantized_model(model, monkeypatch):
+    """$RADIXLM_FP8_GEMV=mma: decode's one-row products on the MMA GEMV (`fp8_mma.py`)."""
+    monkeypatch.setenv("RADIXLM_FP8_GEMV", "mma")
+    test_online_fp8_on_cuda_tracks_its_dequantized_model(model)
+
+
 def test_online_fp8_on_cuda_tracks_its_dequantized_model(model):
     root, config, floats, prompts = model
     deq = {k: fp8_per_channel(w)[2] if k.endswith("proj.weight") else w

@@ -412,6 +412,38 @@ def test_int4_gemv_mma(dtype, group, cfg):
                                rtol=2e-2, atol=2e-2)
 
 
+@needs_cuda
+@pytest.mark.parametrize("cfg", [(4, 1, 1, False), (4, 2, 4, True), (2, 1, 8, False),
+                                 (8, 1, 3, True)])
+def test_fp8_gemv_mma(cfg):
+    """The tensor-core FP8 GEMV (`fp8_mma.py`, per-row scales, bf16 x): e4m3 read as
+    bf16 times 2^-120 (exact), products exact and summed in fp32, so within the
+    output's rounding of the float64 product and a few fp32 roundings of the
+    magnitudes; bias, the fused SiLU and the route through `fp8_linear` (its `mma`
+    argument) too."""
+    from radixlm.layers.quantization.triton_ops import fp8_mma as FM
+
+    n, k = 512, 2048
+    q, s = quantize_rows(randn(n, k, seed=51, scale=0.05))
+    words = FM.mma_layout(q)
+    x = randn(1, k, seed=52, dtype=torch.bfloat16)
+    bias = randn(n, seed=53, dtype=torch.bfloat16)
+    config = FM.MmaConfig(*cfg)
+    out = FM.fp8_gemv_mma(x, words, s, bias, config=config)
+    w = q.double() * s.double()[:, None]
+    ref = x.double() @ w.T + bias.double()
+    mag = x.double().abs() @ w.abs().T
+    err = (out.double() - ref).abs()
+    assert (err <= 2.0 ** -8 * ref.abs() + 2.0 ** -18 * mag).all(), f"max {(err / mag).max():.3g}"
+    assert torch.equal(F.fp8_linear(x, q, s, 0, 1, None, bias, mma=words),
+                       FM.fp8_gemv_mma(x, words, s, bias))
+    fused = FM.fp8_gemv_mma(x, words, s, config=config, silu_mul=True)
+    plain = FM.fp8_gemv_mma(x, words, s, config=config)
+    gate, up = plain.float().split(n // 2, -1)
+    torch.testing.assert_close(fused.float(), torch.nn.functional.silu(gate) * up,
+                               rtol=2e-2, atol=2e-2)
+
+
 def test_int4_out_buffer_and_awq_repacking():
     """An AWQ checkpoint's qweight repacked at load gives the same products as the
     GPTQ-packed words of the same values."""

@@ -30,6 +30,7 @@ memory stays one byte per weight.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 import os
@@ -62,6 +63,12 @@ FP8 = torch.float8_e4m3fn
 F32 = torch.float32
 FP8_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
 _ops = lazy_import("radixlm.layers.quantization.triton_ops.fp8")  # Triton: CUDA only
+_mma = lazy_import("radixlm.layers.quantization.triton_ops.fp8_mma")
+MMA_ENV = "RADIXLM_FP8_GEMV"  # "mma": the tensor-core one-row GEMV (opt-in)
+
+
+def mma_requested() -> bool:
+    return os.environ.get(MMA_ENV, "") == "mma"
 
 
 def quantize_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -102,6 +109,7 @@ class Fp8Weight:
     scale_rows: int = 1
     input_scale: torch.Tensor | None = None
     weight_only: bool = False  # activations stay in their dtype at every batch size
+    mma: torch.Tensor | None = None  # the weight again in MMA fragment order (MMA_ENV)
 
     def dequantize(self) -> torch.Tensor:
         """The weight as fp32 [N, K]."""
@@ -113,13 +121,25 @@ class Fp8Weight:
         return w.mul_(s.repeat_interleave(self.block_k, 1)[:, :k])
 
 
+def with_tensor_cores(w: Fp8Weight) -> Fp8Weight:
+    """`w` with its weight a second time in MMA fragment order (`fp8_mma.py`) when
+    $RADIXLM_FP8_GEMV=mma asks and the layer fits that kernel (per-row scales,
+    whole tiles), else `w`."""
+    n, k = w.weight.shape
+    if not (mma_requested() and w.weight.is_cuda and _mma.takes(n, k, w.block_k,
+                                                                torch.bfloat16)):
+        return w
+    return dataclasses.replace(w, mma=_mma.mma_layout(w.weight))
+
+
 def fp8_product(layer: LinearBase, x: torch.Tensor, bias: torch.Tensor | None,
                 out: torch.Tensor | None, silu_mul: bool = False) -> torch.Tensor | None:
     w: Fp8Weight | None = getattr(layer, "fp8", None)
     assert w is not None, "process_weights_after_loading has not run on this layer"
     if kernels_run(x):
         return _ops.fp8_linear(x, w.weight, w.scales, w.block_k, w.scale_rows, w.input_scale,
-                               bias, out=out, silu_mul=silu_mul, weight_only=w.weight_only)
+                               bias, out=out, silu_mul=silu_mul, weight_only=w.weight_only,
+                               mma=w.mma)
     if silu_mul:
         return None
     return plain_linear(x, w.dequantize().to(x.dtype), bias, out)
@@ -220,7 +240,8 @@ class Fp8OnlineLinearMethod(_Fp8Method):
 
     def process_weights_after_loading(self, layer: LinearBase) -> None:
         k = layer.input_piece().size
-        layer.fp8 = Fp8Weight(layer.weight.data[:, :k], online_scales(layer.weight.data))
+        layer.fp8 = with_tensor_cores(Fp8Weight(layer.weight.data[:, :k],
+                                                online_scales(layer.weight.data)))
 
 
 # ---- FP8 checkpoints -------------------------------------------------------------------
@@ -299,7 +320,8 @@ class Fp8LinearMethod(_Fp8Method):
             per_row = scale.reshape(-1).contiguous()
         else:
             per_row = scale.repeat_interleave(torch.tensor(rows, device=scale.device))
-        layer.fp8 = Fp8Weight(weight, per_row, input_scale=static, weight_only=s.weight_only)
+        layer.fp8 = with_tensor_cores(Fp8Weight(weight, per_row, input_scale=static,
+                                                weight_only=s.weight_only))
 
 
 def block_table(grid: torch.Tensor, part_rows: list[int], block_n: int,
@@ -404,6 +426,8 @@ class Fp8Config(QuantizationConfig):
     def describe(self) -> str:
         how = ("per-channel weight scales, dynamic per-token activation scales"
                if self.scheme is None else self.scheme.describe())
+        gemv = (f" (one row on the tensor cores, ${MMA_ENV}=mma: a second copy of the "
+                "per-row-scaled weights in MMA fragment order)" if mma_requested() else "")
         experts = ""
         if self.counts["fp8 experts"] or self.counts["float experts"]:
             experts = (f"; {self.counts['fp8 experts']} MoE layers' experts in FP8 "
@@ -411,5 +435,5 @@ class Fp8Config(QuantizationConfig):
         return (f"quantization fp8 ({self.source}): {self.counts['fp8']} linear layers in FP8 "
                 f"e4m3 ({how}), {self.counts['float']} in floats (the LM head, layers the "
                 f"checkpoint leaves unquantized){experts}; "
-                "CUDA: our FP8 GEMV at 1-8 rows, W8A8 GEMM above; the CPU dequantizes "
+                f"CUDA: our FP8 GEMV at 1-8 rows{gemv}, W8A8 GEMM above; the CPU dequantizes "
                 "at matmul time")

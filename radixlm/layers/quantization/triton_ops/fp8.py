@@ -146,18 +146,28 @@ def gemv_fits(m: int, block_k: int, scale_rows: int) -> bool:
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, block_k: int,
                scale_rows: int, input_scale: torch.Tensor | None,
                bias: torch.Tensor | None = None, *, out: torch.Tensor | None = None,
-               silu_mul: bool = False, weight_only: bool = False) -> torch.Tensor | None:
+               silu_mul: bool = False, weight_only: bool = False,
+               mma: torch.Tensor | None = None) -> torch.Tensor | None:
     """x @ (weight * scales)^T (+ bias), through the GEMV or the W8A8 GEMM
     (`weight_only`: x stays in its dtype, the weight tiles widened to it); with
     `silu_mul` (weight [2 D, K], no bias) silu(gate) * up, or None where only
-    the GEMV fuses it. Returns [..., N] in x's dtype (into `out` if given)."""
+    the GEMV fuses it. Returns [..., N] in x's dtype (into `out` if given). `mma`:
+    the weight in `fp8_mma.mma_layout` (per-row scales), for the tensor-core GEMV
+    at one bf16, 16-byte aligned row."""
     n, k = weight.shape
     x2 = x.reshape(-1, k)
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     m = x2.shape[0]
     if gemv_fits(m, block_k, scale_rows):
-        y = fp8_gemv(x2, weight, scales, block_k, scale_rows, bias, out=out, silu_mul=silu_mul)
+        if (mma is not None and m == 1 and x2.dtype == torch.bfloat16
+                and x2.data_ptr() % 16 == 0):
+            from radixlm.layers.quantization.triton_ops import fp8_mma
+
+            y = fp8_mma.fp8_gemv_mma(x2, mma, scales, bias, out=out, silu_mul=silu_mul)
+        else:
+            y = fp8_gemv(x2, weight, scales, block_k, scale_rows, bias, out=out,
+                         silu_mul=silu_mul)
         return y.view(*x.shape[:-1], y.shape[-1])
     if silu_mul:
         return None

@@ -324,7 +324,11 @@ def int4_gemv_mma(x: torch.Tensor, words: torch.Tensor, zeros: torch.Tensor,
     split = triton.cdiv(num_groups, g_split)
     ws = torch.empty((split, n), device=x.device, dtype=torch.float32)
     n_out = n // 2 if silu_mul else n
-    y = torch.empty((1, n_out), device=x.device, dtype=x.dtype) if out is None else out
+    if out is None:
+        y = torch.empty((1, n_out), device=x.device, dtype=x.dtype)
+    else:
+        assert out.is_contiguous() and out.dtype == x.dtype and out.numel() == n_out
+        y = out.view(1, n_out)
     ptx = gemv_ptx(cfg.nt, group // CHUNK, x.dtype == torch.bfloat16, cfg.prefetch)
     _int4_gemv_mma_kernel[(triton.cdiv(tiles, cfg.warps * cfg.nt), split)](
         x, words, zeros, scales, ws, tiles, chunks_per_row, n, num_groups, g_split,

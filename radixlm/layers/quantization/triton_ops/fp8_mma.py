@@ -1,0 +1,279 @@
+"""The one-row FP8 GEMV on the tensor cores (opt-in until GPU-tested): the int4
+MMA GEMV's scheme (`int4_mma.py`: weights in `mma.m16n8k16` fragment order, x as
+B, the loop in PTX) for e4m3 weights with one fp32 scale per output row.
+
+An e4m3 byte s eeee mmm becomes a bf16 of the same value times 2^-120 by moving
+bits: s to bit 15, eeee mmm to bits 10-4 (bf16's exponent bias is 127, e4m3's
+7; subnormals land on bf16 subnormals of the same scaled value). Two weights
+sit in bytes 1 and 3 of a word for one A register ((q >> 4) & 0x07F007F0 for
+the magnitudes, q & 0x80008000 for the signs: 3 instructions) and two in
+bytes 0 and 2 for the next (shifted by 8 first: 4). So a lane's 8 weights of
+one MMA are 2 words and 14 instructions, and the 2^120 rides on the row scale.
+Products of the exact bf16 weights and bf16 x are exact in fp32 and summed there.
+sm_90 SASS of the loop: ~2 instructions a weight (the FMA GEMV: 3.1-3.6).
+
+Word layout (`mma_layout`): int32 [N / 16, K / 64, 32, 8]: lane (g, t) of tile
+and chunk holds for MMA block b words 2b and 2b + 1 (features kappa < 8, >= 8
+of the block); in word 2b + part, byte 2h + 1 holds the weight of output row
+16 tile + g and byte 2h that of row + 8, at chunk feature 16 t + 4 b + 2 part + h
+(the feature order of `int4_mma`, so a lane's x is 16 contiguous features).
+
+Each warp owns NT row tiles of 16 and its program's run of steps (2 chunks of
+64 features each; K splits into whole steps); per step it loads its words and
+x (with `prefetch`, the next step's before this step's MMAs), runs the MMAs
+into one fp32 accumulator per tile, and at the end lanes t = 0 write
+s 2^120 D as fp32 partial sums; `_int4_split_sum_kernel` adds them, the bias
+and the SiLU. Per-row scales and bf16 x only (block scales, fp16 x and other
+shapes take the FMA GEMV).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+from radixlm.layers import pdl
+from radixlm.layers.pdl import pdl_trigger, pdl_wait
+from radixlm.layers.quantization.triton_ops.int4 import _int4_split_sum_kernel
+from radixlm.layers.quantization.triton_ops.int4_mma import _regs
+
+CHUNK = 64  # features a lane's 8 words cover (4 MMA blocks of 16)
+STEP_CHUNKS = 2  # chunks a loop step loads before its MMAs
+TWO_POW_120 = "0f7B800000"  # 2^120 in fp32: e4m3 (bias 7) read as bf16 (bias 127)
+
+
+def mma_layout(w: torch.Tensor) -> torch.Tensor:
+    """FP8 weight [N, K] (any strides) -> the fragment-order words int32
+    [N / 16, K / 64, 32, 8] (module docstring)."""
+    n, k = w.shape
+    assert n % 16 == 0 and k % CHUNK == 0, (n, k)
+    v = w.contiguous().view(torch.uint8).reshape(n // 16, 2, 8, k // CHUNK, 4, 4, 2, 2)
+    # dims: tile, row + 8, g, chunk, t, b, part, h  ->  tile, chunk, g, t, b, part, h, row + 8
+    v = v.permute(0, 3, 2, 4, 5, 6, 7, 1).flip(-1)  # byte 2h + 1: row g; byte 2h: row g + 8
+    return v.contiguous().reshape(n // 16, k // CHUNK, 32, 32).view(torch.int32)
+
+
+def mma_unlayout(words: torch.Tensor) -> torch.Tensor:
+    """The inverse of `mma_layout`: the FP8 weight [N, K] (torch.float8_e4m3fn)."""
+    tiles, chunks = words.shape[:2]
+    v = words.contiguous().view(torch.uint8).reshape(tiles, chunks, 8, 4, 4, 2, 2, 2)
+    v = v.flip(-1).permute(0, 7, 2, 1, 3, 4, 5, 6)
+    return v.reshape(tiles * 16, chunks * CHUNK).view(torch.float8_e4m3fn)
+
+
+def takes(n: int, k: int, block_k: int, x_dtype: torch.dtype) -> bool:
+    """Whether the MMA GEMV takes this layer: per-row scales, bf16 x, whole tiles
+    of 16 rows and steps of 128 features."""
+    return (block_k == 0 and x_dtype == torch.bfloat16 and n % 16 == 0
+            and k % (STEP_CHUNKS * CHUNK) == 0)
+
+
+@functools.cache
+def gemv_ptx(nt: int, prefetch: bool = False) -> str:
+    """One thread's PTX: `nt` row tiles; with `prefetch` the next step's loads
+    before this step's MMAs (two register buffers, the loop unrolled twice).
+    Operands: $0 a dummy output; $1 x, $2 words, $3 row scales (fp32), $4 this
+    program's partial-sum row (64-bit addresses); $5 the program's first warp
+    index, $6 / $7 its first / past-last step, $8 row tiles in all, $9 chunks a
+    row of tiles (K / 64)."""
+    g = _Fp8Ptx(nt)
+    lines = ["{", *g.declarations(("A", "B") if prefetch else ("A",)), *g.setup()]
+    if not prefetch:
+        lines += ["L_fp8_mma_step:", *g.loads("A", ahead=False), *g.compute("A"),
+                  *g.advance(), "setp.lt.u32 more, stp, $7;", "@more bra.uni L_fp8_mma_step;"]
+    else:
+        lines += [*g.loads("A", ahead=False), "L_fp8_mma_step:"]
+        for cur, nxt, last in (("A", "B", False), ("B", "A", True)):
+            lines += ["add.u32 tmp, stp, 1;", "setp.lt.u32 more, tmp, $7;",
+                      *g.loads(nxt, ahead=True, pred="@more "), *g.compute(cur), *g.advance()]
+            lines.append("@more bra.uni L_fp8_mma_step;" if last else
+                         "@!more bra.uni L_fp8_mma_end;")
+        lines.append("L_fp8_mma_end:")
+    lines += [*g.epilogue(), "L_fp8_mma_done:", "mov.u32 $0, 0;", "}"]
+    return "\n".join(lines)
+
+
+class _Fp8Ptx:
+    """The pieces of `gemv_ptx`: per register buffer (A, B) one step's words `w`
+    and x `x`."""
+
+    def __init__(self, nt: int) -> None:
+        self.nt = nt
+
+    def declarations(self, bufs: tuple[str, ...]) -> list[str]:
+        nt = self.nt
+        out = [".reg .pred skip, more, writer;",
+               ".reg .b32 tid, lane, warp, g, t, tile, stp, tmp, p, q0, q1, q2, q3;",
+               f".reg .f32 {_regs('d', 4 * nt)}, sc;",
+               f".reg .b64 {_regs('wa', nt)}, xa, sa, ya, off;"]
+        for b in bufs:
+            out += [f".reg .b32 {_regs(f'w{b}', nt * STEP_CHUNKS * 8)};",
+                    f".reg .b32 {_regs(f'x{b}', STEP_CHUNKS * 8)};"]
+        return out
+
+    def setup(self) -> list[str]:
+        """Lane and warp; this warp's tile (past the last: straight to the end); the
+        addresses of its first step's words and x, of its rows' scales and partial
+        sums; the accumulators zeroed."""
+        nt = self.nt
+        return [
+            "mov.u32 tid, %tid.x;",
+            "and.b32 lane, tid, 31;",
+            "shr.u32 warp, tid, 5;",
+            "shr.u32 g, lane, 2;",
+            "and.b32 t, lane, 3;",
+            "add.u32 tile, $5, warp;",
+            f"mul.lo.u32 tile, tile, {nt};",
+            "setp.ge.u32 skip, tile, $8;",
+            "@skip bra.uni L_fp8_mma_done;",
+            # words: ((tile * chunks_per_row + step * STEP_CHUNKS) * 32 + lane) * 32 bytes
+            f"mul.lo.u32 tmp, $6, {STEP_CHUNKS};",
+            "mad.lo.u32 tmp, tile, $9, tmp;",
+            "mad.lo.u32 tmp, tmp, 32, lane;",
+            "mul.wide.u32 off, tmp, 32;",
+            "add.u64 wa0, $2, off;",
+            "mul.wide.u32 off, $9, 1024;",  # the next tile's stream: K / 64 chunks on
+            *[f"add.u64 wa{i}, wa{i - 1}, off;" for i in range(1, nt)],
+            # x: (step * STEP_CHUNKS * 64 + 16 t) * 2 bytes
+            f"mul.lo.u32 tmp, $6, {STEP_CHUNKS * CHUNK};",
+            "mad.lo.u32 tmp, t, 16, tmp;",
+            "mul.wide.u32 off, tmp, 2;",
+            "add.u64 xa, $1, off;",
+            # scales and partial sums of row tile * 16 + g (4 bytes each)
+            "mad.lo.u32 tmp, tile, 16, g;",
+            "mul.wide.u32 off, tmp, 4;",
+            "add.u64 sa, $3, off;",
+            "add.u64 ya, $4, off;",
+            *[f"mov.f32 d{i}, 0f00000000;" for i in range(4 * nt)],
+            "mov.u32 stp, $6;",
+        ]
+
+    def loads(self, b: str, ahead: bool, pred: str = "") -> list[str]:
+        """Buffer b's loads of this step (`ahead`: the next one): 32 bytes of words
+        per chunk and tile, then x."""
+        skip_w, skip_x = (STEP_CHUNKS * 1024, STEP_CHUNKS * CHUNK * 2) if ahead else (0, 0)
+        out = []
+        for c in range(STEP_CHUNKS):
+            for i in range(self.nt):
+                r = (c * self.nt + i) * 8
+                for h in range(2):
+                    out.append(f"{pred}ld.global.nc.L1::no_allocate.v4.u32 {{w{b}{r + 4 * h}, "
+                               f"w{b}{r + 4 * h + 1}, w{b}{r + 4 * h + 2}, w{b}{r + 4 * h + 3}}}, "
+                               f"[wa{i}+{skip_w + c * 1024 + 16 * h}];")
+            for h in range(2):
+                r = c * 8 + h * 4
+                out.append(f"{pred}ld.global.v4.u32 {{x{b}{r}, x{b}{r + 1}, x{b}{r + 2}, "
+                           f"x{b}{r + 3}}}, [xa+{skip_x + c * 128 + h * 16}];")
+        return out
+
+    @staticmethod
+    def _unpack(word: str, hi: str, lo: str) -> list[str]:
+        """Bytes 1, 3 of `word` -> bf16 pair `hi`; bytes 0, 2 -> `lo` (values 2^-120 x)."""
+        return [f"shr.u32 tmp, {word}, 4;",
+                "and.b32 tmp, tmp, 0x07F007F0;",
+                f"lop3.b32 {hi}, {word}, 0x80008000, tmp, 0xEA;",  # (a & b) | c
+                f"shl.b32 p, {word}, 8;",
+                "shr.u32 tmp, p, 4;",
+                "and.b32 tmp, tmp, 0x07F007F0;",
+                f"lop3.b32 {lo}, p, 0x80008000, tmp, 0xEA;"]
+
+    def compute(self, b: str) -> list[str]:
+        out = []
+        mma = "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32"
+        for c in range(STEP_CHUNKS):
+            for k in range(4):  # MMA block k of the chunk
+                xb = f"x{b}{c * 8 + 2 * k}, x{b}{c * 8 + 2 * k + 1}"
+                for i in range(self.nt):
+                    r = (c * self.nt + i) * 8 + 2 * k
+                    d = f"d{4 * i}, d{4 * i + 1}, d{4 * i + 2}, d{4 * i + 3}"
+                    out += [*self._unpack(f"w{b}{r}", "q0", "q1"),
+                            *self._unpack(f"w{b}{r + 1}", "q2", "q3"),
+                            f"{mma} {{{d}}}, {{q0, q1, q2, q3}}, {{{xb}}}, {{{d}}};"]
+        return out
+
+    def advance(self) -> list[str]:
+        return ["add.u32 stp, stp, 1;",
+                *[f"add.u64 wa{i}, wa{i}, {STEP_CHUNKS * 1024};" for i in range(self.nt)],
+                f"add.u64 xa, xa, {STEP_CHUNKS * CHUNK * 2};"]
+
+    def epilogue(self) -> list[str]:
+        """Lanes t = 0 write rows g and g + 8 of each tile, times s 2^120."""
+        out = ["setp.eq.u32 writer, t, 0;"]
+        for i in range(self.nt):
+            for half in range(2):
+                row = 16 * i + 8 * half
+                out += [f"@writer ld.global.f32 sc, [sa+{4 * row}];",
+                        f"mul.f32 sc, sc, {TWO_POW_120};",
+                        f"mul.f32 sc, sc, d{4 * i + 2 * half};",
+                        f"@writer st.global.f32 [ya+{4 * row}], sc;"]
+        return out
+
+
+@triton.jit
+def _fp8_gemv_mma_kernel(x_ptr, w_ptr, s_ptr, ws_ptr, TILES, CHUNKS_PER_ROW, NUM_STEPS,
+                         S_SPLIT, stride_ws, WARPS: tl.constexpr, PTX: tl.constexpr,
+                         PDL: tl.constexpr):
+    """Program (block of WARPS * NT row tiles, K split): the steps [lo, hi) of its
+    rows, as fp32 partial sums into row `split` of `ws`."""
+    one = tl.zeros([32 * WARPS], dtype=tl.int32)  # one element a thread: the PTX's lanes
+    lo = tl.program_id(1) * S_SPLIT
+    hi = tl.minimum(NUM_STEPS, lo + S_SPLIT)
+    ws_row = ws_ptr + tl.program_id(1).to(tl.int64) * stride_ws
+    pdl_wait(PDL)
+    pdl_trigger(PDL)
+    tl.inline_asm_elementwise(
+        PTX, "=r,l,l,l,l,r,r,r,r,r",
+        [x_ptr.to(tl.int64, bitcast=True) + one, w_ptr.to(tl.int64, bitcast=True) + one,
+         s_ptr.to(tl.int64, bitcast=True) + one, ws_row.to(tl.int64, bitcast=True) + one,
+         tl.program_id(0) * WARPS + one, lo + one, hi + one, TILES + one,
+         CHUNKS_PER_ROW + one],
+        dtype=tl.int32, is_pure=False, pack=1)
+
+
+class MmaConfig(NamedTuple):
+    warps: int = 4
+    nt: int = 1  # row tiles (16 rows) a warp
+    split: int = 8  # programs along K (whole steps each)
+    prefetch: bool = False
+
+
+def pick_config(n: int, k: int) -> MmaConfig:
+    """Untimed (the kernel has not met a GPU yet)."""
+    return MmaConfig(4, 1, 16 if k >= 8192 else 8)
+
+
+def fp8_gemv_mma(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor,
+                 bias: torch.Tensor | None = None, config: MmaConfig | None = None,
+                 out: torch.Tensor | None = None, silu_mul: bool = False) -> torch.Tensor:
+    """One row: x [1, K] (bf16, 16-byte aligned) times the FP8 weight in
+    `mma_layout` `words` with fp32 row scales [N]: [1, N] (`silu_mul`: [1, N / 2])."""
+    tiles, chunks_per_row = words.shape[:2]
+    n, k = tiles * 16, chunks_per_row * CHUNK
+    assert x.shape == (1, k) and x.stride(1) == 1 and x.data_ptr() % 16 == 0
+    assert x.dtype == torch.bfloat16 and words.is_contiguous() and scales.shape == (n,)
+    assert scales.dtype == torch.float32 and scales.is_contiguous()
+    cfg = config or pick_config(n, k)
+    steps = k // (STEP_CHUNKS * CHUNK)
+    s_split = triton.cdiv(steps, cfg.split)
+    split = triton.cdiv(steps, s_split)
+    ws = torch.empty((split, n), device=x.device, dtype=torch.float32)
+    n_out = n // 2 if silu_mul else n
+    if out is None:
+        y = torch.empty((1, n_out), device=x.device, dtype=x.dtype)
+    else:
+        assert out.is_contiguous() and out.dtype == x.dtype and out.numel() == n_out
+        y = out.view(1, n_out)
+    _fp8_gemv_mma_kernel[(triton.cdiv(tiles, cfg.warps * cfg.nt), split)](
+        x, words, scales, ws, tiles, chunks_per_row, steps, s_split, ws.stride(0),
+        WARPS=cfg.warps, PTX=gemv_ptx(cfg.nt, cfg.prefetch), num_warps=cfg.warps,
+        **pdl.launch_args())
+    dummy = scales
+    _int4_split_sum_kernel[(triton.cdiv(n_out, 256),)](
+        ws, bias if bias is not None else dummy, y, n_out, ws.stride(0), SPLIT=split,
+        BLOCK=256, HAS_BIAS=bias is not None, SILU_MUL=silu_mul, num_warps=2,
+        **pdl.launch_args())
+    return y

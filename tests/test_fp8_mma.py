@@ -1,0 +1,111 @@
+"""The tensor-core FP8 GEMV (`triton_ops/fp8_mma.py`) on the CPU: its weight layout,
+its exact PTX run by the warp-level simulator (tests/ptx_sim.py) against float64,
+and its compiled sm_90 code. The GPU test is tests/gpu/test_quant_kernels.py -k
+fp8_gemv_mma."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from radixlm.layers.quantization.triton_ops import fp8_mma as M
+
+sys.path.insert(0, os.path.dirname(__file__))
+from ptx_sim import Memory, run_block  # noqa: E402
+
+
+def e4m3_weight(n: int, k: int, seed: int) -> torch.Tensor:
+    """Normals of both signs over the whole range, subnormals (|w| < 2^-6) and zeros."""
+    gen = torch.Generator().manual_seed(seed)
+    w = torch.randn(n, k, generator=gen) * 60
+    tiny = torch.rand(n, k, generator=gen) < 0.05
+    w = torch.where(tiny, torch.randn(n, k, generator=gen) * 2.0 ** -8, w)
+    return w.clamp(-448, 448).to(torch.float8_e4m3fn)
+
+
+def test_layout_round_trip_and_formula() -> None:
+    w = e4m3_weight(32, 128, seed=0)
+    words = M.mma_layout(w)
+    assert words.shape == (2, 2, 32, 8) and words.dtype == torch.int32
+    assert torch.equal(M.mma_unlayout(words).view(torch.uint8), w.view(torch.uint8))
+    raw = w.view(torch.uint8)
+    for tile, chunk, lane, b in [(0, 0, 0, 0), (1, 1, 13, 3), (1, 0, 31, 2)]:
+        g, t = lane // 4, lane % 4
+        for part in range(2):
+            word = int(words[tile, chunk, lane, 2 * b + part]) & 0xFFFFFFFF
+            for h in range(2):
+                feat = 64 * chunk + 16 * t + 4 * b + 2 * part + h
+                assert (word >> (8 * (2 * h + 1))) & 0xFF == int(raw[16 * tile + g, feat])
+                assert (word >> (8 * (2 * h))) & 0xFF == int(raw[16 * tile + g + 8, feat])
+
+
+def simulate(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor, cfg: M.MmaConfig):
+    """The PTX of every program in the simulator, operands as `_fp8_gemv_mma_kernel`
+    passes them; the split-K partial sums added: fp32 [N]."""
+    n, k = w.shape
+    words = M.mma_layout(w)
+    tiles, cpr = words.shape[:2]
+    steps = k // (M.STEP_CHUNKS * M.CHUNK)
+    s_split = -(-steps // cfg.split)
+    split = -(-steps // s_split)
+    mem = Memory()
+    xa, wa = mem.add(x.view(torch.int16).numpy()), mem.add(words.numpy())
+    sa, ws = mem.add(s.numpy()), mem.add(np.zeros((split, n), dtype=np.float32))
+    ptx = M.gemv_ptx(cfg.nt, cfg.prefetch)
+    for pid_n in range(-(-tiles // (cfg.warps * cfg.nt))):
+        for pid_k in range(split):
+            lo = pid_k * s_split
+            ops = [0, xa, wa, sa, ws + pid_k * n * 4, pid_n * cfg.warps, lo,
+                   min(steps, lo + s_split), tiles, cpr]
+            run_block(ptx, ops, cfg.warps, mem)
+    return torch.from_numpy(mem.buffer(ws).view(np.float32).reshape(split, n).copy()).sum(0)
+
+
+@pytest.mark.parametrize("n,k,cfg", [
+    (16, 128, M.MmaConfig(1, 1, 1)),
+    (48, 256, M.MmaConfig(2, 1, 2)),  # a warp past the last tile idles
+    (64, 384, M.MmaConfig(1, 2, 2)),  # 3 steps in splits of 2 + 1
+    (32, 640, M.MmaConfig(2, 1, 2, prefetch=True)),  # splits of 3 and 2 steps
+    (32, 256, M.MmaConfig(1, 2, 1, prefetch=True)),
+])
+def test_ptx_against_float64(n, k, cfg) -> None:
+    w = e4m3_weight(n, k, seed=n + k)
+    s = torch.rand(n, generator=torch.Generator().manual_seed(1)) * 0.01 + 0.001
+    x = (torch.randn(1, k, generator=torch.Generator().manual_seed(k)) * 0.5).bfloat16()
+    got = simulate(x, w, s, cfg)
+    wd = w.double() * s.double()[:, None]
+    ref = (x.double() @ wd.T)[0]
+    mag = (x.double().abs() @ wd.abs().T)[0]
+    # exact products summed in fp32 (the device may flush products below 2^-126:
+    # the weights are read as 2^-120 times their values, see the module docstring)
+    err = (got.double() - ref).abs()
+    assert (err <= 2.0 ** -20 * mag).all(), (err / mag).max()
+
+
+def test_takes_only_what_it_can() -> None:
+    assert M.takes(4096, 4096, 0, torch.bfloat16)
+    assert not M.takes(4096, 4096, 128, torch.bfloat16)  # block scales
+    assert not M.takes(4096, 4096, 0, torch.float16)
+    assert not M.takes(4104, 4096, 0, torch.bfloat16)
+    assert not M.takes(4096, 4160, 0, torch.bfloat16)
+
+
+def test_sm90_code_one_mma_per_two_words_no_shared_memory() -> None:
+    pytest.importorskip("triton")
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
+    from sass import divisibility, main_loop, opcode_counts, signature, sm90_sass
+
+    kernel = M._fp8_gemv_mma_kernel
+    sig = signature(kernel, {"x_ptr": "*bf16", "w_ptr": "*i32", "s_ptr": "*fp32",
+                             "ws_ptr": "*fp32"})
+    hints = divisibility(kernel, {"x_ptr", "w_ptr", "s_ptr", "ws_ptr"})
+    for nt, warps, prefetch in [(1, 4, False), (2, 2, False), (1, 4, True)]:
+        consts = dict(WARPS=warps, PTX=M.gemv_ptx(nt, prefetch), PDL=True)
+        ops = opcode_counts(main_loop(sm90_sass(kernel, sig, consts, warps, hints=hints)))
+        steps = 2 if prefetch else 1  # the prefetching loop is unrolled twice
+        assert ops["HMMA"] == steps * nt * M.STEP_CHUNKS * 4, ops
+        assert ops["LDS"] == ops["STS"] == ops["BAR"] == 0, ops
