@@ -22,6 +22,7 @@ from sass import divisibility, main_loop, opcode_counts, signature, sm90_sass
 
 from radixlm.layers.quantization.triton_ops import fp8 as F8
 from radixlm.layers.quantization.triton_ops import fp8_mma as F8M
+from radixlm.layers.quantization.triton_ops.mma_gemv import mma_gemv_kernel
 
 KERNEL = F8._fp8_gemv_fma_kernel
 SIGNATURE = signature(KERNEL, {"x_ptr": "*bf16", "w_ptr": "*fp8e4nv", "s_ptr": "*fp32",
@@ -56,10 +57,10 @@ def main() -> None:
 
 def main_mma() -> None:
     """The tensor-core GEMV (`fp8_mma.py`): its loop per configuration."""
-    kernel = F8M._fp8_gemv_mma_kernel
-    sig = signature(kernel, {"x_ptr": "*bf16", "w_ptr": "*i32", "s_ptr": "*fp32",
-                             "ws_ptr": "*fp32"})
-    hints = divisibility(kernel, {"x_ptr", "w_ptr", "s_ptr", "ws_ptr"})
+    kernel = mma_gemv_kernel
+    sig = signature(kernel, {"x_ptr": "*bf16", "w_ptr": "*i32", "a_ptr": "*fp32",
+                             "b_ptr": "*fp32", "ws_ptr": "*fp32"})
+    hints = divisibility(kernel, {"x_ptr", "w_ptr", "a_ptr", "b_ptr", "ws_ptr"})
     print("\nthe tensor-core GEMV's loop (a step: 128 features)")
     for warps, nt, prefetch in [(4, 1, False), (4, 2, False), (4, 1, True), (4, 2, True)]:
         consts = dict(WARPS=warps, PTX=F8M.gemv_ptx(nt, prefetch), PDL=False)

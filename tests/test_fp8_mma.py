@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from radixlm.layers.quantization.triton_ops import fp8_mma as M
+from radixlm.layers.quantization.triton_ops.mma_gemv import mma_gemv_kernel
 
 sys.path.insert(0, os.path.dirname(__file__))
 from ptx_sim import Memory, run_block  # noqa: E402
@@ -44,8 +45,8 @@ def test_layout_round_trip_and_formula() -> None:
 
 
 def simulate(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor, cfg: M.MmaConfig):
-    """The PTX of every program in the simulator, operands as `_fp8_gemv_mma_kernel`
-    passes them; the split-K partial sums added: fp32 [N]."""
+    """The PTX of every program in the simulator, operands as `mma_gemv_kernel`
+    gets them; the split-K partial sums added: fp32 [N]."""
     n, k = w.shape
     words = M.mma_layout(w)
     tiles, cpr = words.shape[:2]
@@ -59,8 +60,8 @@ def simulate(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor, cfg: M.MmaConfig
     for pid_n in range(-(-tiles // (cfg.warps * cfg.nt))):
         for pid_k in range(split):
             lo = pid_k * s_split
-            ops = [0, xa, wa, sa, ws + pid_k * n * 4, pid_n * cfg.warps, lo,
-                   min(steps, lo + s_split), tiles, cpr]
+            ops = [0, xa, wa, sa, sa, ws + pid_k * n * 4, pid_n * cfg.warps, lo,
+                   min(steps, lo + s_split), tiles, cpr, n, 0, 0]
             run_block(ptx, ops, cfg.warps, mem)
     return torch.from_numpy(mem.buffer(ws).view(np.float32).reshape(split, n).copy()).sum(0)
 
@@ -99,10 +100,10 @@ def test_sm90_code_one_mma_per_two_words_no_shared_memory() -> None:
     sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
     from sass import divisibility, main_loop, opcode_counts, signature, sm90_sass
 
-    kernel = M._fp8_gemv_mma_kernel
-    sig = signature(kernel, {"x_ptr": "*bf16", "w_ptr": "*i32", "s_ptr": "*fp32",
-                             "ws_ptr": "*fp32"})
-    hints = divisibility(kernel, {"x_ptr", "w_ptr", "s_ptr", "ws_ptr"})
+    kernel = mma_gemv_kernel
+    sig = signature(kernel, {"x_ptr": "*bf16", "w_ptr": "*i32", "a_ptr": "*fp32",
+                             "b_ptr": "*fp32", "ws_ptr": "*fp32"})
+    hints = divisibility(kernel, {"x_ptr", "w_ptr", "a_ptr", "b_ptr", "ws_ptr"})
     for nt, warps, prefetch in [(1, 4, False), (2, 2, False), (1, 4, True)]:
         consts = dict(WARPS=warps, PTX=M.gemv_ptx(nt, prefetch), PDL=True)
         ops = opcode_counts(main_loop(sm90_sass(kernel, sig, consts, warps, hints=hints)))

@@ -15,6 +15,7 @@ import torch
 
 from radixlm.layers.quantization import int4 as I
 from radixlm.layers.quantization.triton_ops import int4_mma as M
+from radixlm.layers.quantization.triton_ops.mma_gemv import mma_gemv_kernel
 
 sys.path.insert(0, os.path.dirname(__file__))
 from ptx_sim import Memory, run_block  # noqa: E402
@@ -48,7 +49,7 @@ def test_layout_round_trip_and_formula() -> None:
 
 def simulate(x: torch.Tensor, q, z, s, group: int, cfg: M.MmaConfig) -> torch.Tensor:
     """What `int4_gemv_mma` computes before its split-K sum: the PTX of every program
-    in the simulator, operands as `_int4_gemv_mma_kernel` passes them; fp32 [N]."""
+    in the simulator, operands as `mma_gemv_kernel` gets them; fp32 [N]."""
     k, n = q.shape
     words = M.mma_layout(q)
     tiles, cpr = words.shape[:2]
@@ -121,12 +122,12 @@ def test_sm90_code_one_mma_a_word_no_shared_memory() -> None:
     sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
     from sass import divisibility, main_loop, opcode_counts, signature, sm90_sass
 
-    kernel = M._int4_gemv_mma_kernel
-    sig = signature(kernel, {"x_ptr": "*bf16", "qw_ptr": "*i32", "z_ptr": "*u8",
-                             "s_ptr": "*fp16", "ws_ptr": "*fp32"})
-    hints = divisibility(kernel, {"x_ptr", "qw_ptr", "z_ptr", "s_ptr", "ws_ptr"})
+    kernel = mma_gemv_kernel
+    sig = signature(kernel, {"x_ptr": "*bf16", "w_ptr": "*i32", "a_ptr": "*u8",
+                             "b_ptr": "*fp16", "ws_ptr": "*fp32"})
+    hints = divisibility(kernel, {"x_ptr", "w_ptr", "a_ptr", "b_ptr", "ws_ptr"})
     for nt, chunks, warps, prefetch in [(1, 2, 4, False), (2, 1, 2, False), (1, 2, 4, True)]:
-        consts = dict(WARPS=warps, NT=nt, PTX=M.gemv_ptx(nt, chunks, True, prefetch),
+        consts = dict(WARPS=warps, PTX=M.gemv_ptx(nt, chunks, True, prefetch),
                       PDL=True)
         ops = opcode_counts(main_loop(sm90_sass(kernel, sig, consts, warps, hints=hints)))
         groups = 2 if prefetch else 1  # the prefetching loop is unrolled twice

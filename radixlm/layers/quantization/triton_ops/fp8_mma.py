@@ -30,16 +30,22 @@ shapes take the FMA GEMV).
 from __future__ import annotations
 
 import functools
-from typing import NamedTuple
 
 import torch
 import triton
-import triton.language as tl
 
 from radixlm.layers import pdl
-from radixlm.layers.pdl import pdl_trigger, pdl_wait
-from radixlm.layers.quantization.triton_ops.int4 import _int4_split_sum_kernel
-from radixlm.layers.quantization.triton_ops.int4_mma import _regs
+from radixlm.layers.quantization.triton_ops.mma_gemv import (
+    MmaConfig,
+    lane_lines,
+    loop_ptx,
+    mma_gemv_kernel,
+    output,
+    pick_config,
+    regs,
+    splits,
+    sum_splits,
+)
 
 CHUNK = 64  # features a lane's 8 words cover (4 MMA blocks of 16)
 STEP_CHUNKS = 2  # chunks a loop step loads before its MMAs
@@ -76,25 +82,10 @@ def takes(n: int, k: int, block_k: int, x_dtype: torch.dtype) -> bool:
 def gemv_ptx(nt: int, prefetch: bool = False) -> str:
     """One thread's PTX: `nt` row tiles; with `prefetch` the next step's loads
     before this step's MMAs (two register buffers, the loop unrolled twice).
-    Operands: $0 a dummy output; $1 x, $2 words, $3 row scales (fp32), $4 this
-    program's partial-sum row (64-bit addresses); $5 the program's first warp
-    index, $6 / $7 its first / past-last step, $8 row tiles in all, $9 chunks a
-    row of tiles (K / 64)."""
-    g = _Fp8Ptx(nt)
-    lines = ["{", *g.declarations(("A", "B") if prefetch else ("A",)), *g.setup()]
-    if not prefetch:
-        lines += ["L_fp8_mma_step:", *g.loads("A", ahead=False), *g.compute("A"),
-                  *g.advance(), "setp.lt.u32 more, stp, $7;", "@more bra.uni L_fp8_mma_step;"]
-    else:
-        lines += [*g.loads("A", ahead=False), "L_fp8_mma_step:"]
-        for cur, nxt, last in (("A", "B", False), ("B", "A", True)):
-            lines += ["add.u32 tmp, stp, 1;", "setp.lt.u32 more, tmp, $7;",
-                      *g.loads(nxt, ahead=True, pred="@more "), *g.compute(cur), *g.advance()]
-            lines.append("@more bra.uni L_fp8_mma_step;" if last else
-                         "@!more bra.uni L_fp8_mma_end;")
-        lines.append("L_fp8_mma_end:")
-    lines += [*g.epilogue(), "L_fp8_mma_done:", "mov.u32 $0, 0;", "}"]
-    return "\n".join(lines)
+    Operands (`mma_gemv.mma_gemv_kernel`'s): $1 x, $2 words, $3 row scales (fp32),
+    $5 this program's partial-sum row; $6 its first warp index, $7 / $8 its first /
+    past-last step, $9 row tiles in all, $10 chunks a row of tiles (K / 64)."""
+    return loop_ptx(_Fp8Ptx(nt), "fp8_mma", "stp", "$8", prefetch)
 
 
 class _Fp8Ptx:
@@ -108,11 +99,11 @@ class _Fp8Ptx:
         nt = self.nt
         out = [".reg .pred skip, more, writer;",
                ".reg .b32 tid, lane, warp, g, t, tile, stp, tmp, p, q0, q1, q2, q3;",
-               f".reg .f32 {_regs('d', 4 * nt)}, sc;",
-               f".reg .b64 {_regs('wa', nt)}, xa, sa, ya, off;"]
+               f".reg .f32 {regs('d', 4 * nt)}, sc;",
+               f".reg .b64 {regs('wa', nt)}, xa, sa, ya, off;"]
         for b in bufs:
-            out += [f".reg .b32 {_regs(f'w{b}', nt * STEP_CHUNKS * 8)};",
-                    f".reg .b32 {_regs(f'x{b}', STEP_CHUNKS * 8)};"]
+            out += [f".reg .b32 {regs(f'w{b}', nt * STEP_CHUNKS * 8)};",
+                    f".reg .b32 {regs(f'x{b}', STEP_CHUNKS * 8)};"]
         return out
 
     def setup(self) -> list[str]:
@@ -121,25 +112,17 @@ class _Fp8Ptx:
         sums; the accumulators zeroed."""
         nt = self.nt
         return [
-            "mov.u32 tid, %tid.x;",
-            "and.b32 lane, tid, 31;",
-            "shr.u32 warp, tid, 5;",
-            "shr.u32 g, lane, 2;",
-            "and.b32 t, lane, 3;",
-            "add.u32 tile, $5, warp;",
-            f"mul.lo.u32 tile, tile, {nt};",
-            "setp.ge.u32 skip, tile, $8;",
-            "@skip bra.uni L_fp8_mma_done;",
+            *lane_lines(nt, "$6", "$9", "L_fp8_mma_done"),
             # words: ((tile * chunks_per_row + step * STEP_CHUNKS) * 32 + lane) * 32 bytes
-            f"mul.lo.u32 tmp, $6, {STEP_CHUNKS};",
-            "mad.lo.u32 tmp, tile, $9, tmp;",
+            f"mul.lo.u32 tmp, $7, {STEP_CHUNKS};",
+            "mad.lo.u32 tmp, tile, $10, tmp;",
             "mad.lo.u32 tmp, tmp, 32, lane;",
             "mul.wide.u32 off, tmp, 32;",
             "add.u64 wa0, $2, off;",
-            "mul.wide.u32 off, $9, 1024;",  # the next tile's stream: K / 64 chunks on
+            "mul.wide.u32 off, $10, 1024;",  # the next tile's stream: K / 64 chunks on
             *[f"add.u64 wa{i}, wa{i - 1}, off;" for i in range(1, nt)],
             # x: (step * STEP_CHUNKS * 64 + 16 t) * 2 bytes
-            f"mul.lo.u32 tmp, $6, {STEP_CHUNKS * CHUNK};",
+            f"mul.lo.u32 tmp, $7, {STEP_CHUNKS * CHUNK};",
             "mad.lo.u32 tmp, t, 16, tmp;",
             "mul.wide.u32 off, tmp, 2;",
             "add.u64 xa, $1, off;",
@@ -147,9 +130,9 @@ class _Fp8Ptx:
             "mad.lo.u32 tmp, tile, 16, g;",
             "mul.wide.u32 off, tmp, 4;",
             "add.u64 sa, $3, off;",
-            "add.u64 ya, $4, off;",
+            "add.u64 ya, $5, off;",
             *[f"mov.f32 d{i}, 0f00000000;" for i in range(4 * nt)],
-            "mov.u32 stp, $6;",
+            "mov.u32 stp, $7;",
         ]
 
     def loads(self, b: str, ahead: bool, pred: str = "") -> list[str]:
@@ -213,39 +196,6 @@ class _Fp8Ptx:
         return out
 
 
-@triton.jit
-def _fp8_gemv_mma_kernel(x_ptr, w_ptr, s_ptr, ws_ptr, TILES, CHUNKS_PER_ROW, NUM_STEPS,
-                         S_SPLIT, stride_ws, WARPS: tl.constexpr, PTX: tl.constexpr,
-                         PDL: tl.constexpr):
-    """Program (block of WARPS * NT row tiles, K split): the steps [lo, hi) of its
-    rows, as fp32 partial sums into row `split` of `ws`."""
-    one = tl.zeros([32 * WARPS], dtype=tl.int32)  # one element a thread: the PTX's lanes
-    lo = tl.program_id(1) * S_SPLIT
-    hi = tl.minimum(NUM_STEPS, lo + S_SPLIT)
-    ws_row = ws_ptr + tl.program_id(1).to(tl.int64) * stride_ws
-    pdl_wait(PDL)
-    pdl_trigger(PDL)
-    tl.inline_asm_elementwise(
-        PTX, "=r,l,l,l,l,r,r,r,r,r",
-        [x_ptr.to(tl.int64, bitcast=True) + one, w_ptr.to(tl.int64, bitcast=True) + one,
-         s_ptr.to(tl.int64, bitcast=True) + one, ws_row.to(tl.int64, bitcast=True) + one,
-         tl.program_id(0) * WARPS + one, lo + one, hi + one, TILES + one,
-         CHUNKS_PER_ROW + one],
-        dtype=tl.int32, is_pure=False, pack=1)
-
-
-class MmaConfig(NamedTuple):
-    warps: int = 4
-    nt: int = 1  # row tiles (16 rows) a warp
-    split: int = 8  # programs along K (whole steps each)
-    prefetch: bool = False
-
-
-def pick_config(n: int, k: int) -> MmaConfig:
-    """Untimed (the kernel has not met a GPU yet)."""
-    return MmaConfig(4, 1, 16 if k >= 8192 else 8)
-
-
 def fp8_gemv_mma(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor,
                  bias: torch.Tensor | None = None, config: MmaConfig | None = None,
                  out: torch.Tensor | None = None, silu_mul: bool = False) -> torch.Tensor:
@@ -256,24 +206,13 @@ def fp8_gemv_mma(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor,
     assert x.shape == (1, k) and x.stride(1) == 1 and x.data_ptr() % 16 == 0
     assert x.dtype == torch.bfloat16 and words.is_contiguous() and scales.shape == (n,)
     assert scales.dtype == torch.float32 and scales.is_contiguous()
-    cfg = config or pick_config(n, k)
+    cfg = config or pick_config(k)
     steps = k // (STEP_CHUNKS * CHUNK)
-    s_split = triton.cdiv(steps, cfg.split)
-    split = triton.cdiv(steps, s_split)
+    s_split, split = splits(steps, cfg.split)
     ws = torch.empty((split, n), device=x.device, dtype=torch.float32)
-    n_out = n // 2 if silu_mul else n
-    if out is None:
-        y = torch.empty((1, n_out), device=x.device, dtype=x.dtype)
-    else:
-        assert out.is_contiguous() and out.dtype == x.dtype and out.numel() == n_out
-        y = out.view(1, n_out)
-    _fp8_gemv_mma_kernel[(triton.cdiv(tiles, cfg.warps * cfg.nt), split)](
-        x, words, scales, ws, tiles, chunks_per_row, steps, s_split, ws.stride(0),
-        WARPS=cfg.warps, PTX=gemv_ptx(cfg.nt, cfg.prefetch), num_warps=cfg.warps,
-        **pdl.launch_args())
-    dummy = scales
-    _int4_split_sum_kernel[(triton.cdiv(n_out, 256),)](
-        ws, bias if bias is not None else dummy, y, n_out, ws.stride(0), SPLIT=split,
-        BLOCK=256, HAS_BIAS=bias is not None, SILU_MUL=silu_mul, num_warps=2,
-        **pdl.launch_args())
-    return y
+    y = output(x, n // 2 if silu_mul else n, out)
+    mma_gemv_kernel[(triton.cdiv(tiles, cfg.warps * cfg.nt), split)](
+        x, words, scales, scales, ws, tiles, chunks_per_row, n, steps, s_split, 0, 0,
+        ws.stride(0), WARPS=cfg.warps, PTX=gemv_ptx(cfg.nt, cfg.prefetch),
+        num_warps=cfg.warps, **pdl.launch_args())
+    return sum_splits(ws, bias, y, silu_mul)

@@ -45,15 +45,22 @@ Triton launches it and handles PDL. Groups must be whole chunks of 64 (64 or
 from __future__ import annotations
 
 import functools
-from typing import NamedTuple
 
 import torch
 import triton
-import triton.language as tl
 
 from radixlm.layers import pdl
-from radixlm.layers.pdl import pdl_trigger, pdl_wait
-from radixlm.layers.quantization.triton_ops.int4 import _int4_split_sum_kernel
+from radixlm.layers.quantization.triton_ops.mma_gemv import (
+    MmaConfig,
+    lane_lines,
+    loop_ptx,
+    mma_gemv_kernel,
+    output,
+    pick_config,
+    regs,
+    splits,
+    sum_splits,
+)
 
 CHUNK = 64  # features a lane's 4 words cover (4 MMA blocks of 16)
 GROUPS = (64, 128)  # group sizes the kernel takes (whole chunks, <= 2 chunks unrolled)
@@ -91,36 +98,17 @@ def takes(n: int, k: int, group: int, g_idx: torch.Tensor | None, split: int) ->
 
 
 # ---- the PTX --------------------------------------------------------------------------
-def _regs(prefix: str, n: int) -> str:
-    return ", ".join(f"{prefix}{i}" for i in range(n))
-
-
 @functools.cache
 def gemv_ptx(nt: int, chunks: int, bf16: bool, prefetch: bool = False) -> str:
-    """The PTX of one thread's work: `nt` column tiles, `chunks` chunks a group;
-    with `prefetch` the next group's loads are issued before this group's MMAs
-    (two register buffers, the loop unrolled twice), so a warp keeps a group in
-    flight while it computes. Operands: $0 a dummy output; $1 x, $2 words, $3
-    zeros, $4 scales, $5 this program's partial-sum row (64-bit addresses); $6
-    the program's first warp index, $7 / $8 its first / past-last group, $9
-    column tiles in all, $10 chunks a row of tiles (K / 64), $11 N, $12 / $13 the
-    zeros' / scales' row strides (in elements)."""
-    g = _PtxGroup(nt, chunks, bf16)
-    lines = ["{", *g.declarations(("A", "B") if prefetch else ("A",)), *g.setup()]
-    if not prefetch:
-        lines += ["L_int4_mma_group:", *g.loads("A", ahead=False), *g.compute("A"),
-                  *g.advance(), "setp.lt.u32 more, grp, $8;",
-                  "@more bra.uni L_int4_mma_group;"]
-    else:
-        lines += [*g.loads("A", ahead=False), "L_int4_mma_group:"]
-        for cur, nxt, last in (("A", "B", False), ("B", "A", True)):
-            lines += ["add.u32 tmp, grp, 1;", "setp.lt.u32 more, tmp, $8;",
-                      *g.loads(nxt, ahead=True, pred="@more "), *g.compute(cur), *g.advance()]
-            lines.append("@more bra.uni L_int4_mma_group;" if last else
-                         "@!more bra.uni L_int4_mma_end;")
-        lines.append("L_int4_mma_end:")
-    lines += [*g.epilogue(), "L_int4_mma_done:", "mov.u32 $0, 0;", "}"]
-    return "\n".join(lines)
+    """The PTX of one thread's work: `nt` column tiles, `chunks` chunks a group (a
+    step of the loop); with `prefetch` the next group's loads are issued before
+    this group's MMAs (two register buffers, the loop unrolled twice), so a warp
+    keeps a group in flight while it computes. Operands
+    (`mma_gemv.mma_gemv_kernel`'s): $1 x, $2 words, $3 zeros, $4 scales, $5 this
+    program's partial-sum row; $6 its first warp index, $7 / $8 its first /
+    past-last group, $9 column tiles in all, $10 chunks a row of tiles (K / 64),
+    $11 N, $12 / $13 the zeros' / scales' row strides (in elements)."""
+    return loop_ptx(_PtxGroup(nt, chunks, bf16), "int4_mma", "grp", "$8", prefetch)
 
 
 class _PtxGroup:
@@ -137,13 +125,13 @@ class _PtxGroup:
         nt, chunks = self.nt, self.chunks
         out = [".reg .pred skip, more, writer;",
                ".reg .b32 tid, lane, warp, g, t, tile, grp, tmp, q0, q1, q2, q3, ones;",
-               f".reg .f32 {_regs('s', 2 * nt)}, {_regs('sz', 2 * nt)}, zf, e0, e1, e2, e3;",
-               f".reg .f32 {_regs('acc', 2 * nt)}, {_regs('d', 4 * nt)};",
-               f".reg .b64 {_regs('wa', nt)}, xa, za, sa, zn, sn, ya, off;"]
+               f".reg .f32 {regs('s', 2 * nt)}, {regs('sz', 2 * nt)}, zf, e0, e1, e2, e3;",
+               f".reg .f32 {regs('acc', 2 * nt)}, {regs('d', 4 * nt)};",
+               f".reg .b64 {regs('wa', nt)}, xa, za, sa, zn, sn, ya, off;"]
         for b in bufs:
-            out += [f".reg .b32 {_regs(f'w{b}', nt * chunks * 4)};",
-                    f".reg .b32 {_regs(f'x{b}', chunks * 8)}, {_regs(f'zr{b}', 2 * nt)};",
-                    f".reg .b16 {_regs(f'sr{b}', 2 * nt)};"]
+            out += [f".reg .b32 {regs(f'w{b}', nt * chunks * 4)};",
+                    f".reg .b32 {regs(f'x{b}', chunks * 8)}, {regs(f'zr{b}', 2 * nt)};",
+                    f".reg .b16 {regs(f'sr{b}', 2 * nt)};"]
         return out
 
     def setup(self) -> list[str]:
@@ -152,15 +140,7 @@ class _PtxGroup:
         partial sums; the sums zeroed."""
         nt, chunks = self.nt, self.chunks
         return [
-            "mov.u32 tid, %tid.x;",
-            "and.b32 lane, tid, 31;",
-            "shr.u32 warp, tid, 5;",
-            "shr.u32 g, lane, 2;",
-            "and.b32 t, lane, 3;",
-            "add.u32 tile, $6, warp;",
-            f"mul.lo.u32 tile, tile, {nt};",
-            "setp.ge.u32 skip, tile, $9;",
-            "@skip bra.uni L_int4_mma_done;",
+            *lane_lines(nt, "$6", "$9", "L_int4_mma_done"),
             # words: ((tile * chunks_per_row + grp * chunks) * 32 + lane) * 16 bytes
             f"mul.lo.u32 tmp, $7, {chunks};",
             "mad.lo.u32 tmp, tile, $10, tmp;",
@@ -271,42 +251,6 @@ class _PtxGroup:
         return out
 
 
-# ---- the launch ----------------------------------------------------------------------------
-@triton.jit
-def _int4_gemv_mma_kernel(x_ptr, qw_ptr, z_ptr, s_ptr, ws_ptr, TILES, CHUNKS_PER_ROW, N,
-                          NUM_GROUPS, G_SPLIT, stride_z, stride_s, stride_ws,
-                          WARPS: tl.constexpr, NT: tl.constexpr, PTX: tl.constexpr,
-                          PDL: tl.constexpr):
-    """Program (column block of WARPS * NT tiles, K split): the groups
-    [g_lo, g_hi) of its columns, as fp32 partial sums into row `split` of `ws`."""
-    one = tl.zeros([32 * WARPS], dtype=tl.int32)  # one element a thread: the PTX's lanes
-    g_lo = tl.program_id(1) * G_SPLIT
-    g_hi = tl.minimum(NUM_GROUPS, g_lo + G_SPLIT)
-    ws_row = ws_ptr + tl.program_id(1).to(tl.int64) * stride_ws
-    pdl_wait(PDL)
-    pdl_trigger(PDL)
-    tl.inline_asm_elementwise(
-        PTX, "=r,l,l,l,l,l,r,r,r,r,r,r,r,r",
-        [x_ptr.to(tl.int64, bitcast=True) + one, qw_ptr.to(tl.int64, bitcast=True) + one,
-         z_ptr.to(tl.int64, bitcast=True) + one, s_ptr.to(tl.int64, bitcast=True) + one,
-         ws_row.to(tl.int64, bitcast=True) + one, tl.program_id(0) * WARPS + one,
-         g_lo + one, g_hi + one, TILES + one, CHUNKS_PER_ROW + one, N + one,
-         stride_z + one, stride_s + one],
-        dtype=tl.int32, is_pure=False, pack=1)
-
-
-class MmaConfig(NamedTuple):
-    warps: int = 4
-    nt: int = 1  # column tiles (16 columns) a warp
-    split: int = 8  # programs along K (whole groups each)
-    prefetch: bool = False  # the next group's loads before this group's MMAs
-
-
-def pick_config(n: int, k: int) -> MmaConfig:
-    """Untimed (the kernel has not met a GPU yet): the CUDA-core path's split."""
-    return MmaConfig(4, 1, 16 if k >= 8192 else 8)
-
-
 def int4_gemv_mma(x: torch.Tensor, words: torch.Tensor, zeros: torch.Tensor,
                   scales: torch.Tensor, group: int, bias: torch.Tensor | None = None,
                   config: MmaConfig | None = None, out: torch.Tensor | None = None,
@@ -318,25 +262,14 @@ def int4_gemv_mma(x: torch.Tensor, words: torch.Tensor, zeros: torch.Tensor,
     assert x.shape == (1, k) and x.stride(1) == 1 and x.data_ptr() % 16 == 0
     assert x.dtype in (torch.bfloat16, torch.float16) and words.is_contiguous()
     assert group in GROUPS and k % group == 0 and zeros.stride(1) == scales.stride(1) == 1
-    cfg = config or pick_config(n, k)
+    cfg = config or pick_config(k)
     num_groups = k // group
-    g_split = triton.cdiv(num_groups, cfg.split)
-    split = triton.cdiv(num_groups, g_split)
+    g_split, split = splits(num_groups, cfg.split)
     ws = torch.empty((split, n), device=x.device, dtype=torch.float32)
-    n_out = n // 2 if silu_mul else n
-    if out is None:
-        y = torch.empty((1, n_out), device=x.device, dtype=x.dtype)
-    else:
-        assert out.is_contiguous() and out.dtype == x.dtype and out.numel() == n_out
-        y = out.view(1, n_out)
+    y = output(x, n // 2 if silu_mul else n, out)
     ptx = gemv_ptx(cfg.nt, group // CHUNK, x.dtype == torch.bfloat16, cfg.prefetch)
-    _int4_gemv_mma_kernel[(triton.cdiv(tiles, cfg.warps * cfg.nt), split)](
+    mma_gemv_kernel[(triton.cdiv(tiles, cfg.warps * cfg.nt), split)](
         x, words, zeros, scales, ws, tiles, chunks_per_row, n, num_groups, g_split,
-        zeros.stride(0), scales.stride(0), ws.stride(0), WARPS=cfg.warps, NT=cfg.nt,
-        PTX=ptx, num_warps=cfg.warps, **pdl.launch_args())
-    dummy = scales
-    _int4_split_sum_kernel[(triton.cdiv(n_out, 256),)](
-        ws, bias if bias is not None else dummy, y, n_out, ws.stride(0), SPLIT=split,
-        BLOCK=256, HAS_BIAS=bias is not None, SILU_MUL=silu_mul, num_warps=2,
-        **pdl.launch_args())
-    return y
+        zeros.stride(0), scales.stride(0), ws.stride(0), WARPS=cfg.warps, PTX=ptx,
+        num_warps=cfg.warps, **pdl.launch_args())
+    return sum_splits(ws, bias, y, silu_mul)

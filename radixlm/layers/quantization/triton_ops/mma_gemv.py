@@ -1,0 +1,142 @@
+"""What the tensor-core one-row GEMVs (`int4_mma.py`, `fp8_mma.py`) share: the shape
+of their PTX (a warp per run of 16-row tiles, a loop over steps of K with an
+optional prefetch of the next step), their launch config and their epilogue
+launch (the split-K sum).
+
+The PTX is assembled from a format's `MmaPieces`: register declarations, the
+setup after the common lane/warp/tile lines, a step's loads (into register
+buffer A or B, optionally the next step's, optionally predicated), its compute,
+the address advance, and the partial-sum stores. `loop_ptx` strings them into
+the plain loop or the prefetching one (two buffers, unrolled twice: load the
+next step into one buffer while computing the other). One Triton kernel,
+`mma_gemv_kernel`, launches any format's PTX with the same operands.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Protocol
+
+import torch
+import triton
+import triton.language as tl
+
+from radixlm.layers import pdl
+from radixlm.layers.pdl import pdl_trigger, pdl_wait
+from radixlm.layers.quantization.triton_ops.int4 import _int4_split_sum_kernel
+
+
+class MmaConfig(NamedTuple):
+    warps: int = 4
+    nt: int = 1  # tiles (16 output rows) a warp
+    split: int = 8  # programs along K (whole steps each)
+    prefetch: bool = False  # the next step's loads before this step's MMAs
+
+
+def pick_config(k: int) -> MmaConfig:
+    """Untimed (these kernels have not met a GPU yet): 4 warps of one tile each, the
+    CUDA-core GEMVs' split (16 where K >= 8192), and the prefetching loop: in the
+    sm_90 SASS of the plain loop ptxas sinks a step's later loads below its first
+    MMAs (two round trips a step), where the prefetching loop issues the next
+    step's loads before this step's MMAs (`benchmarks/pdl_sass.py` prints the
+    order)."""
+    return MmaConfig(4, 1, 16 if k >= 8192 else 8, prefetch=True)
+
+
+def regs(prefix: str, n: int) -> str:
+    return ", ".join(f"{prefix}{i}" for i in range(n))
+
+
+class MmaPieces(Protocol):
+    """One format's PTX pieces (`loop_ptx` says when each runs)."""
+
+    def declarations(self, bufs: tuple[str, ...]) -> list[str]: ...
+    def setup(self) -> list[str]: ...
+    def loads(self, b: str, ahead: bool, pred: str = "") -> list[str]: ...
+    def compute(self, b: str) -> list[str]: ...
+    def advance(self) -> list[str]: ...
+    def epilogue(self) -> list[str]: ...
+
+
+def lane_lines(nt: int, first_warp: str, tiles: str, done: str) -> list[str]:
+    """Lane (g, t) and warp from %tid.x; this warp's first tile, (warp + first_warp)
+    * nt; warps past the last tile go straight to `done` (warp-uniform)."""
+    return ["mov.u32 tid, %tid.x;",
+            "and.b32 lane, tid, 31;",
+            "shr.u32 warp, tid, 5;",
+            "shr.u32 g, lane, 2;",
+            "and.b32 t, lane, 3;",
+            f"add.u32 tile, {first_warp}, warp;",
+            f"mul.lo.u32 tile, tile, {nt};",
+            f"setp.ge.u32 skip, tile, {tiles};",
+            f"@skip bra.uni {done};"]
+
+
+def loop_ptx(p: MmaPieces, name: str, step: str, hi: str, prefetch: bool) -> str:
+    """The whole asm block: declarations, setup, the loop over steps (register
+    `step` counts them up to operand `hi`), the epilogue."""
+    top, end, done = f"L_{name}_step", f"L_{name}_end", f"L_{name}_done"
+    lines = ["{", *p.declarations(("A", "B") if prefetch else ("A",)), *p.setup()]
+    if not prefetch:
+        lines += [f"{top}:", *p.loads("A", ahead=False), *p.compute("A"), *p.advance(),
+                  f"setp.lt.u32 more, {step}, {hi};", f"@more bra.uni {top};"]
+    else:
+        lines += [*p.loads("A", ahead=False), f"{top}:"]
+        for cur, nxt, last in (("A", "B", False), ("B", "A", True)):
+            lines += [f"add.u32 tmp, {step}, 1;", f"setp.lt.u32 more, tmp, {hi};",
+                      *p.loads(nxt, ahead=True, pred="@more "), *p.compute(cur), *p.advance()]
+            lines.append(f"@more bra.uni {top};" if last else f"@!more bra.uni {end};")
+        lines.append(f"{end}:")
+    lines += [*p.epilogue(), f"{done}:", "mov.u32 $0, 0;", "}"]
+    return "\n".join(lines)
+
+
+@triton.jit
+def mma_gemv_kernel(x_ptr, w_ptr, a_ptr, b_ptr, ws_ptr, TILES, CHUNKS_PER_ROW, N, STEPS,
+                    SPLIT_STEPS, int_a, int_b, stride_ws, WARPS: tl.constexpr,
+                    PTX: tl.constexpr, PDL: tl.constexpr):
+    """Program (pid 0: WARPS warps' tiles; pid 1: a run of SPLIT_STEPS steps of K)
+    running PTX, one element a thread (the PTX takes its lane and warp from
+    %tid.x, so nothing depends on how Triton lays the tensor out). Operands: $0 a
+    dummy output; $1 x, $2 the words, $3 / $4 the format's two other addresses, $5
+    the program's partial-sum row (64-bit); $6 its first warp index, $7 / $8 its
+    first / past-last step, $9 TILES, $10 CHUNKS_PER_ROW, $11 N, $12 / $13 the
+    format's two integers."""
+    one = tl.zeros([32 * WARPS], dtype=tl.int32)
+    lo = tl.program_id(1) * SPLIT_STEPS
+    hi = tl.minimum(STEPS, lo + SPLIT_STEPS)
+    ws_row = ws_ptr + tl.program_id(1).to(tl.int64) * stride_ws
+    pdl_wait(PDL)
+    pdl_trigger(PDL)
+    tl.inline_asm_elementwise(
+        PTX, "=r,l,l,l,l,l,r,r,r,r,r,r,r,r",
+        [x_ptr.to(tl.int64, bitcast=True) + one, w_ptr.to(tl.int64, bitcast=True) + one,
+         a_ptr.to(tl.int64, bitcast=True) + one, b_ptr.to(tl.int64, bitcast=True) + one,
+         ws_row.to(tl.int64, bitcast=True) + one, tl.program_id(0) * WARPS + one,
+         lo + one, hi + one, TILES + one, CHUNKS_PER_ROW + one, N + one, int_a + one,
+         int_b + one],
+        dtype=tl.int32, is_pure=False, pack=1)
+
+
+def splits(steps: int, split: int) -> tuple[int, int]:
+    """(steps a program, programs along K): `split` runs of whole steps, none empty."""
+    per = triton.cdiv(steps, split)
+    return per, triton.cdiv(steps, per)
+
+
+def output(x: torch.Tensor, n_out: int, out: torch.Tensor | None) -> torch.Tensor:
+    if out is None:
+        return torch.empty((1, n_out), device=x.device, dtype=x.dtype)
+    assert out.is_contiguous() and out.dtype == x.dtype and out.numel() == n_out
+    return out.view(1, n_out)
+
+
+def sum_splits(ws: torch.Tensor, bias: torch.Tensor | None, y: torch.Tensor,
+               silu_mul: bool) -> torch.Tensor:
+    """y = the partial sums [split, N] added in split order (+ bias; silu(gate) * up
+    with `silu_mul`): the second launch of every split-K GEMV here."""
+    n_out = y.shape[-1]
+    _int4_split_sum_kernel[(triton.cdiv(n_out, 256),)](
+        ws, bias if bias is not None else ws, y, n_out, ws.stride(0), SPLIT=ws.shape[0],
+        BLOCK=256, HAS_BIAS=bias is not None, SILU_MUL=silu_mul, num_warps=2,
+        **pdl.launch_args())
+    return y
