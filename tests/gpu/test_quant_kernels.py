@@ -377,8 +377,8 @@ def test_int4_gemv_packed_halves(dtype, split, lean):
 
 @needs_cuda
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("group,cfg", [(128, (4, 1, 1)), (128, (4, 2, 4)), (64, (2, 1, 3)),
-                                       (128, (8, 4, 8))])
+@pytest.mark.parametrize("group,cfg", [(128, (4, 1, 1, False)), (128, (4, 2, 4, True)),
+                                       (64, (2, 1, 3, True)), (128, (8, 4, 8, False))])
 def test_int4_gemv_mma(dtype, group, cfg):
     """The tensor-core GEMV (`int4_mma.py`, weights in MMA fragment order): exact
     products of offset + q summed in fp32, the zero point's term taken out per group,
