@@ -100,10 +100,10 @@ def test_ptx_against_float64(dtype, n, k, group, cfg) -> None:
 
 
 def test_refuses_act_order_and_odd_groups() -> None:
-    assert M.takes(4096, 4096, 128, None, 8)
-    assert not M.takes(4096, 4096, 32, None, 8)
-    assert not M.takes(4096, 4096, 128, torch.zeros(4096, dtype=torch.int32), 8)
-    assert not M.takes(4100, 4096, 128, None, 8)
+    assert M.takes(4096, 4096, 128, None) and M.takes(4096, 128, 128, None)
+    assert not M.takes(4096, 4096, 32, None)
+    assert not M.takes(4096, 4096, 128, torch.zeros(4096, dtype=torch.int32))
+    assert not M.takes(4100, 4096, 128, None)
 
 
 def test_layout_of_a_gptq_checkpoint() -> None:
@@ -133,3 +133,26 @@ def test_sm90_code_one_mma_a_word_no_shared_memory() -> None:
         groups = 2 if prefetch else 1  # the prefetching loop is unrolled twice
         assert ops["HMMA"] == groups * (nt + 1) * chunks * 4, ops  # + x's sums (all-ones A)
         assert ops["LDS"] == ops["STS"] == ops["BAR"] == 0, ops
+
+
+def test_the_variables_are_named_at_start_up_and_cost_the_cpu_nothing(monkeypatch) -> None:
+    """$RADIXLM_INT4_GEMV / $RADIXLM_FP8_GEMV=mma: the start-up line says the one-row
+    products run on the tensor cores from a second copy of the weights; off CUDA
+    no copy is made (a layer built on the CPU keeps `mma` None)."""
+    from quant_checkpoints import tiny_llama
+
+    from radixlm.layers.linear import MergedColumnParallelLinear
+    from radixlm.layers.quantization import get_quantization_config
+
+    monkeypatch.setenv("RADIXLM_INT4_GEMV", "mma")
+    monkeypatch.setenv("RADIXLM_FP8_GEMV", "mma")
+    for method, var in (("awq", "RADIXLM_INT4_GEMV"), ("fp8", "RADIXLM_FP8_GEMV")):
+        assert f"${var}=mma" in get_quantization_config(tiny_llama(), method).describe()
+    layer = MergedColumnParallelLinear(256, [128, 128], params_dtype=torch.bfloat16,
+                                       quant_config=get_quantization_config(tiny_llama(),
+                                                                            "fp8"))
+    layer.weight.weight_loader(layer.weight, torch.randn(256, 256) * 0.05)
+    layer.quant_method.process_weights_after_loading(layer)
+    assert layer.fp8.mma is None
+    monkeypatch.delenv("RADIXLM_INT4_GEMV")
+    assert "tensor cores" not in get_quantization_config(tiny_llama(), "awq").describe()

@@ -354,7 +354,7 @@ class Int4LinearMethod(LinearMethod):
         qweight = layer.qweight.data
         mma = None
         if (mma_requested() and qweight.is_cuda
-                and _mma.takes(qweight.shape[1], 8 * qweight.shape[0], g, g_idx, 1)):
+                and _mma.takes(qweight.shape[1], 8 * qweight.shape[0], g, g_idx)):
             mma = _mma.mma_layout(unpack_rows(qweight))
         layer.int4 = Int4Weight(qweight, layer.qzeros.data, layer.scales.data, g,
                                 None if g_idx is None else g_idx.to(torch.int32).contiguous(),

@@ -89,12 +89,10 @@ def mma_unlayout(words: torch.Tensor) -> torch.Tensor:
     return v.reshape(tiles * 16, chunks * CHUNK).t().contiguous()
 
 
-def takes(n: int, k: int, group: int, g_idx: torch.Tensor | None, split: int) -> bool:
-    """Whether the MMA GEMV takes this layer: whole tiles and chunks, a group of 64
-    or 128 (or one per column when K is 64 or 128), no act-order, K splits into whole
-    groups."""
-    return (g_idx is None and group in GROUPS and n % 16 == 0 and k % group == 0
-            and split >= 1)
+def takes(n: int, k: int, group: int, g_idx: torch.Tensor | None) -> bool:
+    """Whether the MMA GEMV takes this layer: whole tiles of 16 columns, a group of
+    64 or 128 features (or one per column when K is 64 or 128), no act-order."""
+    return g_idx is None and group in GROUPS and n % 16 == 0 and k % group == 0
 
 
 # ---- the PTX --------------------------------------------------------------------------
