@@ -74,6 +74,7 @@ import triton.language as tl
 from triton.language.extra import libdevice
 
 from radixlm.layers import pdl
+from radixlm.layers.moe.triton_ops.moe_gemv import _load_k
 from radixlm.layers.pdl import pdl_trigger, pdl_wait
 
 MAX_EXPERTS = 512  # the top-k kernel holds a [BLOCK_R, E rounded up] fp32 register tile
@@ -209,7 +210,7 @@ def _logits_kernel(x_ptr, w_ptr, out_ptr, T, E, H, stride_x,
     w_ptrs = w_ptr + rows_e[:, None] * H + k_lo + offs_k[None, :]
     # The first weight tile is read before the wait (the weight is constant), so it
     # overlaps the kernel before this one.
-    w = _load_chunk(w_ptrs, k_lo, 0, offs_k, H, EVEN_K)
+    w = _load_k(w_ptrs, 0, (k_lo + offs_k < H)[None, :], EVEN_K)
     # Guarded, though pdl_wait checks PDL itself: an interpreted kernel cannot call a
     # device function that was jitted before TRITON_INTERPRET was set (the tests).
     if PDL:
@@ -221,20 +222,12 @@ def _logits_kernel(x_ptr, w_ptr, out_ptr, T, E, H, stride_x,
     acc = tl.zeros([BLOCK_T, BLOCK_E, BLOCK_K], dtype=tl.float32)
     for kk in tl.static_range(0, CHUNK_K, BLOCK_K):
         if kk > 0:
-            w = _load_chunk(w_ptrs, k_lo, kk, offs_k, H, EVEN_K)
+            w = _load_k(w_ptrs, kk, (k_lo + kk + offs_k < H)[None, :], EVEN_K)
         # Lanes past H load zeros: fma(0, 0, acc) leaves acc as it is.
-        x = _load_chunk(x_ptrs, k_lo, kk, offs_k, H, EVEN_K)
+        x = _load_k(x_ptrs, kk, (k_lo + kk + offs_k < H)[None, :], EVEN_K)
         acc += x.to(tl.float32)[:, None, :] * w[None, :, :]
     out = out_ptr + (tl.program_id(2) * T + offs_t[:, None].to(tl.int64)) * E + offs_e[None, :]
     tl.store(out, tl.sum(acc, axis=2), mask=(offs_t < T)[:, None] & (offs_e < E)[None, :])
-
-
-@triton.jit
-def _load_chunk(ptrs, k_lo, kk: tl.constexpr, offs_k, H, EVEN_K: tl.constexpr):
-    """The [rows, BLOCK_K] tile at feature k_lo + kk; lanes past H load zeros."""
-    if EVEN_K:
-        return tl.load(ptrs + kk)
-    return tl.load(ptrs + kk, mask=(k_lo + kk + offs_k < H)[None, :], other=0.0)
 
 
 @triton.jit
