@@ -4,27 +4,25 @@ runs this file so), where the ops' default path is made the Triton one too."""
 
 from __future__ import annotations
 
-import os
-
 import pytest
 
 torch = pytest.importorskip("torch")
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-if not (torch.cuda.is_available() or INTERPRET):
+from devices import DEV, HAS_CUDA, INTERPRET  # noqa: E402
+
+if not (HAS_CUDA or INTERPRET):
     pytest.skip("needs CUDA (or TRITON_INTERPRET=1)", allow_module_level=True)
 pytest.importorskip("triton")
 
 from radixlm.layers import fused_ops  # noqa: E402
 
 pytestmark = pytest.mark.gpu
-DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
 @pytest.fixture(autouse=True)
 def _triton_by_default_on_the_cpu(monkeypatch):
     """Under the interpreter (CPU tensors) the ops' default path is Triton too, as
     on CUDA; `use_triton=False` still picks the torch path."""
-    if INTERPRET and not torch.cuda.is_available():
+    if INTERPRET and not HAS_CUDA:
         monkeypatch.setattr(fused_ops, "_use_triton",
                             lambda x, use: fused_ops.HAS_TRITON and use is not False)
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
