@@ -183,34 +183,34 @@ def sweep(fp8: bool = True, int4: bool = True) -> None:
     for name, k, n in SHAPES:
         x = torch.randn(1, k, device=DEV).bfloat16()
         if fp8:
-            ws = copies(lambda n=n, k=k: fp8_row_weights(n, k), n * k)
-            res = sorted((time_graph(lambda x, w, c=c: F8.fp8_gemv(x, w[0], w[1], 0, 1,
-                                                                   config=c), x, ws), c)
-                         for c in fp8_cands)
-            res += [(time_graph(lambda x, w, c=c: F8M.fp8_gemv_mma(x, w[2], w[1], config=c),
-                                x, ws), c) for c in FP8_MMA_CANDIDATES]
-            res.sort(key=lambda r: r[0])
-            print(f"fp8  {name:<8} best {res[0][1]} {n * k / res[0][0] / 1e12:.2f} TB/s; "
-                  f"default {F8.pick_gemv_config(1, n, k, 0)}")
-            for t, c in res:
-                print(f"    {c}: {t * 1e6:.1f} us, {n * k / t / 1e12:.2f} TB/s")
-            del ws
-        if not int4:
-            continue
-        ws = copies(lambda n=n, k=k: int4_weights(n, k), n * k // 2)
-        res = sorted((time_graph(lambda x, w, c=c: T4.int4_gemv(x, w[0], w[1], w[2], 128, None,
-                                                                config=c), x, ws), c)
-                     for c in int4_cands)
-        res += [(time_graph(lambda x, w, c=c: M4.int4_gemv_mma(x, w[3], w[1], w[2], 128,
-                                                               config=c), x, ws), c)
-                for c in MMA_CANDIDATES]
-        res.sort(key=lambda r: r[0])
-        print(f"int4 {name:<8} best {res[0][1]} {n * k / 2 / res[0][0] / 1e12:.2f} TB/s; "
-              f"default {T4.pick_gemv_config(n, k, 128)}")
-        for t, c in res:
-            print(f"    {c}: {t * 1e6:.1f} us, {n * k / 2 / t / 1e12:.2f} TB/s")
-        del ws
+            calls = [(lambda x, w, c=c: F8.fp8_gemv(x, w[0], w[1], 0, 1, config=c), c)
+                     for c in fp8_cands]
+            calls += [(lambda x, w, c=c: F8M.fp8_gemv_mma(x, w[2], w[1], config=c), c)
+                      for c in FP8_MMA_CANDIDATES]
+            _time_configs(f"fp8  {name}", x, lambda n=n, k=k: fp8_row_weights(n, k), n * k,
+                          calls, F8.pick_gemv_config(1, n, k, 0))
+        if int4:
+            calls = [(lambda x, w, c=c: T4.int4_gemv(x, w[0], w[1], w[2], 128, None, config=c),
+                      c) for c in int4_cands]
+            calls += [(lambda x, w, c=c: M4.int4_gemv_mma(x, w[3], w[1], w[2], 128, config=c),
+                       c) for c in MMA_CANDIDATES]
+            _time_configs(f"int4 {name}", x, lambda n=n, k=k: int4_weights(n, k), n * k // 2,
+                          calls, T4.pick_gemv_config(n, k, 128))
         torch.cuda.empty_cache()
+
+
+def _time_configs(label: str, x: torch.Tensor, make: Callable[[], object], nbytes: int,
+                  calls: list[tuple[Call, object]], default: object) -> None:
+    """Graph time of each (call, config) on rotating weights, fastest first, with the
+    weight bytes (`nbytes` a call) read per second."""
+    ws = copies(make, nbytes)
+    res = sorted(((time_graph(call, x, ws), config) for call, config in calls),
+                 key=lambda r: r[0])
+    print(f"{label:<13} best {res[0][1]} {nbytes / res[0][0] / 1e12:.2f} TB/s; "
+          f"default {default}")
+    for t, c in res:
+        print(f"    {c}: {t * 1e6:.1f} us, {nbytes / t / 1e12:.2f} TB/s")
+    del ws
 
 
 GEMM_CANDIDATES = [F8.GemmConfig(*c) for c in
