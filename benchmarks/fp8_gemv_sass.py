@@ -18,11 +18,10 @@ from __future__ import annotations
 import collections
 
 import triton
-from sass import divisibility, main_loop, opcode_counts, signature, sm90_sass
+from sass import divisibility, main_loop, mma_gemv_loop, opcode_counts, signature, sm90_sass
 
 from radixlm.layers.quantization.triton_ops import fp8 as F8
 from radixlm.layers.quantization.triton_ops import fp8_mma as F8M
-from radixlm.layers.quantization.triton_ops.mma_gemv import mma_gemv_kernel
 
 KERNEL = F8._fp8_gemv_fma_kernel
 SIGNATURE = signature(KERNEL, {"x_ptr": "*bf16", "w_ptr": "*fp8e4nv", "s_ptr": "*fp32",
@@ -57,14 +56,9 @@ def main() -> None:
 
 def main_mma() -> None:
     """The tensor-core GEMV (`fp8_mma.py`): its loop per configuration."""
-    kernel = mma_gemv_kernel
-    sig = signature(kernel, {"x_ptr": "*bf16", "w_ptr": "*i32", "a_ptr": "*fp32",
-                             "b_ptr": "*fp32", "ws_ptr": "*fp32"})
-    hints = divisibility(kernel, {"x_ptr", "w_ptr", "a_ptr", "b_ptr", "ws_ptr"})
     print("\nthe tensor-core GEMV's loop (a step: 128 features)")
     for warps, nt, prefetch in [(4, 1, False), (4, 2, False), (4, 1, True), (4, 2, True)]:
-        consts = dict(WARPS=warps, PTX=F8M.gemv_ptx(nt, prefetch), PDL=False)
-        body = main_loop(sm90_sass(kernel, sig, consts, warps, hints=hints))
+        body = mma_gemv_loop(F8M.gemv_ptx(nt, prefetch), warps)
         ops = opcode_counts(body)
         weights = nt * 16 * 128 // 32 * (2 if prefetch else 1)
         name = f"{warps} warps, {nt} tiles a warp" + (", prefetch" if prefetch else "")

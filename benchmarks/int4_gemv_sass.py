@@ -18,11 +18,10 @@ from __future__ import annotations
 import collections
 
 import triton
-from sass import divisibility, main_loop, opcode_counts, signature, sm90_sass
+from sass import divisibility, main_loop, mma_gemv_loop, opcode_counts, signature, sm90_sass
 
 from radixlm.layers.quantization.triton_ops import int4 as I4
 from radixlm.layers.quantization.triton_ops import int4_mma as I4M
-from radixlm.layers.quantization.triton_ops.mma_gemv import mma_gemv_kernel
 
 KERNEL = I4._int4_gemv_kernel
 SIGNATURE = signature(KERNEL, {"x_ptr": "*bf16", "qw_ptr": "*i32", "z_ptr": "*u8",
@@ -62,12 +61,7 @@ def mma_loop_ops(warps: int, nt: int, prefetch: bool = False,
                  chunks: int = 2) -> tuple[int, collections.Counter]:
     """(instructions, opcode counts) of the tensor-core GEMV's group loop (two
     groups with `prefetch`: that loop is unrolled twice)."""
-    kernel = mma_gemv_kernel
-    sig = signature(kernel, {"x_ptr": "*bf16", "w_ptr": "*i32", "a_ptr": "*u8",
-                             "b_ptr": "*fp16", "ws_ptr": "*fp32"})
-    hints = divisibility(kernel, {"x_ptr", "w_ptr", "a_ptr", "b_ptr", "ws_ptr"})
-    consts = dict(WARPS=warps, PTX=I4M.gemv_ptx(nt, chunks, True, prefetch), PDL=False)
-    body = main_loop(sm90_sass(kernel, sig, consts, warps, hints=hints))
+    body = mma_gemv_loop(I4M.gemv_ptx(nt, chunks, True, prefetch), warps)
     return len(body), opcode_counts(body)
 
 

@@ -75,3 +75,16 @@ def main_loop(ins: list[tuple[int, str]]) -> list[str]:
 
 def opcode_counts(body: list[str]) -> collections.Counter:
     return collections.Counter(opcode(t) for t in body)
+
+
+def mma_gemv_loop(ptx: str, warps: int) -> list[str]:
+    """The main loop of `mma_gemv_kernel` running `ptx` (an int4 or FP8 tensor-core
+    GEMV's, `int4_mma.gemv_ptx` / `fp8_mma.gemv_ptx`), compiled for sm_90. The
+    PTX takes every address as a 64-bit integer, so the pointer types here are any."""
+    from radixlm.layers.quantization.triton_ops.mma_gemv import mma_gemv_kernel as kernel
+
+    pointers = {"x_ptr": "*bf16", "w_ptr": "*i32", "a_ptr": "*fp32", "b_ptr": "*fp32",
+                "ws_ptr": "*fp32"}
+    consts = dict(WARPS=warps, PTX=ptx, PDL=True)
+    return main_loop(sm90_sass(kernel, signature(kernel, pointers), consts, warps,
+                               hints=divisibility(kernel, set(pointers))))

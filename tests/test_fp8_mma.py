@@ -13,7 +13,6 @@ import pytest
 import torch
 
 from radixlm.layers.quantization.triton_ops import fp8_mma as M
-from radixlm.layers.quantization.triton_ops.mma_gemv import mma_gemv_kernel
 
 sys.path.insert(0, os.path.dirname(__file__))
 from ptx_sim import Memory, run_block  # noqa: E402
@@ -98,15 +97,10 @@ def test_takes_only_what_it_can() -> None:
 def test_sm90_code_one_mma_per_two_words_no_shared_memory() -> None:
     pytest.importorskip("triton")
     sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
-    from sass import divisibility, main_loop, opcode_counts, signature, sm90_sass
+    from sass import mma_gemv_loop, opcode_counts
 
-    kernel = mma_gemv_kernel
-    sig = signature(kernel, {"x_ptr": "*bf16", "w_ptr": "*i32", "a_ptr": "*fp32",
-                             "b_ptr": "*fp32", "ws_ptr": "*fp32"})
-    hints = divisibility(kernel, {"x_ptr", "w_ptr", "a_ptr", "b_ptr", "ws_ptr"})
     for nt, warps, prefetch in [(1, 4, False), (2, 2, False), (1, 4, True)]:
-        consts = dict(WARPS=warps, PTX=M.gemv_ptx(nt, prefetch), PDL=True)
-        ops = opcode_counts(main_loop(sm90_sass(kernel, sig, consts, warps, hints=hints)))
+        ops = opcode_counts(mma_gemv_loop(M.gemv_ptx(nt, prefetch), warps))
         steps = 2 if prefetch else 1  # the prefetching loop is unrolled twice
         assert ops["HMMA"] == steps * nt * M.STEP_CHUNKS * 4, ops
         assert ops["LDS"] == ops["STS"] == ops["BAR"] == 0, ops

@@ -15,7 +15,6 @@ import torch
 
 from radixlm.layers.quantization import int4 as I
 from radixlm.layers.quantization.triton_ops import int4_mma as M
-from radixlm.layers.quantization.triton_ops.mma_gemv import mma_gemv_kernel
 
 sys.path.insert(0, os.path.dirname(__file__))
 from ptx_sim import Memory, run_block  # noqa: E402
@@ -120,16 +119,10 @@ def test_sm90_code_one_mma_a_word_no_shared_memory() -> None:
     barrier."""
     pytest.importorskip("triton")
     sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
-    from sass import divisibility, main_loop, opcode_counts, signature, sm90_sass
+    from sass import mma_gemv_loop, opcode_counts
 
-    kernel = mma_gemv_kernel
-    sig = signature(kernel, {"x_ptr": "*bf16", "w_ptr": "*i32", "a_ptr": "*u8",
-                             "b_ptr": "*fp16", "ws_ptr": "*fp32"})
-    hints = divisibility(kernel, {"x_ptr", "w_ptr", "a_ptr", "b_ptr", "ws_ptr"})
     for nt, chunks, warps, prefetch in [(1, 2, 4, False), (2, 1, 2, False), (1, 2, 4, True)]:
-        consts = dict(WARPS=warps, PTX=M.gemv_ptx(nt, chunks, True, prefetch),
-                      PDL=True)
-        ops = opcode_counts(main_loop(sm90_sass(kernel, sig, consts, warps, hints=hints)))
+        ops = opcode_counts(mma_gemv_loop(M.gemv_ptx(nt, chunks, True, prefetch), warps))
         groups = 2 if prefetch else 1  # the prefetching loop is unrolled twice
         assert ops["HMMA"] == groups * (nt + 1) * chunks * 4, ops  # + x's sums (all-ones A)
         assert ops["LDS"] == ops["STS"] == ops["BAR"] == 0, ops
