@@ -34,6 +34,7 @@ the GEMM above one row keeps reading `qweight`).
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections import Counter
 from collections.abc import Iterator
@@ -62,14 +63,14 @@ if TYPE_CHECKING:
 _ops = lazy_import("radixlm.layers.quantization.triton_ops.int4")  # Triton: CUDA only
 _mma = lazy_import("radixlm.layers.quantization.triton_ops.int4_mma")
 MMA_ENV = "RADIXLM_INT4_GEMV"  # "mma": the tensor-core one-row GEMV (opt-in)
-
-
-def mma_requested() -> bool:
-    return os.environ.get(MMA_ENV, "") == "mma"
 INT32 = frozenset({torch.int32})
 # The output feature (within its 8) that AWQ packs into nibble i.
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
 _SHIFTS = tuple(range(0, 32, 4))
+
+
+def mma_requested() -> bool:
+    return os.environ.get(MMA_ENV, "") == "mma"
 
 
 # ---- packing (torch, any device) ---------------------------------------------------------
@@ -286,6 +287,16 @@ class Int4Weight:
         return dequantize(self.qweight, self.zeros, self.scales, groups)
 
 
+def with_tensor_cores(w: Int4Weight) -> Int4Weight:
+    """`w` with its weights a second time in MMA fragment order (`int4_mma.py`) when
+    $RADIXLM_INT4_GEMV=mma asks and the layer fits that kernel (groups of 64 or
+    128, no act-order, whole tiles), else `w`."""
+    k, n = 8 * w.qweight.shape[0], w.qweight.shape[1]
+    if not (mma_requested() and w.qweight.is_cuda and _mma.takes(n, k, w.group, w.g_idx)):
+        return w
+    return dataclasses.replace(w, mma=_mma.mma_layout(unpack_rows(w.qweight)))
+
+
 class Int4LinearMethod(LinearMethod):
     """An AWQ or GPTQ layer: `qweight`, `qzeros`, `scales` (and GPTQ's `g_idx`)."""
 
@@ -351,14 +362,9 @@ class Int4LinearMethod(LinearMethod):
                 g_idx = None
             elif torch.equal(g_idx, trivial):
                 g_idx = None if piece.whole else g_idx
-        qweight = layer.qweight.data
-        mma = None
-        if (mma_requested() and qweight.is_cuda
-                and _mma.takes(qweight.shape[1], 8 * qweight.shape[0], g, g_idx)):
-            mma = _mma.mma_layout(unpack_rows(qweight))
-        layer.int4 = Int4Weight(qweight, layer.qzeros.data, layer.scales.data, g,
-                                None if g_idx is None else g_idx.to(torch.int32).contiguous(),
-                                mma)
+        layer.int4 = with_tensor_cores(Int4Weight(
+            layer.qweight.data, layer.qzeros.data, layer.scales.data, g,
+            None if g_idx is None else g_idx.to(torch.int32).contiguous()))
 
     def drop_derived(self, layer: LinearBase) -> None:
         layer.int4 = None

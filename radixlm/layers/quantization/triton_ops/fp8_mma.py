@@ -36,6 +36,7 @@ import triton
 
 from radixlm.layers import pdl
 from radixlm.layers.quantization.triton_ops.mma_gemv import (
+    CHUNK,
     MmaConfig,
     lane_lines,
     loop_ptx,
@@ -47,7 +48,6 @@ from radixlm.layers.quantization.triton_ops.mma_gemv import (
     sum_splits,
 )
 
-CHUNK = 64  # features a lane's 8 words cover (4 MMA blocks of 16)
 STEP_CHUNKS = 2  # chunks a loop step loads before its MMAs
 TWO_POW_120 = "0f7B800000"  # 2^120 in fp32: e4m3 (bias 7) read as bf16 (bias 127)
 

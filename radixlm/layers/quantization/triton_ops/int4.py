@@ -377,7 +377,7 @@ def _gemv_sub_step_packed(words, x_ptrs, z_ptr, s_ptr, k, cols, NUM_GROUPS, stri
     4 LOP3, 4 subtractions and 4 multiply-adds for its 8 weights, in x's dtype
     (products and 4-term sums rounded there), the word's sum then scaled in fp32.
     LEAN (opt-in until GPU-tested): x in 32-bit loads, bf16 lanes widened by a
-    shift and a mask, no clamp of the group (EVEN: k < K), 3.77 -> 3.4
+    shift and a mask, no clamp of the group (EVEN: k < K), 3.77 -> 3.12
     instructions a weight in sm_90 SASS (`benchmarks/int4_gemv_sass.py`)."""
     g = k // GROUP if LEAN else tl.minimum(k // GROUP, NUM_GROUPS - 1)
     s = tl.load(s_ptr + g * stride_s + cols).to(tl.float32)

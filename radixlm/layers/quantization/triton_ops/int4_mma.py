@@ -51,6 +51,7 @@ import triton
 
 from radixlm.layers import pdl
 from radixlm.layers.quantization.triton_ops.mma_gemv import (
+    CHUNK,
     MmaConfig,
     lane_lines,
     loop_ptx,
@@ -62,7 +63,6 @@ from radixlm.layers.quantization.triton_ops.mma_gemv import (
     sum_splits,
 )
 
-CHUNK = 64  # features a lane's 4 words cover (4 MMA blocks of 16)
 GROUPS = (64, 128)  # group sizes the kernel takes (whole chunks, <= 2 chunks unrolled)
 
 

@@ -24,6 +24,8 @@ from radixlm.layers import pdl
 from radixlm.layers.pdl import pdl_trigger, pdl_wait
 from radixlm.layers.quantization.triton_ops.int4 import _int4_split_sum_kernel
 
+CHUNK = 64  # features a lane's words of one tile cover: 4 MMA blocks of 16
+
 
 class MmaConfig(NamedTuple):
     warps: int = 4
