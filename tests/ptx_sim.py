@@ -269,3 +269,30 @@ def run_block(asm: str, operands: list[int], warps: int, mem: Memory) -> None:
     """Every warp of one thread block runs `asm` with these operand values."""
     for w in range(warps):
         Warp(asm, operands, w, mem).run()
+
+
+def run_mma_gemv(ptx: str, cfg, x, words, a, b, steps: int, int_a: int = 0,
+                 int_b: int = 0):
+    """A tensor-core GEMV's PTX (`int4_mma` / `fp8_mma`) over the grid that
+    `mma_gemv_kernel` launches, each program with the operands it passes: x [1, K],
+    the fragment-order `words` [tiles, chunks, 32, *], the format's two arrays `a`,
+    `b` and two integers, `steps` loop steps split by `cfg.split`. Returns the
+    split-K partial sums added: fp32 [N] (torch)."""
+    import torch
+
+    from radixlm.layers.quantization.triton_ops.mma_gemv import splits
+
+    tiles, cpr = words.shape[:2]
+    n = 16 * tiles
+    per, split = splits(steps, cfg.split)
+    mem = Memory()
+    xa, wa = mem.add(x.view(torch.int16).numpy()), mem.add(words.numpy())
+    aa, ba = mem.add(a.numpy()), mem.add(b.numpy())
+    ws = mem.add(np.zeros((split, n), dtype=np.float32))
+    for pid_n in range(-(-tiles // (cfg.warps * cfg.nt))):
+        for pid_k in range(split):
+            lo = pid_k * per
+            ops = [0, xa, wa, aa, ba, ws + pid_k * n * 4, pid_n * cfg.warps, lo,
+                   min(steps, lo + per), tiles, cpr, n, int_a, int_b]
+            run_block(ptx, ops, cfg.warps, mem)
+    return torch.from_numpy(mem.buffer(ws).view(np.float32).reshape(split, n).copy()).sum(0)

@@ -8,14 +8,13 @@ from __future__ import annotations
 import os
 import sys
 
-import numpy as np
 import pytest
 import torch
 
 from radixlm.layers.quantization.triton_ops import fp8_mma as M
 
 sys.path.insert(0, os.path.dirname(__file__))
-from ptx_sim import Memory, run_block  # noqa: E402
+from ptx_sim import run_mma_gemv  # noqa: E402
 
 
 def e4m3_weight(n: int, k: int, seed: int) -> torch.Tensor:
@@ -46,23 +45,9 @@ def test_layout_round_trip_and_formula() -> None:
 def simulate(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor, cfg: M.MmaConfig):
     """The PTX of every program in the simulator, operands as `mma_gemv_kernel`
     gets them; the split-K partial sums added: fp32 [N]."""
-    n, k = w.shape
-    words = M.mma_layout(w)
-    tiles, cpr = words.shape[:2]
-    steps = k // (M.STEP_CHUNKS * M.CHUNK)
-    s_split = -(-steps // cfg.split)
-    split = -(-steps // s_split)
-    mem = Memory()
-    xa, wa = mem.add(x.view(torch.int16).numpy()), mem.add(words.numpy())
-    sa, ws = mem.add(s.numpy()), mem.add(np.zeros((split, n), dtype=np.float32))
-    ptx = M.gemv_ptx(cfg.nt, cfg.prefetch)
-    for pid_n in range(-(-tiles // (cfg.warps * cfg.nt))):
-        for pid_k in range(split):
-            lo = pid_k * s_split
-            ops = [0, xa, wa, sa, sa, ws + pid_k * n * 4, pid_n * cfg.warps, lo,
-                   min(steps, lo + s_split), tiles, cpr, n, 0, 0]
-            run_block(ptx, ops, cfg.warps, mem)
-    return torch.from_numpy(mem.buffer(ws).view(np.float32).reshape(split, n).copy()).sum(0)
+    k = w.shape[1]
+    return run_mma_gemv(M.gemv_ptx(cfg.nt, cfg.prefetch), cfg, x, M.mma_layout(w), s, s,
+                        k // (M.STEP_CHUNKS * M.CHUNK))
 
 
 @pytest.mark.parametrize("n,k,cfg", [

@@ -9,7 +9,6 @@ from __future__ import annotations
 import os
 import sys
 
-import numpy as np
 import pytest
 import torch
 
@@ -17,7 +16,7 @@ from radixlm.layers.quantization import int4 as I
 from radixlm.layers.quantization.triton_ops import int4_mma as M
 
 sys.path.insert(0, os.path.dirname(__file__))
-from ptx_sim import Memory, run_block  # noqa: E402
+from ptx_sim import run_mma_gemv  # noqa: E402
 
 
 def int4_case(n: int, k: int, group: int, seed: int):
@@ -50,25 +49,10 @@ def simulate(x: torch.Tensor, q, z, s, group: int, cfg: M.MmaConfig) -> torch.Te
     """What `int4_gemv_mma` computes before its split-K sum: the PTX of every program
     in the simulator, operands as `mma_gemv_kernel` gets them; fp32 [N]."""
     k, n = q.shape
-    words = M.mma_layout(q)
-    tiles, cpr = words.shape[:2]
-    num_groups = k // group
-    g_split = -(-num_groups // cfg.split)
-    split = -(-num_groups // g_split)
-    mem = Memory()
-    xa = mem.add(x.view(torch.int16).numpy())
-    wa = mem.add(words.numpy())
-    za = mem.add(z.numpy())
-    sa = mem.add(s.view(torch.int16).numpy())
-    ws = mem.add(np.zeros((split, n), dtype=np.float32))
     ptx = M.gemv_ptx(cfg.nt, group // M.CHUNK, x.dtype == torch.bfloat16, cfg.prefetch)
-    for pid_n in range(-(-tiles // (cfg.warps * cfg.nt))):
-        for pid_k in range(split):
-            g_lo = pid_k * g_split
-            ops = [0, xa, wa, za, sa, ws + pid_k * n * 4, pid_n * cfg.warps, g_lo,
-                   min(num_groups, g_lo + g_split), tiles, cpr, n, n, n]
-            run_block(ptx, ops, cfg.warps, mem)
-    return torch.from_numpy(mem.buffer(ws).view(np.float32).reshape(split, n).copy()).sum(0)
+    # A step is a group; the zero points' and scales' rows are N apart.
+    return run_mma_gemv(ptx, cfg, x, M.mma_layout(q), z, s.view(torch.int16), k // group,
+                        n, n)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
