@@ -51,7 +51,8 @@ from radixlm.layers.pdl import pdl_trigger, pdl_wait
 from radixlm.layers.tiles import grouped_tile
 
 MAX_SUB_STEPS = 4
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # no inline PTX there
+# The interpreter runs no inline PTX: there the packed halves' PTX is emulated.
+_EMULATE = tl.constexpr(os.environ.get("TRITON_INTERPRET") == "1")
 
 
 class Int4Config(NamedTuple):
@@ -287,9 +288,6 @@ def _half_pair(lo, hi):
     lo = lo.to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
     hi = hi.to(tl.int16, bitcast=True).to(tl.int32)
     return lo | (hi << 16)
-
-
-_EMULATE = tl.constexpr(INTERPRET)
 
 
 @triton.jit
