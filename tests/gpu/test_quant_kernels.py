@@ -166,9 +166,7 @@ def test_fp8_gemv_tile_loads(case, bk, loads):
     if n % 2 == 0 and block is None:
         fused = F.fp8_gemv(x, w.weight, w.scales, 0, 1, config=cfg, silu_mul=True)
         plain = F.fp8_gemv(x, w.weight, w.scales, 0, 1, config=cfg._replace(stages=1))
-        gate, up = plain.float().split(n // 2, -1)
-        torch.testing.assert_close(fused.float(), torch.nn.functional.silu(gate) * up,
-                                   rtol=2e-2, atol=2e-2)
+        check_silu_mul(fused, plain)
 
 
 @pytest.mark.parametrize("m", [1, 3, 8])
@@ -180,9 +178,7 @@ def test_fp8_gemv_silu_mul_and_out_buffer(m, block):
     x = randn(m, k, seed=5, dtype=dtype)
     fused = F.fp8_linear(x, w.weight, w.scales, w.block_k, w.scale_rows, None, silu_mul=True)
     plain = F.fp8_linear(x, w.weight, w.scales, w.block_k, w.scale_rows, None)
-    gate, up = plain.float().split(d, -1)
-    torch.testing.assert_close(fused.float(), torch.nn.functional.silu(gate) * up,
-                               rtol=2e-2, atol=2e-2)
+    check_silu_mul(fused, plain)
     buf = torch.empty(m, 2 * d, device=DEV, dtype=dtype)
     got = F.fp8_linear(x, w.weight, w.scales, w.block_k, w.scale_rows, None, out=buf)
     assert got.data_ptr() == buf.data_ptr() and torch.equal(buf, plain)
@@ -330,14 +326,20 @@ def test_int4_gemv_split_k(case, act_order, split):
         check_int4_silu_mul(x, w, cfg)
 
 
+def check_silu_mul(fused: torch.Tensor, plain: torch.Tensor) -> None:
+    """A fused SiLU-and-mul output equals silu(gate) * up of the plain product of
+    the merged [gate; up] weight (its halves along the last dim)."""
+    gate, up = plain.float().split(plain.shape[-1] // 2, -1)
+    torch.testing.assert_close(fused.float(), torch.nn.functional.silu(gate) * up,
+                               rtol=2e-2, atol=2e-2)
+
+
 def check_int4_silu_mul(x, w, cfg) -> None:
     """The GEMV's fused SiLU-and-mul on a merged [gate; up] equals the plain product's."""
     fused = T.int4_gemv(x, w.qweight, w.zeros, w.scales, w.group, w.g_idx, config=cfg,
                         silu_mul=True)
     plain = T.int4_gemv(x, w.qweight, w.zeros, w.scales, w.group, w.g_idx, config=cfg)
-    gate, up = plain.float().split(plain.shape[-1] // 2, -1)
-    torch.testing.assert_close(fused.float(), torch.nn.functional.silu(gate) * up,
-                               rtol=2e-2, atol=2e-2)
+    check_silu_mul(fused, plain)
 
 
 def check_packed(out, ref, x, w, dtype) -> torch.Tensor:
@@ -407,9 +409,7 @@ def test_int4_gemv_mma(dtype, group, cfg):
                        MM.int4_gemv_mma(x, words, w.zeros, w.scales, group, bias))
     fused = MM.int4_gemv_mma(x, words, w.zeros, w.scales, group, config=config, silu_mul=True)
     plain = MM.int4_gemv_mma(x, words, w.zeros, w.scales, group, config=config)
-    gate, up = plain.float().split(n // 2, -1)
-    torch.testing.assert_close(fused.float(), torch.nn.functional.silu(gate) * up,
-                               rtol=2e-2, atol=2e-2)
+    check_silu_mul(fused, plain)
 
 
 @needs_cuda
@@ -439,9 +439,7 @@ def test_fp8_gemv_mma(cfg):
                        FM.fp8_gemv_mma(x, words, s, bias))
     fused = FM.fp8_gemv_mma(x, words, s, config=config, silu_mul=True)
     plain = FM.fp8_gemv_mma(x, words, s, config=config)
-    gate, up = plain.float().split(n // 2, -1)
-    torch.testing.assert_close(fused.float(), torch.nn.functional.silu(gate) * up,
-                               rtol=2e-2, atol=2e-2)
+    check_silu_mul(fused, plain)
 
 
 def test_int4_out_buffer_and_awq_repacking():
@@ -514,9 +512,7 @@ def test_int4_gemv_silu_mul(act_order):
     x = randn(1, k, seed=14, dtype=DTYPES[0])
     fused = T.int4_linear(x, w.qweight, w.zeros, w.scales, 64, w.g_idx, silu_mul=True)
     plain = T.int4_linear(x, w.qweight, w.zeros, w.scales, 64, w.g_idx)
-    gate, up = plain.float().split(d, -1)
-    torch.testing.assert_close(fused.float(), torch.nn.functional.silu(gate) * up,
-                               rtol=2e-2, atol=2e-2)
+    check_silu_mul(fused, plain)
     x2 = randn(2, k, seed=15, dtype=DTYPES[0])
     assert T.int4_linear(x2, w.qweight, w.zeros, w.scales, 64, w.g_idx, silu_mul=True) is None
 
