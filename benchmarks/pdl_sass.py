@@ -24,7 +24,7 @@ from radixlm.layers.quantization.triton_ops import fp8 as F8
 from radixlm.layers.quantization.triton_ops import fp8_mma as F8M
 from radixlm.layers.quantization.triton_ops import int4 as I4
 from radixlm.layers.quantization.triton_ops import int4_mma as I4M
-from radixlm.layers.quantization.triton_ops import mma_gemv as MG8
+from radixlm.layers.quantization.triton_ops import mma_gemv as MMA
 
 SHOWN = ("LDG", "ACQBULK", "FADD", "FFMA", "BAR", "STG", "HMMA")
 
@@ -86,10 +86,10 @@ def kernels():
            dict(BN=64, ROWS=16, GROUP=128, SUB_STEPS=2, ACT_ORDER=False, HAS_BIAS=False,
                 SILU_MUL=False, PARTIAL=True, EVEN=True, PACKED=True, BF16=True, LEAN=False,
                 PDL=True), 4)
-    yield ("int4 GEMV on the tensor cores", MG8.mma_gemv_kernel,
+    yield ("int4 GEMV on the tensor cores", MMA.mma_gemv_kernel,
            {"x_ptr": b16, "w_ptr": i32, "a_ptr": i32, "b_ptr": b16, "ws_ptr": f32}, (),
            dict(WARPS=4, PTX=I4M.gemv_ptx(1, 2, True, True), PDL=True), 4)
-    yield ("FP8 GEMV on the tensor cores", MG8.mma_gemv_kernel,
+    yield ("FP8 GEMV on the tensor cores", MMA.mma_gemv_kernel,
            {"x_ptr": b16, "w_ptr": i32, "a_ptr": f32, "b_ptr": f32, "ws_ptr": f32}, (),
            dict(WARPS=4, PTX=F8M.gemv_ptx(1, True), PDL=True), 4)
     yield ("int4 split-K sum", I4._int4_split_sum_kernel,
