@@ -8,7 +8,7 @@ clients that disconnect at random (seeded) times leave no KV held, and the
 server answers a new request at once.
 
 The default suite runs small variants on the shared server; the full ones
-(500 requests x 3 rounds, a 200-client storm) are marked slow:
+(500 requests x 4 rounds, a 200-client storm) are marked slow:
 `python -m pytest -m slow tests/test_reliability_load.py`.
 Each test prints one line per round (RSS, timings) to the terminal.
 """
@@ -34,8 +34,10 @@ pytestmark = pytest.mark.timeout(900)
 MODEL = "SmolLM2-135M-Instruct"
 PROMPTS = [f"Tell me one fact about {w}." for w in (
     "Paris", "the sea", "owls", "copper", "Mars", "tea", "glaciers", "chess", "bees", "rain")]
-# RSS may settle a little after the first round (allocator arenas, caches of
-# tokenizations); growth beyond this from one round to the next is a leak.
+# RSS settles during the first round of a load shape (glibc arenas of the
+# server's threads grew by 110 MB there once on this 2-core machine), so the
+# first round is the baseline; growth beyond this from one later round to the
+# next is a leak.
 RSS_SLACK_MB = 64.0
 
 
@@ -169,17 +171,18 @@ def run_load(server: ServerProcess, capsys: Any, num_requests: int, rounds: int)
                   f"kv_tokens_in_use={info['kv_tokens_in_use']}; "
                   f"server RSS {rss[-1]:.0f} MB")
         assert tally["completed"] == num_requests
-    for k in range(1, rounds):
+    assert rounds >= 3, "the first round only settles the allocator"
+    for k in range(2, rounds):
         assert rss[k] <= rss[k - 1] + RSS_SLACK_MB, f"RSS grew across rounds: {rss}"
 
 
 def test_load_rounds(server: ServerProcess, capsys: Any) -> None:
-    run_load(server, capsys, num_requests=120, rounds=2)
+    run_load(server, capsys, num_requests=80, rounds=3)
 
 
 @pytest.mark.slow
 def test_load_rounds_full(server: ServerProcess, capsys: Any) -> None:
-    run_load(server, capsys, num_requests=500, rounds=3)
+    run_load(server, capsys, num_requests=500, rounds=4)
 
 
 # ---- 2. cancellation storm ------------------------------------------------------------
