@@ -38,7 +38,7 @@ def kernels():
            dict(BLOCK_T=8, BLOCK_E=16, CHUNK_K=128, BLOCK_K=32, EVEN_K=True, PDL=True), 4)
     yield ("router top-k", TK._topk_kernel, {"part_ptr": f32, "w_out_ptr": f32, "id_out_ptr": i32},
            (), dict(S=16, TOP_K=8, EP=128, KP=8, RENORM=True, ROUND=1, LIBDEVICE_EXP=True,
-                    PDL=True), 4)
+                    PDL=True), TK.topk_warps(128))
     moe = {"x_ptr": b16, "act_ptr": b16, "w_ptr": b16, "s_ptr": f32, "ids_ptr": i32,
            "topk_w_ptr": f32, "out_ptr": b16}
     yield ("MoE gate/up", MG._gate_up_kernel, moe, (),

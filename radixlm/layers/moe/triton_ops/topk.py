@@ -116,9 +116,13 @@ def logits_tiles(num_experts: int, hidden: int, *, block_e: int = 16,
 
 
 def topk_warps(num_experts: int) -> int:
-    """Warps of a top-k program (one token's [E rounded up] row): one lane per expert
-    up to 4 warps. Fixed per layer, as the softmax's sum is a tree over the row."""
-    return max(1, min(4, _experts_pow2(num_experts) // 32))
+    """Warps of a top-k program (one token's [E rounded up] row): one, whatever E.
+    Its reductions then stay inside the warp: a round of the selection is two
+    `redux.sync` (the 64-bit key's max), where 4 warps took a barrier and a trip
+    through shared memory for each of a round's three reductions (51 barriers at
+    E 128, top-8 in the sm_90 SASS, `benchmarks/pdl_sass.py`). Fixed, as the
+    softmax's sum is a tree over the row whose shape the warps set."""
+    return 1
 
 
 def _experts_pow2(num_experts: int) -> int:
@@ -268,19 +272,24 @@ def _topk_kernel(part_ptr, w_out_ptr, id_out_ptr, T, E,
     logits = tl.where(col_ok, logits, float("-inf"))
     p = _exp(logits - tl.max(logits, axis=1)[:, None], LIBDEVICE_EXP)
     probs = p / tl.sum(p, axis=1)[:, None]
-    # Selection key: padded experts below every real one (probs >= 0); NaN above all,
-    # as torch.topk ranks it.
-    key = tl.where(col_ok, tl.where(probs != probs, float("inf"), probs), -1.0)
+    # One key a lane: the prob's fp32 bits (order-preserving for probs >= 0; NaN,
+    # which torch.topk ranks above all, mapped above inf) plus one, in the high
+    # word; EP - 1 - id in the low word, so that of equal probs the lower id is the
+    # larger key. A round is then one max reduction, and its key carries the prob
+    # bit for bit and the id. Padded and picked experts hold 0, below every real
+    # key (top_k <= E leaves a real one in every round).
+    bits = tl.where(probs != probs, 0x7FC00000, probs.to(tl.int32, bitcast=True))
+    key = ((bits.to(tl.int64) + 1) << 32) | (EP - 1 - cols[None, :]).to(tl.int64)
+    key = tl.where(col_ok, key, 0)
     slots = tl.arange(0, KP)[None, :]
     out_w = tl.zeros([1, KP], dtype=tl.float32)
     out_id = tl.zeros([1, KP], dtype=tl.int32)
     total = tl.zeros([1], dtype=tl.float32)
     for j in range(TOP_K):
         best = tl.max(key, axis=1)
-        pick = tl.min(tl.where(key == best[:, None], cols[None, :], EP), axis=1)
-        hit = cols[None, :] == pick[:, None]
-        w = tl.sum(tl.where(hit, probs, 0.0), axis=1)  # the one hit's prob, exactly
-        key = tl.where(hit, -2.0, key)
+        pick = (EP - 1 - (best & 0xFFFFFFFF)).to(tl.int32)
+        w = ((best >> 32) - 1).to(tl.int32).to(tl.float32, bitcast=True)  # the prob, exactly
+        key = tl.where(cols[None, :] == pick[:, None], 0, key)
         total += w  # in order of j, like the slots
         out_w = tl.where(slots == j, w[:, None], out_w)
         out_id = tl.where(slots == j, pick[:, None], out_id)
