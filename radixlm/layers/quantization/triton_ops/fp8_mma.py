@@ -206,7 +206,7 @@ def fp8_gemv_mma(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor,
     assert x.shape == (1, k) and x.stride(1) == 1 and x.data_ptr() % 16 == 0
     assert x.dtype == torch.bfloat16 and words.is_contiguous() and scales.shape == (n,)
     assert scales.dtype == torch.float32 and scales.is_contiguous()
-    cfg = config or pick_config(k)
+    cfg = config or pick_config(n)
     steps = k // (STEP_CHUNKS * CHUNK)
     s_split, split = splits(steps, cfg.split)
     ws = torch.empty((split, n), device=x.device, dtype=torch.float32)

@@ -260,7 +260,7 @@ def int4_gemv_mma(x: torch.Tensor, words: torch.Tensor, zeros: torch.Tensor,
     assert x.shape == (1, k) and x.stride(1) == 1 and x.data_ptr() % 16 == 0
     assert x.dtype in (torch.bfloat16, torch.float16) and words.is_contiguous()
     assert group in GROUPS and k % group == 0 and zeros.stride(1) == scales.stride(1) == 1
-    cfg = config or pick_config(k)
+    cfg = config or pick_config(n)
     num_groups = k // group
     g_split, split = splits(num_groups, cfg.split)
     ws = torch.empty((split, n), device=x.device, dtype=torch.float32)

@@ -34,14 +34,14 @@ class MmaConfig(NamedTuple):
     prefetch: bool = False  # the next step's loads before this step's MMAs
 
 
-def pick_config(k: int) -> MmaConfig:
-    """Untimed (these kernels have not met a GPU yet): 4 warps of one tile each, the
-    CUDA-core GEMVs' split (16 where K >= 8192), and the prefetching loop: in the
-    sm_90 SASS of the plain loop ptxas sinks a step's later loads below its first
-    MMAs (two round trips a step), where the prefetching loop issues the next
-    step's loads before this step's MMAs (`benchmarks/pdl_sass.py` prints the
-    order)."""
-    return MmaConfig(4, 1, 16 if k >= 8192 else 8, prefetch=True)
+def pick_config(n: int) -> MmaConfig:
+    """4 warps of one tile each and the prefetching loop (in the sm_90 SASS of the
+    plain loop ptxas sinks a step's later loads below its first MMAs: two round
+    trips a step). K split in 4 where N >= 6144, else in 8: the best or within
+    3 % of it for both formats at Llama-3.1-8B's four shapes on an H100
+    (`python benchmarks/quant_kernels.py --sweep`, BENCHMARKS.md 2026-12-05),
+    where split 16 at K 14336 lost 4-30 %."""
+    return MmaConfig(4, 1, 4 if n >= 6144 else 8, prefetch=True)
 
 
 def regs(prefix: str, n: int) -> str:
