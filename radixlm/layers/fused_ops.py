@@ -140,12 +140,16 @@ if HAS_TRITON:
         tl.store(Y + row * stride_y + offs, (x * rstd * w).to(Y.dtype.element_ty), mask=mask)
 
     @triton.jit
-    def _norm_heads(x1, x2, W, offs, dmask, eps, HEAD_DIM: tl.constexpr, HALF: tl.constexpr,
-                    dtype: tl.constexpr):
-        """RMSNorm of each row (head) of a [heads, HALF] x2 tile pair, rounded."""
-        rstd = tl.rsqrt((tl.sum(x1 * x1, 1) + tl.sum(x2 * x2, 1)) / HEAD_DIM + eps)[:, None]
+    def _norm_weights(W, offs, dmask, HALF: tl.constexpr):
+        """A head's norm weights as the two [1, HALF] halves `_norm_heads` takes."""
         w1 = tl.load(W + offs, mask=dmask, other=0.0).to(tl.float32)[None, :]
         w2 = tl.load(W + HALF + offs, mask=dmask, other=0.0).to(tl.float32)[None, :]
+        return w1, w2
+
+    @triton.jit
+    def _norm_heads(x1, x2, w1, w2, eps, HEAD_DIM: tl.constexpr, dtype: tl.constexpr):
+        """RMSNorm of each row (head) of a [heads, HALF] x2 tile pair, rounded."""
+        rstd = tl.rsqrt((tl.sum(x1 * x1, 1) + tl.sum(x2 * x2, 1)) / HEAD_DIM + eps)[:, None]
         return ((x1 * rstd * w1).to(dtype).to(tl.float32),
                 (x2 * rstd * w2).to(dtype).to(tl.float32))
 
@@ -158,9 +162,8 @@ if HAS_TRITON:
                      STORE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                      PDL: tl.constexpr):
         t = tl.program_id(0).to(tl.int64)
-        # The position, its cos/sin row and the cache slot are the step's inputs and
-        # a constant table (`radixlm.layers.pdl`): read before the wait, so after it
-        # only q and k (the kernel before wrote them) are one round trip away.
+        # The position, its cos/sin row, the cache slot and the q/k norm weights are
+        # the step's inputs and constants (`radixlm.layers.pdl`): read before the wait.
         pos = tl.load(Pos + t).to(tl.int64)
         offs = tl.arange(0, BLOCK_HALF)
         dmask = offs < HALF
@@ -169,28 +172,36 @@ if HAS_TRITON:
                       other=0.0).to(tl.float32)
         if STORE:
             row = tl.load(Loc + t).to(tl.int64) * (NK * HEAD_DIM)
-        pdl_wait(PDL)
-        pdl_trigger(PDL)
-        # All query heads of the token in one tile, then all key heads: one
+        if QK_NORM:
+            wq1, wq2 = _norm_weights(WQ, offs, dmask, HALF)
+            wk1, wk2 = _norm_weights(WK, offs, dmask, HALF)
+        # All query heads of the token in one tile, all key heads in another: one
         # program per token reads its cos/sin row once.
         hq = tl.arange(0, BLOCK_HQ)
         mq = (hq < NQ)[:, None] & dmask[None, :]
         pq = Q + t * stride_qt + hq[:, None] * stride_qh + offs[None, :]
-        x1 = tl.load(pq, mask=mq, other=0.0).to(tl.float32)
-        x2 = tl.load(pq + HALF, mask=mq, other=0.0).to(tl.float32)
-        if QK_NORM:
-            x1, x2 = _norm_heads(x1, x2, WQ, offs, dmask, eps, HEAD_DIM, HALF,
-                                 Q.dtype.element_ty)
-        tl.store(pq, (x1 * cos - x2 * sin).to(Q.dtype.element_ty), mask=mq)
-        tl.store(pq + HALF, (x2 * cos + x1 * sin).to(Q.dtype.element_ty), mask=mq)
         hk = tl.arange(0, BLOCK_HK)
         mk = (hk < NK)[:, None] & dmask[None, :]
         pk = K + t * stride_kt + hk[:, None] * stride_kh + offs[None, :]
+        dv = tl.arange(0, BLOCK_D)
+        mv = (hk < NK)[:, None] & (dv < HEAD_DIM)[None, :]
+        heads = hk[:, None] * HEAD_DIM + dv[None, :]
+        pdl_wait(PDL)
+        pdl_trigger(PDL)
+        # q, k and v (the kernel before wrote them) all loaded before any store: a
+        # store to Q could alias K for all the compiler knows, so loads after it
+        # would wait for it, a round trip each.
+        if STORE:
+            v = tl.load(V + t * stride_vt + heads, mask=mv)
+        x1 = tl.load(pq, mask=mq, other=0.0).to(tl.float32)
+        x2 = tl.load(pq + HALF, mask=mq, other=0.0).to(tl.float32)
         y1 = tl.load(pk, mask=mk, other=0.0).to(tl.float32)
         y2 = tl.load(pk + HALF, mask=mk, other=0.0).to(tl.float32)
         if QK_NORM:
-            y1, y2 = _norm_heads(y1, y2, WK, offs, dmask, eps, HEAD_DIM, HALF,
-                                 K.dtype.element_ty)
+            x1, x2 = _norm_heads(x1, x2, wq1, wq2, eps, HEAD_DIM, Q.dtype.element_ty)
+            y1, y2 = _norm_heads(y1, y2, wk1, wk2, eps, HEAD_DIM, K.dtype.element_ty)
+        tl.store(pq, (x1 * cos - x2 * sin).to(Q.dtype.element_ty), mask=mq)
+        tl.store(pq + HALF, (x2 * cos + x1 * sin).to(Q.dtype.element_ty), mask=mq)
         k1 = (y1 * cos - y2 * sin).to(K.dtype.element_ty)
         k2 = (y2 * cos + y1 * sin).to(K.dtype.element_ty)
         tl.store(pk, k1, mask=mk)
@@ -199,10 +210,7 @@ if HAS_TRITON:
             pkb = KBuf + row + hk[:, None] * HEAD_DIM + offs[None, :]
             tl.store(pkb, k1, mask=mk)
             tl.store(pkb + HALF, k2, mask=mk)
-            dv = tl.arange(0, BLOCK_D)
-            mv = (hk < NK)[:, None] & (dv < HEAD_DIM)[None, :]
-            heads = hk[:, None] * HEAD_DIM + dv[None, :]
-            tl.store(VBuf + row + heads, tl.load(V + t * stride_vt + heads, mask=mv), mask=mv)
+            tl.store(VBuf + row + heads, v, mask=mv)
 
     @triton.jit
     def _act_and_mul_kernel(X, Y, stride_x, stride_y, D, BLOCK: tl.constexpr,
