@@ -170,6 +170,10 @@ class Warp:
             self.set(a[0], (self.val(a[1]) & m32) << self.val(a[2]), on)
         elif op in ("add.u32", "add.u64"):
             self.set(a[0], self.val(a[1]) + self.val(a[2]), on, 64 if op.endswith("64") else 32)
+        elif op == "sub.u32":  # wraps as the device's does
+            self.set(a[0], (self.val(a[1]) - self.val(a[2])) & m32, on)
+        elif op == "min.u32":
+            self.set(a[0], np.minimum(self.val(a[1]) & m32, self.val(a[2]) & m32), on)
         elif op == "mul.lo.u32":
             self.set(a[0], (self.val(a[1]) & m32) * (self.val(a[2]) & m32), on)
         elif op == "mad.lo.u32":
@@ -274,25 +278,27 @@ def run_block(asm: str, operands: list[int], warps: int, mem: Memory) -> None:
 def run_mma_gemv(ptx: str, cfg, x, words, a, b, steps: int, int_a: int = 0,
                  int_b: int = 0):
     """A tensor-core GEMV's PTX (`int4_mma` / `fp8_mma`) over the grid that
-    `mma_gemv_kernel` launches, each program with the operands it passes: x [1, K],
+    `mma_gemv_kernel` launches, each program with the operands it passes: x [M, K],
     the fragment-order `words` [tiles, chunks, 32, *], the format's two arrays `a`,
     `b` and two integers, `steps` loop steps split by `cfg.split`. Returns the
-    split-K partial sums added: fp32 [N] (torch)."""
+    split-K partial sums added: fp32 [M, N] (torch)."""
     import torch
 
     from radixlm.layers.quantization.triton_ops.mma_gemv import splits
 
     tiles, cpr = words.shape[:2]
-    n = 16 * tiles
+    n, m = 16 * tiles, x.shape[0]
     per, split = splits(steps, cfg.split)
     mem = Memory()
     xa, wa = mem.add(x.view(torch.int16).numpy()), mem.add(words.numpy())
     aa, ba = mem.add(a.numpy()), mem.add(b.numpy())
-    ws = mem.add(np.zeros((split, n), dtype=np.float32))
+    # NaN where no lane writes: a row or column the kernel skipped shows.
+    ws = mem.add(np.full((split, m, n), np.nan, dtype=np.float32))
     for pid_n in range(-(-tiles // (cfg.warps * cfg.nt))):
         for pid_k in range(split):
             lo = pid_k * per
-            ops = [0, xa, wa, aa, ba, ws + pid_k * n * 4, pid_n * cfg.warps, lo,
-                   min(steps, lo + per), tiles, cpr, n, int_a, int_b]
+            ops = [0, xa, wa, aa, ba, ws + pid_k * m * n * 4, pid_n * cfg.warps, lo,
+                   min(steps, lo + per), tiles, cpr, n, int_a, int_b, m]
             run_block(ptx, ops, cfg.warps, mem)
-    return torch.from_numpy(mem.buffer(ws).view(np.float32).reshape(split, n).copy()).sum(0)
+    sums = mem.buffer(ws).view(np.float32).reshape(split, m, n).copy()
+    return torch.from_numpy(sums).sum(0)

@@ -44,10 +44,10 @@ def test_layout_round_trip_and_formula() -> None:
 
 def simulate(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor, cfg: M.MmaConfig):
     """The PTX of every program in the simulator, operands as `mma_gemv_kernel`
-    gets them; the split-K partial sums added: fp32 [N]."""
+    gets them; the split-K partial sums added: fp32 [N] (x is one row)."""
     k = w.shape[1]
     return run_mma_gemv(M.gemv_ptx(cfg.nt, cfg.prefetch), cfg, x, M.mma_layout(w), s, s,
-                        k // (M.STEP_CHUNKS * M.CHUNK))
+                        k // (M.STEP_CHUNKS * M.CHUNK))[0]
 
 
 @pytest.mark.parametrize("n,k,cfg", [

@@ -47,9 +47,11 @@ def test_layout_round_trip_and_formula() -> None:
 
 def simulate(x: torch.Tensor, q, z, s, group: int, cfg: M.MmaConfig) -> torch.Tensor:
     """What `int4_gemv_mma` computes before its split-K sum: the PTX of every program
-    in the simulator, operands as `mma_gemv_kernel` gets them; fp32 [N]."""
+    (the rows PTX where x has more than one) in the simulator, operands as
+    `mma_gemv_kernel` gets them; fp32 [M, N]."""
     k, n = q.shape
-    ptx = M.gemv_ptx(cfg.nt, group // M.CHUNK, x.dtype == torch.bfloat16, cfg.prefetch)
+    ptx = M.gemv_ptx(cfg.nt, group // M.CHUNK, x.dtype == torch.bfloat16, cfg.prefetch,
+                     rows=x.shape[0] > 1)
     # A step is a group; the zero points' and scales' rows are N apart.
     return run_mma_gemv(ptx, cfg, x, M.mma_layout(q), z, s.view(torch.int16), k // group,
                         n, n)
@@ -67,18 +69,34 @@ def simulate(x: torch.Tensor, q, z, s, group: int, cfg: M.MmaConfig) -> torch.Te
     (32, 384, 128, M.MmaConfig(1, 1, 1, prefetch=True)),
 ])
 def test_ptx_against_float64(dtype, n, k, group, cfg) -> None:
+    check_against_float64(1, dtype, n, k, group, cfg)
+
+
+@pytest.mark.parametrize("m,n,k,group,cfg", [
+    (2, 16, 128, 64, M.MmaConfig(1, 1, 1)),
+    (3, 48, 256, 128, M.MmaConfig(2, 1, 2)),  # rows past M: lanes load row M - 1
+    (8, 64, 384, 128, M.MmaConfig(1, 2, 2)),  # every column of B a row
+    (5, 32, 384, 64, M.MmaConfig(2, 1, 3, prefetch=True)),
+    (7, 64, 512, 128, M.MmaConfig(1, 2, 2, prefetch=True)),
+])
+def test_rows_ptx_against_float64(m, n, k, group, cfg) -> None:
+    check_against_float64(m, torch.bfloat16, n, k, group, cfg)
+
+
+def check_against_float64(m, dtype, n, k, group, cfg) -> None:
     q, z, s = int4_case(n, k, group, seed=n + k)
-    x = (torch.randn(1, k, generator=torch.Generator().manual_seed(k)) * 0.5).to(dtype)
+    x = (torch.randn(m, k, generator=torch.Generator().manual_seed(k)) * 0.5).to(dtype)
     got = simulate(x, q, z, s, group, cfg)
     scale = s.double().repeat_interleave(group, 0)  # [K, N]: each weight's scale
     w = (q.double() - z.double().repeat_interleave(group, 0)) * scale
-    ref = (x.double() @ w)[0]
+    ref = x.double() @ w
     # Exact products summed in fp32, but of offset + q (128 + q in bf16, 1024 + q in
     # fp16), the zero point's term taken out once per group: fp32 roundings of
     # (offset + 16) |x| s, a few units of 2^-24 each.
     offset = 128 if dtype == torch.bfloat16 else 1024
-    folded = (x.double().abs() @ scale)[0] * (offset + 16)
+    folded = (x.double().abs() @ scale) * (offset + 16)
     err = (got.double() - ref).abs()
+    assert got.shape == (m, n) and not got.isnan().any(), "an output was not written"
     assert (err <= 2.0 ** -20 * folded).all(), (err / folded).max()
 
 
@@ -105,8 +123,10 @@ def test_sm90_code_one_mma_a_word_no_shared_memory() -> None:
     sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
     from sass import mma_gemv_loop, opcode_counts
 
-    for nt, chunks, warps, prefetch in [(1, 2, 4, False), (2, 1, 2, False), (1, 2, 4, True)]:
-        ops = opcode_counts(mma_gemv_loop(M.gemv_ptx(nt, chunks, True, prefetch), warps))
+    for nt, chunks, warps, prefetch, rows in [(1, 2, 4, False, False), (2, 1, 2, False, False),
+                                              (1, 2, 4, True, False), (1, 2, 4, True, True)]:
+        ptx = M.gemv_ptx(nt, chunks, True, prefetch, rows)
+        ops = opcode_counts(mma_gemv_loop(ptx, warps))
         groups = 2 if prefetch else 1  # the prefetching loop is unrolled twice
         assert ops["HMMA"] == groups * (nt + 1) * chunks * 4, ops  # + x's sums (all-ones A)
         assert ops["LDS"] == ops["STS"] == ops["BAR"] == 0, ops

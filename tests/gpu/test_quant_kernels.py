@@ -413,6 +413,40 @@ def test_int4_gemv_mma(dtype, group, cfg):
 
 
 @needs_cuda
+@pytest.mark.parametrize("m", [2, 5, 8])
+@pytest.mark.parametrize("cfg", [(4, 1, 4, True), (2, 2, 3, False)])
+def test_int4_gemv_mma_rows(m, cfg):
+    """The tensor-core GEMV at 2-8 rows (each a column of B): within the one-row
+    test's bound of the float64 product, every row the same bits as that row alone
+    (a row's sums do not depend on M), bias and the fused SiLU per row, and
+    `int4_linear` routing these rows there."""
+    from radixlm.layers.quantization.triton_ops import int4_mma as MM
+
+    n, k, group = 512, 2048, 128
+    w = int4_weight(n, k, group, False, seed=44)
+    words = MM.mma_layout(I.unpack_rows(w.qweight))
+    x = randn(m, k, seed=45, dtype=torch.bfloat16)
+    bias = randn(n, seed=46, dtype=torch.bfloat16)
+    config = MM.MmaConfig(*cfg)
+    out = MM.int4_gemv_mma(x, words, w.zeros, w.scales, group, bias, config=config)
+    ref = x.double() @ w.dequantize().double().T + bias.double()
+    scale = w.scales.double().repeat_interleave(group, 0)
+    folded = (x.double().abs() @ scale) * (128 + 16)
+    err = (out.double() - ref).abs()
+    bound = 2.0 ** -8 * ref.abs() + 2.0 ** -18 * folded
+    assert (err <= bound).all(), f"max {(err / folded).max():.3g}"
+    for r in range(m):
+        alone = MM.int4_gemv_mma(x[r:r + 1], words, w.zeros, w.scales, group, bias, config=config)
+        assert torch.equal(out[r:r + 1], alone), f"row {r} differs from itself alone"
+    assert torch.equal(T.int4_linear(x, w.qweight, w.zeros, w.scales, group, None, bias,
+                                     mma=words),
+                       MM.int4_gemv_mma(x, words, w.zeros, w.scales, group, bias))
+    fused = MM.int4_gemv_mma(x, words, w.zeros, w.scales, group, config=config, silu_mul=True)
+    plain = MM.int4_gemv_mma(x, words, w.zeros, w.scales, group, config=config)
+    check_silu_mul(fused, plain)
+
+
+@needs_cuda
 @pytest.mark.parametrize("cfg", [(4, 1, 1, False), (4, 2, 4, True), (2, 1, 8, False),
                                  (8, 1, 3, True)])
 def test_fp8_gemv_mma(cfg):

@@ -213,6 +213,6 @@ def fp8_gemv_mma(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor,
     y = output(x, n // 2 if silu_mul else n, out)
     mma_gemv_kernel[(triton.cdiv(tiles, cfg.warps * cfg.nt), split)](
         x, words, scales, scales, ws, tiles, chunks_per_row, n, steps, s_split, 0, 0,
-        ws.stride(0), WARPS=cfg.warps, PTX=gemv_ptx(cfg.nt, cfg.prefetch),
+        ws.stride(0), 1, WARPS=cfg.warps, PTX=gemv_ptx(cfg.nt, cfg.prefetch),
         num_warps=cfg.warps, **pdl.launch_args())
     return sum_splits(ws, bias, y, silu_mul)

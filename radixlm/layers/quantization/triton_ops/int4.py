@@ -108,18 +108,20 @@ def int4_linear(x: torch.Tensor, qweight: torch.Tensor, zeros: torch.Tensor,
                 bias: torch.Tensor | None = None, *, out: torch.Tensor | None = None,
                 silu_mul: bool = False, mma: torch.Tensor | None = None) -> torch.Tensor | None:
     """x @ W^T (+ bias) for x [..., K] bf16/fp16: [..., N] in x's dtype. With
-    `silu_mul` (W a merged [gate; up], no bias): silu(gate) * up [..., N / 2] at
-    one row, None otherwise (only the GEMV fuses it). `mma`: the same weights in
-    `int4_mma.mma_layout`, for the tensor-core GEMV at one (16-byte aligned) row."""
+    `silu_mul` (W a merged [gate; up], no bias): silu(gate) * up [..., N / 2] where
+    a GEMV runs (one row; up to 8 on the tensor cores), None otherwise. `mma`: the
+    same weights in `int4_mma.mma_layout`, for the tensor-core GEMV at 1-8
+    contiguous, 16-byte aligned rows."""
     k, n = x.shape[-1], qweight.shape[1]
     assert qweight.stride(1) == zeros.stride(1) == scales.stride(1) == 1
     x2 = x.reshape(-1, k)
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     m = x2.shape[0]
-    tensor_cores = mma is not None and m == 1 and x2.data_ptr() % 16 == 0
+    tensor_cores = (mma is not None and 1 <= m <= _mma().MAX_ROWS and x2.is_contiguous()
+                    and x2.data_ptr() % 16 == 0)
     if silu_mul:
-        if m != 1:
+        if m != 1 and not tensor_cores:
             return None
         y = (_mma().int4_gemv_mma(x2, mma, zeros, scales, group, silu_mul=True) if tensor_cores
              else int4_gemv(x2, qweight, zeros, scales, group, g_idx, silu_mul=True))

@@ -1,4 +1,4 @@
-"""The one-row int4 GEMV on the tensor cores (opt-in until GPU-tested): the weights
+"""The int4 GEMV of 1-8 rows on the tensor cores (opt-in): the weights
 in the fragment order of `mma.m16n8k16`, so that each 32-bit word a lane loads
 is, after three shifts and four LOP3, exactly its A operand for one MMA.
 
@@ -40,6 +40,11 @@ loop is PTX inside one Triton program of one element a thread (the lane and
 warp come from %tid.x, so nothing depends on how Triton lays a tensor out);
 Triton launches it and handles PDL. Groups must be whole chunks of 64 (64 or
 128 features); act-order and other shapes take the CUDA-core path.
+
+Up to 8 rows of x (`_PtxGroup`'s `rows`) take B's 8 columns, one row each; the
+one-row code above is kept as it was measured (an H100 call of 2026-12-05:
+AWQ single stream 2.23x bf16 with it, 2.00x on the CUDA-core GEMV). The rows
+form has not run on a GPU yet.
 """
 
 from __future__ import annotations
@@ -97,35 +102,47 @@ def takes(n: int, k: int, group: int, g_idx: torch.Tensor | None) -> bool:
 
 # ---- the PTX --------------------------------------------------------------------------
 @functools.cache
-def gemv_ptx(nt: int, chunks: int, bf16: bool, prefetch: bool = False) -> str:
+def gemv_ptx(nt: int, chunks: int, bf16: bool, prefetch: bool = False,
+             rows: bool = False) -> str:
     """The PTX of one thread's work: `nt` column tiles, `chunks` chunks a group (a
     step of the loop); with `prefetch` the next group's loads are issued before
     this group's MMAs (two register buffers, the loop unrolled twice), so a warp
-    keeps a group in flight while it computes. Operands
-    (`mma_gemv.mma_gemv_kernel`'s): $1 x, $2 words, $3 zeros, $4 scales, $5 this
-    program's partial-sum row; $6 its first warp index, $7 / $8 its first /
+    keeps a group in flight while it computes. `rows`: x has up to 8 rows, one
+    per column of B (`_PtxGroup`); else one row, the code of the one-row GEMV.
+    Operands (`mma_gemv.mma_gemv_kernel`'s): $1 x, $2 words, $3 zeros, $4 scales,
+    $5 this program's partial sums; $6 its first warp index, $7 / $8 its first /
     past-last group, $9 column tiles in all, $10 chunks a row of tiles (K / 64),
-    $11 N, $12 / $13 the zeros' / scales' row strides (in elements)."""
-    return loop_ptx(_PtxGroup(nt, chunks, bf16), "int4_mma", "grp", "$8", prefetch)
+    $11 N, $12 / $13 the zeros' / scales' row strides (in elements), $14 x's rows."""
+    return loop_ptx(_PtxGroup(nt, chunks, bf16, rows), "int4_mma", "grp", "$8", prefetch)
 
 
 class _PtxGroup:
     """The pieces of `gemv_ptx`: per register buffer (A, B) the words `w`, x `x` and
-    the raw zero points `zr` / scales `sr` of one group."""
+    the raw zero points `zr` / scales `sr` of one group.
 
-    def __init__(self, nt: int, chunks: int, bf16: bool) -> None:
+    With `rows`, B's column c is x's row c (lane g loads row min(g, M - 1); columns
+    past M are never stored), so D holds a different row in each column: lane
+    (g, t)'s d0 / d1 are output column g at rows 2t / 2t + 1 and d2 / d3 column
+    g + 8 at the same rows, each with its own accumulator (4 a tile), and the
+    all-ones MMA's e0 / e1 are rows 2t / 2t + 1's sums of x. The lanes of rows
+    below M write [M, N] partial sums."""
+
+    def __init__(self, nt: int, chunks: int, bf16: bool, rows: bool = False) -> None:
         self.nt, self.chunks, self.t = nt, chunks, "bf16" if bf16 else "f16"
+        self.rows = rows
+        self.accs = 4 * nt if rows else 2 * nt
         self.magic = "0x43004300" if bf16 else "0x64006400"  # 128.0 / 1024.0, both halves
         self.offset = "0f43000000" if bf16 else "0f44800000"  # the same, one fp32
         self.one = "0x3F803F80" if bf16 else "0x3C003C00"  # 1.0 in both halves
 
     def declarations(self, bufs: tuple[str, ...]) -> list[str]:
         nt, chunks = self.nt, self.chunks
-        out = [".reg .pred skip, more, writer;",
+        out = [".reg .pred skip, more, writer, row0, row1;" if self.rows else
+               ".reg .pred skip, more, writer;",
                ".reg .b32 tid, lane, warp, g, t, tile, grp, tmp, q0, q1, q2, q3, ones;",
                f".reg .f32 {regs('s', 2 * nt)}, {regs('sz', 2 * nt)}, zf, e0, e1, e2, e3;",
-               f".reg .f32 {regs('acc', 2 * nt)}, {regs('d', 4 * nt)};",
-               f".reg .b64 {regs('wa', nt)}, xa, za, sa, zn, sn, ya, off;"]
+               f".reg .f32 {regs('acc', self.accs)}, {regs('d', 4 * nt)};",
+               f".reg .b64 {regs('wa', nt)}, xa, za, sa, zn, sn, ya, {'yb, ' * self.rows}off;"]
         for b in bufs:
             out += [f".reg .b32 {regs(f'w{b}', nt * chunks * 4)};",
                     f".reg .b32 {regs(f'x{b}', chunks * 8)}, {regs(f'zr{b}', 2 * nt)};",
@@ -147,9 +164,10 @@ class _PtxGroup:
             "add.u64 wa0, $2, off;",
             "mul.wide.u32 off, $10, 512;",  # the next tile's stream: K / 64 chunks on
             *[f"add.u64 wa{i}, wa{i - 1}, off;" for i in range(1, nt)],
-            # x: (grp * chunks * 64 + 16 t) * 2 bytes
+            # x: (grp * chunks * 64 + 16 t) * 2 bytes (rows: + min(g, M - 1) * K)
             f"mul.lo.u32 tmp, $7, {chunks * CHUNK};",
             "mad.lo.u32 tmp, t, 16, tmp;",
+            *self._x_row(),
             "mul.wide.u32 off, tmp, 2;",
             "add.u64 xa, $1, off;",
             # zero points (u8) and scales (fp16) of column tile * 16 + g at group grp
@@ -160,13 +178,36 @@ class _PtxGroup:
             "mad.lo.u32 q0, $7, $13, tmp;",
             "mul.wide.u32 off, q0, 2;",
             "add.u64 sa, $4, off;",
-            # partial sums of column tile * 16 + g (4 bytes each)
+            # partial sums of column tile * 16 + g (4 bytes each; rows: at row 2t)
             "mul.wide.u32 off, tmp, 4;",
             "add.u64 ya, $5, off;",
-            *[f"mov.f32 acc{i}, 0f00000000;" for i in range(2 * nt)],
+            *self._y_rows(),
+            *[f"mov.f32 acc{i}, 0f00000000;" for i in range(self.accs)],
             f"mov.b32 ones, {self.one};",
             "mov.u32 grp, $7;",
         ]
+
+    def _x_row(self) -> list[str]:
+        """tmp += min(g, M - 1) * K: lane g's row of x (rows only)."""
+        if not self.rows:
+            return []
+        return ["sub.u32 q1, $14, 1;", "min.u32 q1, g, q1;", "mul.lo.u32 q1, q1, $10;",
+                f"mad.lo.u32 tmp, q1, {CHUNK}, tmp;"]
+
+    def _y_rows(self) -> list[str]:
+        """ya at row 2t of the [M, N] partial sums, yb a row below; row0 / row1:
+        whether those rows exist (rows only)."""
+        if not self.rows:
+            return []
+        return ["shl.b32 q1, t, 1;",
+                "setp.lt.u32 row0, q1, $14;",
+                "add.u32 q2, q1, 1;",
+                "setp.lt.u32 row1, q2, $14;",
+                "mul.lo.u32 q1, q1, $11;",
+                "mul.wide.u32 off, q1, 4;",
+                "add.u64 ya, ya, off;",
+                "mul.wide.u32 off, $11, 4;",
+                "add.u64 yb, ya, off;"]
 
     def loads(self, b: str, ahead: bool, pred: str = "") -> list[str]:
         """Buffer b's loads of this group (`ahead`: the next one): the words of each
@@ -224,6 +265,13 @@ class _PtxGroup:
                             f"{mma} {{{d}}}, {{q0, q1, q2, q3}}, {{{xb}}}, {{{d}}};"]
                 out.append(f"{mma} {{e0, e1, e2, e3}}, {{ones, ones, ones, ones}}, {{{xb}}}, "
                            "{e0, e1, e2, e3};")
+        if self.rows:  # acc 4i + j from d 4i + j: column g + 8 (j // 2), row 2t + j % 2
+            for i in range(nt):
+                for j in range(4):
+                    a, r = 4 * i + j, 2 * i + j // 2
+                    out += [f"fma.rn.f32 acc{a}, s{r}, d{a}, acc{a};",
+                            f"fma.rn.f32 acc{a}, sz{r}, e{j % 2}, acc{a};"]
+            return out
         for i in range(nt):  # D rows g (d0) and g + 8 (d2)
             for half in range(2):
                 r = 2 * i + half
@@ -240,7 +288,16 @@ class _PtxGroup:
 
     def epilogue(self) -> list[str]:
         """Lanes t = 0 write rows g and g + 8 of each tile (every column of D is
-        the same y, so any t would do)."""
+        the same y, so any t would do); with rows, every lane writes its two rows
+        of x that exist."""
+        if self.rows:
+            out = []
+            for i in range(self.nt):
+                for j in range(4):
+                    y, pred = ("ya", "row0") if j % 2 == 0 else ("yb", "row1")
+                    out.append(f"@{pred} st.global.f32 [{y}+{4 * (16 * i + 8 * (j // 2))}], "
+                               f"acc{4 * i + j};")
+            return out
         out = ["setp.eq.u32 writer, t, 0;"]
         for i in range(self.nt):
             for half in range(2):
@@ -249,25 +306,35 @@ class _PtxGroup:
         return out
 
 
+MAX_ROWS = 8  # B's columns: rows of x one launch takes
+
+
 def int4_gemv_mma(x: torch.Tensor, words: torch.Tensor, zeros: torch.Tensor,
                   scales: torch.Tensor, group: int, bias: torch.Tensor | None = None,
                   config: MmaConfig | None = None, out: torch.Tensor | None = None,
                   silu_mul: bool = False) -> torch.Tensor:
-    """One row: x [1, K] (bf16 / fp16, 16-byte aligned) times the int4 weight in
-    `mma_layout` `words`, [1, N] (`silu_mul`: silu(gate) * up, [1, N / 2])."""
+    """x [M, K] (1 <= M <= 8 contiguous rows, bf16 / fp16, 16-byte aligned) times
+    the int4 weight in `mma_layout` `words`, [M, N] (`silu_mul`: silu(gate) * up,
+    [M, N / 2]). One row runs the one-row PTX; more, the rows PTX (`_PtxGroup`),
+    whose split-K sums are then added row by row by the one-row epilogue, so a
+    row's sums are added in the same order whatever M is."""
     tiles, chunks_per_row = words.shape[:2]
     n, k = tiles * 16, chunks_per_row * CHUNK
-    assert x.shape == (1, k) and x.stride(1) == 1 and x.data_ptr() % 16 == 0
+    m = x.shape[0]
+    assert 1 <= m <= MAX_ROWS and x.shape == (m, k) and x.is_contiguous()
+    assert x.data_ptr() % 16 == 0
     assert x.dtype in (torch.bfloat16, torch.float16) and words.is_contiguous()
     assert group in GROUPS and k % group == 0 and zeros.stride(1) == scales.stride(1) == 1
     cfg = config or pick_config(n)
     num_groups = k // group
     g_split, split = splits(num_groups, cfg.split)
-    ws = torch.empty((split, n), device=x.device, dtype=torch.float32)
+    ws = torch.empty((split, m, n), device=x.device, dtype=torch.float32)
     y = output(x, n // 2 if silu_mul else n, out)
-    ptx = gemv_ptx(cfg.nt, group // CHUNK, x.dtype == torch.bfloat16, cfg.prefetch)
+    ptx = gemv_ptx(cfg.nt, group // CHUNK, x.dtype == torch.bfloat16, cfg.prefetch, m > 1)
     mma_gemv_kernel[(triton.cdiv(tiles, cfg.warps * cfg.nt), split)](
         x, words, zeros, scales, ws, tiles, chunks_per_row, n, num_groups, g_split,
-        zeros.stride(0), scales.stride(0), ws.stride(0), WARPS=cfg.warps, PTX=ptx,
+        zeros.stride(0), scales.stride(0), ws.stride(0), m, WARPS=cfg.warps, PTX=ptx,
         num_warps=cfg.warps, **pdl.launch_args())
-    return sum_splits(ws, bias, y, silu_mul)
+    for r in range(m):
+        sum_splits(ws[:, r], bias, y[r:r + 1], silu_mul)
+    return y

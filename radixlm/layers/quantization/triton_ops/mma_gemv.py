@@ -94,15 +94,15 @@ def loop_ptx(p: MmaPieces, name: str, step: str, hi: str, prefetch: bool) -> str
 
 @triton.jit
 def mma_gemv_kernel(x_ptr, w_ptr, a_ptr, b_ptr, ws_ptr, TILES, CHUNKS_PER_ROW, N, STEPS,
-                    SPLIT_STEPS, int_a, int_b, stride_ws, WARPS: tl.constexpr,
+                    SPLIT_STEPS, int_a, int_b, stride_ws, M, WARPS: tl.constexpr,
                     PTX: tl.constexpr, PDL: tl.constexpr):
     """Program (pid 0: WARPS warps' tiles; pid 1: a run of SPLIT_STEPS steps of K)
     running PTX, one element a thread (the PTX takes its lane and warp from
     %tid.x, so nothing depends on how Triton lays the tensor out). Operands: $0 a
     dummy output; $1 x, $2 the words, $3 / $4 the format's two other addresses, $5
-    the program's partial-sum row (64-bit); $6 its first warp index, $7 / $8 its
+    the program's partial sums (64-bit); $6 its first warp index, $7 / $8 its
     first / past-last step, $9 TILES, $10 CHUNKS_PER_ROW, $11 N, $12 / $13 the
-    format's two integers."""
+    format's two integers, $14 M (x's rows)."""
     one = tl.zeros([32 * WARPS], dtype=tl.int32)
     lo = tl.program_id(1) * SPLIT_STEPS
     hi = tl.minimum(STEPS, lo + SPLIT_STEPS)
@@ -110,12 +110,12 @@ def mma_gemv_kernel(x_ptr, w_ptr, a_ptr, b_ptr, ws_ptr, TILES, CHUNKS_PER_ROW, N
     pdl_wait(PDL)
     pdl_trigger(PDL)
     tl.inline_asm_elementwise(
-        PTX, "=r,l,l,l,l,l,r,r,r,r,r,r,r,r",
+        PTX, "=r,l,l,l,l,l,r,r,r,r,r,r,r,r,r",
         [x_ptr.to(tl.int64, bitcast=True) + one, w_ptr.to(tl.int64, bitcast=True) + one,
          a_ptr.to(tl.int64, bitcast=True) + one, b_ptr.to(tl.int64, bitcast=True) + one,
          ws_row.to(tl.int64, bitcast=True) + one, tl.program_id(0) * WARPS + one,
          lo + one, hi + one, TILES + one, CHUNKS_PER_ROW + one, N + one, int_a + one,
-         int_b + one],
+         int_b + one, M + one],
         dtype=tl.int32, is_pure=False, pack=1)
 
 
@@ -126,10 +126,12 @@ def splits(steps: int, split: int) -> tuple[int, int]:
 
 
 def output(x: torch.Tensor, n_out: int, out: torch.Tensor | None) -> torch.Tensor:
+    """The [M, n_out] result for x's M rows: `out` viewed so, or a new tensor."""
+    m = x.shape[0]
     if out is None:
-        return torch.empty((1, n_out), device=x.device, dtype=x.dtype)
-    assert out.is_contiguous() and out.dtype == x.dtype and out.numel() == n_out
-    return out.view(1, n_out)
+        return torch.empty((m, n_out), device=x.device, dtype=x.dtype)
+    assert out.is_contiguous() and out.dtype == x.dtype and out.numel() == m * n_out
+    return out.view(m, n_out)
 
 
 def sum_splits(ws: torch.Tensor, bias: torch.Tensor | None, y: torch.Tensor,
