@@ -43,11 +43,12 @@ def test_layout_round_trip_and_formula() -> None:
 
 
 def simulate(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor, cfg: M.MmaConfig):
-    """The PTX of every program in the simulator, operands as `mma_gemv_kernel`
-    gets them; the split-K partial sums added: fp32 [N] (x is one row)."""
+    """The PTX of every program (the rows PTX where x has more than one) in the
+    simulator, operands as `mma_gemv_kernel` gets them; the split-K partial sums
+    added: fp32 [M, N]."""
     k = w.shape[1]
-    return run_mma_gemv(M.gemv_ptx(cfg.nt, cfg.prefetch), cfg, x, M.mma_layout(w), s, s,
-                        k // (M.STEP_CHUNKS * M.CHUNK))[0]
+    ptx = M.gemv_ptx(cfg.nt, cfg.prefetch, rows=x.shape[0] > 1)
+    return run_mma_gemv(ptx, cfg, x, M.mma_layout(w), s, s, k // (M.STEP_CHUNKS * M.CHUNK))
 
 
 @pytest.mark.parametrize("n,k,cfg", [
@@ -58,16 +59,31 @@ def simulate(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor, cfg: M.MmaConfig
     (32, 256, M.MmaConfig(1, 2, 1, prefetch=True)),
 ])
 def test_ptx_against_float64(n, k, cfg) -> None:
+    check_against_float64(1, n, k, cfg)
+
+
+@pytest.mark.parametrize("m,n,k,cfg", [
+    (2, 16, 128, M.MmaConfig(1, 1, 1)),
+    (3, 48, 256, M.MmaConfig(2, 1, 2)),  # rows past M: lanes load row M - 1
+    (8, 64, 384, M.MmaConfig(1, 2, 2)),  # every column of B a row
+    (5, 32, 640, M.MmaConfig(2, 1, 2, prefetch=True)),
+])
+def test_rows_ptx_against_float64(m, n, k, cfg) -> None:
+    check_against_float64(m, n, k, cfg)
+
+
+def check_against_float64(m, n, k, cfg) -> None:
     w = e4m3_weight(n, k, seed=n + k)
     s = torch.rand(n, generator=torch.Generator().manual_seed(1)) * 0.01 + 0.001
-    x = (torch.randn(1, k, generator=torch.Generator().manual_seed(k)) * 0.5).bfloat16()
+    x = (torch.randn(m, k, generator=torch.Generator().manual_seed(k)) * 0.5).bfloat16()
     got = simulate(x, w, s, cfg)
     wd = w.double() * s.double()[:, None]
-    ref = (x.double() @ wd.T)[0]
-    mag = (x.double().abs() @ wd.abs().T)[0]
+    ref = x.double() @ wd.T
+    mag = x.double().abs() @ wd.abs().T
     # exact products summed in fp32 (the device may flush products below 2^-126:
     # the weights are read as 2^-120 times their values, see the module docstring)
     err = (got.double() - ref).abs()
+    assert got.shape == (m, n) and not got.isnan().any(), "an output was not written"
     assert (err <= 2.0 ** -20 * mag).all(), (err / mag).max()
 
 
@@ -84,8 +100,9 @@ def test_sm90_code_one_mma_per_two_words_no_shared_memory() -> None:
     sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
     from sass import mma_gemv_loop, opcode_counts
 
-    for nt, warps, prefetch in [(1, 4, False), (2, 2, False), (1, 4, True)]:
-        ops = opcode_counts(mma_gemv_loop(M.gemv_ptx(nt, prefetch), warps))
+    for nt, warps, prefetch, rows in [(1, 4, False, False), (2, 2, False, False),
+                                      (1, 4, True, False), (1, 4, True, True)]:
+        ops = opcode_counts(mma_gemv_loop(M.gemv_ptx(nt, prefetch, rows), warps))
         steps = 2 if prefetch else 1  # the prefetching loop is unrolled twice
         assert ops["HMMA"] == steps * nt * M.STEP_CHUNKS * 4, ops
         assert ops["LDS"] == ops["STS"] == ops["BAR"] == 0, ops

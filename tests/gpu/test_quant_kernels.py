@@ -476,6 +476,37 @@ def test_fp8_gemv_mma(cfg):
     check_silu_mul(fused, plain)
 
 
+@needs_cuda
+@pytest.mark.parametrize("m", [2, 5, 8])
+@pytest.mark.parametrize("cfg", [(4, 1, 4, True), (2, 2, 3, False)])
+def test_fp8_gemv_mma_rows(m, cfg):
+    """The tensor-core FP8 GEMV at 2-8 rows (each a column of B): within the
+    one-row test's bound, every row the same bits as that row alone, the fused
+    SiLU per row, and `fp8_linear` routing these rows there."""
+    from radixlm.layers.quantization.triton_ops import fp8_mma as FM
+
+    n, k = 512, 2048
+    q, s = quantize_rows(randn(n, k, seed=54, scale=0.05))
+    words = FM.mma_layout(q)
+    x = randn(m, k, seed=55, dtype=torch.bfloat16)
+    bias = randn(n, seed=56, dtype=torch.bfloat16)
+    config = FM.MmaConfig(*cfg)
+    out = FM.fp8_gemv_mma(x, words, s, bias, config=config)
+    w = q.double() * s.double()[:, None]
+    ref = x.double() @ w.T + bias.double()
+    mag = x.double().abs() @ w.abs().T
+    err = (out.double() - ref).abs()
+    assert (err <= 2.0 ** -8 * ref.abs() + 2.0 ** -18 * mag).all(), f"max {(err / mag).max():.3g}"
+    for r in range(m):
+        alone = FM.fp8_gemv_mma(x[r:r + 1], words, s, bias, config=config)
+        assert torch.equal(out[r:r + 1], alone), f"row {r} differs from itself alone"
+    assert torch.equal(F.fp8_linear(x, q, s, 0, 1, None, bias, mma=words),
+                       FM.fp8_gemv_mma(x, words, s, bias))
+    fused = FM.fp8_gemv_mma(x, words, s, config=config, silu_mul=True)
+    plain = FM.fp8_gemv_mma(x, words, s, config=config)
+    check_silu_mul(fused, plain)
+
+
 def test_int4_out_buffer_and_awq_repacking():
     """An AWQ checkpoint's qweight repacked at load gives the same products as the
     GPTQ-packed words of the same values."""

@@ -154,15 +154,15 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, bloc
     `silu_mul` (weight [2 D, K], no bias) silu(gate) * up, or None where only
     the GEMV fuses it. Returns [..., N] in x's dtype (into `out` if given). `mma`:
     the weight in `fp8_mma.mma_layout` (per-row scales), for the tensor-core GEMV
-    at one bf16, 16-byte aligned row."""
+    at 1-8 contiguous, bf16, 16-byte aligned rows."""
     n, k = weight.shape
     x2 = x.reshape(-1, k)
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     m = x2.shape[0]
     if gemv_fits(m, block_k, scale_rows):
-        if (mma is not None and m == 1 and x2.dtype == torch.bfloat16
-                and x2.data_ptr() % 16 == 0):
+        if (mma is not None and m <= fp8_mma.MAX_ROWS and x2.dtype == torch.bfloat16
+                and x2.is_contiguous() and x2.data_ptr() % 16 == 0):
             y = fp8_mma.fp8_gemv_mma(x2, mma, scales, bias, out=out, silu_mul=silu_mul)
         else:
             y = fp8_gemv(x2, weight, scales, block_k, scale_rows, bias, out=out,

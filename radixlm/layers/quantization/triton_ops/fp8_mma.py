@@ -37,6 +37,7 @@ import triton
 from radixlm.layers import pdl
 from radixlm.layers.quantization.triton_ops.mma_gemv import (
     CHUNK,
+    MAX_ROWS,
     MmaConfig,
     lane_lines,
     loop_ptx,
@@ -46,6 +47,8 @@ from radixlm.layers.quantization.triton_ops.mma_gemv import (
     regs,
     splits,
     sum_splits,
+    x_row_lines,
+    y_row_lines,
 )
 
 STEP_CHUNKS = 2  # chunks a loop step loads before its MMAs
@@ -79,28 +82,32 @@ def takes(n: int, k: int, block_k: int, x_dtype: torch.dtype) -> bool:
 
 
 @functools.cache
-def gemv_ptx(nt: int, prefetch: bool = False) -> str:
+def gemv_ptx(nt: int, prefetch: bool = False, rows: bool = False) -> str:
     """One thread's PTX: `nt` row tiles; with `prefetch` the next step's loads
-    before this step's MMAs (two register buffers, the loop unrolled twice).
-    Operands (`mma_gemv.mma_gemv_kernel`'s): $1 x, $2 words, $3 row scales (fp32),
-    $5 this program's partial-sum row; $6 its first warp index, $7 / $8 its first /
-    past-last step, $9 row tiles in all, $10 chunks a row of tiles (K / 64)."""
-    return loop_ptx(_Fp8Ptx(nt), "fp8_mma", "stp", "$8", prefetch)
+    before this step's MMAs (two register buffers, the loop unrolled twice);
+    `rows`: x has up to 8 rows, one per column of B (else one row, the code of
+    the one-row GEMV). Operands (`mma_gemv.mma_gemv_kernel`'s): $1 x, $2 words,
+    $3 row scales (fp32), $5 this program's partial sums; $6 its first warp
+    index, $7 / $8 its first / past-last step, $9 row tiles in all, $10 chunks a
+    row of tiles (K / 64), $11 N, $14 x's rows."""
+    return loop_ptx(_Fp8Ptx(nt, rows), "fp8_mma", "stp", "$8", prefetch)
 
 
 class _Fp8Ptx:
     """The pieces of `gemv_ptx`: per register buffer (A, B) one step's words `w`
-    and x `x`."""
+    and x `x`. With `rows`, as `int4_mma._PtxGroup`'s: B's column c is x's row
+    c, so d0 / d1 (d2 / d3) are output row g (g + 8) at x's rows 2t / 2t + 1."""
 
-    def __init__(self, nt: int) -> None:
-        self.nt = nt
+    def __init__(self, nt: int, rows: bool = False) -> None:
+        self.nt, self.rows = nt, rows
 
     def declarations(self, bufs: tuple[str, ...]) -> list[str]:
         nt = self.nt
-        out = [".reg .pred skip, more, writer;",
+        out = [".reg .pred skip, more, writer, row0, row1;" if self.rows else
+               ".reg .pred skip, more, writer;",
                ".reg .b32 tid, lane, warp, g, t, tile, stp, tmp, p, q0, q1, q2, q3;",
-               f".reg .f32 {regs('d', 4 * nt)}, sc;",
-               f".reg .b64 {regs('wa', nt)}, xa, sa, ya, off;"]
+               f".reg .f32 {regs('d', 4 * nt)}, sc{', yv' * self.rows};",
+               f".reg .b64 {regs('wa', nt)}, xa, sa, ya, {'yb, ' * self.rows}off;"]
         for b in bufs:
             out += [f".reg .b32 {regs(f'w{b}', nt * STEP_CHUNKS * 8)};",
                     f".reg .b32 {regs(f'x{b}', STEP_CHUNKS * 8)};"]
@@ -124,6 +131,7 @@ class _Fp8Ptx:
             # x: (step * STEP_CHUNKS * 64 + 16 t) * 2 bytes
             f"mul.lo.u32 tmp, $7, {STEP_CHUNKS * CHUNK};",
             "mad.lo.u32 tmp, t, 16, tmp;",
+            *x_row_lines(self.rows),
             "mul.wide.u32 off, tmp, 2;",
             "add.u64 xa, $1, off;",
             # scales and partial sums of row tile * 16 + g (4 bytes each)
@@ -131,6 +139,7 @@ class _Fp8Ptx:
             "mul.wide.u32 off, tmp, 4;",
             "add.u64 sa, $3, off;",
             "add.u64 ya, $5, off;",
+            *y_row_lines(self.rows),
             *[f"mov.f32 d{i}, 0f00000000;" for i in range(4 * nt)],
             "mov.u32 stp, $7;",
         ]
@@ -184,7 +193,20 @@ class _Fp8Ptx:
                 f"add.u64 xa, xa, {STEP_CHUNKS * CHUNK * 2};"]
 
     def epilogue(self) -> list[str]:
-        """Lanes t = 0 write rows g and g + 8 of each tile, times s 2^120."""
+        """Lanes t = 0 write rows g and g + 8 of each tile, times s 2^120; with
+        rows, every lane its two rows of x that exist."""
+        if self.rows:
+            out = []
+            for i in range(self.nt):
+                for half in range(2):
+                    row = 16 * i + 8 * half
+                    out += [f"ld.global.f32 sc, [sa+{4 * row}];",
+                            f"mul.f32 sc, sc, {TWO_POW_120};",
+                            f"mul.f32 yv, sc, d{4 * i + 2 * half};",
+                            f"@row0 st.global.f32 [ya+{4 * row}], yv;",
+                            f"mul.f32 yv, sc, d{4 * i + 2 * half + 1};",
+                            f"@row1 st.global.f32 [yb+{4 * row}], yv;"]
+            return out
         out = ["setp.eq.u32 writer, t, 0;"]
         for i in range(self.nt):
             for half in range(2):
@@ -199,20 +221,23 @@ class _Fp8Ptx:
 def fp8_gemv_mma(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor,
                  bias: torch.Tensor | None = None, config: MmaConfig | None = None,
                  out: torch.Tensor | None = None, silu_mul: bool = False) -> torch.Tensor:
-    """One row: x [1, K] (bf16, 16-byte aligned) times the FP8 weight in
-    `mma_layout` `words` with fp32 row scales [N]: [1, N] (`silu_mul`: [1, N / 2])."""
+    """x [M, K] (1 <= M <= 8 contiguous rows, bf16, 16-byte aligned) times the FP8
+    weight in `mma_layout` `words` with fp32 row scales [N]: [M, N] (`silu_mul`:
+    [M, N / 2]). One row runs the one-row PTX, more the rows PTX."""
     tiles, chunks_per_row = words.shape[:2]
     n, k = tiles * 16, chunks_per_row * CHUNK
-    assert x.shape == (1, k) and x.stride(1) == 1 and x.data_ptr() % 16 == 0
+    m = x.shape[0]
+    assert 1 <= m <= MAX_ROWS and x.shape == (m, k) and x.is_contiguous()
+    assert x.data_ptr() % 16 == 0
     assert x.dtype == torch.bfloat16 and words.is_contiguous() and scales.shape == (n,)
     assert scales.dtype == torch.float32 and scales.is_contiguous()
     cfg = config or pick_config(n)
     steps = k // (STEP_CHUNKS * CHUNK)
     s_split, split = splits(steps, cfg.split)
-    ws = torch.empty((split, n), device=x.device, dtype=torch.float32)
+    ws = torch.empty((split, m, n), device=x.device, dtype=torch.float32)
     y = output(x, n // 2 if silu_mul else n, out)
     mma_gemv_kernel[(triton.cdiv(tiles, cfg.warps * cfg.nt), split)](
         x, words, scales, scales, ws, tiles, chunks_per_row, n, steps, s_split, 0, 0,
-        ws.stride(0), 1, WARPS=cfg.warps, PTX=gemv_ptx(cfg.nt, cfg.prefetch),
+        ws.stride(0), m, WARPS=cfg.warps, PTX=gemv_ptx(cfg.nt, cfg.prefetch, m > 1),
         num_warps=cfg.warps, **pdl.launch_args())
     return sum_splits(ws, bias, y, silu_mul)

@@ -57,6 +57,7 @@ import triton
 from radixlm.layers import pdl
 from radixlm.layers.quantization.triton_ops.mma_gemv import (
     CHUNK,
+    MAX_ROWS,
     MmaConfig,
     lane_lines,
     loop_ptx,
@@ -66,6 +67,8 @@ from radixlm.layers.quantization.triton_ops.mma_gemv import (
     regs,
     splits,
     sum_splits,
+    x_row_lines,
+    y_row_lines,
 )
 
 GROUPS = (64, 128)  # group sizes the kernel takes (whole chunks, <= 2 chunks unrolled)
@@ -167,7 +170,7 @@ class _PtxGroup:
             # x: (grp * chunks * 64 + 16 t) * 2 bytes (rows: + min(g, M - 1) * K)
             f"mul.lo.u32 tmp, $7, {chunks * CHUNK};",
             "mad.lo.u32 tmp, t, 16, tmp;",
-            *self._x_row(),
+            *x_row_lines(self.rows),
             "mul.wide.u32 off, tmp, 2;",
             "add.u64 xa, $1, off;",
             # zero points (u8) and scales (fp16) of column tile * 16 + g at group grp
@@ -181,33 +184,11 @@ class _PtxGroup:
             # partial sums of column tile * 16 + g (4 bytes each; rows: at row 2t)
             "mul.wide.u32 off, tmp, 4;",
             "add.u64 ya, $5, off;",
-            *self._y_rows(),
+            *y_row_lines(self.rows),
             *[f"mov.f32 acc{i}, 0f00000000;" for i in range(self.accs)],
             f"mov.b32 ones, {self.one};",
             "mov.u32 grp, $7;",
         ]
-
-    def _x_row(self) -> list[str]:
-        """tmp += min(g, M - 1) * K: lane g's row of x (rows only)."""
-        if not self.rows:
-            return []
-        return ["sub.u32 q1, $14, 1;", "min.u32 q1, g, q1;", "mul.lo.u32 q1, q1, $10;",
-                f"mad.lo.u32 tmp, q1, {CHUNK}, tmp;"]
-
-    def _y_rows(self) -> list[str]:
-        """ya at row 2t of the [M, N] partial sums, yb a row below; row0 / row1:
-        whether those rows exist (rows only)."""
-        if not self.rows:
-            return []
-        return ["shl.b32 q1, t, 1;",
-                "setp.lt.u32 row0, q1, $14;",
-                "add.u32 q2, q1, 1;",
-                "setp.lt.u32 row1, q2, $14;",
-                "mul.lo.u32 q1, q1, $11;",
-                "mul.wide.u32 off, q1, 4;",
-                "add.u64 ya, ya, off;",
-                "mul.wide.u32 off, $11, 4;",
-                "add.u64 yb, ya, off;"]
 
     def loads(self, b: str, ahead: bool, pred: str = "") -> list[str]:
         """Buffer b's loads of this group (`ahead`: the next one): the words of each
@@ -306,9 +287,6 @@ class _PtxGroup:
         return out
 
 
-MAX_ROWS = 8  # B's columns: rows of x one launch takes
-
-
 def int4_gemv_mma(x: torch.Tensor, words: torch.Tensor, zeros: torch.Tensor,
                   scales: torch.Tensor, group: int, bias: torch.Tensor | None = None,
                   config: MmaConfig | None = None, out: torch.Tensor | None = None,
@@ -335,6 +313,4 @@ def int4_gemv_mma(x: torch.Tensor, words: torch.Tensor, zeros: torch.Tensor,
         x, words, zeros, scales, ws, tiles, chunks_per_row, n, num_groups, g_split,
         zeros.stride(0), scales.stride(0), ws.stride(0), m, WARPS=cfg.warps, PTX=ptx,
         num_warps=cfg.warps, **pdl.launch_args())
-    for r in range(m):
-        sum_splits(ws[:, r], bias, y[r:r + 1], silu_mul)
-    return y
+    return sum_splits(ws, bias, y, silu_mul)

@@ -25,6 +25,7 @@ from radixlm.layers.pdl import pdl_trigger, pdl_wait
 from radixlm.layers.quantization.triton_ops.int4 import _int4_split_sum_kernel
 
 CHUNK = 64  # features a lane's words of one tile cover: 4 MMA blocks of 16
+MAX_ROWS = 8  # B's columns: rows of x one launch takes
 
 
 class MmaConfig(NamedTuple):
@@ -71,6 +72,32 @@ def lane_lines(nt: int, first_warp: str, tiles: str, done: str) -> list[str]:
             f"mul.lo.u32 tile, tile, {nt};",
             f"setp.ge.u32 skip, tile, {tiles};",
             f"@skip bra.uni {done};"]
+
+
+def x_row_lines(rows: bool) -> list[str]:
+    """rows: tmp += min(g, M - 1) * K, lane g's row of x as B's column g (uses q1).
+    One row: nothing (every column of B is x)."""
+    if not rows:
+        return []
+    return ["sub.u32 q1, $14, 1;", "min.u32 q1, g, q1;", "mul.lo.u32 q1, q1, $10;",
+            f"mad.lo.u32 tmp, q1, {CHUNK}, tmp;"]
+
+
+def y_row_lines(rows: bool) -> list[str]:
+    """rows: ya (at column tile * 16 + g of the [M, N] partial sums) moved to row
+    2t, yb a row below; predicates row0 / row1: whether those rows exist (uses q1,
+    q2). D's columns 2t and 2t + 1 are then rows 2t and 2t + 1."""
+    if not rows:
+        return []
+    return ["shl.b32 q1, t, 1;",
+            "setp.lt.u32 row0, q1, $14;",
+            "add.u32 q2, q1, 1;",
+            "setp.lt.u32 row1, q2, $14;",
+            "mul.lo.u32 q1, q1, $11;",
+            "mul.wide.u32 off, q1, 4;",
+            "add.u64 ya, ya, off;",
+            "mul.wide.u32 off, $11, 4;",
+            "add.u64 yb, ya, off;"]
 
 
 def loop_ptx(p: MmaPieces, name: str, step: str, hi: str, prefetch: bool) -> str:
@@ -136,11 +163,13 @@ def output(x: torch.Tensor, n_out: int, out: torch.Tensor | None) -> torch.Tenso
 
 def sum_splits(ws: torch.Tensor, bias: torch.Tensor | None, y: torch.Tensor,
                silu_mul: bool) -> torch.Tensor:
-    """y = the partial sums [split, N] added in split order (+ bias; silu(gate) * up
-    with `silu_mul`): the second launch of every split-K GEMV here."""
+    """y [M, n_out] = the partial sums [split, M, N] added in split order (+ bias;
+    silu(gate) * up with `silu_mul`): the second launch of every split-K GEMV
+    here, one a row, so a row's sum is the same at any M."""
     n_out = y.shape[-1]
-    _int4_split_sum_kernel[(triton.cdiv(n_out, 256),)](
-        ws, bias if bias is not None else ws, y, n_out, ws.stride(0), SPLIT=ws.shape[0],
-        BLOCK=256, HAS_BIAS=bias is not None, SILU_MUL=silu_mul, num_warps=2,
-        **pdl.launch_args())
+    for r in range(ws.shape[1]):
+        _int4_split_sum_kernel[(triton.cdiv(n_out, 256),)](
+            ws[:, r], bias if bias is not None else ws, y[r], n_out, ws.stride(0),
+            SPLIT=ws.shape[0], BLOCK=256, HAS_BIAS=bias is not None, SILU_MUL=silu_mul,
+            num_warps=2, **pdl.launch_args())
     return y
