@@ -5,7 +5,7 @@ tests/gpu/test_quant_kernels.py, in bf16 and fp16, with and without split K and
 (tests/interpreter.py says why a child). The kernel's PTX is emulated there in
 Triton operations with the same nibble pairs, x pairs and roundings, so what this
 covers is the indexing: which nibbles, zeros, scales and x features meet. ~35 s
-on 2 cores.
+on 2 cores. Also the GEMM over the tensor-core GEMV's fragment-order words.
 """
 
 from __future__ import annotations
@@ -25,3 +25,8 @@ GPU_TESTS = os.path.join(os.path.dirname(__file__), "gpu", "test_quant_kernels.p
 
 def test_packed_halves_under_interpreter() -> None:
     run_file_under_interpreter(GPU_TESTS, "packed_halves", min_passed=8)
+
+
+def test_fragment_order_gemm_under_interpreter() -> None:
+    """`int4_gemm_mma` (rows above 8 over the tensor-core GEMV's words), ~10 s."""
+    run_file_under_interpreter(GPU_TESTS, "frag_gemm", min_passed=4)

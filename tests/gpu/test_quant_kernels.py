@@ -308,6 +308,33 @@ def test_int4_products(case, m, act_order):
         assert (err <= tile + 2 * eps * ref.abs() + 1e-6 * ref.abs().max()).all()
 
 
+@pytest.mark.parametrize("m", [9, 70])
+@pytest.mark.parametrize("n,group", [(80, 64), (48, 128)])
+def test_int4_frag_gemm(m, n, group):
+    """The GEMM over the tensor-core GEMV's fragment-order words (`int4_gemm_mma`,
+    rows above 8): each word unpacked into its 8 (feature, column) places, the
+    columns stored where `mma_layout` put them; a column block past N (80 = 5
+    tiles under a 64-column block) reads a clamped tile and stores nothing. The
+    float64 product within the dequantized tile's rounding, as the plain GEMM's;
+    `int4_linear` routes these rows there when given the words."""
+    from radixlm.layers.quantization.triton_ops import int4_mma as MM
+
+    k = 256
+    dtype = DTYPES[-1]
+    w = int4_weight(n, k, group, False, seed=61)
+    words = MM.mma_layout(I.unpack_rows(w.qweight))
+    x = randn(m, k, seed=62, dtype=dtype)
+    bias = randn(n, seed=63, dtype=dtype)
+    out = MM.int4_gemm_mma(x, words, w.zeros, w.scales, group, bias)
+    ref = x.double() @ w.dequantize().double().T + bias.double()
+    eps = 2.0 ** -8 if dtype == torch.bfloat16 else 2.0 ** -11
+    tile = eps * (x.double().abs() @ w.dequantize().double().abs().T)
+    err = (out.double() - ref).abs()
+    assert (err <= tile + 2 * eps * ref.abs() + 1e-6 * ref.abs().max()).all(), err.max()
+    assert torch.equal(T.int4_linear(x, w.qweight, w.zeros, w.scales, group, None, bias,
+                                     mma=words), out)
+
+
 @pytest.mark.parametrize("split", [2, 3])
 @pytest.mark.parametrize("case,act_order", [("g128", False), ("g64-ragged-n", True),
                                             ("per-column", False)])

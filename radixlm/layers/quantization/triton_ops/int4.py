@@ -111,7 +111,8 @@ def int4_linear(x: torch.Tensor, qweight: torch.Tensor, zeros: torch.Tensor,
     `silu_mul` (W a merged [gate; up], no bias): silu(gate) * up [..., N / 2] where
     a GEMV runs (one row; up to 8 on the tensor cores), None otherwise. `mma`: the
     same weights in `int4_mma.mma_layout`, for the tensor-core GEMV at 1-8
-    contiguous, 16-byte aligned rows."""
+    contiguous, 16-byte aligned rows and `int4_gemm_mma` above (`qweight` then
+    serves only a misaligned row)."""
     k, n = x.shape[-1], qweight.shape[1]
     assert qweight.stride(1) == zeros.stride(1) == scales.stride(1) == 1
     x2 = x.reshape(-1, k)
@@ -131,6 +132,8 @@ def int4_linear(x: torch.Tensor, qweight: torch.Tensor, zeros: torch.Tensor,
         out = out.view(m, n)
     if tensor_cores:
         y = _mma().int4_gemv_mma(x2, mma, zeros, scales, group, bias, out=out)
+    elif mma is not None and m > 1:  # the same words above 8 rows
+        y = _mma().int4_gemm_mma(x2, mma, zeros, scales, group, bias, out=out)
     else:
         fn = int4_gemv if m == 1 else int4_gemm
         y = fn(x2, qweight, zeros, scales, group, g_idx, bias, out=out)

@@ -53,6 +53,7 @@ import functools
 
 import torch
 import triton
+import triton.language as tl
 
 from radixlm.layers import pdl
 from radixlm.layers.quantization.triton_ops.mma_gemv import (
@@ -70,6 +71,7 @@ from radixlm.layers.quantization.triton_ops.mma_gemv import (
     x_row_lines,
     y_row_lines,
 )
+from radixlm.layers.tiles import grouped_tile
 
 GROUPS = (64, 128)  # group sizes the kernel takes (whole chunks, <= 2 chunks unrolled)
 
@@ -314,3 +316,95 @@ def int4_gemv_mma(x: torch.Tensor, words: torch.Tensor, zeros: torch.Tensor,
         zeros.stride(0), scales.stride(0), ws.stride(0), m, WARPS=cfg.warps, PTX=ptx,
         num_warps=cfg.warps, **pdl.launch_args())
     return sum_splits(ws, bias, y, silu_mul)
+
+
+# ---- above 8 rows: a GEMM over the same words ------------------------------------------
+def int4_gemm_mma(x: torch.Tensor, words: torch.Tensor, zeros: torch.Tensor,
+                  scales: torch.Tensor, group: int, bias: torch.Tensor | None = None,
+                  out: torch.Tensor | None = None) -> torch.Tensor:
+    """x [M, K] (bf16 / fp16, rows contiguous) times the int4 weight in `mma_layout`
+    `words`: [M, N], on tl.dot. What rows above `MAX_ROWS` take, so that the
+    fragment-order words can serve every product (`_int4_frag_gemm_kernel`)."""
+    tiles, chunks_per_row = words.shape[:2]
+    n, k = tiles * 16, chunks_per_row * CHUNK
+    m = x.shape[0]
+    assert x.shape == (m, k) and x.stride(1) == 1 and words.is_contiguous()
+    assert group in GROUPS and k % group == 0 and zeros.stride(1) == scales.stride(1) == 1
+    y = output(x, n, out)
+    if m == 0:
+        return y
+    bm, bn, warps = (16, 64, 4) if m <= 16 else (64, 64, 4) if m <= 64 else (128, 128, 8)
+    bk = min(group, 128)  # a step lies in one group
+    grid = (triton.cdiv(m, bm) * triton.cdiv(n, bn),)
+    _int4_frag_gemm_kernel[grid](
+        x, words, zeros, scales, bias if bias is not None else scales, y, m, n, k,
+        chunks_per_row, x.stride(0), y.stride(0), zeros.stride(0), scales.stride(0),
+        BM=bm, BN=bn, BK=bk, GROUP=group, GROUP_M=8, HAS_BIAS=bias is not None,
+        num_warps=warps, num_stages=3)
+    return y
+
+
+@triton.jit
+def _frag_columns(n0, BN: tl.constexpr):
+    """The output column of each of a tile's BN dequantized columns: column 2 nw +
+    jm of the tile is word column nw = 8 tile + g's nibble pair member jm, output
+    column 16 tile + 8 jm + g (`mma_layout`)."""
+    nn = tl.arange(0, BN)
+    return n0 + (nn // 16) * 16 + (nn % 2) * 8 + (nn // 2) % 8
+
+
+@triton.jit
+def _frag_unpack(w_ptr, tile0, tiles, chunk0, CHUNKS_PER_ROW, BK: tl.constexpr,
+                 BN: tl.constexpr):
+    """The [BK, BN] nibbles (as fp32) of column tiles tile0.. (those past `tiles`
+    read the last one again: their columns are never stored) and chunks chunk0..:
+    row 4 kw + q is feature 64 chunk + 16 t + 4 b + q (kw = 16 chunk + 4 t + b, in
+    feature order), column 2 nw + jm as `_frag_columns` maps it. Word (kw, nw)
+    holds features 4 kw + q of columns (jm = 0, 1) at nibble jm + 2 (q // 2) + 4
+    (q % 2); each word is loaded once."""
+    kw = tl.arange(0, BK // 4)
+    nw = tl.arange(0, BN // 2)
+    lane = (nw % 8)[None, :] * 4 + ((kw // 4) % 4)[:, None]
+    tile = tl.minimum(tile0 + nw // 8, tiles - 1)
+    word = (tile[None, :] * CHUNKS_PER_ROW + chunk0 + (kw // 16)[:, None]) * 32
+    w = tl.load(w_ptr + ((word + lane) * 4 + (kw % 4)[:, None]).to(tl.int64))
+    q = tl.arange(0, 4)[:, None]
+    jm = tl.arange(0, 2)[None, :]
+    shifts = 4 * (jm + 2 * (q // 2) + 4 * (q % 2))  # [4, 2]
+    v = (w[:, None, :, None] >> shifts[None, :, None, :]) & 0xF  # [kw, q, nw, jm]
+    v = tl.reshape(v, [BK, BN])
+    return (v | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
+
+
+@triton.jit
+def _int4_frag_gemm_kernel(x_ptr, w_ptr, z_ptr, s_ptr, b_ptr, y_ptr, M, N, K, CHUNKS_PER_ROW,
+                           stride_xm, stride_ym, stride_z, stride_s,
+                           BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                           GROUP: tl.constexpr, GROUP_M: tl.constexpr,
+                           HAS_BIAS: tl.constexpr):
+    """y = x @ W^T from the fragment-order words: per step of BK features (inside
+    one group) the nibbles of BN columns, (q - z) s in fp32 rounded to x's dtype,
+    one tl.dot; the columns come out in `_frag_columns`' order, which the scale,
+    zero, bias loads and the store follow."""
+    pid_m, pid_n = grouped_tile(tl.program_id(0), M, N, BM, BN, GROUP_M)
+    offs_m = pid_m * BM + tl.arange(0, BM)
+    rm = tl.minimum(offs_m, M - 1).to(tl.int64)
+    cols = _frag_columns(pid_n * BN, BN)
+    ok_n = cols < N
+    cols_c = tl.minimum(cols, N - 1)
+    offs_k = tl.arange(0, BK)
+    x_ptrs = x_ptr + rm[:, None] * stride_xm + offs_k[None, :]
+    acc = tl.zeros([BM, BN], dtype=tl.float32)
+    for k in range(0, K, BK):
+        q = _frag_unpack(w_ptr, pid_n * (BN // 16), N // 16, k // 64, CHUNKS_PER_ROW, BK, BN)
+        xa = tl.load(x_ptrs + k)
+        g = k // GROUP
+        s = tl.load(s_ptr + g * stride_s + cols_c).to(tl.float32)
+        z = tl.load(z_ptr + g * stride_z + cols_c).to(tl.float32)
+        w = (q - z[None, :]) * s[None, :]
+        acc = tl.dot(xa, w.to(xa.dtype), acc)
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + cols_c).to(tl.float32)[None, :]
+    y_ptrs = y_ptr + offs_m[:, None].to(tl.int64) * stride_ym + cols[None, :]
+    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty),
+             mask=(offs_m[:, None] < M) & ok_n[None, :])
