@@ -404,23 +404,38 @@ def test_int4_gemv_packed_halves(dtype, split, lean):
     check_int4_silu_mul(x, w, cfg)
 
 
+# (rows, config): one row at every config, 2-8 rows (each a column of B) at two.
+MMA_INT4_CASES = [(1, 128, (4, 1, 1, False)), (1, 128, (4, 2, 4, True)), (1, 64, (2, 1, 3, True)),
+                  (1, 128, (8, 4, 8, False)), (2, 128, (4, 1, 4, True)), (5, 64, (2, 2, 3, False)),
+                  (8, 128, (4, 1, 4, True))]
+MMA_FP8_CASES = [(1, (4, 1, 1, False)), (1, (4, 2, 4, True)), (1, (2, 1, 8, False)),
+                 (1, (8, 1, 3, True)), (2, (4, 1, 4, True)), (5, (2, 2, 3, False)),
+                 (8, (4, 1, 4, True))]
+
+
+def check_rows_alone(out, one_row) -> None:
+    """Each row of a product of several rows is the same bits as that row alone
+    (a row's sums do not depend on how many rows share the launch)."""
+    for r in range(out.shape[0]):
+        assert torch.equal(out[r:r + 1], one_row(r)), f"row {r} differs from itself alone"
+
+
 @needs_cuda
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("group,cfg", [(128, (4, 1, 1, False)), (128, (4, 2, 4, True)),
-                                       (64, (2, 1, 3, True)), (128, (8, 4, 8, False))])
-def test_int4_gemv_mma(dtype, group, cfg):
-    """The tensor-core GEMV (`int4_mma.py`, weights in MMA fragment order): exact
-    products of offset + q summed in fp32, the zero point's term taken out per group,
-    so within the output's rounding of the float64 product and a few fp32 roundings
-    of (offset + 16) |x| s (tests/test_int4_mma.py's bound, x4 for the hardware's
-    order of summation); bias, the fused SiLU, and the route through `int4_linear`
-    (its `mma` argument) give the same bits."""
+@pytest.mark.parametrize("m,group,cfg", MMA_INT4_CASES)
+def test_int4_gemv_mma(dtype, m, group, cfg):
+    """The tensor-core GEMV (`int4_mma.py`, weights in MMA fragment order) at 1-8
+    rows: exact products of offset + q summed in fp32, the zero point's term taken
+    out per group, so within the output's rounding of the float64 product and a
+    few fp32 roundings of (offset + 16) |x| s (tests/test_int4_mma.py's bound, x4
+    for the hardware's order of summation); a row alone the same bits; bias, the
+    fused SiLU, and the route through `int4_linear` (its `mma` argument) too."""
     from radixlm.layers.quantization.triton_ops import int4_mma as MM
 
     n, k = 512, 2048
     w = int4_weight(n, k, group, False, seed=41)
     words = MM.mma_layout(I.unpack_rows(w.qweight))
-    x = randn(1, k, seed=42, dtype=dtype)
+    x = randn(m, k, seed=42, dtype=dtype)
     bias = randn(n, seed=43, dtype=dtype)
     config = MM.MmaConfig(*cfg)
     out = MM.int4_gemv_mma(x, words, w.zeros, w.scales, group, bias, config=config)
@@ -431,6 +446,8 @@ def test_int4_gemv_mma(dtype, group, cfg):
     folded = (x.double().abs() @ scale) * (offset + 16)
     err = (out.double() - ref).abs()
     assert (err <= eps * ref.abs() + 2.0 ** -18 * folded).all(), f"max {(err / folded).max():.3g}"
+    check_rows_alone(out, lambda r: MM.int4_gemv_mma(x[r:r + 1], words, w.zeros, w.scales,
+                                                     group, bias, config=config))
     assert torch.equal(T.int4_linear(x, w.qweight, w.zeros, w.scales, group, None, bias,
                                      mma=words),
                        MM.int4_gemv_mma(x, words, w.zeros, w.scales, group, bias))
@@ -440,54 +457,19 @@ def test_int4_gemv_mma(dtype, group, cfg):
 
 
 @needs_cuda
-@pytest.mark.parametrize("m", [2, 5, 8])
-@pytest.mark.parametrize("cfg", [(4, 1, 4, True), (2, 2, 3, False)])
-def test_int4_gemv_mma_rows(m, cfg):
-    """The tensor-core GEMV at 2-8 rows (each a column of B): within the one-row
-    test's bound of the float64 product, every row the same bits as that row alone
-    (a row's sums do not depend on M), bias and the fused SiLU per row, and
-    `int4_linear` routing these rows there."""
-    from radixlm.layers.quantization.triton_ops import int4_mma as MM
-
-    n, k, group = 512, 2048, 128
-    w = int4_weight(n, k, group, False, seed=44)
-    words = MM.mma_layout(I.unpack_rows(w.qweight))
-    x = randn(m, k, seed=45, dtype=torch.bfloat16)
-    bias = randn(n, seed=46, dtype=torch.bfloat16)
-    config = MM.MmaConfig(*cfg)
-    out = MM.int4_gemv_mma(x, words, w.zeros, w.scales, group, bias, config=config)
-    ref = x.double() @ w.dequantize().double().T + bias.double()
-    scale = w.scales.double().repeat_interleave(group, 0)
-    folded = (x.double().abs() @ scale) * (128 + 16)
-    err = (out.double() - ref).abs()
-    bound = 2.0 ** -8 * ref.abs() + 2.0 ** -18 * folded
-    assert (err <= bound).all(), f"max {(err / folded).max():.3g}"
-    for r in range(m):
-        alone = MM.int4_gemv_mma(x[r:r + 1], words, w.zeros, w.scales, group, bias, config=config)
-        assert torch.equal(out[r:r + 1], alone), f"row {r} differs from itself alone"
-    assert torch.equal(T.int4_linear(x, w.qweight, w.zeros, w.scales, group, None, bias,
-                                     mma=words),
-                       MM.int4_gemv_mma(x, words, w.zeros, w.scales, group, bias))
-    fused = MM.int4_gemv_mma(x, words, w.zeros, w.scales, group, config=config, silu_mul=True)
-    plain = MM.int4_gemv_mma(x, words, w.zeros, w.scales, group, config=config)
-    check_silu_mul(fused, plain)
-
-
-@needs_cuda
-@pytest.mark.parametrize("cfg", [(4, 1, 1, False), (4, 2, 4, True), (2, 1, 8, False),
-                                 (8, 1, 3, True)])
-def test_fp8_gemv_mma(cfg):
-    """The tensor-core FP8 GEMV (`fp8_mma.py`, per-row scales, bf16 x): e4m3 read as
-    bf16 times 2^-120 (exact), products exact and summed in fp32, so within the
-    output's rounding of the float64 product and a few fp32 roundings of the
-    magnitudes; bias, the fused SiLU and the route through `fp8_linear` (its `mma`
-    argument) too."""
+@pytest.mark.parametrize("m,cfg", MMA_FP8_CASES)
+def test_fp8_gemv_mma(m, cfg):
+    """The tensor-core FP8 GEMV (`fp8_mma.py`, per-row scales, bf16 x) at 1-8 rows:
+    e4m3 read as bf16 times 2^-120 (exact), products exact and summed in fp32, so
+    within the output's rounding of the float64 product and a few fp32 roundings
+    of the magnitudes; a row alone the same bits; bias, the fused SiLU and the
+    route through `fp8_linear` (its `mma` argument) too."""
     from radixlm.layers.quantization.triton_ops import fp8_mma as FM
 
     n, k = 512, 2048
     q, s = quantize_rows(randn(n, k, seed=51, scale=0.05))
     words = FM.mma_layout(q)
-    x = randn(1, k, seed=52, dtype=torch.bfloat16)
+    x = randn(m, k, seed=52, dtype=torch.bfloat16)
     bias = randn(n, seed=53, dtype=torch.bfloat16)
     config = FM.MmaConfig(*cfg)
     out = FM.fp8_gemv_mma(x, words, s, bias, config=config)
@@ -496,37 +478,7 @@ def test_fp8_gemv_mma(cfg):
     mag = x.double().abs() @ w.abs().T
     err = (out.double() - ref).abs()
     assert (err <= 2.0 ** -8 * ref.abs() + 2.0 ** -18 * mag).all(), f"max {(err / mag).max():.3g}"
-    assert torch.equal(F.fp8_linear(x, q, s, 0, 1, None, bias, mma=words),
-                       FM.fp8_gemv_mma(x, words, s, bias))
-    fused = FM.fp8_gemv_mma(x, words, s, config=config, silu_mul=True)
-    plain = FM.fp8_gemv_mma(x, words, s, config=config)
-    check_silu_mul(fused, plain)
-
-
-@needs_cuda
-@pytest.mark.parametrize("m", [2, 5, 8])
-@pytest.mark.parametrize("cfg", [(4, 1, 4, True), (2, 2, 3, False)])
-def test_fp8_gemv_mma_rows(m, cfg):
-    """The tensor-core FP8 GEMV at 2-8 rows (each a column of B): within the
-    one-row test's bound, every row the same bits as that row alone, the fused
-    SiLU per row, and `fp8_linear` routing these rows there."""
-    from radixlm.layers.quantization.triton_ops import fp8_mma as FM
-
-    n, k = 512, 2048
-    q, s = quantize_rows(randn(n, k, seed=54, scale=0.05))
-    words = FM.mma_layout(q)
-    x = randn(m, k, seed=55, dtype=torch.bfloat16)
-    bias = randn(n, seed=56, dtype=torch.bfloat16)
-    config = FM.MmaConfig(*cfg)
-    out = FM.fp8_gemv_mma(x, words, s, bias, config=config)
-    w = q.double() * s.double()[:, None]
-    ref = x.double() @ w.T + bias.double()
-    mag = x.double().abs() @ w.abs().T
-    err = (out.double() - ref).abs()
-    assert (err <= 2.0 ** -8 * ref.abs() + 2.0 ** -18 * mag).all(), f"max {(err / mag).max():.3g}"
-    for r in range(m):
-        alone = FM.fp8_gemv_mma(x[r:r + 1], words, s, bias, config=config)
-        assert torch.equal(out[r:r + 1], alone), f"row {r} differs from itself alone"
+    check_rows_alone(out, lambda r: FM.fp8_gemv_mma(x[r:r + 1], words, s, bias, config=config))
     assert torch.equal(F.fp8_linear(x, q, s, 0, 1, None, bias, mma=words),
                        FM.fp8_gemv_mma(x, words, s, bias))
     fused = FM.fp8_gemv_mma(x, words, s, config=config, silu_mul=True)
