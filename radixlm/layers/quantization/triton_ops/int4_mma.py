@@ -365,9 +365,9 @@ def _frag_unpack(w_ptr, tile0, tiles, chunk0, CHUNKS_PER_ROW, BK: tl.constexpr,
     kw = tl.arange(0, BK // 4)
     nw = tl.arange(0, BN // 2)
     lane = (nw % 8)[None, :] * 4 + ((kw // 4) % 4)[:, None]
-    tile = tl.minimum(tile0 + nw // 8, tiles - 1)
+    tile = tl.minimum(tile0 + nw // 8, tiles - 1).to(tl.int64)
     word = (tile[None, :] * CHUNKS_PER_ROW + chunk0 + (kw // 16)[:, None]) * 32
-    w = tl.load(w_ptr + ((word + lane) * 4 + (kw % 4)[:, None]).to(tl.int64))
+    w = tl.load(w_ptr + (word + lane) * 4 + (kw % 4)[:, None])
     q = tl.arange(0, 4)[:, None]
     jm = tl.arange(0, 2)[None, :]
     shifts = 4 * (jm + 2 * (q // 2) + 4 * (q % 2))  # [4, 2]
