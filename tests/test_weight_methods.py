@@ -420,3 +420,32 @@ def test_two_gloo_ranks_gather_every_whole_tensor(tmp_path):
     fused = torch.cat([tensors[("qkv", "weight", s)] for s in "qkv"])
     assert torch.equal(got["qkv-fused"], fused)
 
+
+
+def test_derived_addresses_see_what_process_weights_after_loading_moves() -> None:
+    """`derived_addresses` lists the tensors a module keeps beside its parameters
+    (plain attributes, dataclasses, tuples): a re-derivation into new tensors
+    changes the list, one in place does not, and parameters and buffers are
+    not in it (a weight update writes those in place)."""
+    import dataclasses
+
+    from radixlm.layers.quantization import derived_addresses
+
+    @dataclasses.dataclass(frozen=True)
+    class Derived:
+        table: torch.Tensor
+        parts: tuple[torch.Tensor, ...]
+
+    layer = torch.nn.Linear(4, 4)
+    layer.register_buffer("steps", torch.zeros(2))
+    model = torch.nn.Sequential(layer)
+    layer.derived = Derived(torch.ones(3), (torch.ones(2), torch.ones(5)))
+    layer.packed = torch.ones(6)
+    before = derived_addresses(model)
+    assert len(before) == 4
+    assert layer.weight.data_ptr() not in before and layer.steps.data_ptr() not in before
+    layer.derived.table.mul_(2)
+    layer.packed.copy_(torch.zeros(6))
+    assert derived_addresses(model) == before
+    layer.derived = Derived(torch.ones(3), layer.derived.parts)
+    assert derived_addresses(model) != before

@@ -173,9 +173,19 @@ def test_update_from_tensor(engine, prompt_ids, baseline, second, model_dir):
     assert greedy(engine, prompt_ids) == baseline
 
 
-def test_bf16_updates_replace_the_prepacked_weights(model_dir, prompt_ids, second):
+def test_bf16_updates_replace_the_prepacked_weights(model_dir, prompt_ids, second,
+                                                    monkeypatch):
     """On the CPU in bf16 the linear layers run from copies prepacked for oneDNN: an
-    update must reach them (a stale copy would go on serving the old model)."""
+    update must reach them (a stale copy would go on serving the old model). Those
+    copies come back at new addresses, which on a GPU would leave captured CUDA
+    graphs reading the old ones: the updater says so (`refresh_graphs`, a no-op
+    without graphs) after each update that moved them."""
+    from radixlm.runtime.memory_occupation import MemoryOccupation
+
+    refreshed = []
+    real = MemoryOccupation.refresh_graphs
+    monkeypatch.setattr(MemoryOccupation, "refresh_graphs",
+                        lambda self: (refreshed.append(1), real(self)))
     kw = {"dtype": "bfloat16", "quantization": "none", "max_total_tokens": 4096,
           "context_length": 256, "num_threads": 1}
     with radixlm.Engine(model_path=second["path"], skip_tokenizer_init=True, **kw) as fresh:
@@ -184,8 +194,10 @@ def test_bf16_updates_replace_the_prepacked_weights(model_dir, prompt_ids, secon
         base = greedy(e, prompt_ids)  # packs the embedded model's weights
         ok, message = e.update_weights_from_tensor(list(second["tensors"].items()))
         assert ok, message
+        assert refreshed == [1]
         assert greedy(e, prompt_ids) == want != base
         restore(e, model_dir)
+        assert refreshed == [1, 1]
         assert greedy(e, prompt_ids) == base
 
 

@@ -115,7 +115,7 @@ class MemoryOccupation:
             self._had_graphs = True
             self.runner.graph_runner = None  # frees the graphs and their memory pool
 
-    def _recapture_graphs(self) -> None:
+    def _recapture_graphs(self, why: str = "resume") -> None:
         if not self._had_graphs:
             return
         from radixlm.runtime.cuda_graph_runner import CudaGraphRunner
@@ -126,7 +126,15 @@ class MemoryOccupation:
             runner, min(args.cuda_graph_max_bs, runner.max_running_requests),
             use_graphs=not args.disable_cuda_graph)
         self._had_graphs = False
-        logger.info("recaptured CUDA graphs after resume in %.1f s", time.perf_counter() - start)
+        logger.info("recaptured CUDA graphs after %s in %.1f s", why, time.perf_counter() - start)
+
+    def refresh_graphs(self) -> None:
+        """Capture the CUDA graphs again (a weight update moved a tensor they read);
+        nothing while released (resume captures them) or where there are none."""
+        if self.released or self.runner.graph_runner is None:
+            return
+        self._drop_graphs()
+        self._recapture_graphs("a weight update moved derived weights")
 
     def _empty_device_cache(self) -> None:
         if self.runner.device.type == "cuda":

@@ -28,7 +28,7 @@ from __future__ import annotations
 import copy
 import datetime
 import logging
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,7 +38,7 @@ from torch import nn
 
 from radixlm import distributed as tp
 from radixlm.config import WEIGHT_UPDATE_GROUP
-from radixlm.layers.quantization import process_weights_after_loading
+from radixlm.layers.quantization import derived_addresses, process_weights_after_loading
 from radixlm.models.weight_map import WeightMap, WeightSlot, missing_message
 
 logger = logging.getLogger(__name__)
@@ -100,11 +100,16 @@ class WeightUpdater:
     """Updates one model runner's weights in place; see the module docstring."""
 
     def __init__(self, model: nn.Module, config: Any, device: torch.device,
-                 model_path: str | None) -> None:
+                 model_path: str | None,
+                 on_derived_moved: Callable[[], None] | None = None) -> None:
         self.model = model
         self.config = config
         self.device = device
         self.model_path = model_path
+        # Called when deriving from the new weights put a derived tensor (a scale
+        # table, a kernel's reordered copy) at a new address: captured CUDA graphs
+        # would read the old one (MemoryOccupation.refresh_graphs captures anew).
+        self.on_derived_moved = on_derived_moved
         self.groups: dict[str, WeightSyncGroup] = {}
         self.weight_map = WeightMap(model)
 
@@ -318,6 +323,7 @@ class WeightUpdater:
         Either way the layers' methods then derive from the weights as they are."""
         backup = _Backup()
         error = None
+        derived = derived_addresses(self.model)
         try:
             self.weight_map.load(self._saving(weights, backup))
         except Exception as e:
@@ -328,6 +334,8 @@ class WeightUpdater:
         if not ok:
             backup.restore()
         process_weights_after_loading(self.model)
+        if self.on_derived_moved is not None and derived_addresses(self.model) != derived:
+            self.on_derived_moved()
         if ok:
             return
         logger.error("weight update failed while loading (%s); restored %d parameter(s)",

@@ -49,8 +49,10 @@ class RuntimeControls:
 
     @classmethod
     def for_runner(cls, runner: Any, model_path: str | None) -> RuntimeControls:
-        return cls(WeightUpdater(runner.model, runner.config, runner.device, model_path),
-                   MemoryOccupation(runner), Profiler(runner.device))
+        memory = MemoryOccupation(runner)
+        return cls(WeightUpdater(runner.model, runner.config, runner.device, model_path,
+                                 on_derived_moved=memory.refresh_graphs),
+                   memory, Profiler(runner.device))
 
 
 class Controlled(Protocol):

@@ -8,8 +8,10 @@ in `QUANTIZATION_METHODS` below, and its name in `config.QUANTIZATIONS`
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
+import torch
 from torch import nn
 
 from radixlm.layers.quantization.base import (
@@ -111,6 +113,33 @@ def process_weights_after_loading(model: nn.Module) -> None:
             method.process_weights_after_loading(module)
         elif callable(getattr(module, "process_weights_after_loading", None)):
             module.process_weights_after_loading()
+
+
+def derived_addresses(model: nn.Module) -> list[int]:
+    """The storage address of every tensor the model's modules keep beside their
+    parameters, buffers and submodules (what `process_weights_after_loading`
+    derived: plain attributes, and the tensors of dataclasses, tuples and lists
+    held in them). A CUDA graph captured those addresses: when a call of
+    `process_weights_after_loading` changes this list, the graphs must be
+    captured again."""
+    found: list[int] = []
+
+    def visit(value: object, depth: int) -> None:
+        if isinstance(value, torch.Tensor):
+            # A tensor without plain storage (oneDNN's packed layout): its identity.
+            found.append(value.data_ptr() if value.layout == torch.strided else id(value))
+        elif depth < 3 and isinstance(value, (list, tuple)):
+            for item in value:
+                visit(item, depth + 1)
+        elif depth < 3 and dataclasses.is_dataclass(value) and not isinstance(value, type):
+            for f in dataclasses.fields(value):
+                visit(getattr(value, f.name), depth + 1)
+
+    for module in model.modules():
+        for name, value in vars(module).items():
+            if not name.startswith("_"):  # _parameters, _buffers, _modules, hooks
+                visit(value, 0)
+    return found
 
 
 def drop_derived_weights(model: nn.Module) -> None:
