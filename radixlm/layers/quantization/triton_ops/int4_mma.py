@@ -333,7 +333,7 @@ def int4_gemm_mma(x: torch.Tensor, words: torch.Tensor, zeros: torch.Tensor,
     y = output(x, n, out)
     if m == 0:
         return y
-    # Untimed: the plain int4 GEMM's tile sizes (`int4.pick_gemm_config`).
+    # Untimed: near the plain int4 GEMM's tiles (`int4.pick_gemm_config`).
     bm, bn, warps = (16, 64, 4) if m <= 16 else (64, 64, 4) if m <= 64 else (128, 128, 8)
     bk = min(group, 128)  # a step lies in one group
     grid = (triton.cdiv(m, bm) * triton.cdiv(n, bn),)
