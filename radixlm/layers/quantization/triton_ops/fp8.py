@@ -46,6 +46,7 @@ from radixlm.layers import pdl, tiles
 from radixlm.layers.gemv import _load_w, _load_x, _silu_mul
 from radixlm.layers.pdl import pdl_trigger, pdl_wait
 from radixlm.layers.quantization.triton_ops import fp8_mma
+from radixlm.layers.quantization.triton_ops.mma_gemv import rows_fit
 from radixlm.layers.tiles import grouped_tile
 
 FP8 = torch.float8_e4m3fn
@@ -161,8 +162,7 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, bloc
         x2 = x2.contiguous()
     m = x2.shape[0]
     if gemv_fits(m, block_k, scale_rows):
-        if (mma is not None and m <= fp8_mma.MAX_ROWS and x2.dtype == torch.bfloat16
-                and x2.is_contiguous() and x2.data_ptr() % 16 == 0):
+        if mma is not None and x2.dtype == torch.bfloat16 and rows_fit(x2):
             y = fp8_mma.fp8_gemv_mma(x2, mma, scales, bias, out=out, silu_mul=silu_mul)
         else:
             y = fp8_gemv(x2, weight, scales, block_k, scale_rows, bias, out=out,

@@ -36,21 +36,16 @@ from __future__ import annotations
 import functools
 
 import torch
-import triton
 
-from radixlm.layers import pdl
 from radixlm.layers.quantization.triton_ops.mma_gemv import (
     CHUNK,
-    MAX_ROWS,
     MmaConfig,
+    check_rows,
     lane_lines,
+    launch,
     loop_ptx,
-    mma_gemv_kernel,
-    output,
     pick_config,
     regs,
-    splits,
-    sum_splits,
     x_row_lines,
     y_row_lines,
 )
@@ -228,20 +223,9 @@ def fp8_gemv_mma(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor,
     """x [M, K] (1 <= M <= 8 contiguous rows, bf16, 16-byte aligned) times the FP8
     weight in `mma_layout` `words` with fp32 row scales [N]: [M, N] (`silu_mul`:
     [M, N / 2]). One row runs the one-row PTX, more the rows PTX."""
-    tiles, chunks_per_row = words.shape[:2]
-    n, k = tiles * 16, chunks_per_row * CHUNK
-    m = x.shape[0]
-    assert 1 <= m <= MAX_ROWS and x.shape == (m, k) and x.is_contiguous()
-    assert x.data_ptr() % 16 == 0
-    assert x.dtype == torch.bfloat16 and words.is_contiguous() and scales.shape == (n,)
+    m, n, k = check_rows(x, words)
+    assert x.dtype == torch.bfloat16 and scales.shape == (n,)
     assert scales.dtype == torch.float32 and scales.is_contiguous()
     cfg = config or pick_config(n)
-    steps = k // (STEP_CHUNKS * CHUNK)
-    s_split, split = splits(steps, cfg.split)
-    ws = torch.empty((split, m, n), device=x.device, dtype=torch.float32)
-    y = output(x, n // 2 if silu_mul else n, out)
-    mma_gemv_kernel[(triton.cdiv(tiles, cfg.warps * cfg.nt), split)](
-        x, words, scales, scales, ws, tiles, chunks_per_row, n, steps, s_split, 0, 0,
-        ws.stride(0), m, WARPS=cfg.warps, PTX=gemv_ptx(cfg.nt, cfg.prefetch, m > 1),
-        num_warps=cfg.warps, **pdl.launch_args())
-    return sum_splits(ws, bias, y, silu_mul)
+    return launch(gemv_ptx(cfg.nt, cfg.prefetch, m > 1), cfg, x, words, scales, scales,
+                  k // (STEP_CHUNKS * CHUNK), 0, 0, bias, out, silu_mul)

@@ -49,6 +49,11 @@ from radixlm.layers import pdl
 from radixlm.layers.gemv import _silu_mul
 from radixlm.layers.pdl import pdl_trigger, pdl_wait
 from radixlm.layers.tiles import grouped_tile
+from radixlm.utils import lazy_import
+
+# The tensor-core modules import this one: loaded on their first use.
+_mma = lazy_import("radixlm.layers.quantization.triton_ops.int4_mma")
+_mma_gemv = lazy_import("radixlm.layers.quantization.triton_ops.mma_gemv")
 
 MAX_SUB_STEPS = 4
 # The interpreter runs no inline PTX: there the packed halves' PTX is emulated.
@@ -119,31 +124,24 @@ def int4_linear(x: torch.Tensor, qweight: torch.Tensor, zeros: torch.Tensor,
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     m = x2.shape[0]
-    tensor_cores = (mma is not None and 1 <= m <= _mma().MAX_ROWS and x2.is_contiguous()
-                    and x2.data_ptr() % 16 == 0)
+    tensor_cores = mma is not None and _mma_gemv.rows_fit(x2)
     if silu_mul:
         if m != 1 and not tensor_cores:
             return None
-        y = (_mma().int4_gemv_mma(x2, mma, zeros, scales, group, silu_mul=True) if tensor_cores
+        y = (_mma.int4_gemv_mma(x2, mma, zeros, scales, group, silu_mul=True) if tensor_cores
              else int4_gemv(x2, qweight, zeros, scales, group, g_idx, silu_mul=True))
         return y.view(*x.shape[:-1], n // 2)
     if out is not None:
         assert out.is_contiguous() and out.dtype == x.dtype and out.numel() == m * n
         out = out.view(m, n)
     if tensor_cores:
-        y = _mma().int4_gemv_mma(x2, mma, zeros, scales, group, bias, out=out)
+        y = _mma.int4_gemv_mma(x2, mma, zeros, scales, group, bias, out=out)
     elif mma is not None and m > 1:  # the same words above 8 rows
-        y = _mma().int4_gemm_mma(x2, mma, zeros, scales, group, bias, out=out)
+        y = _mma.int4_gemm_mma(x2, mma, zeros, scales, group, bias, out=out)
     else:
         fn = int4_gemv if m == 1 else int4_gemm
         y = fn(x2, qweight, zeros, scales, group, g_idx, bias, out=out)
     return y.view(*x.shape[:-1], n)
-
-
-def _mma():
-    from radixlm.layers.quantization.triton_ops import int4_mma  # it imports this module
-
-    return int4_mma
 
 
 def _out(x: torch.Tensor, n: int, out: torch.Tensor | None) -> torch.Tensor:

@@ -55,19 +55,16 @@ import torch
 import triton
 import triton.language as tl
 
-from radixlm.layers import pdl
 from radixlm.layers.quantization.triton_ops.mma_gemv import (
     CHUNK,
-    MAX_ROWS,
     MmaConfig,
+    check_rows,
     lane_lines,
+    launch,
     loop_ptx,
-    mma_gemv_kernel,
     output,
     pick_config,
     regs,
-    splits,
-    sum_splits,
     x_row_lines,
     y_row_lines,
 )
@@ -298,24 +295,14 @@ def int4_gemv_mma(x: torch.Tensor, words: torch.Tensor, zeros: torch.Tensor,
     [M, N / 2]). One row runs the one-row PTX; more, the rows PTX (`_PtxGroup`),
     whose split-K sums are then added row by row by the one-row epilogue, so a
     row's sums are added in the same order whatever M is."""
-    tiles, chunks_per_row = words.shape[:2]
-    n, k = tiles * 16, chunks_per_row * CHUNK
-    m = x.shape[0]
-    assert 1 <= m <= MAX_ROWS and x.shape == (m, k) and x.is_contiguous()
-    assert x.data_ptr() % 16 == 0
-    assert x.dtype in (torch.bfloat16, torch.float16) and words.is_contiguous()
+    m, n, k = check_rows(x, words)
+    assert x.dtype in (torch.bfloat16, torch.float16)
     assert group in GROUPS and k % group == 0 and zeros.stride(1) == scales.stride(1) == 1
     cfg = config or pick_config(n)
-    num_groups = k // group
-    g_split, split = splits(num_groups, cfg.split)
-    ws = torch.empty((split, m, n), device=x.device, dtype=torch.float32)
-    y = output(x, n // 2 if silu_mul else n, out)
     ptx = gemv_ptx(cfg.nt, group // CHUNK, x.dtype == torch.bfloat16, cfg.prefetch, m > 1)
-    mma_gemv_kernel[(triton.cdiv(tiles, cfg.warps * cfg.nt), split)](
-        x, words, zeros, scales, ws, tiles, chunks_per_row, n, num_groups, g_split,
-        zeros.stride(0), scales.stride(0), ws.stride(0), m, WARPS=cfg.warps, PTX=ptx,
-        num_warps=cfg.warps, **pdl.launch_args())
-    return sum_splits(ws, bias, y, silu_mul)
+    # A step is a group; the zero points' and scales' rows are their strides apart.
+    return launch(ptx, cfg, x, words, zeros, scales, k // group, zeros.stride(0),
+                  scales.stride(0), bias, out, silu_mul)
 
 
 # ---- above 8 rows: a GEMM over the same words ------------------------------------------

@@ -146,6 +146,37 @@ def mma_gemv_kernel(x_ptr, w_ptr, a_ptr, b_ptr, ws_ptr, TILES, CHUNKS_PER_ROW, N
         dtype=tl.int32, is_pure=False, pack=1)
 
 
+def rows_fit(x: torch.Tensor) -> bool:
+    """Whether the PTX reads x [M, K] as it is: 1-8 contiguous, 16-byte aligned rows."""
+    return 1 <= x.shape[0] <= MAX_ROWS and x.is_contiguous() and x.data_ptr() % 16 == 0
+
+
+def check_rows(x: torch.Tensor, words: torch.Tensor) -> tuple[int, int, int]:
+    """(M, N, K) of x [M, K] times the fragment-order `words` [N / 16, K / 64, ...],
+    refusing what the PTX cannot read (`rows_fit`)."""
+    tiles, chunks_per_row = words.shape[:2]
+    m, n, k = x.shape[0], tiles * 16, chunks_per_row * CHUNK
+    assert rows_fit(x) and x.shape == (m, k) and words.is_contiguous()
+    return m, n, k
+
+
+def launch(ptx: str, cfg: MmaConfig, x: torch.Tensor, words: torch.Tensor, a: torch.Tensor,
+           b: torch.Tensor, steps: int, int_a: int, int_b: int, bias: torch.Tensor | None,
+           out: torch.Tensor | None, silu_mul: bool) -> torch.Tensor:
+    """Both launches of a tensor-core GEMV: `ptx` over `steps` loop steps of K split
+    by `cfg` (the format's addresses `a`, `b` and integers `int_a`, `int_b`), then
+    the split-K sum into [M, N] (`silu_mul`: [M, N / 2])."""
+    tiles, chunks_per_row = words.shape[:2]
+    m, n = x.shape[0], tiles * 16
+    per, split = splits(steps, cfg.split)
+    ws = torch.empty((split, m, n), device=x.device, dtype=torch.float32)
+    y = output(x, n // 2 if silu_mul else n, out)
+    mma_gemv_kernel[(triton.cdiv(tiles, cfg.warps * cfg.nt), split)](
+        x, words, a, b, ws, tiles, chunks_per_row, n, steps, per, int_a, int_b,
+        ws.stride(0), m, WARPS=cfg.warps, PTX=ptx, num_warps=cfg.warps, **pdl.launch_args())
+    return sum_splits(ws, bias, y, silu_mul)
+
+
 def splits(steps: int, split: int) -> tuple[int, int]:
     """(steps a program, programs along K): `split` runs of whole steps, none empty."""
     per = triton.cdiv(steps, split)
