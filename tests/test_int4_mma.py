@@ -133,7 +133,7 @@ def test_sm90_code_one_mma_a_word_no_shared_memory() -> None:
 
 
 def test_the_variables_are_named_at_start_up_and_cost_the_cpu_nothing(monkeypatch) -> None:
-    """$RADIXLM_INT4_GEMV / $RADIXLM_FP8_GEMV=mma: the start-up line says the one-row
+    """$RADIXLM_INT4_GEMV / $RADIXLM_FP8_GEMV=mma: the start-up line says the 1-8-row
     products run on the tensor cores from a second copy of the weights; off CUDA
     no copy is made (a layer built on the CPU keeps `mma` None)."""
     from quant_checkpoints import tiny_llama

@@ -64,7 +64,7 @@ F32 = torch.float32
 FP8_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
 _ops = lazy_import("radixlm.layers.quantization.triton_ops.fp8")  # Triton: CUDA only
 _mma = lazy_import("radixlm.layers.quantization.triton_ops.fp8_mma")
-MMA_ENV = "RADIXLM_FP8_GEMV"  # "mma": the tensor-core one-row GEMV (opt-in)
+MMA_ENV = "RADIXLM_FP8_GEMV"  # "mma": the tensor-core GEMV of 1-8 rows (opt-in)
 
 
 def mma_requested() -> bool:
@@ -426,7 +426,7 @@ class Fp8Config(QuantizationConfig):
     def describe(self) -> str:
         how = ("per-channel weight scales, dynamic per-token activation scales"
                if self.scheme is None else self.scheme.describe())
-        gemv = (f" (one row on the tensor cores, ${MMA_ENV}=mma: a second copy of the "
+        gemv = (f" (on the tensor cores, ${MMA_ENV}=mma: a second copy of the "
                 "per-row-scaled weights in MMA fragment order)" if mma_requested() else "")
         experts = ""
         if self.counts["fp8 experts"] or self.counts["float experts"]:

@@ -26,10 +26,10 @@ registers, fused with the MLP's silu(gate) * up on a merged gate/up layer;
 more rows: the weights dequantized tile by tile to x's dtype on the tensor
 cores); elsewhere the weight is dequantized at matmul time (fp32
 [N, K] for the one product, then freed: the memory stays half a byte per
-weight). With $RADIXLM_INT4_GEMV=mma (opt-in until GPU-tested) the one-row
-product runs on the tensor cores instead (`triton_ops/int4_mma.py`), from a
-second copy of the weights in MMA fragment order (half a byte more a weight;
-the GEMM above one row keeps reading `qweight`).
+weight). With $RADIXLM_INT4_GEMV=mma (opt-in) products of 1-8 rows run on
+the tensor cores instead (`triton_ops/int4_mma.py`), and a GEMM above them,
+from a second copy of the weights in MMA fragment order (half a byte more a
+weight: `qweight` is still kept, in checkpoint form).
 """
 
 from __future__ import annotations
@@ -62,7 +62,7 @@ if TYPE_CHECKING:
 
 _ops = lazy_import("radixlm.layers.quantization.triton_ops.int4")  # Triton: CUDA only
 _mma = lazy_import("radixlm.layers.quantization.triton_ops.int4_mma")
-MMA_ENV = "RADIXLM_INT4_GEMV"  # "mma": the tensor-core one-row GEMV (opt-in)
+MMA_ENV = "RADIXLM_INT4_GEMV"  # "mma": the tensor-core GEMV of 1-8 rows (opt-in)
 INT32 = frozenset({torch.int32})
 # The output feature (within its 8) that AWQ packs into nibble i.
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
@@ -439,13 +439,13 @@ class _Int4Config(QuantizationConfig):
         f = self.fmt
         order = ", act-order (g_idx)" if f.desc_act else ""
         source = "" if self.from_checkpoint else " (dummy weights: round-to-nearest int4)"
-        gemv = (f" on the tensor cores (${MMA_ENV}=mma: a second copy of the weights in MMA "
-                "fragment order)" if mma_requested() else "")
+        products = ("GEMV at 1-8 rows on the tensor cores and a GEMM above, both from a second "
+                    f"copy of the weights in MMA fragment order (${MMA_ENV}=mma)"
+                    if mma_requested() else "GEMV at one row, dequantizing GEMM above")
         return (f"quantization {self.name}{source}: {self.counts['int4']} linear layers in int4 "
                 f"(group size {f.group_size}, zero points{order}), {self.counts['float']} in "
                 "floats (the LM head, layers the checkpoint leaves unquantized); CUDA: our int4 "
-                f"GEMV at one row{gemv}, dequantizing GEMM above; elsewhere the weights are "
-                "dequantized at matmul time")
+                f"{products}; elsewhere the weights are dequantized at matmul time")
 
 
 def _int(config: dict[str, Any], *names: str, default: Any = None) -> Any:
