@@ -86,12 +86,15 @@ def kernels():
            dict(BN=64, ROWS=16, GROUP=128, SUB_STEPS=2, ACT_ORDER=False, HAS_BIAS=False,
                 SILU_MUL=False, PARTIAL=True, EVEN=True, PACKED=True, BF16=True, LEAN=False,
                 PDL=True), 4)
+    mma = {"x_ptr": b16, "w_ptr": i32, "ws_ptr": f32, "bias_ptr": b16, "y_ptr": b16,
+           "count_ptr": i32}
+    mma_consts = dict(WARPS=4, NT=1, SPLIT=8, SUM=True, HAS_BIAS=False, SILU_MUL=False, PDL=True)
     yield ("int4 GEMV on the tensor cores", MMA.mma_gemv_kernel,
-           {"x_ptr": b16, "w_ptr": i32, "a_ptr": i32, "b_ptr": b16, "ws_ptr": f32}, (),
-           dict(WARPS=4, PTX=I4M.gemv_ptx(1, 2, True, True), PDL=True), 4)
+           {**mma, "a_ptr": i32, "b_ptr": b16}, (),
+           dict(PTX=I4M.gemv_ptx(1, 2, True, True), **mma_consts), 4)
     yield ("FP8 GEMV on the tensor cores", MMA.mma_gemv_kernel,
-           {"x_ptr": b16, "w_ptr": i32, "a_ptr": f32, "b_ptr": f32, "ws_ptr": f32}, (),
-           dict(WARPS=4, PTX=F8M.gemv_ptx(1, True), PDL=True), 4)
+           {**mma, "a_ptr": f32, "b_ptr": f32}, (),
+           dict(PTX=F8M.gemv_ptx(1, True), **mma_consts), 4)
     yield ("int4 split-K sum", I4._int4_split_sum_kernel,
            {"ws_ptr": f32, "b_ptr": b16, "y_ptr": b16}, (),
            dict(SPLIT=8, BLOCK=256, HAS_BIAS=False, SILU_MUL=False, PDL=True), 2)
