@@ -91,10 +91,10 @@ def kernels():
     mma_consts = dict(WARPS=4, NT=1, SPLIT=8, SUM=True, HAS_BIAS=False, SILU_MUL=False, PDL=True)
     yield ("int4 GEMV on the tensor cores", MMA.mma_gemv_kernel,
            {**mma, "a_ptr": i32, "b_ptr": b16}, (),
-           dict(PTX=I4M.gemv_ptx(1, 2, True, True), **mma_consts), 4)
+           dict(PTX=I4M.gemv_ptx(1, 2, True, True, pdl=True), PTX_WAITS=True, **mma_consts), 4)
     yield ("FP8 GEMV on the tensor cores", MMA.mma_gemv_kernel,
            {**mma, "a_ptr": f32, "b_ptr": f32}, (),
-           dict(PTX=F8M.gemv_ptx(1, True), **mma_consts), 4)
+           dict(PTX=F8M.gemv_ptx(1, True, pdl=True), PTX_WAITS=True, **mma_consts), 4)
     yield ("int4 split-K sum", I4._int4_split_sum_kernel,
            {"ws_ptr": f32, "b_ptr": b16, "y_ptr": b16}, (),
            dict(SPLIT=8, BLOCK=256, HAS_BIAS=False, SILU_MUL=False, PDL=True), 2)

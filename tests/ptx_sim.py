@@ -46,16 +46,25 @@ def _f32_to_half(v: np.ndarray, bf16: bool) -> np.ndarray:
 
 
 class Memory:
-    """Named byte buffers at made-up, widely spaced, 256-aligned addresses."""
+    """Named byte buffers at made-up, widely spaced, 256-aligned addresses. A buffer
+    added `after_wait` (one the kernel before may write: x, the outputs) may be
+    touched only by lanes past `griddepcontrol.wait` (PDL, `radixlm/layers/pdl.py`)."""
 
     def __init__(self) -> None:
         self.buffers: list[tuple[int, np.ndarray]] = []
+        self.guarded: set[int] = set()
 
-    def add(self, data: np.ndarray) -> int:
+    def add(self, data: np.ndarray, after_wait: bool = False) -> int:
         base = (len(self.buffers) + 1) << 40
         self.buffers.append((base, np.frombuffer(np.ascontiguousarray(data).tobytes(),
                                                  dtype=np.uint8).copy()))
+        if after_wait:
+            self.guarded.add(base)
         return base
+
+    def check_wait(self, addr: int, waited: bool) -> None:
+        base = (addr >> 40) << 40
+        assert waited or base not in self.guarded, f"{addr:#x} touched before the PDL wait"
 
     def buffer(self, base: int) -> np.ndarray:
         return next(buf for b, buf in self.buffers if b == base)
@@ -102,6 +111,7 @@ class Warp:
         self.regs: dict[str, np.ndarray] = {}
         self.tid = warp * LANES + np.arange(LANES, dtype=np.uint64)
         self.lane = np.arange(LANES)
+        self.waited = np.zeros(LANES, dtype=bool)  # past griddepcontrol.wait
 
     # -- operand values ------------------------------------------------------------------
     def val(self, tok: str) -> np.ndarray:
@@ -192,7 +202,12 @@ class Warp:
         elif op == "st.global.f32":
             addr, v = self.addr(a[0]), self.val(a[1])
             for lane in self.lane[on]:
+                self.mem.check_wait(int(addr[lane]), self.waited[lane])
                 self.mem.store(int(addr[lane]), 4, int(v[lane]))
+        elif op == "griddepcontrol.wait":
+            self.waited |= on
+        elif op == "griddepcontrol.launch_dependents":
+            assert self.waited[on].all(), "PDL trigger before the wait"
         elif op == "cvt.f32.f16":
             self.set_f32(a[0], _half_to_f32(self.val(a[1]) & np.uint64(0xFFFF), False), on)
         elif op == "lop3.b32":
@@ -230,6 +245,8 @@ class Warp:
 
     def load(self, op: str, a: list[str], on: np.ndarray) -> None:
         addr = self.addr(a[1])
+        for i in self.lane[on]:
+            self.mem.check_wait(int(addr[i]), self.waited[i])
         if op.endswith(".v4.u32"):
             dst = [r.strip() for r in a[0].strip("{}").split(",")]
             for j, name in enumerate(dst):
@@ -272,7 +289,9 @@ class Warp:
 def run_block(asm: str, operands: list[int], warps: int, mem: Memory) -> None:
     """Every warp of one thread block runs `asm` with these operand values."""
     for w in range(warps):
-        Warp(asm, operands, w, mem).run()
+        warp = Warp(asm, operands, w, mem)
+        warp.run()
+        assert warp.waited.all() or "griddepcontrol.wait" not in asm, "a lane never waited"
 
 
 def run_mma_gemv(ptx: str, cfg, x, words, a, b, steps: int, int_a: int = 0,
@@ -290,10 +309,13 @@ def run_mma_gemv(ptx: str, cfg, x, words, a, b, steps: int, int_a: int = 0,
     n, m = 16 * tiles, x.shape[0]
     per, split = splits(steps, cfg.split)
     mem = Memory()
-    xa, wa = mem.add(x.view(torch.int16).numpy()), mem.add(words.numpy())
+    # Where the PTX holds the PDL wait, x and the sums may be touched only after it
+    # (else Triton waits before the PTX starts).
+    pdl = "griddepcontrol.wait" in ptx
+    xa, wa = mem.add(x.view(torch.int16).numpy(), pdl), mem.add(words.numpy())
     aa, ba = mem.add(a.numpy()), mem.add(b.numpy())
     # NaN where no lane writes: a row or column the kernel skipped shows.
-    ws = mem.add(np.full((split, m, n), np.nan, dtype=np.float32))
+    ws = mem.add(np.full((split, m, n), np.nan, dtype=np.float32), pdl)
     for pid_n in range(-(-tiles // (cfg.warps * cfg.nt))):
         for pid_k in range(split):
             lo = pid_k * per

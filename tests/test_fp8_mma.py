@@ -42,12 +42,14 @@ def test_layout_round_trip_and_formula() -> None:
                 assert (word >> (8 * (2 * h))) & 0xFF == int(raw[16 * tile + g + 8, feat])
 
 
-def simulate(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor, cfg: M.MmaConfig):
+def simulate(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor, cfg: M.MmaConfig,
+             pdl: bool = False):
     """The PTX of every program (the rows PTX where x has more than one) in the
     simulator, operands as `mma_gemv_kernel` gets them; the split-K partial sums
-    added: fp32 [M, N]."""
+    added: fp32 [M, N]. `pdl`: the PTX holding the PDL wait (the simulator refuses
+    x or the sums touched before it)."""
     k = w.shape[1]
-    ptx = M.gemv_ptx(cfg.nt, cfg.prefetch, rows=x.shape[0] > 1)
+    ptx = M.gemv_ptx(cfg.nt, cfg.prefetch, rows=x.shape[0] > 1, pdl=pdl)
     return run_mma_gemv(ptx, cfg, x, M.mma_layout(w), s, s, k // (M.STEP_CHUNKS * M.CHUNK))
 
 
@@ -72,11 +74,22 @@ def test_rows_ptx_against_float64(m, n, k, cfg) -> None:
     check_against_float64(m, n, k, cfg)
 
 
-def check_against_float64(m, n, k, cfg) -> None:
+@pytest.mark.parametrize("m,n,k,cfg", [
+    (1, 48, 256, M.MmaConfig(2, 1, 2)),  # a warp past the last tile waits too
+    (1, 32, 640, M.MmaConfig(2, 1, 2, prefetch=True)),
+    (3, 32, 640, M.MmaConfig(2, 1, 2, prefetch=True)),
+])
+def test_ptx_with_the_pdl_wait_inside(m, n, k, cfg) -> None:
+    """The PTX that holds the PDL wait (the first step's words loaded before it):
+    nothing of x or the sums touched before the wait, every lane waits, same sums."""
+    check_against_float64(m, n, k, cfg, pdl=True)
+
+
+def check_against_float64(m, n, k, cfg, pdl: bool = False) -> None:
     w = e4m3_weight(n, k, seed=n + k)
     s = torch.rand(n, generator=torch.Generator().manual_seed(1)) * 0.01 + 0.001
     x = (torch.randn(m, k, generator=torch.Generator().manual_seed(k)) * 0.5).bfloat16()
-    got = simulate(x, w, s, cfg)
+    got = simulate(x, w, s, cfg, pdl)
     wd = w.double() * s.double()[:, None]
     ref = x.double() @ wd.T
     mag = x.double().abs() @ wd.abs().T

@@ -45,13 +45,15 @@ def test_layout_round_trip_and_formula() -> None:
                 assert (word >> (4 * (j + 4 * h))) & 0xF == int(q[feat, col])
 
 
-def simulate(x: torch.Tensor, q, z, s, group: int, cfg: M.MmaConfig) -> torch.Tensor:
+def simulate(x: torch.Tensor, q, z, s, group: int, cfg: M.MmaConfig,
+             pdl: bool = False) -> torch.Tensor:
     """What `int4_gemv_mma` computes before its split-K sum: the PTX of every program
     (the rows PTX where x has more than one) in the simulator, operands as
-    `mma_gemv_kernel` gets them; fp32 [M, N]."""
+    `mma_gemv_kernel` gets them; fp32 [M, N]. `pdl`: the PTX holding the PDL wait
+    (the simulator refuses x or the sums touched before it)."""
     k, n = q.shape
     ptx = M.gemv_ptx(cfg.nt, group // M.CHUNK, x.dtype == torch.bfloat16, cfg.prefetch,
-                     rows=x.shape[0] > 1)
+                     rows=x.shape[0] > 1, pdl=pdl)
     # A step is a group; the zero points' and scales' rows are N apart.
     return run_mma_gemv(ptx, cfg, x, M.mma_layout(q), z, s.view(torch.int16), k // group,
                         n, n)
@@ -83,10 +85,21 @@ def test_rows_ptx_against_float64(m, n, k, group, cfg) -> None:
     check_against_float64(m, torch.bfloat16, n, k, group, cfg)
 
 
-def check_against_float64(m, dtype, n, k, group, cfg) -> None:
+@pytest.mark.parametrize("m,n,k,group,cfg", [
+    (1, 48, 256, 128, M.MmaConfig(2, 1, 2)),  # a warp past the last tile waits too
+    (1, 32, 384, 64, M.MmaConfig(2, 1, 3, prefetch=True)),
+    (5, 32, 384, 64, M.MmaConfig(2, 1, 3, prefetch=True)),
+])
+def test_ptx_with_the_pdl_wait_inside(m, n, k, group, cfg) -> None:
+    """The PTX that holds the PDL wait (the first group's weights loaded before it):
+    nothing of x or the sums touched before the wait, every lane waits, same sums."""
+    check_against_float64(m, torch.bfloat16, n, k, group, cfg, pdl=True)
+
+
+def check_against_float64(m, dtype, n, k, group, cfg, pdl: bool = False) -> None:
     q, z, s = int4_case(n, k, group, seed=n + k)
     x = (torch.randn(m, k, generator=torch.Generator().manual_seed(k)) * 0.5).to(dtype)
-    got = simulate(x, q, z, s, group, cfg)
+    got = simulate(x, q, z, s, group, cfg, pdl)
     scale = s.double().repeat_interleave(group, 0)  # [K, N]: each weight's scale
     w = (q.double() - z.double().repeat_interleave(group, 0)) * scale
     ref = x.double() @ w

@@ -37,6 +37,7 @@ import functools
 
 import torch
 
+from radixlm.layers import pdl
 from radixlm.layers.quantization.triton_ops.mma_gemv import (
     CHUNK,
     MmaConfig,
@@ -81,15 +82,16 @@ def takes(n: int, k: int, block_k: int, x_dtype: torch.dtype) -> bool:
 
 
 @functools.cache
-def gemv_ptx(nt: int, prefetch: bool = False, rows: bool = False) -> str:
+def gemv_ptx(nt: int, prefetch: bool = False, rows: bool = False, pdl: bool = False) -> str:
     """One thread's PTX: `nt` row tiles; with `prefetch` the next step's loads
     before this step's MMAs (two register buffers, the loop unrolled twice);
     `rows`: x has up to 8 rows, one per column of B (else one row, the code of
-    the one-row GEMV). Operands (`mma_gemv.mma_gemv_kernel`'s): $1 x, $2 words,
+    the one-row GEMV); `pdl`: the PDL wait inside, after the first step's weight
+    loads (`mma_gemv.loop_ptx`). Operands (`mma_gemv.mma_gemv_kernel`'s): $1 x, $2 words,
     $3 row scales (fp32), $5 this program's partial sums; $6 its first warp
     index, $7 / $8 its first / past-last step, $9 row tiles in all, $10 chunks a
     row of tiles (K / 64), $11 N, $14 x's rows."""
-    return loop_ptx(_Fp8Ptx(nt, rows), "fp8_mma", "stp", "$8", prefetch)
+    return loop_ptx(_Fp8Ptx(nt, rows), "fp8_mma", "stp", "$8", prefetch, pdl)
 
 
 class _Fp8Ptx:
@@ -227,5 +229,6 @@ def fp8_gemv_mma(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor,
     assert x.dtype == torch.bfloat16 and scales.shape == (n,)
     assert scales.dtype == torch.float32 and scales.is_contiguous()
     cfg = config or pick_config(n)
-    return launch(gemv_ptx(cfg.nt, cfg.prefetch, m > 1), cfg, x, words, scales, scales,
-                  k // (STEP_CHUNKS * CHUNK), 0, 0, bias, out, silu_mul)
+    ptx = gemv_ptx(cfg.nt, cfg.prefetch, m > 1, pdl.pdl_on())
+    return launch(ptx, cfg, x, words, scales, scales, k // (STEP_CHUNKS * CHUNK), 0, 0, bias,
+                  out, silu_mul)

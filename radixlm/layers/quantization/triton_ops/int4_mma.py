@@ -55,6 +55,7 @@ import torch
 import triton
 import triton.language as tl
 
+from radixlm.layers import pdl
 from radixlm.layers.quantization.triton_ops.mma_gemv import (
     CHUNK,
     MmaConfig,
@@ -105,17 +106,18 @@ def takes(n: int, k: int, group: int, g_idx: torch.Tensor | None) -> bool:
 # ---- the PTX --------------------------------------------------------------------------
 @functools.cache
 def gemv_ptx(nt: int, chunks: int, bf16: bool, prefetch: bool = False,
-             rows: bool = False) -> str:
+             rows: bool = False, pdl: bool = False) -> str:
     """The PTX of one thread's work: `nt` column tiles, `chunks` chunks a group (a
     step of the loop); with `prefetch` the next group's loads are issued before
     this group's MMAs (two register buffers, the loop unrolled twice), so a warp
     keeps a group in flight while it computes. `rows`: x has up to 8 rows, one
     per column of B (`_PtxGroup`); else one row, the code of the one-row GEMV.
+    `pdl`: the PDL wait inside, after the first group's weight loads (`loop_ptx`).
     Operands (`mma_gemv.mma_gemv_kernel`'s): $1 x, $2 words, $3 zeros, $4 scales,
     $5 this program's partial sums; $6 its first warp index, $7 / $8 its first /
     past-last group, $9 column tiles in all, $10 chunks a row of tiles (K / 64),
     $11 N, $12 / $13 the zeros' / scales' row strides (in elements), $14 x's rows."""
-    return loop_ptx(_PtxGroup(nt, chunks, bf16, rows), "int4_mma", "grp", "$8", prefetch)
+    return loop_ptx(_PtxGroup(nt, chunks, bf16, rows), "int4_mma", "grp", "$8", prefetch, pdl)
 
 
 class _PtxGroup:
@@ -299,7 +301,8 @@ def int4_gemv_mma(x: torch.Tensor, words: torch.Tensor, zeros: torch.Tensor,
     assert x.dtype in (torch.bfloat16, torch.float16)
     assert group in GROUPS and k % group == 0 and zeros.stride(1) == scales.stride(1) == 1
     cfg = config or pick_config(n)
-    ptx = gemv_ptx(cfg.nt, group // CHUNK, x.dtype == torch.bfloat16, cfg.prefetch, m > 1)
+    ptx = gemv_ptx(cfg.nt, group // CHUNK, x.dtype == torch.bfloat16, cfg.prefetch, m > 1,
+                   pdl.pdl_on())
     # A step is a group; the zero points' and scales' rows are their strides apart.
     return launch(ptx, cfg, x, words, zeros, scales, k // group, zeros.stride(0),
                   scales.stride(0), bias, out, silu_mul)

@@ -100,16 +100,35 @@ def y_row_lines(rows: bool) -> list[str]:
             "add.u64 yb, ya, off;"]
 
 
-def loop_ptx(p: MmaPieces, name: str, step: str, hi: str, prefetch: bool) -> str:
+PDL_LINES = ["griddepcontrol.wait;", "griddepcontrol.launch_dependents;"]
+
+
+def loop_ptx(p: MmaPieces, name: str, step: str, hi: str, prefetch: bool,
+             pdl: bool = False) -> str:
     """The whole asm block: declarations, setup, the loop over steps (register
-    `step` counts them up to operand `hi`), the epilogue."""
+    `step` counts them up to operand `hi`), the epilogue.
+
+    `pdl`: the block holds the kernel's one PDL wait and trigger
+    (`radixlm/layers/pdl.py`), so the first step's weights (every load but x's,
+    which the kernel before may write) are in flight while the kernel before
+    finishes. Warps with no tile wait too: their branch to the end moves below
+    the wait, and their early loads are predicated off."""
     top, end, done = f"L_{name}_step", f"L_{name}_end", f"L_{name}_done"
-    lines = ["{", *p.declarations(("A", "B") if prefetch else ("A",)), *p.setup()]
+    setup = p.setup()
+    leave = f"@skip bra.uni {done};"
+    if pdl:
+        setup.remove(leave)
+    wait = [*PDL_LINES, leave] if pdl else []
+    lines = ["{", *p.declarations(("A", "B") if prefetch else ("A",)), *setup]
     if not prefetch:
-        lines += [f"{top}:", *p.loads("A", ahead=False), *p.compute("A"), *p.advance(),
+        lines += [*wait, f"{top}:", *p.loads("A", ahead=False), *p.compute("A"), *p.advance(),
                   f"setp.lt.u32 more, {step}, {hi};", f"@more bra.uni {top};"]
     else:
-        lines += [*p.loads("A", ahead=False), f"{top}:"]
+        first = p.loads("A", ahead=False, pred="@!skip " if pdl else "")
+        if pdl:  # x's loads read "[xa+...]"; the weights', every other address register
+            first = ([ln for ln in first if "[xa+" not in ln] + wait
+                     + [ln for ln in first if "[xa+" in ln])
+        lines += [*first, f"{top}:"]
         for cur, nxt, last in (("A", "B", False), ("B", "A", True)):
             lines += [f"add.u32 tmp, {step}, 1;", f"setp.lt.u32 more, tmp, {hi};",
                       *p.loads(nxt, ahead=True, pred="@more "), *p.compute(cur), *p.advance()]
@@ -124,7 +143,7 @@ def mma_gemv_kernel(x_ptr, w_ptr, a_ptr, b_ptr, ws_ptr, TILES, CHUNKS_PER_ROW, N
                     SPLIT_STEPS, int_a, int_b, stride_ws, M, bias_ptr, y_ptr, count_ptr,
                     N_OUT, WARPS: tl.constexpr, NT: tl.constexpr, SPLIT: tl.constexpr,
                     PTX: tl.constexpr, SUM: tl.constexpr, HAS_BIAS: tl.constexpr,
-                    SILU_MUL: tl.constexpr, PDL: tl.constexpr):
+                    SILU_MUL: tl.constexpr, PDL: tl.constexpr, PTX_WAITS: tl.constexpr):
     """Program (pid 0: WARPS warps' tiles; pid 1: a run of SPLIT_STEPS steps of K, of
     SPLIT runs) running PTX, one element a thread (the PTX takes its lane and warp
     from %tid.x, so nothing depends on how Triton lays the tensor out). Operands: $0
@@ -134,13 +153,16 @@ def mma_gemv_kernel(x_ptr, w_ptr, a_ptr, b_ptr, ws_ptr, TILES, CHUNKS_PER_ROW, N
     format's two integers, $14 M (x's rows).
 
     SUM: the last program to finish a run of columns adds their partial sums into
-    y [M, N_OUT] (`_sum_last`), where otherwise a second launch would."""
+    y [M, N_OUT] (`_sum_last`), where otherwise a second launch would. PTX_WAITS:
+    the PTX holds the PDL wait and trigger (`loop_ptx`'s `pdl`), else they come
+    before it."""
     one = tl.zeros([32 * WARPS], dtype=tl.int32)
     lo = tl.program_id(1) * SPLIT_STEPS
     hi = tl.minimum(STEPS, lo + SPLIT_STEPS)
     ws_row = ws_ptr + tl.program_id(1).to(tl.int64) * stride_ws
-    pdl_wait(PDL)
-    pdl_trigger(PDL)
+    if not PTX_WAITS:
+        pdl_wait(PDL)
+        pdl_trigger(PDL)
     tl.inline_asm_elementwise(
         PTX, "=r,l,l,l,l,l,r,r,r,r,r,r,r,r,r",
         [x_ptr.to(tl.int64, bitcast=True) + one, w_ptr.to(tl.int64, bitcast=True) + one,
@@ -196,7 +218,8 @@ def check_rows(x: torch.Tensor, words: torch.Tensor) -> tuple[int, int, int]:
 def launch(ptx: str, cfg: MmaConfig, x: torch.Tensor, words: torch.Tensor, a: torch.Tensor,
            b: torch.Tensor, steps: int, int_a: int, int_b: int, bias: torch.Tensor | None,
            out: torch.Tensor | None, silu_mul: bool, in_kernel_sum: bool = True) -> torch.Tensor:
-    """A tensor-core GEMV: `ptx` over `steps` loop steps of K split by `cfg` (the
+    """A tensor-core GEMV: `ptx` (holding the PDL wait where PDL is on: `loop_ptx`'s
+    `pdl`) over `steps` loop steps of K split by `cfg` (the
     format's addresses `a`, `b` and integers `int_a`, `int_b`), then the split-K sum
     into [M, N] (`silu_mul`: [M, N / 2]): by the kernel's last program of each run
     of columns where `counters` allows (and `in_kernel_sum`), else by a second launch
@@ -215,7 +238,8 @@ def launch(ptx: str, cfg: MmaConfig, x: torch.Tensor, words: torch.Tensor, a: to
         ws.stride(0), m, bias if bias is not None else ws, y,
         count if count is not None else ws, y.shape[1], WARPS=cfg.warps, NT=cfg.nt,
         SPLIT=split, PTX=ptx, SUM=count is not None, HAS_BIAS=bias is not None,
-        SILU_MUL=silu_mul, num_warps=cfg.warps, **pdl.launch_args())
+        SILU_MUL=silu_mul, PTX_WAITS=PDL_LINES[0] in ptx, num_warps=cfg.warps,
+        **pdl.launch_args())
     return y if count is not None else sum_splits(ws, bias, y, silu_mul)
 
 
