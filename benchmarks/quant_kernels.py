@@ -6,10 +6,13 @@ Llama-3.1-8B projection shapes (tp 1), at 1, 8, 64 and 4096 rows.
     python benchmarks/quant_kernels.py --sweep         # GEMV configs at one row (~2 min)
     python benchmarks/quant_kernels.py --sweep --int4-only   # (--fp8-only) one format
     python benchmarks/quant_kernels.py --gemm-sweep    # W8A8 GEMM tiles, 256 and 4096 rows
+    python benchmarks/quant_kernels.py --mma-launch --pdl   # tensor-core GEMVs' launch forms
 
 Each variant runs 64 back-to-back calls in one CUDA graph, replayed 10 times
 (median, time / 64), with weights rotating through copies of >= 256 MiB so
-every call reads them from HBM, not L2, as a decode step does. Columns:
+every call reads them from HBM, not L2, as a decode step does; `--pdl` launches
+them as the engine does on Hopper (`radixlm/layers/pdl.py`: a call may start
+while the one before drains). Columns:
 microseconds per call, weight bytes read / time (TB/s), 2MNK / time (TFLOP/s).
 
 - bf16 cuBLAS: F.linear on bf16 weights; bf16 GEMV: ours (`layers/gemv.py`, 1-8 rows).
@@ -33,6 +36,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from radixlm.layers import pdl
 from radixlm.layers.gemv import gemv
 from radixlm.layers.quantization import int4 as I
 from radixlm.layers.quantization.fp8 import block_table, quantize_rows
@@ -40,6 +44,7 @@ from radixlm.layers.quantization.triton_ops import fp8 as F8
 from radixlm.layers.quantization.triton_ops import fp8_mma as F8M
 from radixlm.layers.quantization.triton_ops import int4 as T4
 from radixlm.layers.quantization.triton_ops import int4_mma as M4
+from radixlm.layers.quantization.triton_ops import mma_gemv as MG
 
 SHAPES = [("qkv", 4096, 6144), ("o", 4096, 4096), ("gate_up", 4096, 28672),
           ("down", 14336, 4096)]
@@ -199,6 +204,58 @@ def sweep(fp8: bool = True, int4: bool = True) -> None:
         torch.cuda.empty_cache()
 
 
+def mma_launch() -> None:
+    """The tensor-core GEMVs at one row (gate_up with its SiLU-and-mul, as the engine
+    runs it) in four launch forms: the PDL wait before the PTX or inside it (after
+    the first step's weight loads), the split-K sum by a second launch or by the
+    last program of each run of columns; the CUDA-core default beside them."""
+    print(f"{'shape':<9}{'format':<6}{'wait':<8}{'sum':<8}{'us':>7}{'TB/s':>7}")
+    for name, k, n in SHAPES:
+        x = torch.randn(1, k, device=DEV).bfloat16()
+        for fmt in ("int4", "fp8"):
+            nbytes, make, forms = _launch_forms(fmt, n, k, silu=name == "gate_up")
+            ws = copies(make, nbytes)
+            for wait, how, call in forms:
+                t = time_graph(call, x, ws)
+                print(f"{name:<9}{fmt:<6}{wait:<8}{how:<8}{t * 1e6:>7.1f}"
+                      f"{nbytes / t / 1e12:>7.2f}")
+            del ws
+            torch.cuda.empty_cache()
+
+
+def _launch_forms(fmt: str, n: int, k: int, silu: bool
+                  ) -> tuple[int, Callable[[], object], list[tuple[str, str, Call]]]:
+    """(weight bytes, weight maker, [(wait, sum, call)]) of `mma_launch`'s rows."""
+    int4 = fmt == "int4"
+    cfg = M4.pick_config(n) if int4 else F8M.pick_config(n)
+
+    def default(x, w):
+        if int4:
+            return T4.int4_linear(x, w[0], w[1], w[2], 128, None, silu_mul=silu)
+        return F8.fp8_linear(x, w[0], w[1], 0, 1, None, silu_mul=silu)
+
+    def form(inside: bool, in_sum: bool) -> Call:
+        if int4:
+            ptx = M4.gemv_ptx(cfg.nt, 2, True, cfg.prefetch, False, inside)
+        else:
+            ptx = F8M.gemv_ptx(cfg.nt, cfg.prefetch, False, inside)
+
+        def call(x, w):
+            if int4:
+                return MG.launch(ptx, cfg, x, w[3], w[1], w[2], k // 128, w[1].stride(0),
+                                 w[2].stride(0), None, None, silu, in_kernel_sum=in_sum)
+            return MG.launch(ptx, cfg, x, w[2], w[1], w[1], k // (F8M.STEP_CHUNKS * F8M.CHUNK),
+                             0, 0, None, None, silu, in_kernel_sum=in_sum)
+        return call
+
+    forms = [("-", "default", default)]
+    forms += [("inside" if inside else "before", "kernel" if in_sum else "second",
+               form(inside, in_sum)) for inside in (False, True) for in_sum in (False, True)]
+    if int4:
+        return n * k // 2, lambda: int4_weights(n, k), forms
+    return n * k, lambda: fp8_row_weights(n, k), forms
+
+
 def _time_configs(label: str, x: torch.Tensor, make: Callable[[], object], nbytes: int,
                   calls: list[tuple[Call, object]], default: object) -> None:
     """Graph time of each (call, config) on rotating weights, fastest first, with the
@@ -269,9 +326,14 @@ def main() -> None:
     parser.add_argument("--fp8-only", action="store_true", help="--sweep: no int4 tiles")
     parser.add_argument("--int4-only", action="store_true", help="--sweep: no FP8 tiles")
     parser.add_argument("--gemm-sweep", action="store_true")
+    parser.add_argument("--mma-launch", action="store_true")
+    parser.add_argument("--pdl", action="store_true", help="launch with PDL, as the engine does")
     args = parser.parse_args()
-    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}")
-    if args.sweep:
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, "
+          f"PDL {pdl.set_pdl(args.pdl, DEV)}")
+    if args.mma_launch:
+        mma_launch()
+    elif args.sweep:
         sweep(fp8=not args.int4_only, int4=not args.fp8_only)
     elif args.gemm_sweep:
         gemm_sweep([int(r) for r in (args.rows or "256,4096").split(",")])

@@ -147,8 +147,9 @@ def test_sm90_code_one_mma_a_word_no_shared_memory() -> None:
 
 def test_the_variables_are_named_at_start_up_and_cost_the_cpu_nothing(monkeypatch) -> None:
     """$RADIXLM_INT4_GEMV / $RADIXLM_FP8_GEMV=mma: the start-up line says the 1-8-row
-    products run on the tensor cores from a second copy of the weights; off CUDA
-    no copy is made (a layer built on the CPU keeps `mma` None)."""
+    products run on the tensor cores (int4 from the weights held in fragment order,
+    FP8 from a second copy); off CUDA nothing changes (a layer built on the CPU
+    keeps FP8's `mma` None and int4's qweight in GPTQ form)."""
     from quant_checkpoints import tiny_llama
 
     from radixlm.layers.linear import MergedColumnParallelLinear
@@ -164,5 +165,9 @@ def test_the_variables_are_named_at_start_up_and_cost_the_cpu_nothing(monkeypatc
     layer.weight.weight_loader(layer.weight, torch.randn(256, 256) * 0.05)
     layer.quant_method.process_weights_after_loading(layer)
     assert layer.fp8.mma is None
+    layer = MergedColumnParallelLinear(256, [128, 128], params_dtype=torch.float16,
+                                       quant_config=get_quantization_config(tiny_llama(),
+                                                                            "awq"))
+    assert layer.qweight.shape == (32, 256) and not layer.quant_method.fragment
     monkeypatch.delenv("RADIXLM_INT4_GEMV")
     assert "tensor cores" not in get_quantization_config(tiny_llama(), "awq").describe()

@@ -13,6 +13,8 @@ the whole; what the formats can hold but radixlm cannot run is refused.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -41,6 +43,7 @@ from safetensors.torch import load_file
 from radixlm import distributed
 from radixlm.layers.linear import QKVParallelLinear, RowParallelLinear
 from radixlm.layers.quantization import get_quantization_config, process_weights_after_loading
+from radixlm.layers.quantization import int4 as I
 from radixlm.layers.quantization.fp8 import Fp8LinearMethod, Fp8OnlineLinearMethod
 from radixlm.layers.quantization.int4 import Int4LinearMethod
 from radixlm.layers.quantization.unquantized import UnquantizedLinearMethod
@@ -210,10 +213,19 @@ def test_older_compressed_tensors_kv_scale_names(aligned, root):
     ("gptq v2 asym g128", gptq(128, sym=False, v1=False),
      gptq_config(128, sym=False, v1=False)),
 ])
-def test_int4_checkpoints(label, quantize, qconfig, aligned, root):
+@pytest.mark.parametrize("held", ["gptq form", "fragment order"])
+def test_int4_checkpoints(label, quantize, qconfig, held, aligned, root, monkeypatch):
+    """Logits, greedy tokens and read-back of each int4 format, with qweight held
+    as GPTQ packs it or in the tensor-core kernels' fragment order (what CUDA
+    layers hold under $RADIXLM_INT4_GEMV=mma; here the products dequantize from
+    it). Act-order layers stay in GPTQ form."""
     config, floats, path = aligned
     q, ref = write_pair(root, label.replace(" ", "-"), config, floats, quantize, qconfig)
+    if held == "fragment order":
+        monkeypatch.setattr(I, "fragment_order", I.fragment_fits)
     model = load(q)
+    qweight = model.model.layers[0].self_attn.qkv_proj.qweight
+    assert qweight.dim() == (4 if held == "fragment order" and "act-order" not in label else 2)
     kinds = methods(model)
     assert kinds.pop("lm_head") is UnquantizedLinearMethod
     assert set(kinds.values()) == {Int4LinearMethod}
@@ -243,7 +255,21 @@ def _built(monkeypatch, rank, size, make, tensors):
     return layer
 
 
-TP_FORMATS = ["awq", "gptq", "gptq-act-order", "fp8-block", "fp8-online"]
+TP_FORMATS = ["awq", "gptq", "gptq-act-order", "awq-fragment", "gptq-fragment", "fp8-block",
+              "fp8-online"]
+
+
+@contextlib.contextmanager
+def held_in_fragment_order(on: bool) -> Iterator[None]:
+    """int4 layers built inside hold qweight in MMA fragment order where it fits
+    (`int4.fragment_fits`), as CUDA layers do under $RADIXLM_INT4_GEMV=mma."""
+    real = I.fragment_order
+    if on:
+        I.fragment_order = I.fragment_fits
+    try:
+        yield
+    finally:
+        I.fragment_order = real
 
 
 def _tp_setup(fmt: str):
@@ -262,9 +288,10 @@ def _tp_setup(fmt: str):
         make_t = hf_fp8_block()
     else:
         act = "act" in fmt
-        qc = awq_config(64) if fmt == "awq" else gptq_config(64, desc_act=act)
+        kind = fmt.split("-")[0]
+        qc = awq_config(64) if kind == "awq" else gptq_config(64, desc_act=act)
         quant = get_quantization_config(tiny_llama(quantization_config=qc))
-        make_t = awq(64) if fmt == "awq" else gptq(64, desc_act=act)
+        make_t = awq(64) if kind == "awq" else gptq(64, desc_act=act)
     w_row, w_q, w_kv = (torch.randn(*s) * 0.1 for s in ((256, 512), (4 * hd, 256),
                                                          (2 * hd, 256)))
     row_t = {(k, None): v for k, v in make_t("model.layers.0.mlp.down_proj.weight",
@@ -274,12 +301,17 @@ def _tp_setup(fmt: str):
         name = f"model.layers.0.self_attn.{shard}_proj.weight"
         qkv_t.update({(k, shard): v for k, v in make_t(name, w)[0].items()})
 
+    fragment = fmt.endswith("-fragment")
+
     def row():
-        return RowParallelLinear(512, 256, quant_config=quant, prefix="model.layers.0.mlp.down")
+        with held_in_fragment_order(fragment):
+            return RowParallelLinear(512, 256, quant_config=quant,
+                                     prefix="model.layers.0.mlp.down")
 
     def qkv():
-        return QKVParallelLinear(256, hd, 4, 2, quant_config=quant,
-                                 prefix="model.layers.0.self_attn.qkv_proj")
+        with held_in_fragment_order(fragment):
+            return QKVParallelLinear(256, hd, 4, 2, quant_config=quant,
+                                     prefix="model.layers.0.self_attn.qkv_proj")
     return (row, row_t), (qkv, qkv_t)
 
 

@@ -112,13 +112,53 @@ def test_quantized_checkpoint_on_cuda_tracks_its_dequantized_model(fmt, model):
 
 
 def test_awq_on_the_tensor_core_gemv_tracks_its_dequantized_model(model, monkeypatch):
-    """$RADIXLM_INT4_GEMV=mma: decode's one-row products on the MMA GEMV
-    (`int4_mma.py`), prefill's on the dequantizing GEMM, as before."""
+    """$RADIXLM_INT4_GEMV=mma: qweight held in MMA fragment order, decode's products
+    on the MMA GEMV (`int4_mma.py`), prefill's on the GEMM over the same words."""
     monkeypatch.setenv("RADIXLM_INT4_GEMV", "mma")
     root, config, floats, prompts = model
     quantize, qconfig = FORMATS["awq-g128"]
     q, deq = write_pair(root, "awq-g128", config, floats, quantize, qconfig)
     _compare(_run(q, None, prompts), _run(deq, None, prompts), "awq-g128, MMA GEMV")
+
+
+def test_awq_layer_held_in_fragment_order(monkeypatch):
+    """$RADIXLM_INT4_GEMV=mma on a layer built on CUDA: qweight is the fragment-order
+    words (no second copy), read back as the checkpoint's tensor; its products at
+    1, 3 (a misaligned view: copied), 8 and 40 rows and the fused SiLU track the
+    dequantized weight as the GPTQ-form layer's do."""
+    monkeypatch.setenv("RADIXLM_INT4_GEMV", "mma")
+    quant = get_quantization_config(tiny_llama(quantization_config=awq_config(128)))
+    with torch.device("cuda"):
+        layer = MergedColumnParallelLinear(1024, [512, 512], params_dtype=torch.float16,
+                                           fused_silu_mul=True, quant_config=quant)
+    assert layer.quant_method.fragment and layer.qweight.shape == (64, 16, 32, 4)
+    torch.manual_seed(5)
+    tensors = {}
+    for part, shard in (("gate", 0), ("up", 1)):
+        made, _ = awq(128)(f"model.layers.0.mlp.{part}_proj.weight",
+                           torch.randn(512, 1024) * 0.05)
+        for key, t in made.items():
+            p = getattr(layer, key)
+            p.weight_loader(p, t.cuda(), shard)
+            tensors[(key, shard)] = t
+    layer.quant_method.process_weights_after_loading(layer)
+    for (key, shard), t in tensors.items():
+        p = getattr(layer, key)
+        assert torch.equal(p.weight_spec.gather(layer, p, shard).cpu(), t), (key, shard)
+    w = layer.int4
+    assert w.qweight is None and w.mma is layer.qweight.data
+    deq = w.dequantize().double()  # [N, K]
+    for m in (1, 3, 8, 40):
+        base = torch.randn(m, 1040, device="cuda").half()
+        x = base[:, 8:1032] if m == 3 else base[:, :1024].contiguous()
+        ref = x.double() @ deq.T
+        got = layer.quant_method.apply(layer, x)
+        torch.testing.assert_close(got.double(), ref, rtol=2e-2, atol=2e-2 * ref.abs().max())
+    x = torch.randn(1, 1024, device="cuda").half()
+    gate, up = (x.double() @ deq.T).split(512, -1)
+    want = torch.nn.functional.silu(gate) * up
+    got = layer.quant_method.apply_silu_mul(layer, x)
+    torch.testing.assert_close(got.double(), want, rtol=2e-2, atol=2e-2 * want.abs().max())
 
 
 def test_online_fp8_on_the_tensor_core_gemv_tracks_its_dequantized_model(model, monkeypatch):

@@ -26,10 +26,12 @@ registers, fused with the MLP's silu(gate) * up on a merged gate/up layer;
 more rows: the weights dequantized tile by tile to x's dtype on the tensor
 cores); elsewhere the weight is dequantized at matmul time (fp32
 [N, K] for the one product, then freed: the memory stays half a byte per
-weight). With $RADIXLM_INT4_GEMV=mma (opt-in) products of 1-8 rows run on
-the tensor cores instead (`triton_ops/int4_mma.py`), and a GEMM above them,
-from a second copy of the weights in MMA fragment order (half a byte more a
-weight: `qweight` is still kept, in checkpoint form).
+weight). With $RADIXLM_INT4_GEMV=mma (opt-in) a layer built on CUDA that the
+tensor-core kernels take holds `qweight` in their MMA fragment order instead
+(`FragmentSpec`: int32 [N / 16, K / 64, 32, 4], the same bytes), and every
+product reads that: 1-8 rows the tensor-core GEMV (`triton_ops/int4_mma.py`),
+more a GEMM over the same words. Loads and read-backs convert through the
+GPTQ form, so updates and `get_weights_by_name` see the checkpoint's tensors.
 """
 
 from __future__ import annotations
@@ -52,8 +54,10 @@ from radixlm.layers.sharding import (
     FLOAT_DTYPES,
     AxisSpec,
     ShardId,
+    WeightSpec,
     copy_checked,
     gather_pieces,
+    layer_shards,
 )
 from radixlm.utils import lazy_import
 
@@ -253,6 +257,67 @@ class ZerosSpec(_ConvertedSpec):
         return pack_cols((ours.to(torch.int32) - self.offset) & 0xF, self.order)
 
 
+@dataclass(frozen=True)
+class FragmentSpec(WeightSpec):
+    """qweight held as the tensor-core kernels read it: int32 [N / 16, K / 64, 32, 4]
+    in MMA fragment order (`int4_mma.mma_layout`), while `inner`, the spec of the
+    GPTQ-form parameter [K / 8, N] (AWQ's repacking or GPTQ's axes), describes the
+    checkpoint tensor: its shape, dtypes and tensor-parallel cuts. A load goes
+    through a GPTQ-form stand-in of the layer on the parameter's device and
+    converts the fused parts it wrote; a read-back converts the whole parameter
+    back; so one copy of the weights stays resident. Every fused part must be
+    whole tiles of 16 output features (`fragment_order`)."""
+
+    inner: AxisSpec = dataclasses.field(default_factory=AxisSpec)
+    checkpoint_dtypes: frozenset[torch.dtype] = INT32
+
+    @staticmethod
+    def _gptq_form(param: torch.nn.Parameter, data: torch.Tensor | None = None,
+                   device: torch.device | str | None = None) -> torch.nn.Parameter:
+        tiles, chunks = param.shape[:2]
+        if data is None:
+            data = torch.empty(chunks * 8, tiles * 16, dtype=torch.int32,
+                               device=device or param.device)
+        return torch.nn.Parameter(data, requires_grad=False)
+
+    def hf_shape(self, layer: Any, param: torch.nn.Parameter,
+                 shard_id: ShardId) -> tuple[int, ...]:
+        return self.inner.hf_shape(layer, self._gptq_form(param, device="meta"), shard_id)
+
+    def required_shards(self, layer: Any, param: torch.nn.Parameter) -> set[ShardId]:
+        return self.inner.required_shards(layer, self._gptq_form(param, device="meta"))
+
+    def load(self, layer: Any, param: torch.nn.Parameter, loaded: torch.Tensor,
+             shard_id: ShardId) -> None:
+        plain = self._gptq_form(param)
+        self.inner.load(layer, plain, loaded, shard_id)
+        for s in layer_shards(layer, shard_id):
+            rows = layer.output_piece(s)
+            q = unpack_rows(plain.data.narrow(1, rows.offset, rows.size))
+            copy_checked(param.data.narrow(0, rows.offset // 16, rows.size // 16),
+                         _mma.mma_layout(q))
+
+    def gather(self, layer: Any, param: torch.nn.Parameter, shard_id: ShardId) -> torch.Tensor:
+        plain = self._gptq_form(param, pack_rows(_mma.mma_unlayout(param.data)))
+        return self.inner.gather(layer, plain, shard_id)
+
+
+def fragment_order(parts: list[int], k: int, group: int, desc_act: bool) -> bool:
+    """Whether a layer of output `parts` (its fused parts' features on this rank) and
+    k input features holds qweight in MMA fragment order (`FragmentSpec`):
+    $RADIXLM_INT4_GEMV=mma asks, the layer is built on CUDA (the loader builds
+    under the target device), and `fragment_fits`."""
+    return (mma_requested() and torch.get_default_device().type == "cuda"
+            and fragment_fits(parts, k, group, desc_act))
+
+
+def fragment_fits(parts: list[int], k: int, group: int, desc_act: bool) -> bool:
+    """Whether the tensor-core kernels take such a layer (`int4_mma.takes`): no
+    act-order, every fused part whole tiles of 16 output features."""
+    return (not desc_act and all(p % 16 == 0 for p in parts)
+            and _mma.takes(sum(parts), k, group, None))
+
+
 # ---- the method ----------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Int4Format:
@@ -273,28 +338,20 @@ class Int4Weight:
     """What the products read (the parameters themselves, and the group of each
     of this rank's input features when the checkpoint is act-order)."""
 
-    qweight: torch.Tensor  # int32 [K / 8, N]
+    qweight: torch.Tensor | None  # int32 [K / 8, N]; None where `mma` holds the weights
     zeros: torch.Tensor  # uint8 [groups, N]
     scales: torch.Tensor  # fp16 [groups, N]
     group: int
     g_idx: torch.Tensor | None = None  # int32 [K], act-order only
-    mma: torch.Tensor | None = None  # the weights again in MMA fragment order (MMA_ENV)
+    mma: torch.Tensor | None = None  # int32 [N / 16, K / 64, 32, 4]: `FragmentSpec`'s form
 
     def dequantize(self) -> torch.Tensor:
-        k = self.qweight.shape[0] * 8
+        qweight = (self.qweight if self.qweight is not None else
+                   pack_rows(_mma.mma_unlayout(self.mma)))
+        k = qweight.shape[0] * 8
         groups = (self.g_idx.long() if self.g_idx is not None else
-                  torch.arange(k, device=self.qweight.device) // self.group)
-        return dequantize(self.qweight, self.zeros, self.scales, groups)
-
-
-def with_tensor_cores(w: Int4Weight) -> Int4Weight:
-    """`w` with its weights a second time in MMA fragment order (`int4_mma.py`) when
-    $RADIXLM_INT4_GEMV=mma asks and the layer fits that kernel (groups of 64 or
-    128, no act-order, whole tiles), else `w`."""
-    k, n = 8 * w.qweight.shape[0], w.qweight.shape[1]
-    if not (mma_requested() and w.qweight.is_cuda and _mma.takes(n, k, w.group, w.g_idx)):
-        return w
-    return dataclasses.replace(w, mma=_mma.mma_layout(unpack_rows(w.qweight)))
+                  torch.arange(k, device=qweight.device) // self.group)
+        return dequantize(qweight, self.zeros, self.scales, groups)
 
 
 class Int4LinearMethod(LinearMethod):
@@ -302,6 +359,7 @@ class Int4LinearMethod(LinearMethod):
 
     def __init__(self, fmt: Int4Format) -> None:
         self.fmt = fmt
+        self.fragment = False  # qweight in MMA fragment order (`fragment_order`)
 
     def create_weights(self, layer: LinearBase, input_size_per_partition: int,
                        output_partition_sizes: list[int], params_dtype: torch.dtype) -> None:
@@ -325,7 +383,12 @@ class Int4LinearMethod(LinearMethod):
         scales = AxisSpec(output_dim=1, input_dim=None if act_order else 0,
                           input_packing=None if act_order else (g, 1),
                           checkpoint_dtypes=FLOAT_DTYPES)
-        params = [("qweight", torch.zeros(k // 8, n, dtype=torch.int32), qweight_spec),
+        qweight = torch.zeros(k // 8, n, dtype=torch.int32)
+        self.fragment = fragment_order(list(output_partition_sizes), k, g, act_order)
+        if self.fragment:
+            qweight = torch.zeros(n // 16, k // 64, 32, 4, dtype=torch.int32)
+            qweight_spec = FragmentSpec(qweight_spec)
+        params = [("qweight", qweight, qweight_spec),
                   ("qzeros", torch.zeros(groups, n, dtype=torch.uint8), zeros),
                   ("scales", torch.zeros(groups, n, dtype=torch.float16), scales)]
         if f.kind == "gptq":  # one per fused part (they must agree, checked after loading)
@@ -362,9 +425,12 @@ class Int4LinearMethod(LinearMethod):
                 g_idx = None
             elif torch.equal(g_idx, trivial):
                 g_idx = None if piece.whole else g_idx
-        layer.int4 = with_tensor_cores(Int4Weight(
-            layer.qweight.data, layer.qzeros.data, layer.scales.data, g,
-            None if g_idx is None else g_idx.to(torch.int32).contiguous()))
+        if self.fragment:
+            layer.int4 = Int4Weight(None, layer.qzeros.data, layer.scales.data, g,
+                                    mma=layer.qweight.data)
+            return
+        layer.int4 = Int4Weight(layer.qweight.data, layer.qzeros.data, layer.scales.data, g,
+                                None if g_idx is None else g_idx.to(torch.int32).contiguous())
 
     def drop_derived(self, layer: LinearBase) -> None:
         layer.int4 = None
@@ -439,8 +505,9 @@ class _Int4Config(QuantizationConfig):
         f = self.fmt
         order = ", act-order (g_idx)" if f.desc_act else ""
         source = "" if self.from_checkpoint else " (dummy weights: round-to-nearest int4)"
-        products = ("GEMV at 1-8 rows on the tensor cores and a GEMM above, both from a second "
-                    f"copy of the weights in MMA fragment order (${MMA_ENV}=mma)"
+        products = ("GEMV at 1-8 rows on the tensor cores and a GEMM above, both reading the "
+                    f"weights held in MMA fragment order (${MMA_ENV}=mma; act-order layers "
+                    "keep the GEMV at one row)"
                     if mma_requested() else "GEMV at one row, dequantizing GEMM above")
         return (f"quantization {self.name}{source}: {self.counts['int4']} linear layers in int4 "
                 f"(group size {f.group_size}, zero points{order}), {self.counts['float']} in "

@@ -108,22 +108,27 @@ def pick_gemm_config(m: int, n: int, group: int) -> Int4Config:
     return Int4Config(128, 128, 64, 8, 3)
 
 
-def int4_linear(x: torch.Tensor, qweight: torch.Tensor, zeros: torch.Tensor,
+def int4_linear(x: torch.Tensor, qweight: torch.Tensor | None, zeros: torch.Tensor,
                 scales: torch.Tensor, group: int, g_idx: torch.Tensor | None,
                 bias: torch.Tensor | None = None, *, out: torch.Tensor | None = None,
                 silu_mul: bool = False, mma: torch.Tensor | None = None) -> torch.Tensor | None:
     """x @ W^T (+ bias) for x [..., K] bf16/fp16: [..., N] in x's dtype. With
     `silu_mul` (W a merged [gate; up], no bias): silu(gate) * up [..., N / 2] where
     a GEMV runs (one row; up to 8 on the tensor cores), None otherwise. `mma`: the
-    same weights in `int4_mma.mma_layout`, for the tensor-core GEMV at 1-8
-    contiguous, 16-byte aligned rows and `int4_gemm_mma` above (`qweight` then
-    serves only a misaligned row)."""
-    k, n = x.shape[-1], qweight.shape[1]
-    assert qweight.stride(1) == zeros.stride(1) == scales.stride(1) == 1
+    weights in `int4_mma.mma_layout` (then `qweight` may be None), read by the
+    tensor-core GEMV at 1-8 rows (copied first where they are not contiguous and
+    16-byte aligned, unless `qweight` is there for them) and by `int4_gemm_mma`
+    above."""
+    k = x.shape[-1]
+    n = qweight.shape[1] if qweight is not None else 16 * mma.shape[0]
+    assert zeros.stride(1) == scales.stride(1) == 1
+    assert qweight is not None or mma is not None
     x2 = x.reshape(-1, k)
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     m = x2.shape[0]
+    if qweight is None and 1 <= m <= _mma_gemv.MAX_ROWS and not _mma_gemv.rows_fit(x2):
+        x2 = torch.empty_like(x2, memory_format=torch.contiguous_format).copy_(x2)
     tensor_cores = mma is not None and _mma_gemv.rows_fit(x2)
     if silu_mul:
         if m != 1 and not tensor_cores:
@@ -136,7 +141,7 @@ def int4_linear(x: torch.Tensor, qweight: torch.Tensor, zeros: torch.Tensor,
         out = out.view(m, n)
     if tensor_cores:
         y = _mma.int4_gemv_mma(x2, mma, zeros, scales, group, bias, out=out)
-    elif mma is not None and m > 1:  # the same words above 8 rows
+    elif mma is not None and (m > 1 or qweight is None):  # the same words above 8 rows
         y = _mma.int4_gemm_mma(x2, mma, zeros, scales, group, bias, out=out)
     else:
         fn = int4_gemv if m == 1 else int4_gemm
