@@ -337,6 +337,34 @@ def test_tensor_parallel_pieces_sum_to_the_whole(fmt, monkeypatch):
         torch.testing.assert_close(torch.cat(got, -1), part, rtol=1e-5, atol=1e-5)
 
 
+def test_int4_fragment_order_converts_wide_layers_a_block_at_a_time():
+    """A merged layer of two 2560-column parts (conversion blocks of 2048 cross the
+    parts' edges): held in fragment order it reads back each part's checkpoint
+    tensor and dequantizes to the same weight as the GPTQ-form layer."""
+    from radixlm.layers.linear import MergedColumnParallelLinear
+
+    quant = get_quantization_config(tiny_llama(quantization_config=awq_config(64)))
+    torch.manual_seed(0)
+    made = {shard: awq(64)("model.layers.0.mlp.gate_proj.weight",
+                           torch.randn(2560, 128) * 0.05)[0] for shard in (0, 1)}
+    weights = []
+    for fragment in (False, True):
+        with held_in_fragment_order(fragment):
+            layer = MergedColumnParallelLinear(128, [2560, 2560], quant_config=quant,
+                                               params_dtype=torch.float16)
+        assert layer.qweight.dim() == (4 if fragment else 2)
+        for shard, tensors in made.items():
+            for key, t in tensors.items():
+                p = getattr(layer, key)
+                p.weight_loader(p, t, shard)
+        process_weights_after_loading(layer)
+        for shard, tensors in made.items():
+            spec = layer.qweight.weight_spec
+            assert torch.equal(spec.gather(layer, layer.qweight, shard), tensors["qweight"])
+        weights.append(layer.int4.dequantize())
+    assert torch.equal(weights[0], weights[1])
+
+
 def _gather_worker(rank: int, init_file: str, out: str) -> None:
     import torch.distributed as dist
 

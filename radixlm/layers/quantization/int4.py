@@ -293,13 +293,24 @@ class FragmentSpec(WeightSpec):
         self.inner.load(layer, plain, loaded, shard_id)
         for s in layer_shards(layer, shard_id):
             rows = layer.output_piece(s)
-            q = unpack_rows(plain.data.narrow(1, rows.offset, rows.size))
-            copy_checked(param.data.narrow(0, rows.offset // 16, rows.size // 16),
-                         _mma.mma_layout(q))
+            for start, size in _column_blocks(rows.offset, rows.size):
+                q = unpack_rows(plain.data.narrow(1, start, size))
+                copy_checked(param.data.narrow(0, start // 16, size // 16), _mma.mma_layout(q))
 
     def gather(self, layer: Any, param: torch.nn.Parameter, shard_id: ShardId) -> torch.Tensor:
-        plain = self._gptq_form(param, pack_rows(_mma.mma_unlayout(param.data)))
+        plain = self._gptq_form(param)
+        for start, size in _column_blocks(0, plain.shape[1]):
+            words = param.data.narrow(0, start // 16, size // 16)
+            plain.data[:, start:start + size] = pack_rows(_mma.mma_unlayout(words))
         return self.inner.gather(layer, plain, shard_id)
+
+
+def _column_blocks(offset: int, size: int, block: int = 2048) -> Iterator[tuple[int, int]]:
+    """(start, size) of runs of at most `block` columns covering [offset, offset + size):
+    the layout conversions widen every weight to 8 bytes or more on the way, so a
+    wide layer converts a block at a time."""
+    for start in range(offset, offset + size, block):
+        yield start, min(block, offset + size - start)
 
 
 def fragment_order(parts: list[int], k: int, group: int, desc_act: bool) -> bool:
