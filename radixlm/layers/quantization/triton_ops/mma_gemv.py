@@ -10,6 +10,11 @@ the address advance, and the partial-sum stores. `loop_ptx` strings them into
 the plain loop or the prefetching one (two buffers, unrolled twice: load the
 next step into one buffer while computing the other). One Triton kernel,
 `mma_gemv_kernel`, launches any format's PTX with the same operands.
+
+Two launch details have not run on a GPU yet (the GEMVs measured on 2026-12-05
+waited before the PTX and summed in a second launch): the in-kernel split-K sum
+(`_sum_last`) and the PDL wait inside the PTX (`loop_ptx`'s `pdl`).
+`benchmarks/quant_kernels.py --mma-launch --pdl` times all four forms.
 """
 
 from __future__ import annotations
