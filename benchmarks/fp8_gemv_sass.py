@@ -57,11 +57,14 @@ def main() -> None:
 def main_mma() -> None:
     """The tensor-core GEMV (`fp8_mma.py`): its loop per configuration."""
     print("\nthe tensor-core GEMV's loop (a step: 128 features)")
-    for warps, nt, prefetch in [(4, 1, False), (4, 2, False), (4, 1, True), (4, 2, True)]:
-        body = mma_gemv_loop(F8M.gemv_ptx(nt, prefetch), warps)
+    for warps, nt, prefetch, plain in [(4, 1, False, False), (4, 2, False, False),
+                                       (4, 1, True, False), (4, 2, True, False),
+                                       (4, 1, True, True), (4, 2, True, True)]:
+        body = mma_gemv_loop(F8M.gemv_ptx(nt, prefetch, plain=plain), warps)
         ops = opcode_counts(body)
         weights = nt * 16 * 128 // 32 * (2 if prefetch else 1)
-        name = f"{warps} warps, {nt} tiles a warp" + (", prefetch" if prefetch else "")
+        name = (f"{warps} warps, {nt} tiles a warp" + (", prefetch" if prefetch else "")
+                + (", plain" if plain else ""))
         print(f"{name:<32}{len(body):>7}{len(body) / weights:>9.2f}{ops['BAR']:>5}"
               f"{ops['LDS']:>5}{ops['STS']:>5}{ops['LDG']:>5}")
 

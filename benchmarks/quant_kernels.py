@@ -23,7 +23,8 @@ microseconds per call, weight bytes read / time (TB/s), 2MNK / time (TFLOP/s).
   quantization kernel plus the W8A8 GEMM, both timed.
 - int4: ours (`triton_ops/int4.py`), group 128.
 - fp8 chan MMA / int4 g128 MMA (one row): the tensor-core GEMVs
-  (`fp8_mma.py`, `int4_mma.py`; opt-in in the engine until timed here).
+  (`fp8_mma.py`, `int4_mma.py`; opt-in in the engine until timed here); fp8
+  MMA plain: the FP8 one reading the weight as it lies (no fragment-order copy).
 """
 
 from __future__ import annotations
@@ -128,6 +129,8 @@ def variants(m: int, n: int, k: int) -> dict[str, tuple[Call, Callable[[], objec
     if m == 1:
         out["fp8 chan MMA"] = (lambda x, w: F8M.fp8_gemv_mma(x, w[2], w[1]),
                                lambda: fp8_row_weights(n, k), n * k)
+        out["fp8 MMA plain"] = (lambda x, w: F8M.fp8_gemv_mma_plain(x, w[0], w[1]),
+                                out["fp8 chan MMA"][1], n * k)
 
     def int4(x, w):
         return T4.int4_linear(x, w[0], w[1], w[2], 128, None)
@@ -192,6 +195,8 @@ def sweep(fp8: bool = True, int4: bool = True) -> None:
                      for c in fp8_cands]
             calls += [(lambda x, w, c=c: F8M.fp8_gemv_mma(x, w[2], w[1], config=c), c)
                       for c in FP8_MMA_CANDIDATES]
+            calls += [(lambda x, w, c=c: F8M.fp8_gemv_mma_plain(x, w[0], w[1], config=c),
+                       f"plain {c}") for c in FP8_MMA_CANDIDATES if c.prefetch]
             _time_configs(f"fp8  {name}", x, lambda n=n, k=k: fp8_row_weights(n, k), n * k,
                           calls, F8.pick_gemv_config(1, n, k, 0))
         if int4:

@@ -192,6 +192,17 @@ class Warp:
             self.set(a[0], (self.val(a[1]) & m32) * (self.val(a[2]) & m32), on, 64)
         elif op == "cvt.u64.u32":
             self.set(a[0], self.val(a[1]) & m32, on, 64)
+        elif op == "prmt.b32":  # default mode: byte i of d = byte c[4i+2:4i] of {b, a}
+            pool = ((self.val(a[2]) & m32) << np.uint64(32)) | (self.val(a[1]) & m32)
+            sel = self.val(a[3])
+            d = np.zeros(LANES, dtype=np.uint64)
+            for i in range(4):
+                nib = (sel >> np.uint64(4 * i)) & np.uint64(0xF)
+                byte = (pool >> ((nib & np.uint64(7)) * np.uint64(8))) & np.uint64(0xFF)
+                byte = np.where(nib & np.uint64(8), np.where(byte & np.uint64(0x80),
+                                                             np.uint64(0xFF), np.uint64(0)), byte)
+                d |= byte << np.uint64(8 * i)
+            self.set(a[0], d, on)
         elif op.startswith("setp."):
             cmp = op.split(".")[1]
             x, y = self.val(a[1]) & m32, self.val(a[2]) & m32
@@ -295,17 +306,18 @@ def run_block(asm: str, operands: list[int], warps: int, mem: Memory) -> None:
 
 
 def run_mma_gemv(ptx: str, cfg, x, words, a, b, steps: int, int_a: int = 0,
-                 int_b: int = 0):
+                 int_b: int = 0, grid_shape: tuple[int, int] | None = None):
     """A tensor-core GEMV's PTX (`int4_mma` / `fp8_mma`) over the grid that
     `mma_gemv_kernel` launches, each program with the operands it passes: x [M, K],
-    the fragment-order `words` [tiles, chunks, 32, *], the format's two arrays `a`,
-    `b` and two integers, `steps` loop steps split by `cfg.split`. Returns the
-    split-K partial sums added: fp32 [M, N] (torch)."""
+    the fragment-order `words` [tiles, chunks, 32, *] (or, with `grid_shape`
+    (tiles, chunks a row), whatever the PTX reads instead), the format's two
+    arrays `a`, `b` and two integers, `steps` loop steps split by `cfg.split`.
+    Returns the split-K partial sums added: fp32 [M, N] (torch)."""
     import torch
 
     from radixlm.layers.quantization.triton_ops.mma_gemv import splits
 
-    tiles, cpr = words.shape[:2]
+    tiles, cpr = grid_shape or words.shape[:2]
     n, m = 16 * tiles, x.shape[0]
     per, split = splits(steps, cfg.split)
     mem = Memory()

@@ -85,11 +85,35 @@ def test_ptx_with_the_pdl_wait_inside(m, n, k, cfg) -> None:
     check_against_float64(m, n, k, cfg, pdl=True)
 
 
-def check_against_float64(m, n, k, cfg, pdl: bool = False) -> None:
+@pytest.mark.parametrize("m,n,k,cfg,pad", [
+    (1, 16, 128, M.MmaConfig(1, 1, 1), 0),
+    (1, 48, 256, M.MmaConfig(2, 1, 2), 16),  # an idle warp; rows 16 bytes apart more
+    (1, 64, 384, M.MmaConfig(1, 2, 2), 0),  # two tiles a warp: wa1 / wb1
+    (1, 32, 640, M.MmaConfig(2, 1, 2, prefetch=True), 144),
+    (5, 32, 640, M.MmaConfig(2, 1, 2, prefetch=True), 16),
+    (3, 64, 256, M.MmaConfig(2, 2, 1, prefetch=True), 0),
+])
+@pytest.mark.parametrize("pdl", [False, True])
+def test_plain_layout_ptx_against_float64(m, n, k, cfg, pad, pdl) -> None:
+    """`gemv_ptx(plain=True)`: the weight read where it lies, [N, K] codes in rows
+    of K + pad bytes (an online weight keeps its scale after its codes), the
+    fragment words made by `prmt`; the same sums as the stored words give."""
+    check_against_float64(m, n, k, cfg, pdl, pad=pad)
+
+
+def check_against_float64(m, n, k, cfg, pdl: bool = False, pad: int | None = None) -> None:
     w = e4m3_weight(n, k, seed=n + k)
     s = torch.rand(n, generator=torch.Generator().manual_seed(1)) * 0.01 + 0.001
     x = (torch.randn(m, k, generator=torch.Generator().manual_seed(k)) * 0.5).bfloat16()
-    got = simulate(x, w, s, cfg, pdl)
+    if pad is None:
+        got = simulate(x, w, s, cfg, pdl)
+    else:
+        rows = torch.full((n, k + pad), 0x7F, dtype=torch.uint8)  # NaN codes past K
+        rows[:, :k] = w.view(torch.uint8)
+        ptx = M.gemv_ptx(cfg.nt, cfg.prefetch, m > 1, pdl, plain=True)
+        got = run_mma_gemv(ptx, cfg, x, rows, s, s, k // (M.STEP_CHUNKS * M.CHUNK), k + pad,
+                           grid_shape=(n // 16, k // M.CHUNK))
+        assert torch.equal(got, simulate(x, w, s, cfg, pdl)), "plain and stored words differ"
     wd = w.double() * s.double()[:, None]
     ref = x.double() @ wd.T
     mag = x.double().abs() @ wd.abs().T

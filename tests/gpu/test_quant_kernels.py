@@ -463,7 +463,8 @@ def test_fp8_gemv_mma(m, cfg):
     e4m3 read as bf16 times 2^-120 (exact), products exact and summed in fp32, so
     within the output's rounding of the float64 product and a few fp32 roundings
     of the magnitudes; a row alone the same bits; bias, the fused SiLU and the
-    route through `fp8_linear` (its `mma` argument) too."""
+    route through `fp8_linear` (its `mma` argument) too; the plain-layout form
+    (`fp8_gemv_mma_plain`) bit for bit."""
     from radixlm.layers.quantization.triton_ops import fp8_mma as FM
 
     n, k = 512, 2048
@@ -484,6 +485,13 @@ def test_fp8_gemv_mma(m, cfg):
     fused = FM.fp8_gemv_mma(x, words, s, config=config, silu_mul=True)
     plain = FM.fp8_gemv_mma(x, words, s, config=config)
     check_silu_mul(fused, plain)
+    # The weight read where it lies (rows with 16 bytes more, as online weights
+    # keep their scales): the same words reach the same MMAs, so the same bits.
+    rows = torch.zeros(n, k + 16, device=DEV, dtype=torch.uint8)
+    rows[:, :k] = q.view(torch.uint8)
+    lying = rows[:, :k].view(torch.float8_e4m3fn)
+    assert torch.equal(FM.fp8_gemv_mma_plain(x, lying, s, bias, config=config), out)
+    assert torch.equal(FM.fp8_gemv_mma_plain(x, q, s, config=config, silu_mul=True), fused)
 
 
 @needs_cuda

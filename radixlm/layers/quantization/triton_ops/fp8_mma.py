@@ -29,6 +29,12 @@ shapes take the FMA GEMV).
 Up to 8 rows of x take B's 8 columns as in `int4_mma` (`_Fp8Ptx`'s `rows`); the
 one-row code is kept as measured (an H100 call of 2026-12-05: FP8 single stream
 1.56x bf16 with it, 1.33x on the FMA GEMV). The rows form has not run on a GPU.
+
+A lane's 16 bytes of a chunk are 16 consecutive features of one row, so the
+words can also be made from the weight as it lies: `gemv_ptx(plain=True)` loads
+16 bytes of rows g and g + 8 and interleaves them with one `prmt` a word (2.38
+SASS instructions a weight against 2.16), with no second copy of the weight
+(`fp8_gemv_mma_plain`; untimed, so the engine still makes the copy).
 """
 
 from __future__ import annotations
@@ -47,6 +53,7 @@ from radixlm.layers.quantization.triton_ops.mma_gemv import (
     loop_ptx,
     pick_config,
     regs,
+    rows_fit,
     x_row_lines,
     y_row_lines,
 )
@@ -82,33 +89,45 @@ def takes(n: int, k: int, block_k: int, x_dtype: torch.dtype) -> bool:
 
 
 @functools.cache
-def gemv_ptx(nt: int, prefetch: bool = False, rows: bool = False, pdl: bool = False) -> str:
+def gemv_ptx(nt: int, prefetch: bool = False, rows: bool = False, pdl: bool = False,
+             plain: bool = False) -> str:
     """One thread's PTX: `nt` row tiles; with `prefetch` the next step's loads
     before this step's MMAs (two register buffers, the loop unrolled twice);
     `rows`: x has up to 8 rows, one per column of B (else one row, the code of
     the one-row GEMV); `pdl`: the PDL wait inside, after the first step's weight
-    loads (`mma_gemv.loop_ptx`). Operands (`mma_gemv.mma_gemv_kernel`'s): $1 x, $2 words,
-    $3 row scales (fp32), $5 this program's partial sums; $6 its first warp
-    index, $7 / $8 its first / past-last step, $9 row tiles in all, $10 chunks a
-    row of tiles (K / 64), $11 N, $14 x's rows."""
-    return loop_ptx(_Fp8Ptx(nt, rows), "fp8_mma", "stp", "$8", prefetch, pdl)
+    loads (`mma_gemv.loop_ptx`); `plain`: the weight as it is, [N, K] rows $12
+    bytes apart, instead of `mma_layout` words (`_Fp8Ptx`). Operands
+    (`mma_gemv.mma_gemv_kernel`'s): $1 x, $2 words (plain: the weight), $3 row
+    scales (fp32), $5 this program's partial sums; $6 its first warp index, $7 /
+    $8 its first / past-last step, $9 row tiles in all, $10 chunks a row of tiles
+    (K / 64), $11 N, $12 (plain) the weight's row stride in bytes, $14 x's rows."""
+    return loop_ptx(_Fp8Ptx(nt, rows, plain), "fp8_mma", "stp", "$8", prefetch, pdl)
 
 
 class _Fp8Ptx:
     """The pieces of `gemv_ptx`: per register buffer (A, B) one step's words `w`
     and x `x`. With `rows`, as `int4_mma._PtxGroup`'s: B's column c is x's row
-    c, so d0 / d1 (d2 / d3) are output row g (g + 8) at x's rows 2t / 2t + 1."""
+    c, so d0 / d1 (d2 / d3) are output row g (g + 8) at x's rows 2t / 2t + 1.
 
-    def __init__(self, nt: int, rows: bool = False) -> None:
-        self.nt, self.rows = nt, rows
+    With `plain` the weight is read where it lies: a lane's weights of one chunk
+    are features 16 t .. 16 t + 15 of rows g and g + 8, 16 bytes of each row
+    (address registers `wa`, `wb`), and one `prmt` a word interleaves the two
+    rows' bytes into the fragment word `mma_layout` would have stored (byte 2 h +
+    1 row g, byte 2 h row g + 8). A warp's load then covers 8 runs of 64 bytes
+    instead of 512 contiguous ones, and there is no second copy of the weight."""
+
+    def __init__(self, nt: int, rows: bool = False, plain: bool = False) -> None:
+        self.nt, self.rows, self.plain = nt, rows, plain
 
     def declarations(self, bufs: tuple[str, ...]) -> list[str]:
         nt = self.nt
         out = [".reg .pred skip, more, writer, row0, row1;" if self.rows else
                ".reg .pred skip, more, writer;",
-               ".reg .b32 tid, lane, warp, g, t, tile, stp, tmp, p, q0, q1, q2, q3;",
+               ".reg .b32 tid, lane, warp, g, t, tile, stp, tmp, p, q0, q1, q2, q3"
+               f"{', p0, p1' * self.plain};",
                f".reg .f32 {regs('d', 4 * nt)}, sc{', yv' * self.rows};",
-               f".reg .b64 {regs('wa', nt)}, xa, sa, ya, {'yb, ' * self.rows}off;"]
+               f".reg .b64 {regs('wa', nt)}, {(regs('wb', nt) + ', ') * self.plain}xa, sa, ya, "
+               f"{'yb, ' * self.rows}off;"]
         for b in bufs:
             out += [f".reg .b32 {regs(f'w{b}', nt * STEP_CHUNKS * 8)};",
                     f".reg .b32 {regs(f'x{b}', STEP_CHUNKS * 8)};"]
@@ -121,14 +140,7 @@ class _Fp8Ptx:
         nt = self.nt
         return [
             *lane_lines(nt, "$6", "$9", "L_fp8_mma_done"),
-            # words: ((tile * chunks_per_row + step * STEP_CHUNKS) * 32 + lane) * 32 bytes
-            f"mul.lo.u32 tmp, $7, {STEP_CHUNKS};",
-            "mad.lo.u32 tmp, tile, $10, tmp;",
-            "mad.lo.u32 tmp, tmp, 32, lane;",
-            "mul.wide.u32 off, tmp, 32;",
-            "add.u64 wa0, $2, off;",
-            "mul.wide.u32 off, $10, 1024;",  # the next tile's stream: K / 64 chunks on
-            *[f"add.u64 wa{i}, wa{i - 1}, off;" for i in range(1, nt)],
+            *(self._plain_addresses() if self.plain else self._word_addresses()),
             # x: (step * STEP_CHUNKS * 64 + 16 t) * 2 bytes
             f"mul.lo.u32 tmp, $7, {STEP_CHUNKS * CHUNK};",
             "mad.lo.u32 tmp, t, 16, tmp;",
@@ -145,18 +157,52 @@ class _Fp8Ptx:
             "mov.u32 stp, $7;",
         ]
 
+    def _word_addresses(self) -> list[str]:
+        """wa: ((tile * chunks_per_row + step * STEP_CHUNKS) * 32 + lane) * 32 bytes
+        into the words, a tile's stream K / 64 chunks after the one before."""
+        return [f"mul.lo.u32 tmp, $7, {STEP_CHUNKS};",
+                "mad.lo.u32 tmp, tile, $10, tmp;",
+                "mad.lo.u32 tmp, tmp, 32, lane;",
+                "mul.wide.u32 off, tmp, 32;",
+                "add.u64 wa0, $2, off;",
+                "mul.wide.u32 off, $10, 1024;",
+                *[f"add.u64 wa{i}, wa{i - 1}, off;" for i in range(1, self.nt)]]
+
+    def _plain_addresses(self) -> list[str]:
+        """wa: row tile * 16 + g of the weight ($12 bytes a row) at feature
+        step * STEP_CHUNKS * 64 + 16 t; wb: the same eight rows on; a tile 16 rows
+        after the one before."""
+        return ["mad.lo.u32 tmp, tile, 16, g;",
+                "mul.wide.u32 off, tmp, $12;",
+                "add.u64 wa0, $2, off;",
+                f"mul.lo.u32 tmp, $7, {STEP_CHUNKS * CHUNK};",
+                "mad.lo.u32 tmp, t, 16, tmp;",
+                "cvt.u64.u32 off, tmp;",
+                "add.u64 wa0, wa0, off;",
+                "mul.wide.u32 off, $12, 8;",
+                "add.u64 wb0, wa0, off;",
+                "mul.wide.u32 off, $12, 16;",
+                *[f"add.u64 w{ab}{i}, w{ab}{i - 1}, off;" for i in range(1, self.nt)
+                  for ab in "ab"]]
+
     def loads(self, b: str, ahead: bool, pred: str = "") -> list[str]:
         """Buffer b's loads of this step (`ahead`: the next one): 32 bytes of words
-        per chunk and tile, then x."""
-        skip_w, skip_x = (STEP_CHUNKS * 1024, STEP_CHUNKS * CHUNK * 2) if ahead else (0, 0)
+        per chunk and tile (plain: 16 bytes of each of the lane's two rows), then x."""
+        skip_x = STEP_CHUNKS * CHUNK * 2 if ahead else 0
+        if self.plain:
+            skip_w, at = (STEP_CHUNKS * CHUNK if ahead else 0), ("wa", "wb")
+        else:
+            skip_w, at = (STEP_CHUNKS * 1024 if ahead else 0), ("wa", "wa")
+        chunk_bytes = CHUNK if self.plain else 1024
         out = []
         for c in range(STEP_CHUNKS):
             for i in range(self.nt):
                 r = (c * self.nt + i) * 8
                 for h in range(2):
+                    at_h = f"{at[h]}{i}+{skip_w + c * chunk_bytes + (0 if self.plain else 16 * h)}"
                     out.append(f"{pred}ld.global.nc.L1::no_allocate.v4.u32 {{w{b}{r + 4 * h}, "
                                f"w{b}{r + 4 * h + 1}, w{b}{r + 4 * h + 2}, w{b}{r + 4 * h + 3}}}, "
-                               f"[wa{i}+{skip_w + c * 1024 + 16 * h}];")
+                               f"[{at_h}];")
             for h in range(2):
                 r = c * 8 + h * 4
                 out.append(f"{pred}ld.global.v4.u32 {{x{b}{r}, x{b}{r + 1}, x{b}{r + 2}, "
@@ -181,17 +227,32 @@ class _Fp8Ptx:
             for k in range(4):  # MMA block k of the chunk
                 xb = f"x{b}{c * 8 + 2 * k}, x{b}{c * 8 + 2 * k + 1}"
                 for i in range(self.nt):
-                    r = (c * self.nt + i) * 8 + 2 * k
                     d = f"d{4 * i}, d{4 * i + 1}, d{4 * i + 2}, d{4 * i + 3}"
-                    out += [*self._unpack(f"w{b}{r}", "q0", "q1"),
-                            *self._unpack(f"w{b}{r + 1}", "q2", "q3"),
+                    words = self._block_words(b, (c * self.nt + i) * 8, k)
+                    out += [*words[2:],
+                            *self._unpack(words[0], "q0", "q1"),
+                            *self._unpack(words[1], "q2", "q3"),
                             f"{mma} {{{d}}}, {{q0, q1, q2, q3}}, {{{xb}}}, {{{d}}};"]
         return out
 
+    def _block_words(self, b: str, r: int, k: int) -> list[str]:
+        """[word of part 0, word of part 1, *the lines that make them] for MMA block
+        k of the 8 registers from r: stored words 2k, 2k + 1; plain, registers k
+        (row g) and 4 + k (row g + 8) interleaved by byte (features 4k, 4k + 1 for
+        part 0, 4k + 2, 4k + 3 for part 1)."""
+        if not self.plain:
+            return [f"w{b}{r + 2 * k}", f"w{b}{r + 2 * k + 1}"]
+        g, g8 = f"w{b}{r + k}", f"w{b}{r + 4 + k}"
+        return ["p0", "p1", f"prmt.b32 p0, {g}, {g8}, 0x1504;",
+                f"prmt.b32 p1, {g}, {g8}, 0x3726;"]
+
     def advance(self) -> list[str]:
-        return ["add.u32 stp, stp, 1;",
-                *[f"add.u64 wa{i}, wa{i}, {STEP_CHUNKS * 1024};" for i in range(self.nt)],
-                f"add.u64 xa, xa, {STEP_CHUNKS * CHUNK * 2};"]
+        if self.plain:
+            w = [f"add.u64 w{ab}{i}, w{ab}{i}, {STEP_CHUNKS * CHUNK};"
+                 for i in range(self.nt) for ab in "ab"]
+        else:
+            w = [f"add.u64 wa{i}, wa{i}, {STEP_CHUNKS * 1024};" for i in range(self.nt)]
+        return ["add.u32 stp, stp, 1;", *w, f"add.u64 xa, xa, {STEP_CHUNKS * CHUNK * 2};"]
 
     def epilogue(self) -> list[str]:
         """Lanes t = 0 write rows g and g + 8 of each tile, times s 2^120; with
@@ -232,3 +293,23 @@ def fp8_gemv_mma(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor,
     ptx = gemv_ptx(cfg.nt, cfg.prefetch, m > 1, pdl.pdl_on())
     return launch(ptx, cfg, x, words, scales, scales, k // (STEP_CHUNKS * CHUNK), 0, 0, bias,
                   out, silu_mul)
+
+
+def fp8_gemv_mma_plain(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor,
+                       bias: torch.Tensor | None = None, config: MmaConfig | None = None,
+                       out: torch.Tensor | None = None, silu_mul: bool = False) -> torch.Tensor:
+    """`fp8_gemv_mma` reading the FP8 weight [N, K] as it is (rows 16-byte aligned,
+    any row stride that is a multiple of 16 bytes: an online-quantized weight's
+    codes with their scale bytes after them are fine): `gemv_ptx(plain=True)`.
+    Not yet timed on a GPU: the engine still takes the `mma_layout` copy."""
+    n, k = weight.shape
+    m = x.shape[0]
+    stride = weight.stride(0)  # bytes: one a code
+    assert rows_fit(x) and x.shape == (m, k) and x.dtype == torch.bfloat16
+    assert weight.dtype == torch.float8_e4m3fn and weight.stride(1) == 1
+    assert weight.data_ptr() % 16 == 0 and stride % 16 == 0 and takes(n, k, 0, x.dtype)
+    assert scales.shape == (n,) and scales.dtype == torch.float32 and scales.is_contiguous()
+    cfg = config or pick_config(n)
+    ptx = gemv_ptx(cfg.nt, cfg.prefetch, m > 1, pdl.pdl_on(), plain=True)
+    return launch(ptx, cfg, x, weight, scales, scales, k // (STEP_CHUNKS * CHUNK), stride, 0,
+                  bias, out, silu_mul, grid_shape=(n // 16, k // CHUNK))

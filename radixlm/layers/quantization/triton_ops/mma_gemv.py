@@ -222,14 +222,16 @@ def check_rows(x: torch.Tensor, words: torch.Tensor) -> tuple[int, int, int]:
 
 def launch(ptx: str, cfg: MmaConfig, x: torch.Tensor, words: torch.Tensor, a: torch.Tensor,
            b: torch.Tensor, steps: int, int_a: int, int_b: int, bias: torch.Tensor | None,
-           out: torch.Tensor | None, silu_mul: bool, in_kernel_sum: bool = True) -> torch.Tensor:
+           out: torch.Tensor | None, silu_mul: bool, in_kernel_sum: bool = True,
+           grid_shape: tuple[int, int] | None = None) -> torch.Tensor:
     """A tensor-core GEMV: `ptx` (holding the PDL wait where PDL is on: `loop_ptx`'s
     `pdl`) over `steps` loop steps of K split by `cfg` (the
     format's addresses `a`, `b` and integers `int_a`, `int_b`), then the split-K sum
     into [M, N] (`silu_mul`: [M, N / 2]): by the kernel's last program of each run
     of columns where `counters` allows (and `in_kernel_sum`), else by a second launch
-    a row. The sums' bits are the same either way."""
-    tiles, chunks_per_row = words.shape[:2]
+    a row. The sums' bits are the same either way. `grid_shape`: (tiles, chunks a
+    row) where `words` is not the fragment-order [tiles, chunks, ...] tensor."""
+    tiles, chunks_per_row = grid_shape or words.shape[:2]
     m, n = x.shape[0], tiles * 16
     per, split = splits(steps, cfg.split)
     ws = torch.empty((split, m, n), device=x.device, dtype=torch.float32)
