@@ -50,7 +50,9 @@ method and the table's embedding method then agree on the layout.
    whole tensor's shape (checked before any write), the shard ids a complete
    checkpoint provides, and gathers the whole tensor back from every rank
    (`get_weights_by_name`). Read-back gives the checkpoint's layout and
-   dtype: what the parameters hold, so keep them in checkpoint form.
+   dtype: what the parameters hold, so keep them in checkpoint form, or give
+   the spec the conversion both ways (int4's AWQ repacking and its
+   tensor-core fragment order: `int4.AwqQweightSpec`, `int4.FragmentSpec`).
 3. `process_weights_after_loading(layer)` runs once every parameter of the
    model is written: after the initial load, after **every** in-place update
    (and after an update's rollback), and after the weights come back from a
