@@ -33,6 +33,7 @@ from quant_checkpoints import (
     gptq,
     gptq_config,
     hf_fp8_block,
+    is_linear,
     save_float_model,
     tiny_llama,
     write,
@@ -237,6 +238,27 @@ def test_int4_checkpoints(label, quantize, qconfig, held, aligned, root, monkeyp
                  "model.layers.0.mlp.down_proj.scales", "model.layers.1.self_attn.o_proj.qweight"):
         assert torch.equal(weights.resolve(name).gather(), saved[name]), name
     assert load(q, qconfig["quant_method"]) is not None
+
+
+@pytest.mark.parametrize("held", ["gptq form", "fragment order"])
+def test_int4_weights_update_in_place(held, aligned, root, monkeypatch):
+    """What a weight update does (another checkpoint's tensors written into the
+    parameters, then `process_weights_after_loading`), with qweight in either
+    form: the same logits as that checkpoint loaded fresh, and back again."""
+    config, floats, _ = aligned
+    q1, _ = write_pair(root, "update-1", config, floats, awq(128), awq_config(128))
+    other = {k: v * 1.5 if is_linear(k) else v for k, v in floats.items()}
+    q2, _ = write_pair(root, "update-2", config, other, awq(128), awq_config(128))
+    if held == "fragment order":
+        monkeypatch.setattr(I, "fragment_order", I.fragment_fits)
+    model = load(q1)
+    before, after = logits(model), logits(load(q2))
+    assert not torch.equal(before[0], after[0])
+    for path, want in ((q2, after), (q1, before)):
+        WeightMap(model).load(iter(load_file(str(Path(path) / "model.safetensors")).items()))
+        process_weights_after_loading(model)
+        for got, ref in zip(logits(model), want, strict=True):
+            assert torch.equal(got, ref)
 
 
 # ---- tensor parallelism ------------------------------------------------------------------------
