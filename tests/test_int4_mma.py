@@ -169,5 +169,13 @@ def test_the_variables_are_named_at_start_up_and_cost_the_cpu_nothing(monkeypatc
                                        quant_config=get_quantization_config(tiny_llama(),
                                                                             "awq"))
     assert layer.qweight.shape == (32, 256) and not layer.quant_method.fragment
+    monkeypatch.setenv("RADIXLM_FP8_GEMV", "mma-plain")
+    assert "$RADIXLM_FP8_GEMV=mma-plain" in get_quantization_config(tiny_llama(),
+                                                                     "fp8").describe()
+    for var, method in (("RADIXLM_FP8_GEMV", "fp8"), ("RADIXLM_INT4_GEMV", "awq")):
+        monkeypatch.setenv(var, "fast")  # not a mode: refused by name
+        with pytest.raises(ValueError, match=f"{var}='fast'"):
+            get_quantization_config(tiny_llama(), method).describe()
+        monkeypatch.setenv(var, "mma")
     monkeypatch.delenv("RADIXLM_INT4_GEMV")
     assert "tensor cores" not in get_quantization_config(tiny_llama(), "awq").describe()

@@ -161,9 +161,12 @@ def test_awq_layer_held_in_fragment_order(monkeypatch):
     torch.testing.assert_close(got.double(), want, rtol=2e-2, atol=2e-2 * want.abs().max())
 
 
-def test_online_fp8_on_the_tensor_core_gemv_tracks_its_dequantized_model(model, monkeypatch):
-    """$RADIXLM_FP8_GEMV=mma: decode's one-row products on the MMA GEMV (`fp8_mma.py`)."""
-    monkeypatch.setenv("RADIXLM_FP8_GEMV", "mma")
+@pytest.mark.parametrize("mode", ["mma", "mma-plain"])
+def test_online_fp8_on_the_tensor_core_gemv_tracks_its_dequantized_model(mode, model,
+                                                                         monkeypatch):
+    """$RADIXLM_FP8_GEMV=mma / mma-plain: decode's products on the MMA GEMV
+    (`fp8_mma.py`), from the fragment-order copy / the weight where it lies."""
+    monkeypatch.setenv("RADIXLM_FP8_GEMV", mode)
     test_online_fp8_on_cuda_tracks_its_dequantized_model(model)
 
 

@@ -64,11 +64,24 @@ F32 = torch.float32
 FP8_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
 _ops = lazy_import("radixlm.layers.quantization.triton_ops.fp8")  # Triton: CUDA only
 _mma = lazy_import("radixlm.layers.quantization.triton_ops.fp8_mma")
-MMA_ENV = "RADIXLM_FP8_GEMV"  # "mma": the tensor-core GEMV of 1-8 rows (opt-in)
+# The tensor-core GEMV of 1-8 rows (opt-in): "mma" from a copy of the weight in
+# MMA fragment order, "mma-plain" reading the weight where it lies (no copy; untimed).
+MMA_ENV = "RADIXLM_FP8_GEMV"
+MMA_MODES = ("mma", "mma-plain")
+
+
+def mma_mode() -> str:
+    """$RADIXLM_FP8_GEMV: a mode of `MMA_MODES`, or "" unset (the FMA GEMV); any
+    other value is refused."""
+    mode = os.environ.get(MMA_ENV, "")
+    if mode and mode not in MMA_MODES:
+        raise ValueError(f"${MMA_ENV}={mode!r}: expected one of {', '.join(MMA_MODES)} "
+                         "(or unset)")
+    return mode
 
 
 def mma_requested() -> bool:
-    return os.environ.get(MMA_ENV, "") == "mma"
+    return bool(mma_mode())
 
 
 def quantize_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -109,7 +122,9 @@ class Fp8Weight:
     scale_rows: int = 1
     input_scale: torch.Tensor | None = None
     weight_only: bool = False  # activations stay in their dtype at every batch size
-    mma: torch.Tensor | None = None  # the weight again in MMA fragment order (MMA_ENV)
+    # For the tensor-core GEMV (MMA_ENV): the weight again in MMA fragment order, or
+    # `weight` itself ("mma-plain": read where it lies).
+    mma: torch.Tensor | None = None
 
     def dequantize(self) -> torch.Tensor:
         """The weight as fp32 [N, K]."""
@@ -122,13 +137,17 @@ class Fp8Weight:
 
 
 def with_tensor_cores(w: Fp8Weight) -> Fp8Weight:
-    """`w` with its weight a second time in MMA fragment order (`fp8_mma.py`) when
-    $RADIXLM_FP8_GEMV=mma asks and the layer fits that kernel (per-row scales,
-    whole tiles), else `w`."""
+    """`w` set up for the tensor-core GEMV (`fp8_mma.py`) when $RADIXLM_FP8_GEMV asks
+    and the layer fits that kernel (per-row scales, whole tiles; "mma-plain" also
+    rows 16-byte aligned): its weight a second time in MMA fragment order ("mma"),
+    or the weight itself ("mma-plain"); else `w`."""
     n, k = w.weight.shape
-    if not (mma_requested() and w.weight.is_cuda and _mma.takes(n, k, w.block_k,
-                                                                torch.bfloat16)):
+    mode = mma_mode()
+    if not (mode and w.weight.is_cuda and _mma.takes(n, k, w.block_k, torch.bfloat16)):
         return w
+    if mode == "mma-plain":
+        aligned = w.weight.data_ptr() % 16 == 0 and w.weight.stride(0) % 16 == 0
+        return dataclasses.replace(w, mma=w.weight) if aligned else w
     return dataclasses.replace(w, mma=_mma.mma_layout(w.weight))
 
 
@@ -426,8 +445,11 @@ class Fp8Config(QuantizationConfig):
     def describe(self) -> str:
         how = ("per-channel weight scales, dynamic per-token activation scales"
                if self.scheme is None else self.scheme.describe())
-        gemv = (f" (on the tensor cores, ${MMA_ENV}=mma: a second copy of the "
-                "per-row-scaled weights in MMA fragment order)" if mma_requested() else "")
+        gemv = {"mma": f" (on the tensor cores, ${MMA_ENV}=mma: a second copy of the "
+                       "per-row-scaled weights in MMA fragment order)",
+                "mma-plain": f" (on the tensor cores, ${MMA_ENV}=mma-plain: reading the "
+                             "per-row-scaled weights where they lie)",
+                "": ""}[mma_mode()]
         experts = ""
         if self.counts["fp8 experts"] or self.counts["float experts"]:
             experts = (f"; {self.counts['fp8 experts']} MoE layers' experts in FP8 "

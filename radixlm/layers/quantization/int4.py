@@ -74,7 +74,11 @@ _SHIFTS = tuple(range(0, 32, 4))
 
 
 def mma_requested() -> bool:
-    return os.environ.get(MMA_ENV, "") == "mma"
+    """$RADIXLM_INT4_GEMV=mma; unset: False; any other value is refused."""
+    mode = os.environ.get(MMA_ENV, "")
+    if mode not in ("", "mma"):
+        raise ValueError(f"${MMA_ENV}={mode!r}: expected 'mma' (or unset)")
+    return mode == "mma"
 
 
 # ---- packing (torch, any device) ---------------------------------------------------------

@@ -34,7 +34,8 @@ A lane's 16 bytes of a chunk are 16 consecutive features of one row, so the
 words can also be made from the weight as it lies: `gemv_ptx(plain=True)` loads
 16 bytes of rows g and g + 8 and interleaves them with one `prmt` a word (2.38
 SASS instructions a weight against 2.16), with no second copy of the weight
-(`fp8_gemv_mma_plain`; untimed, so the engine still makes the copy).
+(`fp8_gemv_mma_plain`, the engine's under $RADIXLM_FP8_GEMV=mma-plain; untimed,
+so `mma` still makes the copy).
 """
 
 from __future__ import annotations
@@ -301,7 +302,8 @@ def fp8_gemv_mma_plain(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tens
     """`fp8_gemv_mma` reading the FP8 weight [N, K] as it is (rows 16-byte aligned,
     any row stride that is a multiple of 16 bytes: an online-quantized weight's
     codes with their scale bytes after them are fine): `gemv_ptx(plain=True)`.
-    Not yet timed on a GPU: the engine still takes the `mma_layout` copy."""
+    Not yet timed on a GPU: the engine takes it under $RADIXLM_FP8_GEMV=mma-plain
+    only."""
     n, k = weight.shape
     m = x.shape[0]
     stride = weight.stride(0)  # bytes: one a code
