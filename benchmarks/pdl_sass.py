@@ -86,9 +86,8 @@ def kernels():
            dict(BN=64, ROWS=16, GROUP=128, SUB_STEPS=2, ACT_ORDER=False, HAS_BIAS=False,
                 SILU_MUL=False, PARTIAL=True, EVEN=True, PACKED=True, BF16=True, LEAN=False,
                 PDL=True), 4)
-    mma = {"x_ptr": b16, "w_ptr": i32, "ws_ptr": f32, "bias_ptr": b16, "y_ptr": b16,
-           "count_ptr": i32}
-    mma_consts = dict(WARPS=4, NT=1, SPLIT=8, SUM=True, HAS_BIAS=False, SILU_MUL=False, PDL=True)
+    mma = {"x_ptr": b16, "w_ptr": i32, "ws_ptr": f32}
+    mma_consts = dict(WARPS=4, PDL=True)
     yield ("int4 GEMV on the tensor cores", MMA.mma_gemv_kernel,
            {**mma, "a_ptr": i32, "b_ptr": b16}, (),
            dict(PTX=I4M.gemv_ptx(1, 2, True, True, pdl=True), PTX_WAITS=True, **mma_consts), 4)

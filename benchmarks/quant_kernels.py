@@ -211,26 +211,25 @@ def sweep(fp8: bool = True, int4: bool = True) -> None:
 
 def mma_launch() -> None:
     """The tensor-core GEMVs at one row (gate_up with its SiLU-and-mul, as the engine
-    runs it) in four launch forms: the PDL wait before the PTX or inside it (after
-    the first step's weight loads), the split-K sum by a second launch or by the
-    last program of each run of columns; the CUDA-core default beside them."""
-    print(f"{'shape':<9}{'format':<6}{'wait':<8}{'sum':<8}{'us':>7}{'TB/s':>7}")
+    runs it) with the PDL wait before the PTX or inside it (after the first step's
+    weight loads), and FP8 reading its weight where it lies; the CUDA-core default
+    beside them. Run with --pdl: without it the two waits are the same code."""
+    print(f"{'shape':<9}{'format':<6}{'form':<16}{'us':>7}{'TB/s':>7}")
     for name, k, n in SHAPES:
         x = torch.randn(1, k, device=DEV).bfloat16()
         for fmt in ("int4", "fp8"):
             nbytes, make, forms = _launch_forms(fmt, n, k, silu=name == "gate_up")
             ws = copies(make, nbytes)
-            for wait, how, call in forms:
+            for form, call in forms:
                 t = time_graph(call, x, ws)
-                print(f"{name:<9}{fmt:<6}{wait:<8}{how:<8}{t * 1e6:>7.1f}"
-                      f"{nbytes / t / 1e12:>7.2f}")
+                print(f"{name:<9}{fmt:<6}{form:<16}{t * 1e6:>7.1f}{nbytes / t / 1e12:>7.2f}")
             del ws
             torch.cuda.empty_cache()
 
 
 def _launch_forms(fmt: str, n: int, k: int, silu: bool
-                  ) -> tuple[int, Callable[[], object], list[tuple[str, str, Call]]]:
-    """(weight bytes, weight maker, [(wait, sum, call)]) of `mma_launch`'s rows."""
+                  ) -> tuple[int, Callable[[], object], list[tuple[str, Call]]]:
+    """(weight bytes, weight maker, [(form, call)]) of `mma_launch`'s rows."""
     int4 = fmt == "int4"
     cfg = M4.pick_config(n) if int4 else F8M.pick_config(n)
 
@@ -239,25 +238,27 @@ def _launch_forms(fmt: str, n: int, k: int, silu: bool
             return T4.int4_linear(x, w[0], w[1], w[2], 128, None, silu_mul=silu)
         return F8.fp8_linear(x, w[0], w[1], 0, 1, None, silu_mul=silu)
 
-    def form(inside: bool, in_sum: bool) -> Call:
+    def form(inside: bool, plain: bool = False) -> Call:
         if int4:
             ptx = M4.gemv_ptx(cfg.nt, 2, True, cfg.prefetch, False, inside)
         else:
-            ptx = F8M.gemv_ptx(cfg.nt, cfg.prefetch, False, inside)
+            ptx = F8M.gemv_ptx(cfg.nt, cfg.prefetch, False, inside, plain)
 
         def call(x, w):
             if int4:
                 return MG.launch(ptx, cfg, x, w[3], w[1], w[2], k // 128, w[1].stride(0),
-                                 w[2].stride(0), None, None, silu, in_kernel_sum=in_sum)
-            return MG.launch(ptx, cfg, x, w[2], w[1], w[1], k // (F8M.STEP_CHUNKS * F8M.CHUNK),
-                             0, 0, None, None, silu, in_kernel_sum=in_sum)
+                                 w[2].stride(0), None, None, silu)
+            steps = k // (F8M.STEP_CHUNKS * F8M.CHUNK)
+            if plain:
+                return MG.launch(ptx, cfg, x, w[0], w[1], w[1], steps, k, 0, None, None, silu,
+                                 grid_shape=(n // 16, k // F8M.CHUNK))
+            return MG.launch(ptx, cfg, x, w[2], w[1], w[1], steps, 0, 0, None, None, silu)
         return call
 
-    forms = [("-", "default", default)]
-    forms += [("inside" if inside else "before", "kernel" if in_sum else "second",
-               form(inside, in_sum)) for inside in (False, True) for in_sum in (False, True)]
+    forms = [("default", default), ("wait before", form(False)), ("wait inside", form(True))]
     if int4:
         return n * k // 2, lambda: int4_weights(n, k), forms
+    forms.append(("plain, inside", form(True, plain=True)))
     return n * k, lambda: fp8_row_weights(n, k), forms
 
 

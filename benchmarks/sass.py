@@ -84,8 +84,7 @@ def mma_gemv_loop(ptx: str, warps: int) -> list[str]:
     from radixlm.layers.quantization.triton_ops.mma_gemv import mma_gemv_kernel as kernel
 
     pointers = {"x_ptr": "*bf16", "w_ptr": "*i32", "a_ptr": "*fp32", "b_ptr": "*fp32",
-                "ws_ptr": "*fp32", "bias_ptr": "*bf16", "y_ptr": "*bf16", "count_ptr": "*i32"}
-    consts = dict(WARPS=warps, NT=1, SPLIT=8, PTX=ptx, SUM=True, HAS_BIAS=False, SILU_MUL=False,
-                  PDL=True, PTX_WAITS="griddepcontrol.wait" in ptx)
+                "ws_ptr": "*fp32"}
+    consts = dict(WARPS=warps, PTX=ptx, PDL=True, PTX_WAITS="griddepcontrol.wait" in ptx)
     return main_loop(sm90_sass(kernel, signature(kernel, pointers), consts, warps,
                                hints=divisibility(kernel, set(pointers))))

@@ -494,45 +494,6 @@ def test_fp8_gemv_mma(m, cfg):
     assert torch.equal(FM.fp8_gemv_mma_plain(x, q, s, config=config, silu_mul=True), fused)
 
 
-@needs_cuda
-@pytest.mark.parametrize("fmt", ["int4", "fp8"])
-@pytest.mark.parametrize("m,n,cfg", [(1, 512, (4, 1, 4, True)), (3, 512, (4, 1, 8, True)),
-                                     (8, 1024, (2, 2, 3, False)), (1, 80, (4, 1, 4, True)),
-                                     (4, 160, (4, 1, 2, False)), (2, 384, (4, 1, 1, True))])
-def test_mma_in_kernel_split_sum(fmt, m, n, cfg, monkeypatch):
-    """The tensor-core GEMVs' split-K sum done by the last program of each run of
-    columns (`mma_gemv._sum_last`) gives the same bits as the second launch, with
-    bias, with SiLU-and-mul (160 columns: runs that would mix gate and up columns
-    take the second launch), at ragged N (80: a run past the last tile); its
-    counters are all zero again after every launch, so launches in a row agree."""
-    from radixlm.layers.quantization.triton_ops import fp8_mma as FM
-    from radixlm.layers.quantization.triton_ops import int4_mma as MM
-    from radixlm.layers.quantization.triton_ops import mma_gemv as MG
-
-    k, group, config = 1024, 128, MG.MmaConfig(*cfg)
-    x = randn(m, k, seed=72, dtype=torch.bfloat16)
-    bias = randn(n, seed=73, dtype=torch.bfloat16)
-    if fmt == "int4":
-        w = int4_weight(n, k, group, False, seed=71)
-        words = MM.mma_layout(I.unpack_rows(w.qweight))
-
-        def run(**kw):
-            return MM.int4_gemv_mma(x, words, w.zeros, w.scales, group, config=config, **kw)
-    else:
-        q, s = quantize_rows(randn(n, k, seed=71, scale=0.05))
-        words = FM.mma_layout(q)
-
-        def run(**kw):
-            return FM.fp8_gemv_mma(x, words, s, config=config, **kw)
-    outs = [(run(), run(bias=bias), run(silu_mul=True)) for _ in range(3)]
-    assert int(MG._counters[x.device].abs().sum()) == 0
-    monkeypatch.setattr(MG, "COUNTERS", 0)  # every launch sums in a second kernel
-    second = (run(), run(bias=bias), run(silu_mul=True))
-    for got in outs:
-        for a, b in zip(got, second):
-            assert torch.equal(a, b)
-
-
 def test_int4_out_buffer_and_awq_repacking():
     """An AWQ checkpoint's qweight repacked at load gives the same products as the
     GPTQ-packed words of the same values."""

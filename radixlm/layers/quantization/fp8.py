@@ -65,7 +65,8 @@ FP8_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
 _ops = lazy_import("radixlm.layers.quantization.triton_ops.fp8")  # Triton: CUDA only
 _mma = lazy_import("radixlm.layers.quantization.triton_ops.fp8_mma")
 # The tensor-core GEMV of 1-8 rows (opt-in): "mma" from a copy of the weight in
-# MMA fragment order, "mma-plain" reading the weight where it lies (no copy; untimed).
+# MMA fragment order, "mma-plain" reading the weight where it lies (no copy; on an
+# H100 faster at qkv, slower at gate/up: `fp8_mma.py`).
 MMA_ENV = "RADIXLM_FP8_GEMV"
 MMA_MODES = ("mma", "mma-plain")
 

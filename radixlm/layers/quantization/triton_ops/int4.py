@@ -551,26 +551,15 @@ def _int4_split_sum_kernel(ws_ptr, b_ptr, y_ptr, N, stride_ws, SPLIT: tl.constex
     pdl_wait(PDL)
     pdl_trigger(PDL)
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    split_sum_block(ws_ptr, b_ptr, y_ptr, offs, N, stride_ws, SPLIT, HAS_BIAS, SILU_MUL, "")
-
-
-@triton.jit
-def split_sum_block(ws_ptr, b_ptr, y_ptr, offs, N, stride_ws, SPLIT: tl.constexpr,
-                    HAS_BIAS: tl.constexpr, SILU_MUL: tl.constexpr, CACHE: tl.constexpr):
-    """y[offs] = the partial sums ws[s, offs] (s < SPLIT, rows stride_ws apart) added
-    in split order, + bias, silu(gate) * up with SILU_MUL (up at ws[s, N + offs]);
-    columns past N masked. Every split-K sum here is this block, so a column's bits
-    do not depend on which kernel adds it. CACHE: the loads' cache modifier."""
     ok = offs < N
-    acc = tl.load(ws_ptr + offs, mask=ok, other=0.0, cache_modifier=CACHE)
+    acc = tl.load(ws_ptr + offs, mask=ok, other=0.0)
     acc_up = acc
     if SILU_MUL:
-        acc_up = tl.load(ws_ptr + N + offs, mask=ok, other=0.0, cache_modifier=CACHE)
+        acc_up = tl.load(ws_ptr + N + offs, mask=ok, other=0.0)
     for s in tl.static_range(1, SPLIT):
-        acc += tl.load(ws_ptr + s * stride_ws + offs, mask=ok, other=0.0, cache_modifier=CACHE)
+        acc += tl.load(ws_ptr + s * stride_ws + offs, mask=ok, other=0.0)
         if SILU_MUL:
-            acc_up += tl.load(ws_ptr + s * stride_ws + N + offs, mask=ok, other=0.0,
-                              cache_modifier=CACHE)
+            acc_up += tl.load(ws_ptr + s * stride_ws + N + offs, mask=ok, other=0.0)
     if HAS_BIAS:
         acc += tl.load(b_ptr + offs, mask=ok, other=0.0).to(tl.float32)
     if SILU_MUL:

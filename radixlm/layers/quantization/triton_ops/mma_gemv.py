@@ -1,7 +1,7 @@
 """What the tensor-core one-row GEMVs (`int4_mma.py`, `fp8_mma.py`) share: the shape
 of their PTX (a warp per run of 16-row tiles, a loop over steps of K with an
-optional prefetch of the next step), their launch config and their split-K sum
-(in the kernel's last program of each run of columns, or a second launch).
+optional prefetch of the next step), their launch config and their epilogue
+launch (the split-K sum).
 
 The PTX is assembled from a format's `MmaPieces`: register declarations, the
 setup after the common lane/warp/tile lines, a step's loads (into register
@@ -11,10 +11,11 @@ the plain loop or the prefetching one (two buffers, unrolled twice: load the
 next step into one buffer while computing the other). One Triton kernel,
 `mma_gemv_kernel`, launches any format's PTX with the same operands.
 
-Two launch details have not run on a GPU yet (the GEMVs measured on 2026-12-05
-waited before the PTX and summed in a second launch): the in-kernel split-K sum
-(`_sum_last`) and the PDL wait inside the PTX (`loop_ptx`'s `pdl`).
-`benchmarks/quant_kernels.py --mma-launch --pdl` times all four forms.
+Under PDL the wait sits inside the PTX, after the first step's weight loads
+(`loop_ptx`'s `pdl`): on an H100, 1-3 % off three of four Llama-8B shapes
+(`benchmarks/quant_kernels.py --mma-launch --pdl`, BENCHMARKS.md 2026-12-05).
+Adding the split-K sums in the kernel's last program instead of a second
+launch was measured there too and lost 0.7-3.6 us a call, so it is not done.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ import triton.language as tl
 
 from radixlm.layers import pdl
 from radixlm.layers.pdl import pdl_trigger, pdl_wait
-from radixlm.layers.quantization.triton_ops.int4 import _int4_split_sum_kernel, split_sum_block
+from radixlm.layers.quantization.triton_ops.int4 import _int4_split_sum_kernel
 
 CHUNK = 64  # features a lane's words of one tile cover: 4 MMA blocks of 16
 MAX_ROWS = 8  # B's columns: rows of x one launch takes
@@ -145,22 +146,16 @@ def loop_ptx(p: MmaPieces, name: str, step: str, hi: str, prefetch: bool,
 
 @triton.jit
 def mma_gemv_kernel(x_ptr, w_ptr, a_ptr, b_ptr, ws_ptr, TILES, CHUNKS_PER_ROW, N, STEPS,
-                    SPLIT_STEPS, int_a, int_b, stride_ws, M, bias_ptr, y_ptr, count_ptr,
-                    N_OUT, WARPS: tl.constexpr, NT: tl.constexpr, SPLIT: tl.constexpr,
-                    PTX: tl.constexpr, SUM: tl.constexpr, HAS_BIAS: tl.constexpr,
-                    SILU_MUL: tl.constexpr, PDL: tl.constexpr, PTX_WAITS: tl.constexpr):
-    """Program (pid 0: WARPS warps' tiles; pid 1: a run of SPLIT_STEPS steps of K, of
-    SPLIT runs) running PTX, one element a thread (the PTX takes its lane and warp
-    from %tid.x, so nothing depends on how Triton lays the tensor out). Operands: $0
-    a dummy output; $1 x, $2 the words, $3 / $4 the format's two other addresses, $5
+                    SPLIT_STEPS, int_a, int_b, stride_ws, M, WARPS: tl.constexpr,
+                    PTX: tl.constexpr, PDL: tl.constexpr, PTX_WAITS: tl.constexpr):
+    """Program (pid 0: WARPS warps' tiles; pid 1: a run of SPLIT_STEPS steps of K)
+    running PTX, one element a thread (the PTX takes its lane and warp from
+    %tid.x, so nothing depends on how Triton lays the tensor out). Operands: $0 a
+    dummy output; $1 x, $2 the words, $3 / $4 the format's two other addresses, $5
     the program's partial sums (64-bit); $6 its first warp index, $7 / $8 its
     first / past-last step, $9 TILES, $10 CHUNKS_PER_ROW, $11 N, $12 / $13 the
-    format's two integers, $14 M (x's rows).
-
-    SUM: the last program to finish a run of columns adds their partial sums into
-    y [M, N_OUT] (`_sum_last`), where otherwise a second launch would. PTX_WAITS:
-    the PTX holds the PDL wait and trigger (`loop_ptx`'s `pdl`), else they come
-    before it."""
+    format's two integers, $14 M (x's rows). PTX_WAITS: the PTX holds the PDL
+    wait and trigger (`loop_ptx`'s `pdl`), else they come before it."""
     one = tl.zeros([32 * WARPS], dtype=tl.int32)
     lo = tl.program_id(1) * SPLIT_STEPS
     hi = tl.minimum(STEPS, lo + SPLIT_STEPS)
@@ -176,34 +171,6 @@ def mma_gemv_kernel(x_ptr, w_ptr, a_ptr, b_ptr, ws_ptr, TILES, CHUNKS_PER_ROW, N
          lo + one, hi + one, TILES + one, CHUNKS_PER_ROW + one, N + one, int_a + one,
          int_b + one, M + one],
         dtype=tl.int32, is_pure=False, pack=1)
-    if SUM:
-        _sum_last(ws_ptr, bias_ptr, y_ptr, count_ptr, N, N_OUT, M, stride_ws, 16 * WARPS * NT,
-                  SPLIT, HAS_BIAS, SILU_MUL)
-
-
-@triton.jit
-def _sum_last(ws_ptr, bias_ptr, y_ptr, count_ptr, N, N_OUT, M, stride_ws, COLS: tl.constexpr,
-              SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, SILU_MUL: tl.constexpr):
-    """Serial split-K: the program's warps' partial sums are stored (the barrier),
-    then one atomic on its run of COLS output columns counts it in; the program that
-    brings the count to its total (SPLIT programs along K; 2 SPLIT with SILU_MUL,
-    whose gate and up columns are N_OUT apart and must both be in) adds the run's
-    sums for every row with `split_sum_block`, in split order as the second launch
-    would, and zeroes the counter for the next launch. acq_rel at GPU scope orders
-    the other programs' stores before its loads, which bypass L1 (.cg)."""
-    tl.debug_barrier()
-    run = tl.program_id(0)
-    total = SPLIT
-    if SILU_MUL:
-        run = run % (N_OUT // COLS)
-        total = 2 * SPLIT
-    seen = tl.atomic_add(count_ptr + run, 1, sem="acq_rel", scope="gpu")
-    if seen == total - 1:
-        offs = run * COLS + tl.arange(0, COLS)
-        for r in range(M):
-            split_sum_block(ws_ptr + r * N, bias_ptr, y_ptr + r * N_OUT, offs, N_OUT,
-                            stride_ws, SPLIT, HAS_BIAS, SILU_MUL, ".cg")
-        tl.atomic_xchg(count_ptr + run, 0, sem="relaxed", scope="gpu")
 
 
 def rows_fit(x: torch.Tensor) -> bool:
@@ -222,49 +189,23 @@ def check_rows(x: torch.Tensor, words: torch.Tensor) -> tuple[int, int, int]:
 
 def launch(ptx: str, cfg: MmaConfig, x: torch.Tensor, words: torch.Tensor, a: torch.Tensor,
            b: torch.Tensor, steps: int, int_a: int, int_b: int, bias: torch.Tensor | None,
-           out: torch.Tensor | None, silu_mul: bool, in_kernel_sum: bool = True,
+           out: torch.Tensor | None, silu_mul: bool,
            grid_shape: tuple[int, int] | None = None) -> torch.Tensor:
-    """A tensor-core GEMV: `ptx` (holding the PDL wait where PDL is on: `loop_ptx`'s
-    `pdl`) over `steps` loop steps of K split by `cfg` (the
-    format's addresses `a`, `b` and integers `int_a`, `int_b`), then the split-K sum
-    into [M, N] (`silu_mul`: [M, N / 2]): by the kernel's last program of each run
-    of columns where `counters` allows (and `in_kernel_sum`), else by a second launch
-    a row. The sums' bits are the same either way. `grid_shape`: (tiles, chunks a
-    row) where `words` is not the fragment-order [tiles, chunks, ...] tensor."""
+    """Both launches of a tensor-core GEMV: `ptx` (holding the PDL wait where PDL is
+    on: `loop_ptx`'s `pdl`) over `steps` loop steps of K split by `cfg` (the
+    format's addresses `a`, `b` and integers `int_a`, `int_b`), then the split-K
+    sum into [M, N] (`silu_mul`: [M, N / 2]). `grid_shape`: (tiles, chunks a row)
+    where `words` is not the fragment-order [tiles, chunks, ...] tensor."""
     tiles, chunks_per_row = grid_shape or words.shape[:2]
     m, n = x.shape[0], tiles * 16
     per, split = splits(steps, cfg.split)
     ws = torch.empty((split, m, n), device=x.device, dtype=torch.float32)
     y = output(x, n // 2 if silu_mul else n, out)
-    programs = triton.cdiv(tiles, cfg.warps * cfg.nt)
-    count = counters(x.device, programs) if in_kernel_sum else None
-    if count is not None and silu_mul and (n // 2) % (16 * cfg.warps * cfg.nt):
-        count = None  # a run of columns would hold gate and up columns both
-    mma_gemv_kernel[(programs, split)](
+    mma_gemv_kernel[(triton.cdiv(tiles, cfg.warps * cfg.nt), split)](
         x, words, a, b, ws, tiles, chunks_per_row, n, steps, per, int_a, int_b,
-        ws.stride(0), m, bias if bias is not None else ws, y,
-        count if count is not None else ws, y.shape[1], WARPS=cfg.warps, NT=cfg.nt,
-        SPLIT=split, PTX=ptx, SUM=count is not None, HAS_BIAS=bias is not None,
-        SILU_MUL=silu_mul, PTX_WAITS=PDL_LINES[0] in ptx, num_warps=cfg.warps,
-        **pdl.launch_args())
-    return y if count is not None else sum_splits(ws, bias, y, silu_mul)
-
-
-COUNTERS = 1 << 14  # runs of output columns `counters` can count (N up to 2^20 at 64 a run)
-_counters: dict[torch.device, torch.Tensor] = {}
-
-
-def counters(device: torch.device, runs: int) -> torch.Tensor | None:
-    """The device's arrival counters for `_sum_last` (int32, zero between launches:
-    the last program zeroes its own), or None where there are too few, or where
-    they do not exist yet and a CUDA graph is being captured (their zeroing would
-    be captured, and an eager launch before a replay would find them unset)."""
-    found = _counters.get(device)
-    if found is None:
-        if torch.cuda.is_current_stream_capturing():
-            return None
-        found = _counters[device] = torch.zeros(COUNTERS, device=device, dtype=torch.int32)
-    return found if runs <= COUNTERS else None
+        ws.stride(0), m, WARPS=cfg.warps, PTX=ptx, PTX_WAITS=PDL_LINES[0] in ptx,
+        num_warps=cfg.warps, **pdl.launch_args())
+    return sum_splits(ws, bias, y, silu_mul)
 
 
 def splits(steps: int, split: int) -> tuple[int, int]:
