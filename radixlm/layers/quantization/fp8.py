@@ -81,10 +81,6 @@ def mma_mode() -> str:
     return mode
 
 
-def mma_requested() -> bool:
-    return bool(mma_mode())
-
-
 def quantize_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(FP8 codes, fp32 scale per row) of a float matrix: scale = max |row| / 448."""
     w = w.float()
@@ -147,8 +143,7 @@ def with_tensor_cores(w: Fp8Weight) -> Fp8Weight:
     if not (mode and w.weight.is_cuda and _mma.takes(n, k, w.block_k, torch.bfloat16)):
         return w
     if mode == "mma-plain":
-        aligned = w.weight.data_ptr() % 16 == 0 and w.weight.stride(0) % 16 == 0
-        return dataclasses.replace(w, mma=w.weight) if aligned else w
+        return dataclasses.replace(w, mma=w.weight) if _mma.plain_fits(w.weight) else w
     return dataclasses.replace(w, mma=_mma.mma_layout(w.weight))
 
 

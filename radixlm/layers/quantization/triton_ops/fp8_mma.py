@@ -192,25 +192,26 @@ class _Fp8Ptx:
         """Buffer b's loads of this step (`ahead`: the next one): 32 bytes of words
         per chunk and tile (plain: 16 bytes of each of the lane's two rows), then x."""
         skip_x = STEP_CHUNKS * CHUNK * 2 if ahead else 0
-        if self.plain:
-            skip_w, at = (STEP_CHUNKS * CHUNK if ahead else 0), ("wa", "wb")
-        else:
-            skip_w, at = (STEP_CHUNKS * 1024 if ahead else 0), ("wa", "wa")
-        chunk_bytes = CHUNK if self.plain else 1024
         out = []
         for c in range(STEP_CHUNKS):
             for i in range(self.nt):
                 r = (c * self.nt + i) * 8
                 for h in range(2):
-                    at_h = f"{at[h]}{i}+{skip_w + c * chunk_bytes + (0 if self.plain else 16 * h)}"
                     out.append(f"{pred}ld.global.nc.L1::no_allocate.v4.u32 {{w{b}{r + 4 * h}, "
                                f"w{b}{r + 4 * h + 1}, w{b}{r + 4 * h + 2}, w{b}{r + 4 * h + 3}}}, "
-                               f"[{at_h}];")
+                               f"[{self._weight_at(i, c, h, ahead)}];")
             for h in range(2):
                 r = c * 8 + h * 4
                 out.append(f"{pred}ld.global.v4.u32 {{x{b}{r}, x{b}{r + 1}, x{b}{r + 2}, "
                            f"x{b}{r + 3}}}, [xa+{skip_x + c * 128 + h * 16}];")
         return out
+
+    def _weight_at(self, i: int, c: int, h: int, ahead: bool) -> str:
+        """Where load h of tile i's chunk c reads: 16 h bytes into the lane's 32 bytes
+        of words; plain, row g (h 0) or g + 8 (h 1) at the lane's 16 bytes."""
+        if self.plain:
+            return f"w{'ab'[h]}{i}+{(STEP_CHUNKS if ahead else 0) * CHUNK + c * CHUNK}"
+        return f"wa{i}+{(STEP_CHUNKS if ahead else 0) * 1024 + c * 1024 + 16 * h}"
 
     @staticmethod
     def _unpack(word: str, hi: str, lo: str) -> list[str]:
@@ -298,6 +299,12 @@ def fp8_gemv_mma(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor,
                   out, silu_mul)
 
 
+def plain_fits(weight: torch.Tensor) -> bool:
+    """Whether `gemv_ptx(plain=True)` reads this FP8 weight [N, K] where it lies:
+    16-byte aligned rows (start and row stride)."""
+    return weight.data_ptr() % 16 == 0 and weight.stride(0) % 16 == 0
+
+
 def fp8_gemv_mma_plain(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor,
                        bias: torch.Tensor | None = None, config: MmaConfig | None = None,
                        out: torch.Tensor | None = None, silu_mul: bool = False) -> torch.Tensor:
@@ -310,7 +317,7 @@ def fp8_gemv_mma_plain(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tens
     stride = weight.stride(0)  # bytes: one a code
     assert rows_fit(x) and x.shape == (m, k) and x.dtype == torch.bfloat16
     assert weight.dtype == torch.float8_e4m3fn and weight.stride(1) == 1
-    assert weight.data_ptr() % 16 == 0 and stride % 16 == 0 and takes(n, k, 0, x.dtype)
+    assert plain_fits(weight) and takes(n, k, 0, x.dtype)
     assert scales.shape == (n,) and scales.dtype == torch.float32 and scales.is_contiguous()
     cfg = config or pick_config(n)
     ptx = gemv_ptx(cfg.nt, cfg.prefetch, m > 1, pdl.pdl_on(), plain=True)
