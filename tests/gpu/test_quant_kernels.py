@@ -286,6 +286,19 @@ INT4_CASES = {  # name -> (n, k, group)
 }
 
 
+def check_int4_rows(out: torch.Tensor, w: I.Int4Weight, x: torch.Tensor,
+                    bias: torch.Tensor | None = None) -> None:
+    """Many rows: within the rounding of the dequantized weight to x's dtype (the
+    bound of every int4 GEMM, whether it rounds the weight or not)."""
+    ref = x.double() @ w.dequantize().double().T
+    if bias is not None:
+        ref += bias.double()
+    eps = 2.0 ** -8 if x.dtype == torch.bfloat16 else 2.0 ** -11
+    tile = eps * (x.double().abs() @ w.dequantize().double().abs().T)
+    err = (out.double() - ref).abs()
+    assert (err <= tile + 2 * eps * ref.abs() + 1e-6 * ref.abs().max()).all(), err.max()
+
+
 @pytest.mark.parametrize("case", sorted(INT4_CASES))
 @pytest.mark.parametrize("m", [1, 2, 8, 40])
 @pytest.mark.parametrize("act_order", [False, True])
@@ -301,11 +314,45 @@ def test_int4_products(case, m, act_order):
         check_packed(out, ref, x, w, dtype)
     elif m == 1:
         check(out, ref, dtype, k)
-    else:  # the dequantized tile is rounded to x's dtype before the tensor cores
-        eps = 2.0 ** -8 if dtype == torch.bfloat16 else 2.0 ** -11
-        tile = eps * (x.double().abs() @ w.dequantize().double().abs().T)
-        err = (out.double() - ref).abs()
-        assert (err <= tile + 2 * eps * ref.abs() + 1e-6 * ref.abs().max()).all()
+    else:
+        check_int4_rows(out, w, x, bias)
+
+
+@pytest.mark.parametrize("case", sorted(INT4_CASES))
+@pytest.mark.parametrize("swap", [False, True])
+@pytest.mark.parametrize("bm,bn,split", [(16, 32, 1), (64, 64, 1), (16, 64, 3)])
+def test_int4_folded_gemm(case, swap, bm, bn, split):
+    """The GEMM with the scale folded out of the weights (q - z exact on the tensor
+    cores, s times each step's sums), either operand order, tiles ragged in rows
+    (70 rows) and columns (100 columns); the group of 576 (per column) taken in
+    steps of 64; K split in up to 3 equal runs of whole steps (g32: 8 steps, 2
+    runs; per-column: 9 steps, 3 runs), the bias in the first run's sums."""
+    n, k, group = INT4_CASES[case]
+    dtype = DTYPES[0]
+    w = int4_weight(n, k, group, False, seed=71)
+    x = randn(70, k, seed=72, dtype=dtype)
+    bias = randn(n, seed=73, dtype=dtype)
+    cfg = T.Int4Config(bm, bn, 128, 4, 3, split=split, swap=swap)
+    out = T.int4_gemm(x, w.qweight, w.zeros, w.scales, group, None, bias, config=cfg)
+    check_int4_rows(out, w, x, bias)
+
+
+@pytest.mark.parametrize("case", ["g128", "g64-ragged-n", "per-column"])
+@pytest.mark.parametrize("act_order", [False, True])
+def test_int4_dequantized_gemm(case, act_order, monkeypatch):
+    """Above DEQUANT_ABOVE rows: the weight dequantized whole ((q - z) s in fp32,
+    rounded once: the bits of the reference's), then the dense GEMM."""
+    n, k, group = INT4_CASES[case]
+    dtype = DTYPES[0]
+    w = int4_weight(n, k, group, act_order, seed=74)
+    dq = T.int4_dequantize(w.qweight, w.zeros, w.scales, group, w.g_idx, dtype)
+    assert torch.equal(dq, w.dequantize().T.to(dtype))
+    monkeypatch.setattr(T, "DEQUANT_ABOVE", 16)
+    x = randn(24, k, seed=75, dtype=dtype)
+    bias = randn(n, seed=76, dtype=dtype)
+    out = T.int4_linear(x, w.qweight, w.zeros, w.scales, group, w.g_idx, bias)
+    torch.testing.assert_close(out, torch.addmm(bias, x, dq), rtol=0, atol=0)
+    check_int4_rows(out, w, x, bias)
 
 
 @pytest.mark.parametrize("m", [9, 70])
@@ -326,11 +373,7 @@ def test_int4_frag_gemm(m, n, group):
     x = randn(m, k, seed=62, dtype=dtype)
     bias = randn(n, seed=63, dtype=dtype)
     out = MM.int4_gemm_mma(x, words, w.zeros, w.scales, group, bias)
-    ref = x.double() @ w.dequantize().double().T + bias.double()
-    eps = 2.0 ** -8 if dtype == torch.bfloat16 else 2.0 ** -11
-    tile = eps * (x.double().abs() @ w.dequantize().double().abs().T)
-    err = (out.double() - ref).abs()
-    assert (err <= tile + 2 * eps * ref.abs() + 1e-6 * ref.abs().max()).all(), err.max()
+    check_int4_rows(out, w, x, bias)
     assert torch.equal(T.int4_linear(x, w.qweight, w.zeros, w.scales, group, None, bias,
                                      mma=words), out)
 
@@ -515,7 +558,7 @@ LLAMA = [(4096, 6144), (4096, 4096), (4096, 28672), (14336, 4096)]  # (K, N) at 
 
 @needs_cuda
 @pytest.mark.parametrize("k,n", LLAMA)
-@pytest.mark.parametrize("m", [1, 8, 64])
+@pytest.mark.parametrize("m", [1, 8, 64, 600])
 def test_llama_shapes_on_cuda(k, n, m):
     x = randn(m, k, seed=1, dtype=torch.bfloat16)
     for block in (None, (128, 128)):

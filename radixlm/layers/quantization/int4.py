@@ -23,11 +23,12 @@ holds them whole and looks groups up through its piece of `g_idx`.
 
 Products: on CUDA in bf16/fp16 our Triton kernels (one row: a GEMV in fp32
 registers, fused with the MLP's silu(gate) * up on a merged gate/up layer;
-more rows: the weights dequantized tile by tile to x's dtype on the tensor
-cores); elsewhere the weight is dequantized at matmul time (fp32
-[N, K] for the one product, then freed: the memory stays half a byte per
-weight). With $RADIXLM_INT4_GEMV=mma (opt-in) a layer built on CUDA that the
-tensor-core kernels take holds `qweight` in their MMA fragment order instead
+up to 128 rows a GEMM on the tensor cores with the scale folded out of the
+weights, above that the weight dequantized whole and a cuBLAS GEMM);
+elsewhere the weight is dequantized at matmul time (fp32 [N, K] for the one
+product, then freed: the memory stays half a byte per weight). With
+$RADIXLM_INT4_GEMV=mma (opt-in) a layer built on CUDA that the tensor-core
+kernels take holds `qweight` in their MMA fragment order instead
 (`FragmentSpec`: int32 [N / 16, K / 64, 32, 4], the same bytes), and every
 product reads that: 1-8 rows the tensor-core GEMV (`triton_ops/int4_mma.py`),
 more a GEMM over the same words. Loads and read-backs convert through the

@@ -28,11 +28,14 @@ for act-order checkpoints.
   SM; each writes fp32 partial sums [split, N] and a second launch adds them
   in split order (a fixed order: the same bits whatever the batch), then the
   bias and the SiLU.
-- More rows (`int4_gemm`, also the prefill): tiles of the weight dequantized
-  to x's dtype in registers, then tl.dot on the tensor cores, fp32
-  accumulation.
-No host sync and no allocation but the output and split-K's workspace (CUDA
-graphs capture these);
+- More rows (`int4_gemm`), up to `DEQUANT_ABOVE`: the folded GEMM (the
+  nibbles made the exact 16-bit q - z with one OR and one packed subtraction,
+  tl.dot on the tensor cores into fp32, the scale applied to each step's
+  sums), K split for enough programs; act-order weights dequantize each tile
+  to x's dtype instead. Above (prefill): the weight dequantized whole by
+  `int4_dequantize`, then cuBLAS.
+No host sync and no allocation but the output, split-K's workspace and the
+dequantized weight above DEQUANT_ABOVE rows (CUDA graphs capture these);
 configs from fixed heuristics (no autotune).
 """
 
@@ -69,6 +72,8 @@ class Int4Config(NamedTuple):
     split: int = 1  # GEMV: programs along K (their partial sums added by a second launch)
     packed: bool = False  # GEMV: products in packed halves of x's dtype (`_PACKED_ASM`)
     lean: bool = False  # GEMV, packed: fewer instructions (`_gemv_sub_step_packed`)
+    fold: bool = True  # GEMM: zero point and scale folded out (False: each tile dequantized)
+    swap: bool = False  # folded GEMM: the weight tile the dot's first operand (y^T = W x^T)
 
 
 def _pow2_divisor(n: int, cap: int) -> int:
@@ -100,12 +105,23 @@ def gemv_packs(n: int, k: int, group: int, g_idx: torch.Tensor | None,
             and k % step == 0)
 
 
+# Above this many rows `int4_gemm` dequantizes the weight whole and runs cuBLAS.
+DEQUANT_ABOVE = 128
+
+
 def pick_gemm_config(m: int, n: int, group: int) -> Int4Config:
+    """The folded GEMM's tile up to DEQUANT_ABOVE rows: the best of 15 tiles per
+    row class on the Llama-8B shapes in an H100 sweep
+    (`benchmarks/quant_kernels.py --int4-gemm-sweep`), where split-K (more
+    programs in flight) took 1.4-2.9x off the unsplit tiles at 16-64 rows."""
     if m <= 16:
-        return Int4Config(16, 32 if n <= 8192 else 64, 128, 4, 3)
+        return Int4Config(16, 64, 128, 4, 3, split=4)
+    if m <= 32:
+        return Int4Config(32, 64, 128, 4, 3, split=2)
     if m <= 64:
-        return Int4Config(64, 64, 64, 4, 3)
-    return Int4Config(128, 128, 64, 8, 3)
+        return (Int4Config(64, 128, 128, 4, 3, split=2) if n > 8192 else
+                Int4Config(64, 64, 128, 4, 3, split=4))
+    return Int4Config(128, 64, 128, 4, 3, split=2)
 
 
 def int4_linear(x: torch.Tensor, qweight: torch.Tensor | None, zeros: torch.Tensor,
@@ -201,25 +217,62 @@ def int4_gemm(x: torch.Tensor, qweight: torch.Tensor, zeros: torch.Tensor,
               scales: torch.Tensor, group: int, g_idx: torch.Tensor | None,
               bias: torch.Tensor | None = None, config: Int4Config | None = None,
               out: torch.Tensor | None = None) -> torch.Tensor:
-    """x [M, K] times the int4 weight, [M, N]."""
+    """x [M, K] times the int4 weight, [M, N]: above `DEQUANT_ABOVE` rows the weight
+    dequantized whole and a cuBLAS GEMM (compute bound there; the dequantization
+    reads the int4 weight once for all rows), up to it the folded GEMM (act-order
+    weights: the per-tile dequantizing one)."""
     m, k = x.shape
     n = qweight.shape[1]
     assert x.stride(1) == 1 and k == 8 * qweight.shape[0]
-    cfg = config or pick_gemm_config(m, n, group)
-    bk = _pow2_divisor(group, cfg.bk)  # one group per step (or part of one)
-    assert bk >= 16, f"group {group}: the tensor cores need 16 features per step"
     y = _out(x, n, out)
     if m == 0:
         return y
+    if config is None and m > DEQUANT_ABOVE and x.dtype in (torch.bfloat16, torch.float16):
+        w = int4_dequantize(qweight, zeros, scales, group, g_idx, x.dtype)
+        if bias is None:
+            return torch.mm(x, w, out=y)
+        return torch.addmm(bias, x, w, out=y)
+    cfg = config or pick_gemm_config(m, n, group)
+    bk = _pow2_divisor(group, cfg.bk)  # one group per step (or part of one)
+    assert bk >= 16, f"group {group}: the tensor cores need 16 features per step"
     dummy = scales
     grid = (triton.cdiv(m, cfg.bm) * triton.cdiv(n, cfg.bn),)
-    _int4_gemm_kernel[grid](
-        x, qweight, zeros, scales, g_idx if g_idx is not None else dummy,
-        bias if bias is not None else dummy, y, m, n, k, x.stride(0), y.stride(0),
-        qweight.stride(0), zeros.stride(0), scales.stride(0),
-        BM=cfg.bm, BN=cfg.bn, BK=bk, GROUP=group, GROUP_M=8, ACT_ORDER=g_idx is not None,
-        HAS_BIAS=bias is not None, num_warps=cfg.warps, num_stages=cfg.stages)
+    args = (x, qweight, zeros, scales, g_idx if g_idx is not None else dummy,
+            bias if bias is not None else dummy, y, m, n, k, x.stride(0), y.stride(0),
+            qweight.stride(0), zeros.stride(0), scales.stride(0))
+    common = dict(BM=cfg.bm, BN=cfg.bn, BK=bk, GROUP=group, GROUP_M=8,
+                  HAS_BIAS=bias is not None, num_warps=cfg.warps, num_stages=cfg.stages)
+    if cfg.fold and g_idx is None and x.dtype in (torch.bfloat16, torch.float16):
+        # Split-K: equal runs of whole steps (at most cfg.split of them); partial sums
+        # in fp32, added in split order by a second launch (the same bits whatever M).
+        steps = k // bk
+        split = max(d for d in range(1, min(cfg.split, steps) + 1) if steps % d == 0)
+        ws = y if split == 1 else torch.empty((split, m, n), device=x.device,
+                                               dtype=torch.float32)
+        _int4_gemm_folded_kernel[(grid[0], split)](
+            *args, ws, k // split, SWAP=cfg.swap, PARTIAL=split > 1,
+            MAGIC=0x4300 if x.dtype == torch.bfloat16 else 0x6400, **common)
+        if split > 1:
+            _int4_split_sum_kernel[(triton.cdiv(m * n, 1024),)](
+                ws, dummy, y, m * n, m * n, SPLIT=split, BLOCK=1024, HAS_BIAS=False,
+                SILU_MUL=False, PDL=False, num_warps=4)
+    else:
+        _int4_gemm_kernel[grid](*args, ACT_ORDER=g_idx is not None, **common)
     return y
+
+
+def int4_dequantize(qweight: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor,
+                    group: int, g_idx: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+    """The weight (q - z) s in `dtype`, [K, N] (x @ it is the layer's product),
+    rounded once from fp32."""
+    rows, n = qweight.shape
+    w = torch.empty((8 * rows, n), device=qweight.device, dtype=dtype)
+    br, bn = 16, 128
+    _int4_dequant_kernel[(triton.cdiv(rows, br), triton.cdiv(n, bn))](
+        qweight, zeros, scales, g_idx if g_idx is not None else scales, w, rows, n,
+        qweight.stride(0), zeros.stride(0), scales.stride(0), w.stride(0), BR=br, BN=bn,
+        GROUP=group, ACT_ORDER=g_idx is not None, num_warps=4)
+    return w
 
 
 @triton.jit
@@ -606,3 +659,101 @@ def _int4_gemm_kernel(x_ptr, qw_ptr, z_ptr, s_ptr, g_ptr, b_ptr, y_ptr, M, N, K,
     y_ptrs = y_ptr + offs_m[:, None].to(tl.int64) * stride_ym + offs_n[None, :]
     tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty),
              mask=(offs_m[:, None] < M) & (offs_n[None, :] < N))
+
+
+@triton.jit
+def _int4_gemm_folded_kernel(x_ptr, qw_ptr, z_ptr, s_ptr, g_ptr, b_ptr, y_ptr, M, N, K,
+                             stride_xm, stride_ym, stride_qw, stride_z, stride_s, ws_ptr,
+                             K_SPLIT, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                             GROUP: tl.constexpr, GROUP_M: tl.constexpr,
+                             HAS_BIAS: tl.constexpr, SWAP: tl.constexpr, PARTIAL: tl.constexpr,
+                             MAGIC: tl.constexpr):
+    """The GEMM with the scale folded out of the weights: a nibble OR-ed into the
+    units of 128.0 (bf16; 1024.0 in fp16: MAGIC) is the 16-bit float 128 + q with
+    no arithmetic, minus 128 + z (one packed subtraction for two weights) the
+    exact q - z; the tensor cores sum x (q - z) exactly into fp32 and each step
+    (inside one group) adds s times the tile's sums: no rounding of the weight
+    and no per-weight multiply. K_SPLIT is whole steps and divides K (as the group,
+    whole steps, divides K): no load is masked; rows and columns past the edge
+    read clamped and store nothing. SWAP: the product taken as y^T = W x^T, the
+    weight tile the first operand. PARTIAL: program (tile, j) sums the K_SPLIT
+    features from j K_SPLIT into fp32 ws[j] (the bias in j = 0's), for
+    `_int4_split_sum_kernel`."""
+    pid_m, pid_n = grouped_tile(tl.program_id(0), M, N, BM, BN, GROUP_M)
+    k_lo = tl.program_id(1) * K_SPLIT
+    offs_m = pid_m * BM + tl.arange(0, BM)
+    offs_n = pid_n * BN + tl.arange(0, BN)
+    rm = tl.minimum(offs_m, M - 1).to(tl.int64)
+    cols = tl.minimum(offs_n, N - 1)
+    offs_k = tl.arange(0, BK)
+    offs_r = tl.arange(0, BK // 8)
+    shifts = tl.arange(0, 8) * 4
+    dt = x_ptr.dtype.element_ty
+    if SWAP:
+        x_ptrs = x_ptr + rm[None, :] * stride_xm + offs_k[:, None]  # [BK, BM]
+        qw_ptrs = qw_ptr + offs_r[None, :].to(tl.int64) * stride_qw + cols[:, None]
+        acc = tl.zeros([BN, BM], dtype=tl.float32)
+    else:
+        x_ptrs = x_ptr + rm[:, None] * stride_xm + offs_k[None, :]  # [BM, BK]
+        qw_ptrs = qw_ptr + offs_r[:, None].to(tl.int64) * stride_qw + cols[None, :]
+        acc = tl.zeros([BM, BN], dtype=tl.float32)
+    x_ptrs += k_lo
+    qw_ptrs += (k_lo // 8) * stride_qw
+    for kk in range(0, K_SPLIT, BK):
+        k = k_lo + kk
+        words = tl.load(qw_ptrs + (kk // 8) * stride_qw)
+        xa = tl.load(x_ptrs + kk)
+        g = k // GROUP
+        s = tl.load(s_ptr + g * stride_s + cols).to(tl.float32)
+        z = (tl.load(z_ptr + g * stride_z + cols).to(tl.int16) | MAGIC).to(dt, bitcast=True)
+        if SWAP:  # words [BN, BK / 8] -> [BN, BK], feature 8 r + i from nibble i of r
+            q = ((words[:, :, None] >> shifts[None, None, :]) & 0xF) | MAGIC
+            w = tl.reshape(q, [BN, BK]).to(tl.int16).to(dt, bitcast=True) - z[:, None]
+            acc += s[:, None] * tl.dot(w, xa)
+        else:
+            q = ((words[:, None, :] >> shifts[None, :, None]) & 0xF) | MAGIC
+            w = tl.reshape(q, [BK, BN]).to(tl.int16).to(dt, bitcast=True) - z[None, :]
+            acc += s[None, :] * tl.dot(xa, w)
+    if HAS_BIAS and tl.program_id(1) == 0:
+        b = tl.load(b_ptr + cols).to(tl.float32)
+        if SWAP:
+            acc += b[:, None]
+        else:
+            acc += b[None, :]
+    if PARTIAL:
+        out_ptr = ws_ptr + tl.program_id(1).to(tl.int64) * M * N
+        stride_o = N
+    else:
+        out_ptr = y_ptr
+        stride_o = stride_ym
+    if SWAP:
+        ptrs = out_ptr + offs_m[None, :].to(tl.int64) * stride_o + offs_n[:, None]
+        ok = (offs_m[None, :] < M) & (offs_n[:, None] < N)
+    else:
+        ptrs = out_ptr + offs_m[:, None].to(tl.int64) * stride_o + offs_n[None, :]
+        ok = (offs_m[:, None] < M) & (offs_n[None, :] < N)
+    tl.store(ptrs, acc.to(out_ptr.dtype.element_ty), mask=ok)
+
+
+@triton.jit
+def _int4_dequant_kernel(qw_ptr, z_ptr, s_ptr, g_ptr, w_ptr, R, N, stride_qw, stride_z,
+                         stride_s, stride_w, BR: tl.constexpr, BN: tl.constexpr,
+                         GROUP: tl.constexpr, ACT_ORDER: tl.constexpr):
+    """[BR, BN] words -> their [8 BR, BN] weights (q - z) s, rounded once to w's dtype."""
+    rows = tl.program_id(0) * BR + tl.arange(0, BR)
+    cols = tl.program_id(1) * BN + tl.arange(0, BN)
+    ok = (rows[:, None] < R) & (cols[None, :] < N)
+    words = tl.load(qw_ptr + rows[:, None].to(tl.int64) * stride_qw + cols[None, :],
+                    mask=ok, other=0)
+    q = _unpack(words, 8 * BR, BN)
+    feats = rows[:, None] * 8 + tl.arange(0, 8)[None, :]
+    feats = tl.reshape(feats, [8 * BR])
+    ok = (feats[:, None] < 8 * R) & (cols[None, :] < N)
+    if ACT_ORDER:
+        g = tl.load(g_ptr + feats, mask=feats < 8 * R, other=0).to(tl.int64)
+    else:
+        g = (feats // GROUP).to(tl.int64)
+    z = tl.load(z_ptr + g[:, None] * stride_z + cols[None, :], mask=ok, other=0).to(tl.float32)
+    s = tl.load(s_ptr + g[:, None] * stride_s + cols[None, :], mask=ok, other=0).to(tl.float32)
+    tl.store(w_ptr + feats[:, None].to(tl.int64) * stride_w + cols[None, :],
+             ((q - z) * s).to(w_ptr.dtype.element_ty), mask=ok)
