@@ -7,6 +7,7 @@ Llama-3.1-8B projection shapes (tp 1), at 1, 8, 64 and 4096 rows.
     python benchmarks/quant_kernels.py --sweep --int4-only   # (--fp8-only) one format
     python benchmarks/quant_kernels.py --gemm-sweep    # W8A8 GEMM tiles, 256 and 4096 rows
     python benchmarks/quant_kernels.py --mma-launch --pdl   # tensor-core GEMVs' launch forms
+    python benchmarks/quant_kernels.py --int4-gemm-sweep  # int4 GEMM tiles, 16-256 rows
 
 Each variant runs 64 back-to-back calls in one CUDA graph, replayed 10 times
 (median, time / 64), with weights rotating through copies of >= 256 MiB so
@@ -324,6 +325,59 @@ def gemm_sweep(rows: list[int]) -> None:
                 torch.cuda.empty_cache()
 
 
+INT4_GEMM_CANDIDATES = [T4.Int4Config(bm, bn, bk, w, st, sp, swap=sw)
+                        for bm, bn, bk, w, st, sp, sw in
+                        [(16, 64, 128, 4, 3, 1, True), (16, 64, 128, 4, 3, 4, True),
+                         (16, 64, 128, 4, 3, 4, False), (16, 128, 128, 4, 3, 4, True),
+                         (32, 64, 128, 4, 3, 1, True), (32, 64, 128, 4, 3, 4, True),
+                         (32, 64, 128, 4, 3, 2, False), (64, 64, 128, 4, 3, 1, False),
+                         (64, 64, 128, 4, 3, 2, False), (64, 64, 128, 4, 3, 4, False),
+                         (64, 128, 128, 4, 3, 2, False), (64, 64, 128, 4, 4, 2, True),
+                         (128, 64, 128, 4, 3, 1, False), (128, 64, 128, 4, 3, 2, False),
+                         (128, 128, 128, 8, 3, 2, False)]]
+
+
+def int4_gemm_sweep(rows: list[int]) -> None:
+    """Graph time of the int4 GEMM's forms above 8 rows, group 128: the folded GEMM's
+    tiles (`Int4Config.swap`: weight tile first), the per-tile dequantizing GEMM
+    (`fold=False`, the act-order path), the weight dequantized whole + cuBLAS;
+    bf16 cuBLAS the peer. What pick_gemm_config and
+    DEQUANT_ABOVE should say."""
+    for name, k, n in SHAPES:
+        ws = copies(lambda n=n, k=k: int4_weights(n, k), n * k // 2)
+        dense = copies(lambda n=n, k=k: (torch.randn(n, k, device=DEV) * 0.02).bfloat16(),
+                       2 * n * k)
+        for m in rows:
+            x = torch.randn(m, k, device=DEV).bfloat16()
+            flop = 2 * m * n * k
+            bf16 = time_graph(lambda x, w: F.linear(x, w), x, dense)
+            cells = {"bf16": bf16}
+
+            def gemm(cfg):
+                return lambda a, w: T4.int4_gemm(a, w[0], w[1], w[2], 128, None, config=cfg)
+            cells["tile dequant"] = time_graph(gemm(T4.pick_gemm_config(m, n, 128)._replace(
+                fold=False)), x, ws)
+            cells["whole dequant"] = time_graph(lambda x, w: torch.mm(x, T4.int4_dequantize(
+                w[0], w[1], w[2], 128, None, x.dtype)), x, ws)
+            picked = T4.pick_gemm_config(m, n, 128)
+            for c in INT4_GEMM_CANDIDATES:
+                if c.bm > max(16, m):
+                    continue
+                label = (f"{c.bm}x{c.bn}x{c.bk}/{c.warps}w{c.stages}s/{c.split}"
+                         f"{' swap' if c.swap else ''}")
+                try:
+                    cells[label + ("*" if c == picked else "")] = time_graph(gemm(c), x, ws)
+                except Exception as e:  # a tile that does not compile: say so, go on
+                    print(f"  {label} failed ({type(e).__name__}: {str(e)[:80]})")
+                    torch.cuda.synchronize()
+            best = min((t, lab) for lab, t in cells.items() if lab != "bf16")
+            print(f"{name:<8}{m:>6} best {best[1]} {best[0] * 1e6:.1f} us = "
+                  f"{bf16 / best[0]:.2f}x bf16 ({flop / best[0] / 1e12:.0f} TF/s); " +
+                  " | ".join(f"{lab} {t * 1e6:.1f}" for lab, t in cells.items()), flush=True)
+        del ws, dense
+        torch.cuda.empty_cache()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rows", default=None,
@@ -333,6 +387,7 @@ def main() -> None:
     parser.add_argument("--int4-only", action="store_true", help="--sweep: no FP8 tiles")
     parser.add_argument("--gemm-sweep", action="store_true")
     parser.add_argument("--mma-launch", action="store_true")
+    parser.add_argument("--int4-gemm-sweep", action="store_true")
     parser.add_argument("--pdl", action="store_true", help="launch with PDL, as the engine does")
     args = parser.parse_args()
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, "
@@ -341,6 +396,8 @@ def main() -> None:
         mma_launch()
     elif args.sweep:
         sweep(fp8=not args.int4_only, int4=not args.fp8_only)
+    elif args.int4_gemm_sweep:
+        int4_gemm_sweep([int(r) for r in (args.rows or "16,32,64,128,256").split(",")])
     elif args.gemm_sweep:
         gemm_sweep([int(r) for r in (args.rows or "256,4096").split(",")])
     else:
