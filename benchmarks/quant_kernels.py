@@ -325,21 +325,15 @@ def gemm_sweep(rows: list[int]) -> None:
                 torch.cuda.empty_cache()
 
 
-INT4_GEMM_CANDIDATES = [T4.Int4Config(bm, bn, bk, w, st, sp, swap=sw)
-                        for bm, bn, bk, w, st, sp, sw in
-                        [(16, 64, 128, 4, 3, 1, True), (16, 64, 128, 4, 3, 4, True),
-                         (16, 64, 128, 4, 3, 4, False), (16, 128, 128, 4, 3, 4, True),
-                         (32, 64, 128, 4, 3, 1, True), (32, 64, 128, 4, 3, 4, True),
-                         (32, 64, 128, 4, 3, 2, False), (64, 64, 128, 4, 3, 1, False),
-                         (64, 64, 128, 4, 3, 2, False), (64, 64, 128, 4, 3, 4, False),
-                         (64, 128, 128, 4, 3, 2, False), (64, 64, 128, 4, 4, 2, True),
-                         (128, 64, 128, 4, 3, 1, False), (128, 64, 128, 4, 3, 2, False),
-                         (128, 128, 128, 8, 3, 2, False)]]
+INT4_GEMM_CANDIDATES = [T4.Int4Config(bm, bn, 128, w, 3, sp) for bm, bn, w, sp in
+                        [(16, 64, 4, 1), (16, 64, 4, 4), (16, 128, 4, 4), (32, 64, 4, 2),
+                         (32, 64, 4, 4), (64, 64, 4, 1), (64, 64, 4, 2), (64, 64, 4, 4),
+                         (64, 128, 4, 2), (128, 64, 4, 1), (128, 64, 4, 2), (128, 128, 8, 2)]]
 
 
 def int4_gemm_sweep(rows: list[int]) -> None:
     """Graph time of the int4 GEMM's forms above 8 rows, group 128: the folded GEMM's
-    tiles (`Int4Config.swap`: weight tile first), the per-tile dequantizing GEMM
+    tiles (`Int4Config.split`: K split), the per-tile dequantizing GEMM
     (`fold=False`, the act-order path), the weight dequantized whole + cuBLAS;
     bf16 cuBLAS the peer. What pick_gemm_config and
     DEQUANT_ABOVE should say."""
@@ -363,8 +357,7 @@ def int4_gemm_sweep(rows: list[int]) -> None:
             for c in INT4_GEMM_CANDIDATES:
                 if c.bm > max(16, m):
                     continue
-                label = (f"{c.bm}x{c.bn}x{c.bk}/{c.warps}w{c.stages}s/{c.split}"
-                         f"{' swap' if c.swap else ''}")
+                label = f"{c.bm}x{c.bn}x{c.bk}/{c.warps}w{c.stages}s/{c.split}"
                 try:
                     cells[label + ("*" if c == picked else "")] = time_graph(gemm(c), x, ws)
                 except Exception as e:  # a tile that does not compile: say so, go on

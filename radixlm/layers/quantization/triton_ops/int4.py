@@ -73,7 +73,6 @@ class Int4Config(NamedTuple):
     packed: bool = False  # GEMV: products in packed halves of x's dtype (`_PACKED_ASM`)
     lean: bool = False  # GEMV, packed: fewer instructions (`_gemv_sub_step_packed`)
     fold: bool = True  # GEMM: zero point and scale folded out (False: each tile dequantized)
-    swap: bool = False  # folded GEMM: the weight tile the dot's first operand (y^T = W x^T)
 
 
 def _pow2_divisor(n: int, cap: int) -> int:
@@ -250,7 +249,7 @@ def int4_gemm(x: torch.Tensor, qweight: torch.Tensor, zeros: torch.Tensor,
         ws = y if split == 1 else torch.empty((split, m, n), device=x.device,
                                                dtype=torch.float32)
         _int4_gemm_folded_kernel[(grid[0], split)](
-            *args, ws, k // split, SWAP=cfg.swap, PARTIAL=split > 1,
+            *args, ws, k // split, PARTIAL=split > 1,
             MAGIC=0x4300 if x.dtype == torch.bfloat16 else 0x6400, **common)
         if split > 1:
             _int4_split_sum_kernel[(triton.cdiv(m * n, 1024),)](
@@ -666,7 +665,7 @@ def _int4_gemm_folded_kernel(x_ptr, qw_ptr, z_ptr, s_ptr, g_ptr, b_ptr, y_ptr, M
                              stride_xm, stride_ym, stride_qw, stride_z, stride_s, ws_ptr,
                              K_SPLIT, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                              GROUP: tl.constexpr, GROUP_M: tl.constexpr,
-                             HAS_BIAS: tl.constexpr, SWAP: tl.constexpr, PARTIAL: tl.constexpr,
+                             HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr,
                              MAGIC: tl.constexpr):
     """The GEMM with the scale folded out of the weights: a nibble OR-ed into the
     units of 128.0 (bf16; 1024.0 in fp16: MAGIC) is the 16-bit float 128 + q with
@@ -675,10 +674,10 @@ def _int4_gemm_folded_kernel(x_ptr, qw_ptr, z_ptr, s_ptr, g_ptr, b_ptr, y_ptr, M
     (inside one group) adds s times the tile's sums: no rounding of the weight
     and no per-weight multiply. K_SPLIT is whole steps and divides K (as the group,
     whole steps, divides K): no load is masked; rows and columns past the edge
-    read clamped and store nothing. SWAP: the product taken as y^T = W x^T, the
-    weight tile the first operand. PARTIAL: program (tile, j) sums the K_SPLIT
+    read clamped and store nothing. PARTIAL: program (tile, j) sums the K_SPLIT
     features from j K_SPLIT into fp32 ws[j] (the bias in j = 0's), for
-    `_int4_split_sum_kernel`."""
+    `_int4_split_sum_kernel`. (Taking the product as y^T = W x^T, the weight
+    tile the dot's first operand, won nothing in the H100 sweep.)"""
     pid_m, pid_n = grouped_tile(tl.program_id(0), M, N, BM, BN, GROUP_M)
     k_lo = tl.program_id(1) * K_SPLIT
     offs_m = pid_m * BM + tl.arange(0, BM)
@@ -689,14 +688,9 @@ def _int4_gemm_folded_kernel(x_ptr, qw_ptr, z_ptr, s_ptr, g_ptr, b_ptr, y_ptr, M
     offs_r = tl.arange(0, BK // 8)
     shifts = tl.arange(0, 8) * 4
     dt = x_ptr.dtype.element_ty
-    if SWAP:
-        x_ptrs = x_ptr + rm[None, :] * stride_xm + offs_k[:, None]  # [BK, BM]
-        qw_ptrs = qw_ptr + offs_r[None, :].to(tl.int64) * stride_qw + cols[:, None]
-        acc = tl.zeros([BN, BM], dtype=tl.float32)
-    else:
-        x_ptrs = x_ptr + rm[:, None] * stride_xm + offs_k[None, :]  # [BM, BK]
-        qw_ptrs = qw_ptr + offs_r[:, None].to(tl.int64) * stride_qw + cols[None, :]
-        acc = tl.zeros([BM, BN], dtype=tl.float32)
+    x_ptrs = x_ptr + rm[:, None] * stride_xm + offs_k[None, :]  # [BM, BK]
+    qw_ptrs = qw_ptr + offs_r[:, None].to(tl.int64) * stride_qw + cols[None, :]
+    acc = tl.zeros([BM, BN], dtype=tl.float32)
     x_ptrs += k_lo
     qw_ptrs += (k_lo // 8) * stride_qw
     for kk in range(0, K_SPLIT, BK):
@@ -706,32 +700,19 @@ def _int4_gemm_folded_kernel(x_ptr, qw_ptr, z_ptr, s_ptr, g_ptr, b_ptr, y_ptr, M
         g = k // GROUP
         s = tl.load(s_ptr + g * stride_s + cols).to(tl.float32)
         z = (tl.load(z_ptr + g * stride_z + cols).to(tl.int16) | MAGIC).to(dt, bitcast=True)
-        if SWAP:  # words [BN, BK / 8] -> [BN, BK], feature 8 r + i from nibble i of r
-            q = ((words[:, :, None] >> shifts[None, None, :]) & 0xF) | MAGIC
-            w = tl.reshape(q, [BN, BK]).to(tl.int16).to(dt, bitcast=True) - z[:, None]
-            acc += s[:, None] * tl.dot(w, xa)
-        else:
-            q = ((words[:, None, :] >> shifts[None, :, None]) & 0xF) | MAGIC
-            w = tl.reshape(q, [BK, BN]).to(tl.int16).to(dt, bitcast=True) - z[None, :]
-            acc += s[None, :] * tl.dot(xa, w)
+        q = ((words[:, None, :] >> shifts[None, :, None]) & 0xF) | MAGIC
+        w = tl.reshape(q, [BK, BN]).to(tl.int16).to(dt, bitcast=True) - z[None, :]
+        acc += s[None, :] * tl.dot(xa, w)
     if HAS_BIAS and tl.program_id(1) == 0:
-        b = tl.load(b_ptr + cols).to(tl.float32)
-        if SWAP:
-            acc += b[:, None]
-        else:
-            acc += b[None, :]
+        acc += tl.load(b_ptr + cols).to(tl.float32)[None, :]
     if PARTIAL:
         out_ptr = ws_ptr + tl.program_id(1).to(tl.int64) * M * N
         stride_o = N
     else:
         out_ptr = y_ptr
         stride_o = stride_ym
-    if SWAP:
-        ptrs = out_ptr + offs_m[None, :].to(tl.int64) * stride_o + offs_n[:, None]
-        ok = (offs_m[None, :] < M) & (offs_n[:, None] < N)
-    else:
-        ptrs = out_ptr + offs_m[:, None].to(tl.int64) * stride_o + offs_n[None, :]
-        ok = (offs_m[:, None] < M) & (offs_n[None, :] < N)
+    ptrs = out_ptr + offs_m[:, None].to(tl.int64) * stride_o + offs_n[None, :]
+    ok = (offs_m[:, None] < M) & (offs_n[None, :] < N)
     tl.store(ptrs, acc.to(out_ptr.dtype.element_ty), mask=ok)
 
 
