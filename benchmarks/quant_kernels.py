@@ -334,8 +334,9 @@ INT4_GEMM_CANDIDATES = [T4.Int4Config(bm, bn, 128, w, 3, sp) for bm, bn, w, sp i
 def int4_gemm_sweep(rows: list[int]) -> None:
     """Graph time of the int4 GEMM's forms above 8 rows, group 128: the folded GEMM's
     tiles (`Int4Config.split`: K split), the per-tile dequantizing GEMM
-    (`fold=False`, the act-order path), the weight dequantized whole + cuBLAS;
-    bf16 cuBLAS the peer. What pick_gemm_config and
+    (`fold=False`, the act-order path), the weight dequantized whole + cuBLAS,
+    the same over fragment-order words (`int4_gemm_mma`, its picked form); bf16
+    cuBLAS the peer. What pick_gemm_config and
     DEQUANT_ABOVE should say."""
     for name, k, n in SHAPES:
         ws = copies(lambda n=n, k=k: int4_weights(n, k), n * k // 2)
@@ -353,6 +354,8 @@ def int4_gemm_sweep(rows: list[int]) -> None:
                 fold=False)), x, ws)
             cells["whole dequant"] = time_graph(lambda x, w: torch.mm(x, T4.int4_dequantize(
                 w[0], w[1], w[2], 128, None, x.dtype)), x, ws)
+            cells["fragment order"] = time_graph(  # the RADIXLM_INT4_GEMV=mma words
+                lambda x, w: M4.int4_gemm_mma(x, w[3], w[1], w[2], 128), x, ws)
             picked = T4.pick_gemm_config(m, n, 128)
             for c in INT4_GEMM_CANDIDATES:
                 if c.bm > max(16, m):

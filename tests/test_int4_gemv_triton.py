@@ -5,7 +5,8 @@ tests/gpu/test_quant_kernels.py, in bf16 and fp16, with and without split K and
 (tests/interpreter.py says why a child). The kernel's PTX is emulated there in
 Triton operations with the same nibble pairs, x pairs and roundings, so what this
 covers is the indexing: which nibbles, zeros, scales and x features meet. ~35 s
-on 2 cores. Also the GEMM over the tensor-core GEMV's fragment-order words.
+on 2 cores. Also the GEMMs above 8 rows: the folded one with its K split, the
+dequantized one, and both over the tensor-core GEMV's fragment-order words.
 """
 
 from __future__ import annotations
@@ -29,4 +30,9 @@ def test_packed_halves_under_interpreter() -> None:
 
 def test_fragment_order_gemm_under_interpreter() -> None:
     """`int4_gemm_mma` (rows above 8 over the tensor-core GEMV's words), ~10 s."""
-    run_file_under_interpreter(GPU_TESTS, "frag_gemm", min_passed=4)
+    run_file_under_interpreter(GPU_TESTS, "frag_gemm or frag_dequantized", min_passed=6)
+
+
+def test_folded_and_dequantized_gemm_under_interpreter() -> None:
+    """`int4_gemm` above 8 rows on the GPTQ form, ~15 s."""
+    run_file_under_interpreter(GPU_TESTS, "folded_gemm or int4_dequantized", min_passed=26)

@@ -361,8 +361,9 @@ def test_int4_frag_gemm(m, n, group):
     rows above 8): each word unpacked into its 8 (feature, column) places, the
     columns stored where `mma_layout` put them; a column block past N (80 = 5
     tiles under a 64-column block) reads a clamped tile and stores nothing. The
-    float64 product within the dequantized tile's rounding, as the plain GEMM's;
-    `int4_linear` routes these rows there when given the words."""
+    float64 product within the dequantized tile's rounding, as the plain GEMM's
+    (the folded form, K split in 4 runs at 9 rows and 2 at 70); `int4_linear`
+    routes these rows there when given the words."""
     from radixlm.layers.quantization.triton_ops import int4_mma as MM
 
     k = 256
@@ -375,6 +376,24 @@ def test_int4_frag_gemm(m, n, group):
     check_int4_rows(out, w, x, bias)
     assert torch.equal(T.int4_linear(x, w.qweight, w.zeros, w.scales, group, None, bias,
                                      mma=words), out)
+
+
+@pytest.mark.parametrize("n,group", [(80, 64), (48, 128)])
+def test_int4_frag_dequantized_gemm(n, group, monkeypatch):
+    """Above DEQUANT_ABOVE rows the fragment-order words are dequantized whole: the
+    same bits as the GPTQ form's dequantization, then the dense GEMM."""
+    from radixlm.layers.quantization.triton_ops import int4_mma as MM
+
+    k, dtype = 256, DTYPES[0]
+    w = int4_weight(n, k, group, False, seed=64)
+    words = MM.mma_layout(I.unpack_rows(w.qweight))
+    dq = MM.int4_dequantize_mma(words, w.zeros, w.scales, group, dtype)
+    assert torch.equal(dq, T.int4_dequantize(w.qweight, w.zeros, w.scales, group, None, dtype))
+    monkeypatch.setattr(T, "DEQUANT_ABOVE", 16)
+    x = randn(24, k, seed=65, dtype=dtype)
+    bias = randn(n, seed=66, dtype=dtype)
+    out = MM.int4_gemm_mma(x, words, w.zeros, w.scales, group, bias)
+    torch.testing.assert_close(out, torch.addmm(bias, x, dq), rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("split", [2, 3])

@@ -252,12 +252,18 @@ def int4_gemm(x: torch.Tensor, qweight: torch.Tensor, zeros: torch.Tensor,
             *args, ws, k // split, PARTIAL=split > 1,
             MAGIC=0x4300 if x.dtype == torch.bfloat16 else 0x6400, **common)
         if split > 1:
-            _int4_split_sum_kernel[(triton.cdiv(m * n, 1024),)](
-                ws, dummy, y, m * n, m * n, SPLIT=split, BLOCK=1024, HAS_BIAS=False,
-                SILU_MUL=False, PDL=False, num_warps=4)
+            split_sum(ws, y)
     else:
         _int4_gemm_kernel[grid](*args, ACT_ORDER=g_idx is not None, **common)
     return y
+
+
+def split_sum(ws: torch.Tensor, y: torch.Tensor) -> None:
+    """y [M, N] = the GEMM's fp32 partial sums ws [split, M, N] added in split order."""
+    split, m, n = ws.shape
+    _int4_split_sum_kernel[(triton.cdiv(m * n, 1024),)](
+        ws, ws, y, m * n, m * n, SPLIT=split, BLOCK=1024, HAS_BIAS=False, SILU_MUL=False,
+        PDL=False, num_warps=4)
 
 
 def int4_dequantize(qweight: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor,

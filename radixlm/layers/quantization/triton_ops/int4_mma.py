@@ -44,8 +44,11 @@ Triton launches it and handles PDL. Groups must be whole chunks of 64 (64 or
 Up to 8 rows of x (`_PtxGroup`'s `rows`) take B's 8 columns, one row each; the
 one-row code above is kept as it was measured (an H100 call of 2026-12-05:
 AWQ single stream 2.23x bf16 with it, 2.00x on the CUDA-core GEMV). The rows
-form and the GEMM above passed their GPU tests (H100, 2026-12-05); both are
-untimed.
+form passed its GPU tests (H100, 2026-12-05), untimed. Above 8 rows the words
+take the GEMM of `int4.int4_gemm`'s forms: the folded tiles with K split up to
+128 rows, the weight dequantized whole and cuBLAS above (`int4_gemm_mma`); in
+this form its GPU tests have not run yet (the earlier per-tile dequantizing
+form passed them, and ran AWQ offline at 0.53x bf16 on an H100).
 """
 
 from __future__ import annotations
@@ -57,6 +60,7 @@ import triton
 import triton.language as tl
 
 from radixlm.layers import pdl
+from radixlm.layers.quantization.triton_ops import int4 as _int4
 from radixlm.layers.quantization.triton_ops.mma_gemv import (
     CHUNK,
     MmaConfig,
@@ -314,8 +318,10 @@ def int4_gemm_mma(x: torch.Tensor, words: torch.Tensor, zeros: torch.Tensor,
                   scales: torch.Tensor, group: int, bias: torch.Tensor | None = None,
                   out: torch.Tensor | None = None) -> torch.Tensor:
     """x [M, K] (bf16 / fp16, rows contiguous) times the int4 weight in `mma_layout`
-    `words`: [M, N], on tl.dot. What rows above `MAX_ROWS` take, so that the
-    fragment-order words can serve every product (`_int4_frag_gemm_kernel`)."""
+    `words`: [M, N]. What rows above `MAX_ROWS` take, so that the fragment-order
+    words can serve every product: as `int4.int4_gemm` does on the GPTQ form, up
+    to `DEQUANT_ABOVE` rows the folded GEMM (its tiles and K split), above it the
+    weight dequantized whole and cuBLAS."""
     tiles, chunks_per_row = words.shape[:2]
     n, k = tiles * 16, chunks_per_row * CHUNK
     m = x.shape[0]
@@ -324,16 +330,39 @@ def int4_gemm_mma(x: torch.Tensor, words: torch.Tensor, zeros: torch.Tensor,
     y = output(x, n, out)
     if m == 0:
         return y
-    # Untimed: near the plain int4 GEMM's tiles (`int4.pick_gemm_config`).
-    bm, bn, warps = (16, 64, 4) if m <= 16 else (64, 64, 4) if m <= 64 else (128, 128, 8)
+    if m > _int4.DEQUANT_ABOVE:
+        w = int4_dequantize_mma(words, zeros, scales, group, x.dtype)
+        return torch.mm(x, w, out=y) if bias is None else torch.addmm(bias, x, w, out=y)
+    cfg = _int4.pick_gemm_config(m, n, group)
     bk = min(group, 128)  # a step lies in one group
-    grid = (triton.cdiv(m, bm) * triton.cdiv(n, bn),)
+    steps = k // bk
+    split = max(d for d in range(1, min(cfg.split, steps) + 1) if steps % d == 0)
+    ws = y if split == 1 else torch.empty((split, m, n), device=x.device, dtype=torch.float32)
+    grid = (triton.cdiv(m, cfg.bm) * triton.cdiv(n, cfg.bn), split)
     _int4_frag_gemm_kernel[grid](
         x, words, zeros, scales, bias if bias is not None else scales, y, m, n, k,
-        chunks_per_row, x.stride(0), y.stride(0), zeros.stride(0), scales.stride(0),
-        BM=bm, BN=bn, BK=bk, GROUP=group, GROUP_M=8, HAS_BIAS=bias is not None,
-        num_warps=warps, num_stages=3)
+        chunks_per_row, x.stride(0), y.stride(0), zeros.stride(0), scales.stride(0), ws,
+        k // split, BM=cfg.bm, BN=cfg.bn, BK=bk, GROUP=group, GROUP_M=8,
+        HAS_BIAS=bias is not None, PARTIAL=split > 1,
+        MAGIC=0x4300 if x.dtype == torch.bfloat16 else 0x6400, num_warps=cfg.warps,
+        num_stages=cfg.stages)
+    if split > 1:
+        _int4.split_sum(ws, y)
     return y
+
+
+def int4_dequantize_mma(words: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor,
+                        group: int, dtype: torch.dtype) -> torch.Tensor:
+    """The weight (q - z) s of fragment-order `words` in `dtype`, [K, N] (x @ it is
+    the layer's product), rounded once from fp32: `int4.int4_dequantize`'s."""
+    tiles, chunks_per_row = words.shape[:2]
+    n, k = tiles * 16, chunks_per_row * CHUNK
+    w = torch.empty((k, n), device=words.device, dtype=dtype)
+    bk, bn = 64, 64
+    _int4_frag_dequant_kernel[(triton.cdiv(n, bn), k // bk)](
+        words, zeros, scales, w, n, chunks_per_row, zeros.stride(0), scales.stride(0),
+        w.stride(0), BK=bk, BN=bn, GROUP=group, num_warps=4)
+    return w
 
 
 @triton.jit
@@ -346,14 +375,14 @@ def _frag_columns(n0, BN: tl.constexpr):
 
 
 @triton.jit
-def _frag_unpack(w_ptr, tile0, tiles, chunk0, CHUNKS_PER_ROW, BK: tl.constexpr,
-                 BN: tl.constexpr):
-    """The [BK, BN] nibbles (as fp32) of column tiles tile0.. (those past `tiles`
-    read the last one again: their columns are never stored) and chunks chunk0..:
-    row 4 kw + q is feature 64 chunk + 16 t + 4 b + q (kw = 16 chunk + 4 t + b, in
-    feature order), column 2 nw + jm as `_frag_columns` maps it. Word (kw, nw)
-    holds features 4 kw + q of columns (jm = 0, 1) at nibble jm + 2 (q // 2) + 4
-    (q % 2); each word is loaded once."""
+def _frag_nibbles(w_ptr, tile0, tiles, chunk0, CHUNKS_PER_ROW, BK: tl.constexpr,
+                  BN: tl.constexpr):
+    """The [BK, BN] nibbles (int32, 0..15) of column tiles tile0.. (those past
+    `tiles` read the last one again: their columns are never stored) and chunks
+    chunk0..: row 4 kw + q is feature 64 chunk + 16 t + 4 b + q (kw = 16 chunk +
+    4 t + b, in feature order), column 2 nw + jm as `_frag_columns` maps it. Word
+    (kw, nw) holds features 4 kw + q of columns (jm = 0, 1) at nibble jm + 2 (q //
+    2) + 4 (q % 2); each word is loaded once."""
     kw = tl.arange(0, BK // 4)
     nw = tl.arange(0, BN // 2)
     lane = (nw % 8)[None, :] * 4 + ((kw // 4) % 4)[:, None]
@@ -364,39 +393,70 @@ def _frag_unpack(w_ptr, tile0, tiles, chunk0, CHUNKS_PER_ROW, BK: tl.constexpr,
     jm = tl.arange(0, 2)[None, :]
     shifts = 4 * (jm + 2 * (q // 2) + 4 * (q % 2))  # [4, 2]
     v = (w[:, None, :, None] >> shifts[None, :, None, :]) & 0xF  # [kw, q, nw, jm]
-    v = tl.reshape(v, [BK, BN])
-    return (v | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
+    return tl.reshape(v, [BK, BN])
 
 
 @triton.jit
 def _int4_frag_gemm_kernel(x_ptr, w_ptr, z_ptr, s_ptr, b_ptr, y_ptr, M, N, K, CHUNKS_PER_ROW,
-                           stride_xm, stride_ym, stride_z, stride_s,
+                           stride_xm, stride_ym, stride_z, stride_s, ws_ptr, K_SPLIT,
                            BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                            GROUP: tl.constexpr, GROUP_M: tl.constexpr,
-                           HAS_BIAS: tl.constexpr):
-    """y = x @ W^T from the fragment-order words: per step of BK features (inside
-    one group) the nibbles of BN columns, (q - z) s in fp32 rounded to x's dtype,
-    one tl.dot; the columns come out in `_frag_columns`' order, which the scale,
-    zero, bias loads and the store follow."""
+                           HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr,
+                           MAGIC: tl.constexpr):
+    """y = x @ W^T from the fragment-order words, as `int4._int4_gemm_folded_kernel`
+    does from the GPTQ form: per step of BK features (inside one group) the
+    nibbles of BN columns made the exact 16-bit q - z (OR into the units of
+    128.0 / 1024.0, one subtraction), one tl.dot, s times its sums; program
+    (tile, j) covers K_SPLIT features from j K_SPLIT (PARTIAL: into fp32 ws[j],
+    the bias in j = 0's). The columns come out in `_frag_columns`' order, which
+    the scale, zero, bias loads and the store follow."""
     pid_m, pid_n = grouped_tile(tl.program_id(0), M, N, BM, BN, GROUP_M)
+    k_lo = tl.program_id(1) * K_SPLIT
     offs_m = pid_m * BM + tl.arange(0, BM)
     rm = tl.minimum(offs_m, M - 1).to(tl.int64)
     cols = _frag_columns(pid_n * BN, BN)
     ok_n = cols < N
     cols_c = tl.minimum(cols, N - 1)
     offs_k = tl.arange(0, BK)
-    x_ptrs = x_ptr + rm[:, None] * stride_xm + offs_k[None, :]
+    x_ptrs = x_ptr + rm[:, None] * stride_xm + offs_k[None, :] + k_lo
+    dt = x_ptr.dtype.element_ty
     acc = tl.zeros([BM, BN], dtype=tl.float32)
-    for k in range(0, K, BK):
-        q = _frag_unpack(w_ptr, pid_n * (BN // 16), N // 16, k // 64, CHUNKS_PER_ROW, BK, BN)
-        xa = tl.load(x_ptrs + k)
+    for kk in range(0, K_SPLIT, BK):
+        k = k_lo + kk
+        q = _frag_nibbles(w_ptr, pid_n * (BN // 16), N // 16, k // 64, CHUNKS_PER_ROW, BK, BN)
+        xa = tl.load(x_ptrs + kk)
         g = k // GROUP
         s = tl.load(s_ptr + g * stride_s + cols_c).to(tl.float32)
-        z = tl.load(z_ptr + g * stride_z + cols_c).to(tl.float32)
-        w = (q - z[None, :]) * s[None, :]
-        acc = tl.dot(xa, w.to(xa.dtype), acc)
-    if HAS_BIAS:
+        z = (tl.load(z_ptr + g * stride_z + cols_c).to(tl.int16) | MAGIC).to(dt, bitcast=True)
+        w = (q | MAGIC).to(tl.int16).to(dt, bitcast=True) - z[None, :]
+        acc += s[None, :] * tl.dot(xa, w)
+    if HAS_BIAS and tl.program_id(1) == 0:
         acc += tl.load(b_ptr + cols_c).to(tl.float32)[None, :]
-    y_ptrs = y_ptr + offs_m[:, None].to(tl.int64) * stride_ym + cols[None, :]
-    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty),
-             mask=(offs_m[:, None] < M) & ok_n[None, :])
+    if PARTIAL:
+        out_ptr = ws_ptr + tl.program_id(1).to(tl.int64) * M * N
+        stride_o = N
+    else:
+        out_ptr = y_ptr
+        stride_o = stride_ym
+    tl.store(out_ptr + offs_m[:, None].to(tl.int64) * stride_o + cols[None, :],
+             acc.to(out_ptr.dtype.element_ty), mask=(offs_m[:, None] < M) & ok_n[None, :])
+
+
+@triton.jit
+def _int4_frag_dequant_kernel(w_ptr, z_ptr, s_ptr, out_ptr, N, CHUNKS_PER_ROW, stride_z,
+                              stride_s, stride_o, BK: tl.constexpr, BN: tl.constexpr,
+                              GROUP: tl.constexpr):
+    """BK features of BN columns of fragment-order words -> (q - z) s in fp32,
+    rounded once to out's dtype, at out [feature, column]."""
+    k0 = tl.program_id(1) * BK
+    cols = _frag_columns(tl.program_id(0) * BN, BN)
+    ok = (cols < N)[None, :]
+    cols_c = tl.minimum(cols, N - 1)
+    q = _frag_nibbles(w_ptr, tl.program_id(0) * (BN // 16), N // 16, k0 // 64,
+                      CHUNKS_PER_ROW, BK, BN).to(tl.float32)
+    feats = k0 + tl.arange(0, BK)
+    g = (feats // GROUP)[:, None]
+    z = tl.load(z_ptr + g * stride_z + cols_c[None, :]).to(tl.float32)
+    s = tl.load(s_ptr + g * stride_s + cols_c[None, :]).to(tl.float32)
+    tl.store(out_ptr + feats[:, None].to(tl.int64) * stride_o + cols[None, :],
+             ((q - z) * s).to(out_ptr.dtype.element_ty), mask=ok)
