@@ -378,6 +378,30 @@ def test_int4_frag_gemm(m, n, group):
                                      mma=words), out)
 
 
+@pytest.mark.parametrize("silu_mul", [False, True])
+def test_split_sums_of_every_row_in_one_launch(silu_mul):
+    """The tensor-core GEMVs' second launch (`mma_gemv.sum_splits`) takes all rows
+    at once: each row the bits of that row's sums added alone, in split order
+    (+ bias, SiLU-and-mul over [gate | up] halves)."""
+    from radixlm.layers.quantization.triton_ops import mma_gemv as MG
+
+    n_out, m, split = 300, 5, 3
+    dtype = DTYPES[0]
+    ws = randn(split, m, 2 * n_out if silu_mul else n_out, seed=81)
+    bias = None if silu_mul else randn(n_out, seed=82, dtype=dtype)
+    y = MG.sum_splits(ws, bias, torch.empty(m, n_out, device=DEV, dtype=dtype), silu_mul)
+    for r in range(m):
+        alone = MG.sum_splits(ws[:, r:r + 1].contiguous(), bias,
+                              torch.empty(1, n_out, device=DEV, dtype=dtype), silu_mul)
+        assert torch.equal(y[r:r + 1], alone), r
+    total = ws.sum(0)
+    if silu_mul:
+        total = torch.nn.functional.silu(total[:, :n_out]) * total[:, n_out:]
+    else:
+        total = total + bias.float()
+    torch.testing.assert_close(y.float(), total, rtol=2 ** -7, atol=1e-5)
+
+
 @pytest.mark.parametrize("n,group", [(80, 64), (48, 128)])
 def test_int4_frag_dequantized_gemm(n, group, monkeypatch):
     """Above DEQUANT_ABOVE rows the fragment-order words are dequantized whole: the

@@ -604,10 +604,17 @@ def _int4_gemv_kernel(x_ptr, qw_ptr, z_ptr, s_ptr, g_ptr, b_ptr, y_ptr, ws_ptr, 
 @triton.jit
 def _int4_split_sum_kernel(ws_ptr, b_ptr, y_ptr, N, stride_ws, SPLIT: tl.constexpr,
                            BLOCK: tl.constexpr, HAS_BIAS: tl.constexpr,
-                           SILU_MUL: tl.constexpr, PDL: tl.constexpr):
-    """y = the split-K partial sums added in split order (+ bias; SiLU-and-mul)."""
+                           SILU_MUL: tl.constexpr, PDL: tl.constexpr,
+                           stride_wr=0, stride_yr=0, ROWS: tl.constexpr = False):
+    """y = the split-K partial sums added in split order (+ bias; SiLU-and-mul).
+    ROWS: program (block, r) does row r of [M, ...] partial sums and outputs
+    (row strides `stride_wr`, `stride_yr`), so one launch takes every row; a
+    row's sum is the same however many there are."""
     pdl_wait(PDL)
     pdl_trigger(PDL)
+    if ROWS:
+        ws_ptr += tl.program_id(1).to(tl.int64) * stride_wr
+        y_ptr += tl.program_id(1).to(tl.int64) * stride_yr
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     ok = offs < N
     acc = tl.load(ws_ptr + offs, mask=ok, other=0.0)

@@ -300,8 +300,8 @@ def int4_gemv_mma(x: torch.Tensor, words: torch.Tensor, zeros: torch.Tensor,
     """x [M, K] (1 <= M <= 8 contiguous rows, bf16 / fp16, 16-byte aligned) times
     the int4 weight in `mma_layout` `words`, [M, N] (`silu_mul`: silu(gate) * up,
     [M, N / 2]). One row runs the one-row PTX; more, the rows PTX (`_PtxGroup`),
-    whose split-K sums are then added row by row by the one-row epilogue, so a
-    row's sums are added in the same order whatever M is."""
+    whose split-K sums the epilogue adds per row in split order, so a row's sums
+    are added in the same order whatever M is."""
     m, n, k = check_rows(x, words)
     assert x.dtype in (torch.bfloat16, torch.float16)
     assert group in GROUPS and k % group == 0 and zeros.stride(1) == scales.stride(1) == 1
