@@ -23,9 +23,9 @@ microseconds per call, weight bytes read / time (TB/s), 2MNK / time (TFLOP/s).
   block scales, end to end: at 1-8 rows the GEMV, above the activation
   quantization kernel plus the W8A8 GEMM, both timed.
 - int4: ours (`triton_ops/int4.py`), group 128.
-- fp8 chan MMA / int4 g128 MMA (one row): the tensor-core GEMVs
-  (`fp8_mma.py`, `int4_mma.py`; opt-in in the engine until timed here); fp8
-  MMA plain: the FP8 one reading the weight as it lies (no fragment-order copy).
+- fp8 chan MMA / int4 g128 MMA (1-8 rows): the tensor-core GEMVs
+  (`fp8_mma.py`, `int4_mma.py`; opt-in in the engine); fp8 MMA plain:
+  the FP8 one reading the weight as it lies (no fragment-order copy).
 """
 
 from __future__ import annotations
@@ -127,7 +127,7 @@ def variants(m: int, n: int, k: int) -> dict[str, tuple[Call, Callable[[], objec
         out["fp8 block" if block else "fp8 chan"] = (
             call, lambda block=block: fp8_weights(n, k, block), n * k)
 
-    if m == 1:
+    if m <= MG.MAX_ROWS:
         out["fp8 chan MMA"] = (lambda x, w: F8M.fp8_gemv_mma(x, w[2], w[1]),
                                lambda: fp8_row_weights(n, k), n * k)
         out["fp8 MMA plain"] = (lambda x, w: F8M.fp8_gemv_mma_plain(x, w[0], w[1]),
@@ -136,7 +136,7 @@ def variants(m: int, n: int, k: int) -> dict[str, tuple[Call, Callable[[], objec
     def int4(x, w):
         return T4.int4_linear(x, w[0], w[1], w[2], 128, None)
     out["int4 g128"] = (int4, lambda: int4_weights(n, k), n * k // 2 + 3 * n * k // 128)
-    if m == 1:
+    if m <= MG.MAX_ROWS:
         out["int4 g128 MMA"] = (lambda x, w: M4.int4_gemv_mma(x, w[3], w[1], w[2], 128),
                                 out["int4 g128"][1], out["int4 g128"][2])
     return out
