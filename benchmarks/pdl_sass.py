@@ -96,7 +96,10 @@ def kernels():
            dict(PTX=F8M.gemv_ptx(1, True, pdl=True), PTX_WAITS=True, **mma_consts), 4)
     yield ("int4 split-K sum", I4._int4_split_sum_kernel,
            {"ws_ptr": f32, "b_ptr": b16, "y_ptr": b16}, (),
-           dict(SPLIT=8, BLOCK=256, HAS_BIAS=False, SILU_MUL=False, PDL=True), 2)
+           dict(SPLIT=8, BLOCK=256, HAS_BIAS=False, SILU_MUL=False, PDL=True, ROWS=False), 2)
+    yield ("int4 split-K sum, all rows", I4._int4_split_sum_kernel,
+           {"ws_ptr": f32, "b_ptr": b16, "y_ptr": b16}, (),
+           dict(SPLIT=4, BLOCK=256, HAS_BIAS=True, SILU_MUL=True, PDL=True, ROWS=True), 2)
     yield ("all-reduce + RMSNorm (2 ranks)", allreduce_norm._allreduce_add_rms_norm_kernel,
            {"BufPtrs": i64, "PadPtrs": i64, "R": b16, "W": b16, "Y": b16, "RO": b16}, ("eps",),
            dict(RANK=0, WORLD=2, BLOCK=4096, PDL=True), 8)

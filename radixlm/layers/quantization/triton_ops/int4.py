@@ -206,8 +206,8 @@ def int4_gemv(x: torch.Tensor, qweight: torch.Tensor, zeros: torch.Tensor,
         num_warps=cfg.warps, num_stages=cfg.stages, **pdl.launch_args())
     if split > 1:
         _int4_split_sum_kernel[(triton.cdiv(n, 256),)](
-            ws, bias if bias is not None else dummy, y, n, ws.stride(0), SPLIT=split,
-            BLOCK=256, HAS_BIAS=bias is not None, SILU_MUL=silu_mul, num_warps=2,
+            ws, bias if bias is not None else dummy, y, n, ws.stride(0), 0, 0, SPLIT=split,
+            BLOCK=256, HAS_BIAS=bias is not None, SILU_MUL=silu_mul, ROWS=False, num_warps=2,
             **pdl.launch_args())
     return y
 
@@ -262,8 +262,8 @@ def split_sum(ws: torch.Tensor, y: torch.Tensor) -> None:
     """y [M, N] = the GEMM's fp32 partial sums ws [split, M, N] added in split order."""
     split, m, n = ws.shape
     _int4_split_sum_kernel[(triton.cdiv(m * n, 1024),)](
-        ws, ws, y, m * n, m * n, SPLIT=split, BLOCK=1024, HAS_BIAS=False, SILU_MUL=False,
-        PDL=False, num_warps=4)
+        ws, ws, y, m * n, m * n, 0, 0, SPLIT=split, BLOCK=1024, HAS_BIAS=False,
+        SILU_MUL=False, PDL=False, ROWS=False, num_warps=4)
 
 
 def int4_dequantize(qweight: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor,
@@ -602,10 +602,9 @@ def _int4_gemv_kernel(x_ptr, qw_ptr, z_ptr, s_ptr, g_ptr, b_ptr, y_ptr, ws_ptr, 
 
 
 @triton.jit
-def _int4_split_sum_kernel(ws_ptr, b_ptr, y_ptr, N, stride_ws, SPLIT: tl.constexpr,
-                           BLOCK: tl.constexpr, HAS_BIAS: tl.constexpr,
-                           SILU_MUL: tl.constexpr, PDL: tl.constexpr,
-                           stride_wr=0, stride_yr=0, ROWS: tl.constexpr = False):
+def _int4_split_sum_kernel(ws_ptr, b_ptr, y_ptr, N, stride_ws, stride_wr, stride_yr,
+                           SPLIT: tl.constexpr, BLOCK: tl.constexpr, HAS_BIAS: tl.constexpr,
+                           SILU_MUL: tl.constexpr, PDL: tl.constexpr, ROWS: tl.constexpr):
     """y = the split-K partial sums added in split order (+ bias; SiLU-and-mul).
     ROWS: program (block, r) does row r of [M, ...] partial sums and outputs
     (row strides `stride_wr`, `stride_yr`), so one launch takes every row; a

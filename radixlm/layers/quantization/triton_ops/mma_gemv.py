@@ -231,7 +231,7 @@ def sum_splits(ws: torch.Tensor, bias: torch.Tensor | None, y: torch.Tensor,
     any M; one launch for all rows (it was one a row: up to 8 launches a product)."""
     n_out = y.shape[-1]
     _int4_split_sum_kernel[(triton.cdiv(n_out, 256), ws.shape[1])](
-        ws, bias if bias is not None else ws, y, n_out, ws.stride(0), SPLIT=ws.shape[0],
-        BLOCK=256, HAS_BIAS=bias is not None, SILU_MUL=silu_mul, stride_wr=ws.stride(1),
-        stride_yr=y.stride(0), ROWS=ws.shape[1] > 1, num_warps=2, **pdl.launch_args())
+        ws, bias if bias is not None else ws, y, n_out, ws.stride(0), ws.stride(1), y.stride(0),
+        SPLIT=ws.shape[0], BLOCK=256, HAS_BIAS=bias is not None, SILU_MUL=silu_mul,
+        ROWS=ws.shape[1] > 1, num_warps=2, **pdl.launch_args())
     return y
