@@ -23,7 +23,7 @@ microseconds per call, weight bytes read / time (TB/s), 2MNK / time (TFLOP/s).
   block scales, end to end: at 1-8 rows the GEMV, above the activation
   quantization kernel plus the W8A8 GEMM, both timed.
 - int4: ours (`triton_ops/int4.py`), group 128.
-- fp8 chan MMA / int4 g128 MMA (1-8 rows): the tensor-core GEMVs
+- fp8 chan MMA / int4 g128 MMA (1-8 rows; int4 1-16): the tensor-core GEMVs
   (`fp8_mma.py`, `int4_mma.py`; opt-in in the engine); fp8 MMA plain:
   the FP8 one reading the weight as it lies (no fragment-order copy).
 """
@@ -136,7 +136,7 @@ def variants(m: int, n: int, k: int) -> dict[str, tuple[Call, Callable[[], objec
     def int4(x, w):
         return T4.int4_linear(x, w[0], w[1], w[2], 128, None)
     out["int4 g128"] = (int4, lambda: int4_weights(n, k), n * k // 2 + 3 * n * k // 128)
-    if m <= MG.MAX_ROWS:
+    if m <= M4.MAX_ROWS:
         out["int4 g128 MMA"] = (lambda x, w: M4.int4_gemv_mma(x, w[3], w[1], w[2], 128),
                                 out["int4 g128"][1], out["int4 g128"][2])
     return out
@@ -356,6 +356,9 @@ def int4_gemm_sweep(rows: list[int]) -> None:
                 w[0], w[1], w[2], 128, None, x.dtype)), x, ws)
             cells["fragment order"] = time_graph(  # the RADIXLM_INT4_GEMV=mma words
                 lambda x, w: M4.int4_gemm_mma(x, w[3], w[1], w[2], 128), x, ws)
+            if m <= M4.MAX_ROWS:  # the tensor-core GEMV, a B operand per 8 rows
+                cells["MMA GEMV"] = time_graph(
+                    lambda x, w: M4.int4_gemv_mma(x, w[3], w[1], w[2], 128), x, ws)
             picked = T4.pick_gemm_config(m, n, 128)
             for c in INT4_GEMM_CANDIDATES:
                 if c.bm > max(16, m):

@@ -53,7 +53,7 @@ def simulate(x: torch.Tensor, q, z, s, group: int, cfg: M.MmaConfig,
     (the simulator refuses x or the sums touched before it)."""
     k, n = q.shape
     ptx = M.gemv_ptx(cfg.nt, group // M.CHUNK, x.dtype == torch.bfloat16, cfg.prefetch,
-                     rows=x.shape[0] > 1, pdl=pdl)
+                     rows=x.shape[0] > 1, pdl=pdl, groups=-(-x.shape[0] // 8))
     # A step is a group; the zero points' and scales' rows are N apart.
     return run_mma_gemv(ptx, cfg, x, M.mma_layout(q), z, s.view(torch.int16), k // group,
                         n, n)
@@ -83,6 +83,19 @@ def test_ptx_against_float64(dtype, n, k, group, cfg) -> None:
 ])
 def test_rows_ptx_against_float64(m, n, k, group, cfg) -> None:
     check_against_float64(m, torch.bfloat16, n, k, group, cfg)
+
+
+@pytest.mark.parametrize("m,n,k,group,cfg,pdl", [
+    (16, 16, 128, 64, M.MmaConfig(1, 1, 1), False),  # two full runs of 8 rows
+    (11, 48, 256, 128, M.MmaConfig(2, 1, 2), False),  # the second run past M: row M - 1
+    (9, 64, 384, 128, M.MmaConfig(1, 2, 2, prefetch=True), False),
+    (13, 32, 384, 64, M.MmaConfig(2, 1, 3, prefetch=True), True),  # x of both runs after
+])                                                                   # the wait
+def test_two_runs_of_rows_ptx_against_float64(m, n, k, group, cfg, pdl) -> None:
+    """9-16 rows: rows 8-15 a second B operand against the same unpacked words, with
+    their own sums, x address and row predicates; the one-row and up-to-8-row PTX
+    is unchanged by it."""
+    check_against_float64(m, torch.bfloat16, n, k, group, cfg, pdl=pdl)
 
 
 @pytest.mark.parametrize("m,n,k,group,cfg", [
@@ -128,21 +141,25 @@ def test_layout_of_a_gptq_checkpoint() -> None:
 
 
 def test_sm90_code_one_mma_a_word_no_shared_memory() -> None:
-    """Compiled for sm_90 here: the group loop holds one HMMA per word and thread,
-    and one per block of 16 features for x's sums (so Triton gave each thread
-    exactly one element: two would run the PTX twice), and no shared memory or
-    barrier."""
+    """Compiled for sm_90 here: the group loop holds one HMMA per word and thread
+    (per run of 8 rows), and one per block of 16 features for x's sums (so Triton
+    gave each thread exactly one element: two would run the PTX twice), and no
+    shared memory, barrier or spill."""
     pytest.importorskip("triton")
     sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
     from sass import mma_gemv_loop, opcode_counts
 
-    for nt, chunks, warps, prefetch, rows in [(1, 2, 4, False, False), (2, 1, 2, False, False),
-                                              (1, 2, 4, True, False), (1, 2, 4, True, True)]:
-        ptx = M.gemv_ptx(nt, chunks, True, prefetch, rows)
-        ops = opcode_counts(mma_gemv_loop(ptx, warps))
+    for nt, chunks, warps, prefetch, rows, runs in [
+            (1, 2, 4, False, False, 1), (2, 1, 2, False, False, 1), (1, 2, 4, True, False, 1),
+            (1, 2, 4, True, True, 1), (1, 2, 4, True, True, 2), (2, 1, 4, False, True, 2)]:
+        ptx = M.gemv_ptx(nt, chunks, True, prefetch, rows, groups=runs)
+        loop = mma_gemv_loop(ptx, warps)
+        ops = opcode_counts(loop)
         groups = 2 if prefetch else 1  # the prefetching loop is unrolled twice
-        assert ops["HMMA"] == groups * (nt + 1) * chunks * 4, ops  # + x's sums (all-ones A)
+        # One MMA a word for each run of 8 rows, + each run's x sums (all-ones A).
+        assert ops["HMMA"] == groups * runs * (nt + 1) * chunks * 4, ops
         assert ops["LDS"] == ops["STS"] == ops["BAR"] == 0, ops
+        assert ops["LDL"] == ops["STL"] == 0, ops  # no register spills
 
 
 def test_the_variables_are_named_at_start_up_and_cost_the_cpu_nothing(monkeypatch) -> None:

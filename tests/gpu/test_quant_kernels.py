@@ -354,16 +354,16 @@ def test_int4_dequantized_gemm(case, act_order, monkeypatch):
     check_int4_rows(out, w, x, bias)
 
 
-@pytest.mark.parametrize("m", [9, 70])
+@pytest.mark.parametrize("m", [17, 70])
 @pytest.mark.parametrize("n,group", [(80, 64), (48, 128)])
 def test_int4_frag_gemm(m, n, group):
     """The GEMM over the tensor-core GEMV's fragment-order words (`int4_gemm_mma`,
-    rows above 8): each word unpacked into its 8 (feature, column) places, the
-    columns stored where `mma_layout` put them; a column block past N (80 = 5
+    rows above the GEMV's 16): each word unpacked into its 8 (feature, column)
+    places, the columns stored where `mma_layout` put them; a column block past N (80 = 5
     tiles under a 64-column block) reads a clamped tile and stores nothing. The
     float64 product within the dequantized tile's rounding, as the plain GEMM's
-    (the folded form, K split in 4 runs at 9 rows and 2 at 70); `int4_linear`
-    routes these rows there when given the words."""
+    (the folded form, K split in 2 runs); `int4_linear` routes rows above
+    `int4_mma.MAX_ROWS` there when given the words."""
     from radixlm.layers.quantization.triton_ops import int4_mma as MM
 
     k = 256
@@ -492,7 +492,8 @@ def test_int4_gemv_packed_halves(dtype, split, lean):
 # (rows, config): one row at every config, 2-8 rows (each a column of B) at two.
 MMA_INT4_CASES = [(1, 128, (4, 1, 1, False)), (1, 128, (4, 2, 4, True)), (1, 64, (2, 1, 3, True)),
                   (1, 128, (8, 4, 8, False)), (2, 128, (4, 1, 4, True)), (5, 64, (2, 2, 3, False)),
-                  (8, 128, (4, 1, 4, True))]
+                  (8, 128, (4, 1, 4, True)), (11, 128, (4, 1, 4, True)),  # 2 runs of 8 rows
+                  (16, 64, (2, 2, 3, False))]
 MMA_FP8_CASES = [(1, (4, 1, 1, False)), (1, (4, 2, 4, True)), (1, (2, 1, 8, False)),
                  (1, (8, 1, 3, True)), (2, (4, 1, 4, True)), (5, (2, 2, 3, False)),
                  (8, (4, 1, 4, True))]
@@ -509,12 +510,13 @@ def check_rows_alone(out, one_row) -> None:
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("m,group,cfg", MMA_INT4_CASES)
 def test_int4_gemv_mma(dtype, m, group, cfg):
-    """The tensor-core GEMV (`int4_mma.py`, weights in MMA fragment order) at 1-8
-    rows: exact products of offset + q summed in fp32, the zero point's term taken
-    out per group, so within the output's rounding of the float64 product and a
-    few fp32 roundings of (offset + 16) |x| s (tests/test_int4_mma.py's bound, x4
-    for the hardware's order of summation); a row alone the same bits; bias, the
-    fused SiLU, and the route through `int4_linear` (its `mma` argument) too."""
+    """The tensor-core GEMV (`int4_mma.py`, weights in MMA fragment order) at 1-16
+    rows (a B operand per run of 8): exact products of offset + q summed in fp32,
+    the zero point's term taken out per group, so within the output's rounding of
+    the float64 product and a few fp32 roundings of (offset + 16) |x| s
+    (tests/test_int4_mma.py's bound, x4 for the hardware's order of summation); a
+    row alone the same bits; bias, the fused SiLU, and the route through
+    `int4_linear` (its `mma` argument) too."""
     from radixlm.layers.quantization.triton_ops import int4_mma as MM
 
     n, k = 512, 2048

@@ -30,7 +30,7 @@ product, then freed: the memory stays half a byte per weight). With
 $RADIXLM_INT4_GEMV=mma (opt-in) a layer built on CUDA that the tensor-core
 kernels take holds `qweight` in their MMA fragment order instead
 (`FragmentSpec`: int32 [N / 16, K / 64, 32, 4], the same bytes), and every
-product reads that: 1-8 rows the tensor-core GEMV (`triton_ops/int4_mma.py`),
+product reads that: 1-16 rows the tensor-core GEMV (`triton_ops/int4_mma.py`),
 more a GEMM over the same words. Loads and read-backs convert through the
 GPTQ form, so updates and `get_weights_by_name` see the checkpoint's tensors.
 """
@@ -67,7 +67,7 @@ if TYPE_CHECKING:
 
 _ops = lazy_import("radixlm.layers.quantization.triton_ops.int4")  # Triton: CUDA only
 _mma = lazy_import("radixlm.layers.quantization.triton_ops.int4_mma")
-MMA_ENV = "RADIXLM_INT4_GEMV"  # "mma": the tensor-core GEMV of 1-8 rows (opt-in)
+MMA_ENV = "RADIXLM_INT4_GEMV"  # "mma": the tensor-core GEMV of 1-16 rows (opt-in)
 INT32 = frozenset({torch.int32})
 # The output feature (within its 8) that AWQ packs into nibble i.
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
@@ -521,7 +521,7 @@ class _Int4Config(QuantizationConfig):
         f = self.fmt
         order = ", act-order (g_idx)" if f.desc_act else ""
         source = "" if self.from_checkpoint else " (dummy weights: round-to-nearest int4)"
-        products = ("GEMV at 1-8 rows on the tensor cores and a GEMM above, both reading the "
+        products = ("GEMV at 1-16 rows on the tensor cores and a GEMM above, both reading the "
                     f"weights held in MMA fragment order (${MMA_ENV}=mma; act-order layers "
                     "keep the GEMV at one row)"
                     if mma_requested() else "GEMV at one row, dequantizing GEMM above")

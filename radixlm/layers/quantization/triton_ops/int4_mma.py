@@ -1,4 +1,4 @@
-"""The int4 GEMV of 1-8 rows on the tensor cores (opt-in): the weights
+"""The int4 GEMV of 1-16 rows on the tensor cores (opt-in): the weights
 in the fragment order of `mma.m16n8k16`, so that each 32-bit word a lane loads
 is, after three shifts and four LOP3, exactly its A operand for one MMA.
 
@@ -44,7 +44,10 @@ Triton launches it and handles PDL. Groups must be whole chunks of 64 (64 or
 Up to 8 rows of x (`_PtxGroup`'s `rows`) take B's 8 columns, one row each; the
 one-row code above is kept as it was measured (an H100 call of 2026-12-05:
 AWQ single stream 2.23x bf16 with it, 2.00x on the CUDA-core GEMV). The rows
-form passed its GPU tests (H100, 2026-12-05), untimed. Above 8 rows the words
+form passed its GPU tests (H100, 2026-12-05), untimed. 9-16 rows take two runs
+of 8, each its own B operand against the same unpacked words (`gemv_ptx`'s
+`groups`; the PTX of 1-8 rows is text for text what it was): simulated, not yet
+run on a GPU. Above 16 rows the words
 take the GEMM of `int4.int4_gemm`'s forms: the folded tiles with K split up to
 128 rows, the weight dequantized whole and cuBLAS above (`int4_gemm_mma`); in
 this form its GPU tests have not run yet (the earlier per-tile dequantizing
@@ -77,6 +80,8 @@ from radixlm.layers.quantization.triton_ops.mma_gemv import (
 from radixlm.layers.tiles import grouped_tile
 
 GROUPS = (64, 128)  # group sizes the kernel takes (whole chunks, <= 2 chunks unrolled)
+ROW_RUNS = 2  # runs of 8 rows of x, each its own B operand (`gemv_ptx`'s `groups`)
+MAX_ROWS = 8 * ROW_RUNS
 
 
 # ---- the layout (torch, any device) --------------------------------------------------
@@ -111,18 +116,21 @@ def takes(n: int, k: int, group: int, g_idx: torch.Tensor | None) -> bool:
 # ---- the PTX --------------------------------------------------------------------------
 @functools.cache
 def gemv_ptx(nt: int, chunks: int, bf16: bool, prefetch: bool = False,
-             rows: bool = False, pdl: bool = False) -> str:
+             rows: bool = False, pdl: bool = False, groups: int = 1) -> str:
     """The PTX of one thread's work: `nt` column tiles, `chunks` chunks a group (a
     step of the loop); with `prefetch` the next group's loads are issued before
     this group's MMAs (two register buffers, the loop unrolled twice), so a warp
     keeps a group in flight while it computes. `rows`: x has up to 8 rows, one
     per column of B (`_PtxGroup`); else one row, the code of the one-row GEMV.
     `pdl`: the PDL wait inside, after the first group's weight loads (`loop_ptx`).
+    `groups` (with `rows`): x has up to 8 `groups` rows, each run of 8 rows a
+    B operand of its own against the same unpacked weights (`_PtxGroup`).
     Operands (`mma_gemv.mma_gemv_kernel`'s): $1 x, $2 words, $3 zeros, $4 scales,
     $5 this program's partial sums; $6 its first warp index, $7 / $8 its first /
     past-last group, $9 column tiles in all, $10 chunks a row of tiles (K / 64),
     $11 N, $12 / $13 the zeros' / scales' row strides (in elements), $14 x's rows."""
-    return loop_ptx(_PtxGroup(nt, chunks, bf16, rows), "int4_mma", "grp", "$8", prefetch, pdl)
+    return loop_ptx(_PtxGroup(nt, chunks, bf16, rows, groups), "int4_mma", "grp", "$8",
+                    prefetch, pdl)
 
 
 class _PtxGroup:
@@ -134,28 +142,65 @@ class _PtxGroup:
     (g, t)'s d0 / d1 are output column g at rows 2t / 2t + 1 and d2 / d3 column
     g + 8 at the same rows, each with its own accumulator (4 a tile), and the
     all-ones MMA's e0 / e1 are rows 2t / 2t + 1's sums of x. The lanes of rows
-    below M write [M, N] partial sums."""
+    below M write [M, N] partial sums.
 
-    def __init__(self, nt: int, chunks: int, bf16: bool, rows: bool = False) -> None:
+    `groups` > 1: rows 8 r .. 8 r + 7 are run r's B (x address xa{r}, lane g
+    loading row min(8 r + g, M - 1)), each word unpacked once for all runs; run
+    r has its own D, e and sums (registers 4 (tile groups + r) + j, e 4 r + j)
+    and writes rows 8 r + 2t, 8 r + 2t + 1 (ya{r} / yb{r}). groups = 1 is the
+    code above, text for text."""
+
+    def __init__(self, nt: int, chunks: int, bf16: bool, rows: bool = False,
+                 groups: int = 1) -> None:
+        assert groups == 1 or rows
         self.nt, self.chunks, self.t = nt, chunks, "bf16" if bf16 else "f16"
-        self.rows = rows
-        self.accs = 4 * nt if rows else 2 * nt
+        self.rows, self.groups = rows, groups
+        self.accs = 4 * nt * groups if rows else 2 * nt
         self.magic = "0x43004300" if bf16 else "0x64006400"  # 128.0 / 1024.0, both halves
         self.offset = "0f43000000" if bf16 else "0f44800000"  # the same, one fp32
         self.one = "0x3F803F80" if bf16 else "0x3C003C00"  # 1.0 in both halves
 
     def declarations(self, bufs: tuple[str, ...]) -> list[str]:
         nt, chunks = self.nt, self.chunks
+        extra = self.later_groups()
         out = [".reg .pred skip, more, writer, row0, row1;" if self.rows else
                ".reg .pred skip, more, writer;",
                ".reg .b32 tid, lane, warp, g, t, tile, grp, tmp, q0, q1, q2, q3, ones;",
-               f".reg .f32 {regs('s', 2 * nt)}, {regs('sz', 2 * nt)}, zf, e0, e1, e2, e3;",
-               f".reg .f32 {regs('acc', self.accs)}, {regs('d', 4 * nt)};",
+               f".reg .f32 {regs('s', 2 * nt)}, {regs('sz', 2 * nt)}, zf, "
+               f"{regs('e', 4 * self.groups)};",
+               f".reg .f32 {regs('acc', self.accs)}, {regs('d', 4 * nt * self.groups)};",
                f".reg .b64 {regs('wa', nt)}, xa, za, sa, zn, sn, ya, {'yb, ' * self.rows}off;"]
+        if extra:
+            out += [".reg .pred " + ", ".join(f"row0g{r}, row1g{r}" for r in extra) + ";",
+                    ".reg .b64 " + ", ".join(f"xa{r}, ya{r}, yb{r}" for r in extra) + ";"]
         for b in bufs:
             out += [f".reg .b32 {regs(f'w{b}', nt * chunks * 4)};",
-                    f".reg .b32 {regs(f'x{b}', chunks * 8)}, {regs(f'zr{b}', 2 * nt)};",
+                    f".reg .b32 {regs(f'x{b}', chunks * 8 * self.groups)}, "
+                    f"{regs(f'zr{b}', 2 * nt)};",
                     f".reg .b16 {regs(f'sr{b}', 2 * nt)};"]
+        return out
+
+    def later_groups(self) -> range:
+        """The runs of 8 rows past the first (`groups`)."""
+        return range(1, self.groups)
+
+    def group_lines(self) -> list[str]:
+        """Setup of runs r >= 1: x address xa{r} (row min(8 r + g, M - 1) of this
+        group's features), sums' addresses ya{r} / yb{r} (rows 8 r + 2t, + 1, from
+        ya at row 2t) and their predicates row0g{r} / row1g{r}."""
+        out = []
+        for r in self.later_groups():
+            out += [f"mul.lo.u32 tmp, $7, {self.chunks * CHUNK};",
+                    "mad.lo.u32 tmp, t, 16, tmp;",
+                    f"add.u32 q2, g, {8 * r};", "sub.u32 q1, $14, 1;", "min.u32 q1, q2, q1;",
+                    "mul.lo.u32 q1, q1, $10;", f"mad.lo.u32 tmp, q1, {CHUNK}, tmp;",
+                    "mul.wide.u32 off, tmp, 2;", f"add.u64 xa{r}, $1, off;",
+                    "shl.b32 q1, t, 1;", f"add.u32 q1, q1, {8 * r};",
+                    f"setp.lt.u32 row0g{r}, q1, $14;", "add.u32 q2, q1, 1;",
+                    f"setp.lt.u32 row1g{r}, q2, $14;",
+                    f"mul.lo.u32 q1, $11, {8 * r};", "mul.wide.u32 off, q1, 4;",
+                    f"add.u64 ya{r}, ya, off;", "mul.wide.u32 off, $11, 4;",
+                    f"add.u64 yb{r}, ya{r}, off;"]
         return out
 
     def setup(self) -> list[str]:
@@ -191,6 +236,7 @@ class _PtxGroup:
             "mul.wide.u32 off, tmp, 4;",
             "add.u64 ya, $5, off;",
             *y_row_lines(self.rows),
+            *self.group_lines(),
             *[f"mov.f32 acc{i}, 0f00000000;" for i in range(self.accs)],
             f"mov.b32 ones, {self.one};",
             "mov.u32 grp, $7;",
@@ -207,10 +253,12 @@ class _PtxGroup:
                 r = (c * nt + i) * 4
                 out.append(f"{pred}ld.global.nc.L1::no_allocate.v4.u32 {{w{b}{r}, w{b}{r + 1}, "
                            f"w{b}{r + 2}, w{b}{r + 3}}}, [wa{i}+{skip_w + c * 512}];")
-            for h in range(2):
-                r = c * 8 + h * 4
-                out.append(f"{pred}ld.global.v4.u32 {{x{b}{r}, x{b}{r + 1}, x{b}{r + 2}, "
-                           f"x{b}{r + 3}}}, [xa+{skip_x + c * 128 + h * 16}];")
+            for grp in range(self.groups):
+                xa = f"xa{grp}" if grp else "xa"
+                for h in range(2):
+                    r = (grp * chunks + c) * 8 + h * 4
+                    out.append(f"{pred}ld.global.v4.u32 {{x{b}{r}, x{b}{r + 1}, x{b}{r + 2}, "
+                               f"x{b}{r + 3}}}, [{xa}+{skip_x + c * 128 + h * 16}];")
         if ahead:
             out += ["cvt.u64.u32 off, $12;", "add.u64 zn, za, off;",
                     "mul.wide.u32 off, $13, 2;", "add.u64 sn, sa, off;"]
@@ -233,31 +281,36 @@ class _PtxGroup:
                     f"add.f32 zf, zf, {self.offset};",
                     f"mul.f32 sz{r}, s{r}, zf;",
                     f"neg.f32 sz{r}, sz{r};"]
-        out += [f"mov.f32 d{i}, 0f00000000;" for i in range(4 * nt)]
-        out += [f"mov.f32 e{i}, 0f00000000;" for i in range(4)]
+        groups = self.groups
+        out += [f"mov.f32 d{i}, 0f00000000;" for i in range(4 * nt * groups)]
+        out += [f"mov.f32 e{i}, 0f00000000;" for i in range(4 * groups)]
         mma = f"mma.sync.aligned.m16n8k16.row.col.f32.{t}.{t}.f32"
         for c in range(chunks):
             for k in range(4):  # MMA block k of the chunk
-                xb = f"x{b}{c * 8 + 2 * k}, x{b}{c * 8 + 2 * k + 1}"
+                xbs = [f"x{b}{(grp * chunks + c) * 8 + 2 * k}, "
+                       f"x{b}{(grp * chunks + c) * 8 + 2 * k + 1}" for grp in range(groups)]
                 for i in range(nt):
                     w = f"w{b}{(c * nt + i) * 4 + k}"
-                    d = f"d{4 * i}, d{4 * i + 1}, d{4 * i + 2}, d{4 * i + 3}"
                     out += [f"lop3.b32 q0, {w}, 0x000F000F, {magic}, 0xEA;",
                             f"shr.u32 tmp, {w}, 4;",
                             f"lop3.b32 q1, tmp, 0x000F000F, {magic}, 0xEA;",
                             f"shr.u32 tmp, {w}, 8;",
                             f"lop3.b32 q2, tmp, 0x000F000F, {magic}, 0xEA;",
                             f"shr.u32 tmp, {w}, 12;",
-                            f"lop3.b32 q3, tmp, 0x000F000F, {magic}, 0xEA;",
-                            f"{mma} {{{d}}}, {{q0, q1, q2, q3}}, {{{xb}}}, {{{d}}};"]
-                out.append(f"{mma} {{e0, e1, e2, e3}}, {{ones, ones, ones, ones}}, {{{xb}}}, "
-                           "{e0, e1, e2, e3};")
+                            f"lop3.b32 q3, tmp, 0x000F000F, {magic}, 0xEA;"]
+                    for grp, xb in enumerate(xbs):
+                        d = ", ".join(f"d{4 * (i * groups + grp) + j}" for j in range(4))
+                        out.append(f"{mma} {{{d}}}, {{q0, q1, q2, q3}}, {{{xb}}}, {{{d}}};")
+                for grp, xb in enumerate(xbs):
+                    e = ", ".join(f"e{4 * grp + j}" for j in range(4))
+                    out.append(f"{mma} {{{e}}}, {{ones, ones, ones, ones}}, {{{xb}}}, {{{e}}};")
         if self.rows:  # acc 4i + j from d 4i + j: column g + 8 (j // 2), row 2t + j % 2
             for i in range(nt):
-                for j in range(4):
-                    a, r = 4 * i + j, 2 * i + j // 2
-                    out += [f"fma.rn.f32 acc{a}, s{r}, d{a}, acc{a};",
-                            f"fma.rn.f32 acc{a}, sz{r}, e{j % 2}, acc{a};"]
+                for grp in range(groups):
+                    for j in range(4):
+                        a, r = 4 * (i * groups + grp) + j, 2 * i + j // 2
+                        out += [f"fma.rn.f32 acc{a}, s{r}, d{a}, acc{a};",
+                                f"fma.rn.f32 acc{a}, sz{r}, e{4 * grp + j % 2}, acc{a};"]
             return out
         for i in range(nt):  # D rows g (d0) and g + 8 (d2)
             for half in range(2):
@@ -270,6 +323,8 @@ class _PtxGroup:
         return ["add.u32 grp, grp, 1;",
                 *[f"add.u64 wa{i}, wa{i}, {self.chunks * 512};" for i in range(self.nt)],
                 f"add.u64 xa, xa, {self.chunks * CHUNK * 2};",
+                *[f"add.u64 xa{r}, xa{r}, {self.chunks * CHUNK * 2};"
+                  for r in self.later_groups()],
                 "cvt.u64.u32 off, $12;", "add.u64 za, za, off;",
                 "mul.wide.u32 off, $13, 2;", "add.u64 sa, sa, off;"]
 
@@ -280,10 +335,14 @@ class _PtxGroup:
         if self.rows:
             out = []
             for i in range(self.nt):
-                for j in range(4):
-                    y, pred = ("ya", "row0") if j % 2 == 0 else ("yb", "row1")
-                    out.append(f"@{pred} st.global.f32 [{y}+{4 * (16 * i + 8 * (j // 2))}], "
-                               f"acc{4 * i + j};")
+                for grp in range(self.groups):
+                    sfx = f"g{grp}" if grp else ""
+                    for j in range(4):
+                        y = (f"ya{grp}" if grp else "ya") if j % 2 == 0 else \
+                            (f"yb{grp}" if grp else "yb")
+                        pred = f"row{j % 2}{sfx}"
+                        out.append(f"@{pred} st.global.f32 [{y}+{4 * (16 * i + 8 * (j // 2))}], "
+                                   f"acc{4 * (i * self.groups + grp) + j};")
             return out
         out = ["setp.eq.u32 writer, t, 0;"]
         for i in range(self.nt):
@@ -297,23 +356,24 @@ def int4_gemv_mma(x: torch.Tensor, words: torch.Tensor, zeros: torch.Tensor,
                   scales: torch.Tensor, group: int, bias: torch.Tensor | None = None,
                   config: MmaConfig | None = None, out: torch.Tensor | None = None,
                   silu_mul: bool = False) -> torch.Tensor:
-    """x [M, K] (1 <= M <= 8 contiguous rows, bf16 / fp16, 16-byte aligned) times
-    the int4 weight in `mma_layout` `words`, [M, N] (`silu_mul`: silu(gate) * up,
-    [M, N / 2]). One row runs the one-row PTX; more, the rows PTX (`_PtxGroup`),
+    """x [M, K] (1 <= M <= MAX_ROWS contiguous rows, bf16 / fp16, 16-byte aligned)
+    times the int4 weight in `mma_layout` `words`, [M, N] (`silu_mul`: silu(gate) *
+    up, [M, N / 2]). One row runs the one-row PTX; more, the rows PTX (`_PtxGroup`,
+    a run of 8 rows per B operand),
     whose split-K sums the epilogue adds per row in split order, so a row's sums
     are added in the same order whatever M is."""
-    m, n, k = check_rows(x, words)
+    m, n, k = check_rows(x, words, MAX_ROWS)
     assert x.dtype in (torch.bfloat16, torch.float16)
     assert group in GROUPS and k % group == 0 and zeros.stride(1) == scales.stride(1) == 1
     cfg = config or pick_config(n)
     ptx = gemv_ptx(cfg.nt, group // CHUNK, x.dtype == torch.bfloat16, cfg.prefetch, m > 1,
-                   pdl.pdl_on())
+                   pdl.pdl_on(), triton.cdiv(m, 8))
     # A step is a group; the zero points' and scales' rows are their strides apart.
     return launch(ptx, cfg, x, words, zeros, scales, k // group, zeros.stride(0),
                   scales.stride(0), bias, out, silu_mul)
 
 
-# ---- above 8 rows: a GEMM over the same words ------------------------------------------
+# ---- above MAX_ROWS: a GEMM over the same words ---------------------------------------
 def int4_gemm_mma(x: torch.Tensor, words: torch.Tensor, zeros: torch.Tensor,
                   scales: torch.Tensor, group: int, bias: torch.Tensor | None = None,
                   out: torch.Tensor | None = None) -> torch.Tensor:

@@ -20,6 +20,7 @@ launch was measured there too and lost 0.7-3.6 us a call, so it is not done.
 
 from __future__ import annotations
 
+import re
 from typing import NamedTuple, Protocol
 
 import torch
@@ -31,7 +32,7 @@ from radixlm.layers.pdl import pdl_trigger, pdl_wait
 from radixlm.layers.quantization.triton_ops.int4 import _int4_split_sum_kernel
 
 CHUNK = 64  # features a lane's words of one tile cover: 4 MMA blocks of 16
-MAX_ROWS = 8  # B's columns: rows of x one launch takes
+MAX_ROWS = 8  # B's columns: rows of x one launch takes (int4: several runs of 8)
 
 
 class MmaConfig(NamedTuple):
@@ -107,6 +108,7 @@ def y_row_lines(rows: bool) -> list[str]:
 
 
 PDL_LINES = ["griddepcontrol.wait;", "griddepcontrol.launch_dependents;"]
+_X_LOAD = re.compile(r"\[xa\d*\+")
 
 
 def loop_ptx(p: MmaPieces, name: str, step: str, hi: str, prefetch: bool,
@@ -131,9 +133,10 @@ def loop_ptx(p: MmaPieces, name: str, step: str, hi: str, prefetch: bool,
                   f"setp.lt.u32 more, {step}, {hi};", f"@more bra.uni {top};"]
     else:
         first = p.loads("A", ahead=False, pred="@!skip " if pdl else "")
-        if pdl:  # x's loads read "[xa+...]"; the weights', every other address register
-            first = ([ln for ln in first if "[xa+" not in ln] + wait
-                     + [ln for ln in first if "[xa+" in ln])
+        if pdl:  # x's loads read "[xa+...]" ("[xa1+...]": further runs of rows); the
+            # weights', every other address register
+            first = ([ln for ln in first if not _X_LOAD.search(ln)] + wait
+                     + [ln for ln in first if _X_LOAD.search(ln)])
         lines += [*first, f"{top}:"]
         for cur, nxt, last in (("A", "B", False), ("B", "A", True)):
             lines += [f"add.u32 tmp, {step}, 1;", f"setp.lt.u32 more, tmp, {hi};",
@@ -173,17 +176,19 @@ def mma_gemv_kernel(x_ptr, w_ptr, a_ptr, b_ptr, ws_ptr, TILES, CHUNKS_PER_ROW, N
         dtype=tl.int32, is_pure=False, pack=1)
 
 
-def rows_fit(x: torch.Tensor) -> bool:
-    """Whether the PTX reads x [M, K] as it is: 1-8 contiguous, 16-byte aligned rows."""
-    return 1 <= x.shape[0] <= MAX_ROWS and x.is_contiguous() and x.data_ptr() % 16 == 0
+def rows_fit(x: torch.Tensor, max_rows: int = MAX_ROWS) -> bool:
+    """Whether the PTX reads x [M, K] as it is: 1 to `max_rows` (the format's PTX's
+    limit) contiguous, 16-byte aligned rows."""
+    return 1 <= x.shape[0] <= max_rows and x.is_contiguous() and x.data_ptr() % 16 == 0
 
 
-def check_rows(x: torch.Tensor, words: torch.Tensor) -> tuple[int, int, int]:
+def check_rows(x: torch.Tensor, words: torch.Tensor,
+               max_rows: int = MAX_ROWS) -> tuple[int, int, int]:
     """(M, N, K) of x [M, K] times the fragment-order `words` [N / 16, K / 64, ...],
     refusing what the PTX cannot read (`rows_fit`)."""
     tiles, chunks_per_row = words.shape[:2]
     m, n, k = x.shape[0], tiles * 16, chunks_per_row * CHUNK
-    assert rows_fit(x) and x.shape == (m, k) and words.is_contiguous()
+    assert rows_fit(x, max_rows) and x.shape == (m, k) and words.is_contiguous()
     return m, n, k
 
 
