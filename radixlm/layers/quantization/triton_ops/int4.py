@@ -243,10 +243,9 @@ def int4_gemm(x: torch.Tensor, qweight: torch.Tensor, zeros: torch.Tensor,
     common = dict(BM=cfg.bm, BN=cfg.bn, BK=bk, GROUP=group, GROUP_M=8,
                   HAS_BIAS=bias is not None, num_warps=cfg.warps, num_stages=cfg.stages)
     if cfg.fold and g_idx is None and x.dtype in (torch.bfloat16, torch.float16):
-        # Split-K: equal runs of whole steps (at most cfg.split of them); partial sums
-        # in fp32, added in split order by a second launch (the same bits whatever M).
-        steps = k // bk
-        split = max(d for d in range(1, min(cfg.split, steps) + 1) if steps % d == 0)
+        # Split-K: partial sums in fp32, added in split order by a second launch (a
+        # fixed order, so the same bits on every call of this shape).
+        split = even_split(k // bk, cfg.split)
         ws = y if split == 1 else torch.empty((split, m, n), device=x.device,
                                                dtype=torch.float32)
         _int4_gemm_folded_kernel[(grid[0], split)](
@@ -257,6 +256,12 @@ def int4_gemm(x: torch.Tensor, qweight: torch.Tensor, zeros: torch.Tensor,
     else:
         _int4_gemm_kernel[grid](*args, ACT_ORDER=g_idx is not None, **common)
     return y
+
+
+def even_split(steps: int, most: int) -> int:
+    """Runs of K for split-K: the most, up to `most`, that cut `steps` whole steps
+    into equal runs (so every program's loop has the same trip count)."""
+    return max(d for d in range(1, min(most, steps) + 1) if steps % d == 0)
 
 
 def split_sum(ws: torch.Tensor, y: torch.Tensor) -> None:

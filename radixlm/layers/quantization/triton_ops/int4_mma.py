@@ -395,8 +395,7 @@ def int4_gemm_mma(x: torch.Tensor, words: torch.Tensor, zeros: torch.Tensor,
         return torch.mm(x, w, out=y) if bias is None else torch.addmm(bias, x, w, out=y)
     cfg = _int4.pick_gemm_config(m, n, group)
     bk = min(group, 128)  # a step lies in one group
-    steps = k // bk
-    split = max(d for d in range(1, min(cfg.split, steps) + 1) if steps % d == 0)
+    split = _int4.even_split(k // bk, cfg.split)
     ws = y if split == 1 else torch.empty((split, m, n), device=x.device, dtype=torch.float32)
     grid = (triton.cdiv(m, cfg.bm) * triton.cdiv(n, cfg.bn), split)
     _int4_frag_gemm_kernel[grid](
