@@ -228,10 +228,8 @@ def int4_gemm(x: torch.Tensor, qweight: torch.Tensor, zeros: torch.Tensor,
     if m == 0:
         return y
     if config is None and m > DEQUANT_ABOVE and x.dtype in (torch.bfloat16, torch.float16):
-        w = int4_dequantize(qweight, zeros, scales, group, g_idx, x.dtype)
-        if bias is None:
-            return torch.mm(x, w, out=y)
-        return torch.addmm(bias, x, w, out=y)
+        return dense_product(x, int4_dequantize(qweight, zeros, scales, group, g_idx, x.dtype),
+                             bias, y)
     cfg = config or pick_gemm_config(m, n, group)
     bk = _pow2_divisor(group, cfg.bk)  # one group per step (or part of one)
     assert bk >= 16, f"group {group}: the tensor cores need 16 features per step"
@@ -256,6 +254,12 @@ def int4_gemm(x: torch.Tensor, qweight: torch.Tensor, zeros: torch.Tensor,
     else:
         _int4_gemm_kernel[grid](*args, ACT_ORDER=g_idx is not None, **common)
     return y
+
+
+def dense_product(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None,
+                  y: torch.Tensor) -> torch.Tensor:
+    """y = x @ w (+ bias) on cuBLAS, w the dequantized weight [K, N]."""
+    return torch.mm(x, w, out=y) if bias is None else torch.addmm(bias, x, w, out=y)
 
 
 def even_split(steps: int, most: int) -> int:

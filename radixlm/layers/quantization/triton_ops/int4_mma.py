@@ -392,7 +392,7 @@ def int4_gemm_mma(x: torch.Tensor, words: torch.Tensor, zeros: torch.Tensor,
         return y
     if m > _int4.DEQUANT_ABOVE:
         w = int4_dequantize_mma(words, zeros, scales, group, x.dtype)
-        return torch.mm(x, w, out=y) if bias is None else torch.addmm(bias, x, w, out=y)
+        return _int4.dense_product(x, w, bias, y)
     cfg = _int4.pick_gemm_config(m, n, group)
     bk = min(group, 128)  # a step lies in one group
     split = _int4.even_split(k // bk, cfg.split)
