@@ -394,12 +394,13 @@ def test_split_sums_of_every_row_in_one_launch(silu_mul):
         alone = MG.sum_splits(ws[:, r:r + 1].contiguous(), bias,
                               torch.empty(1, n_out, device=DEV, dtype=dtype), silu_mul)
         assert torch.equal(y[r:r + 1], alone), r
-    total = ws.sum(0)
-    if silu_mul:
-        total = torch.nn.functional.silu(total[:, :n_out]) * total[:, n_out:]
+    total = ws.double().sum(0)
+    if silu_mul:  # gate and up each rounded to the output dtype first (`_silu_mul`)
+        gate, up = (h.to(dtype).double() for h in (total[:, :n_out], total[:, n_out:]))
+        total = torch.nn.functional.silu(gate) * up
     else:
-        total = total + bias.float()
-    torch.testing.assert_close(y.float(), total, rtol=2 ** -7, atol=1e-5)
+        total = total + bias.double()
+    torch.testing.assert_close(y.double(), total, rtol=2 ** -7, atol=1e-5)
 
 
 @pytest.mark.parametrize("n,group", [(80, 64), (48, 128)])
