@@ -418,6 +418,7 @@ def int4_dequantize_mma(words: torch.Tensor, zeros: torch.Tensor, scales: torch.
     n, k = tiles * 16, chunks_per_row * CHUNK
     w = torch.empty((k, n), device=words.device, dtype=dtype)
     bk, bn = 64, 64
+    assert group % bk == 0, group  # a program's features inside one group
     _int4_frag_dequant_kernel[(triton.cdiv(n, bn), k // bk)](
         words, zeros, scales, w, n, chunks_per_row, zeros.stride(0), scales.stride(0),
         w.stride(0), BK=bk, BN=bn, GROUP=group, num_warps=4)
@@ -505,17 +506,25 @@ def _int4_frag_gemm_kernel(x_ptr, w_ptr, z_ptr, s_ptr, b_ptr, y_ptr, M, N, K, CH
 def _int4_frag_dequant_kernel(w_ptr, z_ptr, s_ptr, out_ptr, N, CHUNKS_PER_ROW, stride_z,
                               stride_s, stride_o, BK: tl.constexpr, BN: tl.constexpr,
                               GROUP: tl.constexpr):
-    """BK features of BN columns of fragment-order words -> (q - z) s in fp32,
-    rounded once to out's dtype, at out [feature, column]."""
+    """BK features (inside one group) of BN columns of fragment-order words -> (q - z)
+    s in fp32, rounded once to out's dtype, at out [feature, column]. Each element
+    reads its own word (a word serves 8, from L1), so the tile is laid out as it is
+    stored: columns in order, no reshape, whole rows written (`mma_layout`: column
+    16 tile + 8 jm + g, feature 64 chunk + 16 t + 4 b + q is word (tile, chunk, 4 g +
+    t, b)'s nibble jm + 2 (q // 2) + 4 (q % 2))."""
     k0 = tl.program_id(1) * BK
-    cols = _frag_columns(tl.program_id(0) * BN, BN)
+    cols = tl.program_id(0) * BN + tl.arange(0, BN)
     ok = (cols < N)[None, :]
     cols_c = tl.minimum(cols, N - 1)
-    q = _frag_nibbles(w_ptr, tl.program_id(0) * (BN // 16), N // 16, k0 // 64,
-                      CHUNKS_PER_ROW, BK, BN).to(tl.float32)
-    feats = k0 + tl.arange(0, BK)
-    g = (feats // GROUP)[:, None]
-    z = tl.load(z_ptr + g * stride_z + cols_c[None, :]).to(tl.float32)
-    s = tl.load(s_ptr + g * stride_s + cols_c[None, :]).to(tl.float32)
-    tl.store(out_ptr + feats[:, None].to(tl.int64) * stride_o + cols[None, :],
-             ((q - z) * s).to(out_ptr.dtype.element_ty), mask=ok)
+    f = k0 + tl.arange(0, BK)
+    # word and shift are a column's part plus a feature's (int32 words: 128 a chunk)
+    col_word = (cols_c // 16) * CHUNKS_PER_ROW * 128 + (cols_c % 8) * 16
+    f_word = (f // 64) * 128 + ((f // 16) % 4) * 4 + (f // 4) % 4
+    shift = 4 * ((cols_c // 8) % 2)[None, :] + (8 * ((f % 4) // 2) + 16 * (f % 2))[:, None]
+    nib = ((tl.load(w_ptr + col_word[None, :] + f_word[:, None]) >> shift) & 0xF)
+    nib = nib.to(tl.float32)
+    grp = k0 // GROUP
+    z = tl.load(z_ptr + grp * stride_z + cols_c).to(tl.float32)
+    s = tl.load(s_ptr + grp * stride_s + cols_c).to(tl.float32)
+    tl.store(out_ptr + f[:, None].to(tl.int64) * stride_o + cols[None, :],
+             ((nib - z[None, :]) * s[None, :]).to(out_ptr.dtype.element_ty), mask=ok)
