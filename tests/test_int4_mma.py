@@ -98,6 +98,17 @@ def test_two_runs_of_rows_ptx_against_float64(m, n, k, group, cfg, pdl) -> None:
     check_against_float64(m, torch.bfloat16, n, k, group, cfg, pdl=pdl)
 
 
+@pytest.mark.parametrize("m,n,k,group,cfg,pdl", [
+    (27, 32, 256, 128, M.MmaConfig(1, 1, 2, prefetch=True), True),  # 4 runs, the last short
+    (64, 16, 128, 64, M.MmaConfig(1, 1, 1), False),  # 8 full runs (MAX_ROWS)
+    (41, 48, 256, 128, M.MmaConfig(2, 1, 2), True),  # 6 runs, rows past M: row M - 1
+])
+def test_up_to_eight_runs_of_rows_ptx_against_float64(m, n, k, group, cfg, pdl) -> None:
+    """17-64 rows: up to 8 runs of 8 rows, each its own B operand, sums, x address
+    and row predicates against the same unpacked words."""
+    check_against_float64(m, torch.bfloat16, n, k, group, cfg, pdl=pdl)
+
+
 @pytest.mark.parametrize("m,n,k,group,cfg", [
     (1, 48, 256, 128, M.MmaConfig(2, 1, 2)),  # a warp past the last tile waits too
     (1, 32, 384, 64, M.MmaConfig(2, 1, 3, prefetch=True)),
@@ -144,14 +155,16 @@ def test_sm90_code_one_mma_a_word_no_shared_memory() -> None:
     """Compiled for sm_90 here: the group loop holds one HMMA per word and thread
     (per run of 8 rows), and one per block of 16 features for x's sums (so Triton
     gave each thread exactly one element: two would run the PTX twice), and no
-    shared memory, barrier or spill."""
+    shared memory, barrier or spill: up to PREFETCH_RUNS runs with the prefetching
+    loop, ROW_RUNS without (int4_gemv_mma's rule)."""
     pytest.importorskip("triton")
     sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
     from sass import mma_gemv_loop, opcode_counts
 
     for nt, chunks, warps, prefetch, rows, runs in [
             (1, 2, 4, False, False, 1), (2, 1, 2, False, False, 1), (1, 2, 4, True, False, 1),
-            (1, 2, 4, True, True, 1), (1, 2, 4, True, True, 2), (2, 1, 4, False, True, 2)]:
+            (1, 2, 4, True, True, 1), (1, 2, 4, True, True, 2), (2, 1, 4, False, True, 2),
+            (1, 2, 4, True, True, M.PREFETCH_RUNS), (1, 2, 4, False, True, M.ROW_RUNS)]:
         ptx = M.gemv_ptx(nt, chunks, True, prefetch, rows, groups=runs)
         loop = mma_gemv_loop(ptx, warps)
         ops = opcode_counts(loop)

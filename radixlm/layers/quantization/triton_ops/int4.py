@@ -129,9 +129,9 @@ def int4_linear(x: torch.Tensor, qweight: torch.Tensor | None, zeros: torch.Tens
                 silu_mul: bool = False, mma: torch.Tensor | None = None) -> torch.Tensor | None:
     """x @ W^T (+ bias) for x [..., K] bf16/fp16: [..., N] in x's dtype. With
     `silu_mul` (W a merged [gate; up], no bias): silu(gate) * up [..., N / 2] where
-    a GEMV runs (one row; up to `int4_mma.MAX_ROWS` on the tensor cores), None
+    a GEMV runs (one row; up to `int4_mma.GEMV_ROWS` on the tensor cores), None
     otherwise. `mma`: the weights in `int4_mma.mma_layout` (then `qweight` may be
-    None), read by the tensor-core GEMV at 1 to `int4_mma.MAX_ROWS` rows (copied
+    None), read by the tensor-core GEMV at 1 to `int4_mma.GEMV_ROWS` rows (copied
     first where they are not contiguous and 16-byte aligned, unless `qweight` is
     there for them) and by `int4_gemm_mma` above."""
     k = x.shape[-1]
@@ -142,7 +142,7 @@ def int4_linear(x: torch.Tensor, qweight: torch.Tensor | None, zeros: torch.Tens
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     m = x2.shape[0]
-    rows = _mma.MAX_ROWS if mma is not None else 0
+    rows = _mma.GEMV_ROWS if mma is not None else 0
     if qweight is None and 1 <= m <= rows and not _mma_gemv.rows_fit(x2, rows):
         x2 = torch.empty_like(x2, memory_format=torch.contiguous_format).copy_(x2)
     tensor_cores = mma is not None and _mma_gemv.rows_fit(x2, rows)

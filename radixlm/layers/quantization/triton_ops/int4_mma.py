@@ -1,4 +1,4 @@
-"""The int4 GEMV of 1-16 rows on the tensor cores (opt-in): the weights
+"""The int4 GEMV of 1-64 rows on the tensor cores (the CUDA default): the weights
 in the fragment order of `mma.m16n8k16`, so that each 32-bit word a lane loads
 is, after three shifts and four LOP3, exactly its A operand for one MMA.
 
@@ -43,15 +43,14 @@ Triton launches it and handles PDL. Groups must be whole chunks of 64 (64 or
 
 Up to 8 rows of x (`_PtxGroup`'s `rows`) take B's 8 columns, one row each; the
 one-row code above is kept as it was measured (an H100 call of 2026-12-05:
-AWQ single stream 2.23x bf16 with it, 2.00x on the CUDA-core GEMV). The rows
-form passed its GPU tests (H100, 2026-12-05), untimed. 9-16 rows take two runs
-of 8, each its own B operand against the same unpacked words (`gemv_ptx`'s
-`groups`; the PTX of 1-8 rows is text for text what it was): simulated, not yet
-run on a GPU. Above 16 rows the words
-take the GEMM of `int4.int4_gemm`'s forms: the folded tiles with K split up to
-128 rows, the weight dequantized whole and cuBLAS above (`int4_gemm_mma`); in
-this form its GPU tests have not run yet (the earlier per-tile dequantizing
-form passed them, and ran AWQ offline at 0.53x bf16 on an H100).
+AWQ single stream 2.23x bf16 with it, 2.00x on the CUDA-core GEMV). 9-64 rows
+take up to 8 runs of 8, each its own B operand against the same unpacked words
+(`gemv_ptx`'s `groups`; the PTX of 1-8 rows is text for text what it was);
+above 4 runs the loop does not prefetch (its registers would spill). On an
+H100 the GEMV beat every GEMM over these words at 16-64 rows at all four
+Llama-8B shapes (BENCHMARKS.md). Above 64 rows the words take the GEMM of
+`int4.int4_gemm`'s forms: the folded tiles with K split up to 128 rows, the
+weight dequantized whole and cuBLAS above (`int4_gemm_mma`).
 """
 
 from __future__ import annotations
@@ -80,8 +79,10 @@ from radixlm.layers.quantization.triton_ops.mma_gemv import (
 from radixlm.layers.tiles import grouped_tile
 
 GROUPS = (64, 128)  # group sizes the kernel takes (whole chunks, <= 2 chunks unrolled)
-ROW_RUNS = 2  # runs of 8 rows of x, each its own B operand (`gemv_ptx`'s `groups`)
-MAX_ROWS = 8 * ROW_RUNS
+ROW_RUNS = 8  # runs of 8 rows of x, each its own B operand (`gemv_ptx`'s `groups`)
+MAX_ROWS = 8 * ROW_RUNS  # what one launch takes
+PREFETCH_RUNS = 4  # above this many runs the prefetching loop spills (sm_90 SASS): off
+GEMV_ROWS = MAX_ROWS  # rows `int4.int4_linear` gives the GEMV (more: `int4_gemm_mma`)
 
 
 # ---- the layout (torch, any device) --------------------------------------------------
@@ -365,9 +366,12 @@ def int4_gemv_mma(x: torch.Tensor, words: torch.Tensor, zeros: torch.Tensor,
     m, n, k = check_rows(x, words, MAX_ROWS)
     assert x.dtype in (torch.bfloat16, torch.float16)
     assert group in GROUPS and k % group == 0 and zeros.stride(1) == scales.stride(1) == 1
+    runs = triton.cdiv(m, 8)
     cfg = config or pick_config(n)
+    if runs > PREFETCH_RUNS:
+        cfg = cfg._replace(prefetch=False)
     ptx = gemv_ptx(cfg.nt, group // CHUNK, x.dtype == torch.bfloat16, cfg.prefetch, m > 1,
-                   pdl.pdl_on(), triton.cdiv(m, 8))
+                   pdl.pdl_on(), runs)
     # A step is a group; the zero points' and scales' rows are their strides apart.
     return launch(ptx, cfg, x, words, zeros, scales, k // group, zeros.stride(0),
                   scales.stride(0), bias, out, silu_mul)
