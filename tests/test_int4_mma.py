@@ -176,19 +176,24 @@ def test_sm90_code_one_mma_a_word_no_shared_memory() -> None:
 
 
 def test_the_variables_are_named_at_start_up_and_cost_the_cpu_nothing(monkeypatch) -> None:
-    """$RADIXLM_INT4_GEMV / $RADIXLM_FP8_GEMV=mma: the start-up line says the 1-8-row
-    products run on the tensor cores (int4 from the weights held in fragment order,
-    FP8 from a second copy); off CUDA nothing changes (a layer built on the CPU
-    keeps FP8's `mma` None and int4's qweight in GPTQ form)."""
+    """Unset, $RADIXLM_INT4_GEMV / $RADIXLM_FP8_GEMV leave the GEMVs on the tensor
+    cores (int4 from the weights held in fragment order, FP8 reading the weight
+    where it lies) and the start-up line says so; "fma" opts out, FP8's "mma"
+    takes a second copy, and each is named there. Off CUDA nothing changes (a
+    layer built on the CPU keeps FP8's `mma` None and int4's qweight in GPTQ
+    form); a value that is not a mode is refused by name."""
     from quant_checkpoints import tiny_llama
 
     from radixlm.layers.linear import MergedColumnParallelLinear
     from radixlm.layers.quantization import get_quantization_config
 
-    monkeypatch.setenv("RADIXLM_INT4_GEMV", "mma")
-    monkeypatch.setenv("RADIXLM_FP8_GEMV", "mma")
-    for method, var in (("awq", "RADIXLM_INT4_GEMV"), ("fp8", "RADIXLM_FP8_GEMV")):
-        assert f"${var}=mma" in get_quantization_config(tiny_llama(), method).describe()
+    def describe(method: str) -> str:
+        return get_quantization_config(tiny_llama(), method).describe()
+
+    for var in ("RADIXLM_INT4_GEMV", "RADIXLM_FP8_GEMV"):
+        monkeypatch.delenv(var, raising=False)
+    assert "1-64 rows on the tensor cores" in describe("awq")
+    assert "on the tensor cores, reading the per-row-scaled weights" in describe("fp8")
     layer = MergedColumnParallelLinear(256, [128, 128], params_dtype=torch.bfloat16,
                                        quant_config=get_quantization_config(tiny_llama(),
                                                                             "fp8"))
@@ -199,13 +204,11 @@ def test_the_variables_are_named_at_start_up_and_cost_the_cpu_nothing(monkeypatc
                                        quant_config=get_quantization_config(tiny_llama(),
                                                                             "awq"))
     assert layer.qweight.shape == (32, 256) and not layer.quant_method.fragment
-    monkeypatch.setenv("RADIXLM_FP8_GEMV", "mma-plain")
-    assert "$RADIXLM_FP8_GEMV=mma-plain" in get_quantization_config(tiny_llama(),
-                                                                     "fp8").describe()
+    monkeypatch.setenv("RADIXLM_FP8_GEMV", "mma")
+    assert "$RADIXLM_FP8_GEMV=mma: a second copy" in describe("fp8")
     for var, method in (("RADIXLM_FP8_GEMV", "fp8"), ("RADIXLM_INT4_GEMV", "awq")):
+        monkeypatch.setenv(var, "fma")
+        assert f"${var}=fma" in describe(method) and "tensor cores" not in describe(method)
         monkeypatch.setenv(var, "fast")  # not a mode: refused by name
         with pytest.raises(ValueError, match=f"{var}='fast'"):
-            get_quantization_config(tiny_llama(), method).describe()
-        monkeypatch.setenv(var, "mma")
-    monkeypatch.delenv("RADIXLM_INT4_GEMV")
-    assert "tensor cores" not in get_quantization_config(tiny_llama(), "awq").describe()
+            describe(method)

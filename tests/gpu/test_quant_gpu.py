@@ -111,14 +111,15 @@ def test_quantized_checkpoint_on_cuda_tracks_its_dequantized_model(fmt, model):
     _compare(_run(q, None, prompts), _run(deq, None, prompts), fmt)
 
 
-def test_awq_on_the_tensor_core_gemv_tracks_its_dequantized_model(model, monkeypatch):
-    """$RADIXLM_INT4_GEMV=mma: qweight held in MMA fragment order, decode's products
-    on the MMA GEMV (`int4_mma.py`), prefill's on the GEMM over the same words."""
-    monkeypatch.setenv("RADIXLM_INT4_GEMV", "mma")
+def test_awq_on_the_cuda_core_gemv_tracks_its_dequantized_model(model, monkeypatch):
+    """$RADIXLM_INT4_GEMV=fma: qweight kept in the GPTQ form, decode's one-row
+    products on the CUDA-core GEMV, more rows on the GEMMs over those words (the
+    default, fragment order, is what the test above runs)."""
+    monkeypatch.setenv("RADIXLM_INT4_GEMV", "fma")
     root, config, floats, prompts = model
     quantize, qconfig = FORMATS["awq-g128"]
     q, deq = write_pair(root, "awq-g128", config, floats, quantize, qconfig)
-    _compare(_run(q, None, prompts), _run(deq, None, prompts), "awq-g128, MMA GEMV")
+    _compare(_run(q, None, prompts), _run(deq, None, prompts), "awq-g128, CUDA-core GEMV")
 
 
 def test_awq_layer_held_in_fragment_order(monkeypatch):
@@ -161,11 +162,12 @@ def test_awq_layer_held_in_fragment_order(monkeypatch):
     torch.testing.assert_close(got.double(), want, rtol=2e-2, atol=2e-2 * want.abs().max())
 
 
-@pytest.mark.parametrize("mode", ["mma", "mma-plain"])
-def test_online_fp8_on_the_tensor_core_gemv_tracks_its_dequantized_model(mode, model,
-                                                                         monkeypatch):
-    """$RADIXLM_FP8_GEMV=mma / mma-plain: decode's products on the MMA GEMV
-    (`fp8_mma.py`), from the fragment-order copy / the weight where it lies."""
+@pytest.mark.parametrize("mode", ["mma", "fma"])
+def test_online_fp8_on_the_other_gemvs_tracks_its_dequantized_model(mode, model,
+                                                                    monkeypatch):
+    """$RADIXLM_FP8_GEMV=mma / fma: decode's products on the MMA GEMV from the
+    fragment-order copy / on the FMA GEMV (the default, the MMA GEMV reading the
+    weight where it lies, is the test below)."""
     monkeypatch.setenv("RADIXLM_FP8_GEMV", mode)
     test_online_fp8_on_cuda_tracks_its_dequantized_model(model)
 
@@ -189,8 +191,10 @@ def test_dummy_fp8_and_awq_engines_run(model):
             assert all(len(o["output_ids"]) == 4 for o in out)
 
 
-def test_layer_methods_run_our_kernels():
-    """A layer built on CUDA runs the kernels (the fused SiLU GEMV at 1-8 rows)."""
+def test_layer_methods_run_our_kernels(monkeypatch):
+    """A layer built on CUDA runs the kernels (the fused SiLU FMA GEMV at 1-8 rows,
+    under $RADIXLM_FP8_GEMV=fma)."""
+    monkeypatch.setenv("RADIXLM_FP8_GEMV", "fma")
     quant = get_quantization_config(tiny_llama(), "fp8")
     with torch.device("cuda"):
         layer = MergedColumnParallelLinear(1024, [2816, 2816], params_dtype=torch.bfloat16,

@@ -64,21 +64,22 @@ F32 = torch.float32
 FP8_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
 _ops = lazy_import("radixlm.layers.quantization.triton_ops.fp8")  # Triton: CUDA only
 _mma = lazy_import("radixlm.layers.quantization.triton_ops.fp8_mma")
-# The tensor-core GEMV of 1-8 rows (opt-in): "mma" from a copy of the weight in
-# MMA fragment order, "mma-plain" reading the weight where it lies (no copy; on an
-# H100 faster at qkv, slower at gate/up: `fp8_mma.py`).
+# The GEMV of 1-8 rows: on the tensor cores "mma-plain" (the default) reading the
+# weight where it lies, "mma" from a second copy in MMA fragment order (on an H100
+# faster at gate/up, slower at qkv: `fp8_mma.py`), "fma" on the CUDA cores.
 MMA_ENV = "RADIXLM_FP8_GEMV"
-MMA_MODES = ("mma", "mma-plain")
+MMA_MODES = ("mma-plain", "mma", "fma")
 
 
 def mma_mode() -> str:
-    """$RADIXLM_FP8_GEMV: a mode of `MMA_MODES`, or "" unset (the FMA GEMV); any
-    other value is refused."""
-    mode = os.environ.get(MMA_ENV, "")
-    if mode and mode not in MMA_MODES:
+    """$RADIXLM_FP8_GEMV: "mma-plain" (also when unset: single stream 1.46x bf16 on an
+    H100 against the FMA GEMV's 1.32x, BENCHMARKS.md 2026-12-05), "mma", or "" for
+    "fma" (the FMA GEMV); any other value is refused."""
+    mode = os.environ.get(MMA_ENV) or "mma-plain"
+    if mode not in MMA_MODES:
         raise ValueError(f"${MMA_ENV}={mode!r}: expected one of {', '.join(MMA_MODES)} "
                          "(or unset)")
-    return mode
+    return "" if mode == "fma" else mode
 
 
 def quantize_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -134,8 +135,8 @@ class Fp8Weight:
 
 
 def with_tensor_cores(w: Fp8Weight) -> Fp8Weight:
-    """`w` set up for the tensor-core GEMV (`fp8_mma.py`) when $RADIXLM_FP8_GEMV asks
-    and the layer fits that kernel (per-row scales, whole tiles; "mma-plain" also
+    """`w` set up for the tensor-core GEMV (`fp8_mma.py`) unless $RADIXLM_FP8_GEMV=fma,
+    where the layer fits that kernel (per-row scales, whole tiles; "mma-plain" also
     rows 16-byte aligned): its weight a second time in MMA fragment order ("mma"),
     or the weight itself ("mma-plain"); else `w`."""
     n, k = w.weight.shape
@@ -443,9 +444,9 @@ class Fp8Config(QuantizationConfig):
                if self.scheme is None else self.scheme.describe())
         gemv = {"mma": f" (on the tensor cores, ${MMA_ENV}=mma: a second copy of the "
                        "per-row-scaled weights in MMA fragment order)",
-                "mma-plain": f" (on the tensor cores, ${MMA_ENV}=mma-plain: reading the "
-                             "per-row-scaled weights where they lie)",
-                "": ""}[mma_mode()]
+                "mma-plain": " (on the tensor cores, reading the per-row-scaled weights "
+                             "where they lie)",
+                "": f" (on the CUDA cores, ${MMA_ENV}=fma)"}[mma_mode()]
         experts = ""
         if self.counts["fp8 experts"] or self.counts["float experts"]:
             experts = (f"; {self.counts['fp8 experts']} MoE layers' experts in FP8 "

@@ -21,18 +21,20 @@ checkpoint's tensors. With act-order the scales and zeros are not cut by
 tensor parallelism (a rank's features may belong to any group): every rank
 holds them whole and looks groups up through its piece of `g_idx`.
 
-Products: on CUDA in bf16/fp16 our Triton kernels (one row: a GEMV in fp32
-registers, fused with the MLP's silu(gate) * up on a merged gate/up layer;
-up to 128 rows a GEMM on the tensor cores with the scale folded out of the
-weights, above that the weight dequantized whole and a cuBLAS GEMM);
-elsewhere the weight is dequantized at matmul time (fp32 [N, K] for the one
-product, then freed: the memory stays half a byte per weight). With
-$RADIXLM_INT4_GEMV=mma (opt-in) a layer built on CUDA that the tensor-core
-kernels take holds `qweight` in their MMA fragment order instead
-(`FragmentSpec`: int32 [N / 16, K / 64, 32, 4], the same bytes), and every
-product reads that: 1-16 rows the tensor-core GEMV (`triton_ops/int4_mma.py`),
-more a GEMM over the same words. Loads and read-backs convert through the
-GPTQ form, so updates and `get_weights_by_name` see the checkpoint's tensors.
+Products: on CUDA in bf16/fp16 our Triton kernels. A layer built on CUDA that
+the tensor-core kernels take (no act-order, whole tiles of 16 output features,
+group 64 or 128) holds `qweight` in their MMA fragment order (`FragmentSpec`:
+int32 [N / 16, K / 64, 32, 4], the same bytes), and every product reads that:
+1-64 rows the tensor-core GEMV (`triton_ops/int4_mma.py`, fused with the MLP's
+silu(gate) * up on a merged gate/up layer), up to 128 a GEMM on the tensor cores
+with the scale folded out of the weights, above that the weight dequantized
+whole and a cuBLAS GEMM. Loads and read-backs convert through the GPTQ form, so
+updates and `get_weights_by_name` see the checkpoint's tensors. Other layers,
+and every layer under $RADIXLM_INT4_GEMV=fma, keep the GPTQ form: one row a
+CUDA-core GEMV in fp32 registers (fused SiLU too), then the same two GEMM forms
+over those words. Elsewhere the weight is dequantized at matmul time (fp32
+[N, K] for the one product, then freed: the memory stays half a byte per
+weight).
 """
 
 from __future__ import annotations
@@ -67,7 +69,8 @@ if TYPE_CHECKING:
 
 _ops = lazy_import("radixlm.layers.quantization.triton_ops.int4")  # Triton: CUDA only
 _mma = lazy_import("radixlm.layers.quantization.triton_ops.int4_mma")
-MMA_ENV = "RADIXLM_INT4_GEMV"  # "mma": the tensor-core GEMV of 1-16 rows (opt-in)
+# "fma": the CUDA-core GEMV and the GPTQ form on CUDA; unset or "mma": fragment order
+MMA_ENV = "RADIXLM_INT4_GEMV"
 INT32 = frozenset({torch.int32})
 # The output feature (within its 8) that AWQ packs into nibble i.
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
@@ -75,11 +78,13 @@ _SHIFTS = tuple(range(0, 32, 4))
 
 
 def mma_requested() -> bool:
-    """$RADIXLM_INT4_GEMV=mma; unset: False; any other value is refused."""
+    """Whether CUDA layers take the tensor-core kernels: unset or "mma" (the default,
+    faster on an H100 at one row and offline: BENCHMARKS.md 2026-12-05), "fma" opts
+    out; any other value of $RADIXLM_INT4_GEMV is refused."""
     mode = os.environ.get(MMA_ENV, "")
-    if mode not in ("", "mma"):
-        raise ValueError(f"${MMA_ENV}={mode!r}: expected 'mma' (or unset)")
-    return mode == "mma"
+    if mode not in ("", "mma", "fma"):
+        raise ValueError(f"${MMA_ENV}={mode!r}: expected 'mma' or 'fma' (or unset)")
+    return mode != "fma"
 
 
 # ---- packing (torch, any device) ---------------------------------------------------------
@@ -320,9 +325,9 @@ def _column_blocks(offset: int, size: int, block: int = 2048) -> Iterator[tuple[
 
 def fragment_order(parts: list[int], k: int, group: int, desc_act: bool) -> bool:
     """Whether a layer of output `parts` (its fused parts' features on this rank) and
-    k input features holds qweight in MMA fragment order (`FragmentSpec`):
-    $RADIXLM_INT4_GEMV=mma asks, the layer is built on CUDA (the loader builds
-    under the target device), and `fragment_fits`."""
+    k input features holds qweight in MMA fragment order (`FragmentSpec`): built on
+    CUDA (the loader builds under the target device), `fragment_fits`, and
+    $RADIXLM_INT4_GEMV not "fma"."""
     return (mma_requested() and torch.get_default_device().type == "cuda"
             and fragment_fits(parts, k, group, desc_act))
 
@@ -521,10 +526,11 @@ class _Int4Config(QuantizationConfig):
         f = self.fmt
         order = ", act-order (g_idx)" if f.desc_act else ""
         source = "" if self.from_checkpoint else " (dummy weights: round-to-nearest int4)"
-        products = ("GEMV at 1-16 rows on the tensor cores and a GEMM above, both reading the "
-                    f"weights held in MMA fragment order (${MMA_ENV}=mma; act-order layers "
-                    "keep the GEMV at one row)"
-                    if mma_requested() else "GEMV at one row, dequantizing GEMM above")
+        products = ("GEMV at 1-64 rows on the tensor cores and a GEMM above, both reading the "
+                    "weights held in MMA fragment order (layers those kernels do not take, "
+                    "e.g. act-order: GEMV at one row, GEMM above)"
+                    if mma_requested() else
+                    f"GEMV at one row, GEMM above (${MMA_ENV}=fma: the GPTQ form)")
         return (f"quantization {self.name}{source}: {self.counts['int4']} linear layers in int4 "
                 f"(group size {f.group_size}, zero points{order}), {self.counts['float']} in "
                 "floats (the LM head, layers the checkpoint leaves unquantized); CUDA: our int4 "
