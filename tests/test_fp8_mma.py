@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from radixlm.layers.quantization.triton_ops import fp8_mma as M
+from radixlm.layers.quantization.triton_ops import mma_gemv as MG
 
 sys.path.insert(0, os.path.dirname(__file__))
 from ptx_sim import run_mma_gemv  # noqa: E402
@@ -49,7 +50,8 @@ def simulate(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor, cfg: M.MmaConfig
     added: fp32 [M, N]. `pdl`: the PTX holding the PDL wait (the simulator refuses
     x or the sums touched before it)."""
     k = w.shape[1]
-    ptx = M.gemv_ptx(cfg.nt, cfg.prefetch, rows=x.shape[0] > 1, pdl=pdl)
+    ptx = M.gemv_ptx(cfg.nt, cfg.prefetch, rows=x.shape[0] > 1, pdl=pdl,
+                     runs=-(-x.shape[0] // 8))
     return run_mma_gemv(ptx, cfg, x, M.mma_layout(w), s, s, k // (M.STEP_CHUNKS * M.CHUNK))
 
 
@@ -72,6 +74,19 @@ def test_ptx_against_float64(n, k, cfg) -> None:
 ])
 def test_rows_ptx_against_float64(m, n, k, cfg) -> None:
     check_against_float64(m, n, k, cfg)
+
+
+@pytest.mark.parametrize("m,n,k,cfg,pdl,pad", [
+    (16, 16, 128, M.MmaConfig(1, 1, 1), False, None),  # two full runs of 8 rows
+    (27, 32, 640, M.MmaConfig(2, 1, 2, prefetch=True), True, None),  # 4 runs, the last short
+    (64, 16, 256, M.MmaConfig(1, 1, 1), False, 16),  # 8 full runs (MAX_ROWS), plain
+    (41, 48, 256, M.MmaConfig(2, 1, 2), True, 0),  # 6 runs, rows past M: row M - 1, plain
+])
+def test_runs_of_rows_ptx_against_float64(m, n, k, cfg, pdl, pad) -> None:
+    """9-64 rows: up to 8 runs of 8 rows, each its own B operand, sums, x address
+    and row predicates against the same unpacked words (stored or plain); the
+    PTX of 1-8 rows is unchanged by it."""
+    check_against_float64(m, n, k, cfg, pdl, pad=pad)
 
 
 @pytest.mark.parametrize("m,n,k,cfg", [
@@ -110,7 +125,7 @@ def check_against_float64(m, n, k, cfg, pdl: bool = False, pad: int | None = Non
     else:
         rows = torch.full((n, k + pad), 0x7F, dtype=torch.uint8)  # NaN codes past K
         rows[:, :k] = w.view(torch.uint8)
-        ptx = M.gemv_ptx(cfg.nt, cfg.prefetch, m > 1, pdl, plain=True)
+        ptx = M.gemv_ptx(cfg.nt, cfg.prefetch, m > 1, pdl, plain=True, runs=-(-m // 8))
         got = run_mma_gemv(ptx, cfg, x, rows, s, s, k // (M.STEP_CHUNKS * M.CHUNK), k + pad,
                            grid_shape=(n // 16, k // M.CHUNK))
         assert torch.equal(got, simulate(x, w, s, cfg, pdl)), "plain and stored words differ"
@@ -137,9 +152,12 @@ def test_sm90_code_one_mma_per_two_words_no_shared_memory() -> None:
     sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
     from sass import mma_gemv_loop, opcode_counts
 
-    for nt, warps, prefetch, rows in [(1, 4, False, False), (2, 2, False, False),
-                                      (1, 4, True, False), (1, 4, True, True)]:
-        ops = opcode_counts(mma_gemv_loop(M.gemv_ptx(nt, prefetch, rows), warps))
+    for nt, warps, prefetch, rows, runs in [
+            (1, 4, False, False, 1), (2, 2, False, False, 1), (1, 4, True, False, 1),
+            (1, 4, True, True, 1), (1, 4, True, True, MG.PREFETCH_RUNS),
+            (1, 4, False, True, MG.MAX_RUNS)]:  # `row_runs`' rule: no spill
+        ops = opcode_counts(mma_gemv_loop(M.gemv_ptx(nt, prefetch, rows, runs=runs), warps))
         steps = 2 if prefetch else 1  # the prefetching loop is unrolled twice
-        assert ops["HMMA"] == steps * nt * M.STEP_CHUNKS * 4, ops
+        assert ops["HMMA"] == steps * runs * nt * M.STEP_CHUNKS * 4, ops
         assert ops["LDS"] == ops["STS"] == ops["BAR"] == 0, ops
+        assert ops["LDL"] == ops["STL"] == 0, ops  # no register spills

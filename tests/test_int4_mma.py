@@ -14,6 +14,7 @@ import torch
 
 from radixlm.layers.quantization import int4 as I
 from radixlm.layers.quantization.triton_ops import int4_mma as M
+from radixlm.layers.quantization.triton_ops import mma_gemv as MG
 
 sys.path.insert(0, os.path.dirname(__file__))
 from ptx_sim import run_mma_gemv  # noqa: E402
@@ -156,7 +157,7 @@ def test_sm90_code_one_mma_a_word_no_shared_memory() -> None:
     (per run of 8 rows), and one per block of 16 features for x's sums (so Triton
     gave each thread exactly one element: two would run the PTX twice), and no
     shared memory, barrier or spill: up to PREFETCH_RUNS runs with the prefetching
-    loop, ROW_RUNS without (int4_gemv_mma's rule)."""
+    loop, MAX_RUNS without (`mma_gemv.row_runs`' rule)."""
     pytest.importorskip("triton")
     sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
     from sass import mma_gemv_loop, opcode_counts
@@ -164,7 +165,7 @@ def test_sm90_code_one_mma_a_word_no_shared_memory() -> None:
     for nt, chunks, warps, prefetch, rows, runs in [
             (1, 2, 4, False, False, 1), (2, 1, 2, False, False, 1), (1, 2, 4, True, False, 1),
             (1, 2, 4, True, True, 1), (1, 2, 4, True, True, 2), (2, 1, 4, False, True, 2),
-            (1, 2, 4, True, True, M.PREFETCH_RUNS), (1, 2, 4, False, True, M.ROW_RUNS)]:
+            (1, 2, 4, True, True, MG.PREFETCH_RUNS), (1, 2, 4, False, True, MG.MAX_RUNS)]:
         ptx = M.gemv_ptx(nt, chunks, True, prefetch, rows, groups=runs)
         loop = mma_gemv_loop(ptx, warps)
         ops = opcode_counts(loop)

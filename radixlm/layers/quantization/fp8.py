@@ -19,9 +19,11 @@ Formats (`Fp8Scheme`: where the scales are and what they are called):
 A MoE layer's experts take the same schemes (`fp8_moe.py`, from
 `Fp8Config.get_moe_method`), with weight-only products.
 
-Products (`Fp8LinearMethod.apply`): on CUDA in bf16/fp16, 1-8 rows go through
-our FP8 GEMV (weights read once and multiplied at the activations' precision);
-more rows quantize the activations to FP8 (per token, per group of bk for block weights, or the
+Products (`Fp8LinearMethod.apply`): on CUDA in bf16/fp16, few rows go through
+our FP8 GEMV (weights read once and multiplied at the activations' precision):
+1-32 rows on the tensor cores where the layer has per-row scales and x is bf16
+(`triton_ops/fp8_mma.py`), else 1-8 rows on the FMA GEMV; more rows quantize
+the activations to FP8 (per token, per group of bk for block weights, or the
 static scale) and run our W8A8 GEMM on the FP8 tensor cores
 (`triton_ops/fp8.py`). Elsewhere (the CPU, fp32) the weight is dequantized at
 matmul time and multiplied in the activations' dtype: no copy is kept, the
@@ -64,7 +66,7 @@ F32 = torch.float32
 FP8_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
 _ops = lazy_import("radixlm.layers.quantization.triton_ops.fp8")  # Triton: CUDA only
 _mma = lazy_import("radixlm.layers.quantization.triton_ops.fp8_mma")
-# The GEMV of 1-8 rows: on the tensor cores "mma-plain" (the default) reading the
+# The GEMV of few rows: on the tensor cores "mma-plain" (the default) reading the
 # weight where it lies, "mma" from a second copy in MMA fragment order (on an H100
 # faster at gate/up, slower at qkv: `fp8_mma.py`), "fma" on the CUDA cores.
 MMA_ENV = "RADIXLM_FP8_GEMV"
@@ -442,11 +444,11 @@ class Fp8Config(QuantizationConfig):
     def describe(self) -> str:
         how = ("per-channel weight scales, dynamic per-token activation scales"
                if self.scheme is None else self.scheme.describe())
-        gemv = {"mma": f" (on the tensor cores, ${MMA_ENV}=mma: a second copy of the "
-                       "per-row-scaled weights in MMA fragment order)",
-                "mma-plain": " (on the tensor cores, reading the per-row-scaled weights "
-                             "where they lie)",
-                "": f" (on the CUDA cores, ${MMA_ENV}=fma)"}[mma_mode()]
+        gemv = {"mma": " (1-32 rows on the tensor cores, $RADIXLM_FP8_GEMV=mma: a second copy "
+                       "of the per-row-scaled weights in MMA fragment order; else 1-8)",
+                "mma-plain": " (1-32 rows on the tensor cores, reading the per-row-scaled "
+                             "weights where they lie; else 1-8)",
+                "": f" (1-8 rows on the CUDA cores, ${MMA_ENV}=fma)"}[mma_mode()]
         experts = ""
         if self.counts["fp8 experts"] or self.counts["float experts"]:
             experts = (f"; {self.counts['fp8 experts']} MoE layers' experts in FP8 "
@@ -454,5 +456,5 @@ class Fp8Config(QuantizationConfig):
         return (f"quantization fp8 ({self.source}): {self.counts['fp8']} linear layers in FP8 "
                 f"e4m3 ({how}), {self.counts['float']} in floats (the LM head, layers the "
                 f"checkpoint leaves unquantized){experts}; "
-                f"CUDA: our FP8 GEMV at 1-8 rows{gemv}, W8A8 GEMM above; the CPU dequantizes "
+                f"CUDA: our FP8 GEMV at few rows{gemv}, W8A8 GEMM above; the CPU dequantizes "
                 "at matmul time")

@@ -1,4 +1,4 @@
-"""The FP8 GEMV of 1-8 rows on the tensor cores (opt-in): the int4
+"""The FP8 GEMV of 1-64 rows on the tensor cores (the CUDA default): the int4
 MMA GEMV's scheme (`int4_mma.py`: weights in `mma.m16n8k16` fragment order, x as
 B, the loop in PTX) for e4m3 weights with one fp32 scale per output row.
 
@@ -28,8 +28,13 @@ shapes take the FMA GEMV).
 
 Up to 8 rows of x take B's 8 columns as in `int4_mma` (`_Fp8Ptx`'s `rows`); the
 one-row code is kept as measured (an H100 call of 2026-12-05: FP8 single stream
-1.56x bf16 with it, 1.33x on the FMA GEMV). The rows form passed its GPU tests
-(H100, 2026-12-05); it is untimed.
+1.56x bf16 with it, 1.33x on the FMA GEMV). 9-64 rows take up to 8 runs of 8,
+each its own B operand against the same unpacked words (`runs`), as int4's do.
+On an H100 the GEMV beat the W8A8 GEMM at 16 and 32 rows on all four Llama-8B
+shapes but gate_up at 32 (even), and lost at 48 and 64 (gate_up 64 rows: 141
+us against 55), so `fp8.fp8_linear` gives it up to GEMV_ROWS = 32 rows: FP8
+offline with 16 prompts went from 0.77x to 1.31x bf16's decode, 32 prompts
+from 0.91x to 1.12x (BENCHMARKS.md).
 
 A lane's 16 bytes of a chunk are 16 consecutive features of one row, so the
 words can also be made from the weight as it lies: `gemv_ptx(plain=True)` loads
@@ -53,16 +58,21 @@ from radixlm.layers.quantization.triton_ops.mma_gemv import (
     MmaConfig,
     check_rows,
     lane_lines,
+    later_run_declarations,
+    later_run_lines,
     launch,
     loop_ptx,
     pick_config,
     regs,
+    row_runs,
     rows_fit,
+    run_suffixes,
     x_row_lines,
     y_row_lines,
 )
 
 STEP_CHUNKS = 2  # chunks a loop step loads before its MMAs
+GEMV_ROWS = 32  # rows `fp8.fp8_linear` gives the GEMV (more: the W8A8 GEMM)
 TWO_POW_120 = "0f7B800000"  # 2^120 in fp32: e4m3 (bias 7) read as bf16 (bias 127)
 
 
@@ -94,18 +104,20 @@ def takes(n: int, k: int, block_k: int, x_dtype: torch.dtype) -> bool:
 
 @functools.cache
 def gemv_ptx(nt: int, prefetch: bool = False, rows: bool = False, pdl: bool = False,
-             plain: bool = False) -> str:
+             plain: bool = False, runs: int = 1) -> str:
     """One thread's PTX: `nt` row tiles; with `prefetch` the next step's loads
     before this step's MMAs (two register buffers, the loop unrolled twice);
     `rows`: x has up to 8 rows, one per column of B (else one row, the code of
     the one-row GEMV); `pdl`: the PDL wait inside, after the first step's weight
     loads (`mma_gemv.loop_ptx`); `plain`: the weight as it is, [N, K] rows $12
-    bytes apart, instead of `mma_layout` words (`_Fp8Ptx`). Operands
+    bytes apart, instead of `mma_layout` words (`_Fp8Ptx`); `runs` (with `rows`):
+    x has up to 8 `runs` rows, each run of 8 a B operand of its own against the
+    same unpacked words, as `int4_mma.gemv_ptx`'s groups. Operands
     (`mma_gemv.mma_gemv_kernel`'s): $1 x, $2 words (plain: the weight), $3 row
     scales (fp32), $5 this program's partial sums; $6 its first warp index, $7 /
     $8 its first / past-last step, $9 row tiles in all, $10 chunks a row of tiles
     (K / 64), $11 N, $12 (plain) the weight's row stride in bytes, $14 x's rows."""
-    return loop_ptx(_Fp8Ptx(nt, rows, plain), "fp8_mma", "stp", "$8", prefetch, pdl)
+    return loop_ptx(_Fp8Ptx(nt, rows, plain, runs), "fp8_mma", "stp", "$8", prefetch, pdl)
 
 
 class _Fp8Ptx:
@@ -118,10 +130,17 @@ class _Fp8Ptx:
     (address registers `wa`, `wb`), and one `prmt` a word interleaves the two
     rows' bytes into the fragment word `mma_layout` would have stored (byte 2 h +
     1 row g, byte 2 h row g + 8). A warp's load then covers 8 runs of 64 bytes
-    instead of 512 contiguous ones, and there is no second copy of the weight."""
+    instead of 512 contiguous ones, and there is no second copy of the weight.
 
-    def __init__(self, nt: int, rows: bool = False, plain: bool = False) -> None:
-        self.nt, self.rows, self.plain = nt, rows, plain
+    `runs` > 1: rows 8 r .. 8 r + 7 are run r's B (`mma_gemv.later_run_lines`),
+    each block's words unpacked once for all runs; run r has its own D (registers
+    4 (tile runs + r) + j) and writes rows 8 r + 2t, 8 r + 2t + 1. runs = 1 is the
+    code above, text for text."""
+
+    def __init__(self, nt: int, rows: bool = False, plain: bool = False,
+                 runs: int = 1) -> None:
+        assert runs == 1 or rows
+        self.nt, self.rows, self.plain, self.runs = nt, rows, plain, runs
 
     def declarations(self, bufs: tuple[str, ...]) -> list[str]:
         nt = self.nt
@@ -129,12 +148,13 @@ class _Fp8Ptx:
                ".reg .pred skip, more, writer;",
                ".reg .b32 tid, lane, warp, g, t, tile, stp, tmp, p, q0, q1, q2, q3"
                f"{', p0, p1' * self.plain};",
-               f".reg .f32 {regs('d', 4 * nt)}, sc{', yv' * self.rows};",
+               f".reg .f32 {regs('d', 4 * nt * self.runs)}, sc{', yv' * self.rows};",
                f".reg .b64 {regs('wa', nt)}, {(regs('wb', nt) + ', ') * self.plain}xa, sa, ya, "
-               f"{'yb, ' * self.rows}off;"]
+               f"{'yb, ' * self.rows}off;",
+               *later_run_declarations(self.runs)]
         for b in bufs:
             out += [f".reg .b32 {regs(f'w{b}', nt * STEP_CHUNKS * 8)};",
-                    f".reg .b32 {regs(f'x{b}', STEP_CHUNKS * 8)};"]
+                    f".reg .b32 {regs(f'x{b}', STEP_CHUNKS * 8 * self.runs)};"]
         return out
 
     def setup(self) -> list[str]:
@@ -157,7 +177,8 @@ class _Fp8Ptx:
             "add.u64 sa, $3, off;",
             "add.u64 ya, $5, off;",
             *y_row_lines(self.rows),
-            *[f"mov.f32 d{i}, 0f00000000;" for i in range(4 * nt)],
+            *later_run_lines(self.runs, STEP_CHUNKS * CHUNK),
+            *[f"mov.f32 d{i}, 0f00000000;" for i in range(4 * nt * self.runs)],
             "mov.u32 stp, $7;",
         ]
 
@@ -201,10 +222,11 @@ class _Fp8Ptx:
                     out.append(f"{pred}ld.global.nc.L1::no_allocate.v4.u32 {{w{b}{r + 4 * h}, "
                                f"w{b}{r + 4 * h + 1}, w{b}{r + 4 * h + 2}, w{b}{r + 4 * h + 3}}}, "
                                f"[{self._weight_at(i, c, h, ahead)}];")
-            for h in range(2):
-                r = c * 8 + h * 4
-                out.append(f"{pred}ld.global.v4.u32 {{x{b}{r}, x{b}{r + 1}, x{b}{r + 2}, "
-                           f"x{b}{r + 3}}}, [xa+{skip_x + c * 128 + h * 16}];")
+            for run, (xa, _, _, _) in enumerate(run_suffixes(self.runs)):
+                for h in range(2):
+                    r = (run * STEP_CHUNKS + c) * 8 + h * 4
+                    out.append(f"{pred}ld.global.v4.u32 {{x{b}{r}, x{b}{r + 1}, x{b}{r + 2}, "
+                               f"x{b}{r + 3}}}, [{xa}+{skip_x + c * 128 + h * 16}];")
         return out
 
     def _weight_at(self, i: int, c: int, h: int, ahead: bool) -> str:
@@ -230,14 +252,16 @@ class _Fp8Ptx:
         mma = "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32"
         for c in range(STEP_CHUNKS):
             for k in range(4):  # MMA block k of the chunk
-                xb = f"x{b}{c * 8 + 2 * k}, x{b}{c * 8 + 2 * k + 1}"
+                xbs = [f"x{b}{(run * STEP_CHUNKS + c) * 8 + 2 * k}, "
+                       f"x{b}{(run * STEP_CHUNKS + c) * 8 + 2 * k + 1}" for run in range(self.runs)]
                 for i in range(self.nt):
-                    d = f"d{4 * i}, d{4 * i + 1}, d{4 * i + 2}, d{4 * i + 3}"
                     words = self._block_words(b, (c * self.nt + i) * 8, k)
                     out += [*words[2:],
                             *self._unpack(words[0], "q0", "q1"),
-                            *self._unpack(words[1], "q2", "q3"),
-                            f"{mma} {{{d}}}, {{q0, q1, q2, q3}}, {{{xb}}}, {{{d}}};"]
+                            *self._unpack(words[1], "q2", "q3")]
+                    for run, xb in enumerate(xbs):
+                        d = ", ".join(f"d{4 * (i * self.runs + run) + j}" for j in range(4))
+                        out.append(f"{mma} {{{d}}}, {{q0, q1, q2, q3}}, {{{xb}}}, {{{d}}};")
         return out
 
     def _block_words(self, b: str, r: int, k: int) -> list[str]:
@@ -257,7 +281,9 @@ class _Fp8Ptx:
                  for i in range(self.nt) for ab in "ab"]
         else:
             w = [f"add.u64 wa{i}, wa{i}, {STEP_CHUNKS * 1024};" for i in range(self.nt)]
-        return ["add.u32 stp, stp, 1;", *w, f"add.u64 xa, xa, {STEP_CHUNKS * CHUNK * 2};"]
+        return ["add.u32 stp, stp, 1;", *w, f"add.u64 xa, xa, {STEP_CHUNKS * CHUNK * 2};",
+                *[f"add.u64 xa{r}, xa{r}, {STEP_CHUNKS * CHUNK * 2};"
+                  for r in range(1, self.runs)]]
 
     def epilogue(self) -> list[str]:
         """Lanes t = 0 write rows g and g + 8 of each tile, times s 2^120; with
@@ -268,11 +294,13 @@ class _Fp8Ptx:
                 for half in range(2):
                     row = 16 * i + 8 * half
                     out += [f"ld.global.f32 sc, [sa+{4 * row}];",
-                            f"mul.f32 sc, sc, {TWO_POW_120};",
-                            f"mul.f32 yv, sc, d{4 * i + 2 * half};",
-                            f"@row0 st.global.f32 [ya+{4 * row}], yv;",
-                            f"mul.f32 yv, sc, d{4 * i + 2 * half + 1};",
-                            f"@row1 st.global.f32 [yb+{4 * row}], yv;"]
+                            f"mul.f32 sc, sc, {TWO_POW_120};"]
+                    for run, (_, ya, yb, sfx) in enumerate(run_suffixes(self.runs)):
+                        d = 4 * (i * self.runs + run) + 2 * half
+                        out += [f"mul.f32 yv, sc, d{d};",
+                                f"@row0{sfx} st.global.f32 [{ya}+{4 * row}], yv;",
+                                f"mul.f32 yv, sc, d{d + 1};",
+                                f"@row1{sfx} st.global.f32 [{yb}+{4 * row}], yv;"]
             return out
         out = ["setp.eq.u32 writer, t, 0;"]
         for i in range(self.nt):
@@ -288,14 +316,15 @@ class _Fp8Ptx:
 def fp8_gemv_mma(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor,
                  bias: torch.Tensor | None = None, config: MmaConfig | None = None,
                  out: torch.Tensor | None = None, silu_mul: bool = False) -> torch.Tensor:
-    """x [M, K] (1 <= M <= 8 contiguous rows, bf16, 16-byte aligned) times the FP8
-    weight in `mma_layout` `words` with fp32 row scales [N]: [M, N] (`silu_mul`:
-    [M, N / 2]). One row runs the one-row PTX, more the rows PTX."""
+    """x [M, K] (1 <= M <= MAX_ROWS contiguous rows, bf16, 16-byte aligned) times
+    the FP8 weight in `mma_layout` `words` with fp32 row scales [N]: [M, N]
+    (`silu_mul`: [M, N / 2]). One row runs the one-row PTX, more the rows PTX (a
+    run of 8 rows per B operand)."""
     m, n, k = check_rows(x, words)
     assert x.dtype == torch.bfloat16 and scales.shape == (n,)
     assert scales.dtype == torch.float32 and scales.is_contiguous()
-    cfg = config or pick_config(n)
-    ptx = gemv_ptx(cfg.nt, cfg.prefetch, m > 1, pdl.pdl_on())
+    runs, cfg = row_runs(m, config or pick_config(n))
+    ptx = gemv_ptx(cfg.nt, cfg.prefetch, m > 1, pdl.pdl_on(), runs=runs)
     return launch(ptx, cfg, x, words, scales, scales, k // (STEP_CHUNKS * CHUNK), 0, 0, bias,
                   out, silu_mul)
 
@@ -320,7 +349,7 @@ def fp8_gemv_mma_plain(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tens
     assert weight.dtype == torch.float8_e4m3fn and weight.stride(1) == 1
     assert plain_fits(weight) and takes(n, k, 0, x.dtype)
     assert scales.shape == (n,) and scales.dtype == torch.float32 and scales.is_contiguous()
-    cfg = config or pick_config(n)
-    ptx = gemv_ptx(cfg.nt, cfg.prefetch, m > 1, pdl.pdl_on(), plain=True)
+    runs, cfg = row_runs(m, config or pick_config(n))
+    ptx = gemv_ptx(cfg.nt, cfg.prefetch, m > 1, pdl.pdl_on(), plain=True, runs=runs)
     return launch(ptx, cfg, x, weight, scales, scales, k // (STEP_CHUNKS * CHUNK), stride, 0,
                   bias, out, silu_mul, grid_shape=(n // 16, k // CHUNK))

@@ -65,23 +65,25 @@ from radixlm.layers import pdl
 from radixlm.layers.quantization.triton_ops import int4 as _int4
 from radixlm.layers.quantization.triton_ops.mma_gemv import (
     CHUNK,
+    MAX_ROWS,
     MmaConfig,
     check_rows,
     lane_lines,
+    later_run_declarations,
+    later_run_lines,
     launch,
     loop_ptx,
     output,
     pick_config,
     regs,
+    row_runs,
+    run_suffixes,
     x_row_lines,
     y_row_lines,
 )
 from radixlm.layers.tiles import grouped_tile
 
 GROUPS = (64, 128)  # group sizes the kernel takes (whole chunks, <= 2 chunks unrolled)
-ROW_RUNS = 8  # runs of 8 rows of x, each its own B operand (`gemv_ptx`'s `groups`)
-MAX_ROWS = 8 * ROW_RUNS  # what one launch takes
-PREFETCH_RUNS = 4  # above this many runs the prefetching loop spills (sm_90 SASS): off
 GEMV_ROWS = MAX_ROWS  # rows `int4.int4_linear` gives the GEMV (more: `int4_gemm_mma`)
 
 
@@ -163,45 +165,19 @@ class _PtxGroup:
 
     def declarations(self, bufs: tuple[str, ...]) -> list[str]:
         nt, chunks = self.nt, self.chunks
-        extra = self.later_groups()
         out = [".reg .pred skip, more, writer, row0, row1;" if self.rows else
                ".reg .pred skip, more, writer;",
                ".reg .b32 tid, lane, warp, g, t, tile, grp, tmp, q0, q1, q2, q3, ones;",
                f".reg .f32 {regs('s', 2 * nt)}, {regs('sz', 2 * nt)}, zf, "
                f"{regs('e', 4 * self.groups)};",
                f".reg .f32 {regs('acc', self.accs)}, {regs('d', 4 * nt * self.groups)};",
-               f".reg .b64 {regs('wa', nt)}, xa, za, sa, zn, sn, ya, {'yb, ' * self.rows}off;"]
-        if extra:
-            out += [".reg .pred " + ", ".join(f"row0g{r}, row1g{r}" for r in extra) + ";",
-                    ".reg .b64 " + ", ".join(f"xa{r}, ya{r}, yb{r}" for r in extra) + ";"]
+               f".reg .b64 {regs('wa', nt)}, xa, za, sa, zn, sn, ya, {'yb, ' * self.rows}off;",
+               *later_run_declarations(self.groups)]
         for b in bufs:
             out += [f".reg .b32 {regs(f'w{b}', nt * chunks * 4)};",
                     f".reg .b32 {regs(f'x{b}', chunks * 8 * self.groups)}, "
                     f"{regs(f'zr{b}', 2 * nt)};",
                     f".reg .b16 {regs(f'sr{b}', 2 * nt)};"]
-        return out
-
-    def later_groups(self) -> range:
-        """The runs of 8 rows past the first (`groups`)."""
-        return range(1, self.groups)
-
-    def group_lines(self) -> list[str]:
-        """Setup of runs r >= 1: x address xa{r} (row min(8 r + g, M - 1) of this
-        group's features), sums' addresses ya{r} / yb{r} (rows 8 r + 2t, + 1, from
-        ya at row 2t) and their predicates row0g{r} / row1g{r}."""
-        out = []
-        for r in self.later_groups():
-            out += [f"mul.lo.u32 tmp, $7, {self.chunks * CHUNK};",
-                    "mad.lo.u32 tmp, t, 16, tmp;",
-                    f"add.u32 q2, g, {8 * r};", "sub.u32 q1, $14, 1;", "min.u32 q1, q2, q1;",
-                    "mul.lo.u32 q1, q1, $10;", f"mad.lo.u32 tmp, q1, {CHUNK}, tmp;",
-                    "mul.wide.u32 off, tmp, 2;", f"add.u64 xa{r}, $1, off;",
-                    "shl.b32 q1, t, 1;", f"add.u32 q1, q1, {8 * r};",
-                    f"setp.lt.u32 row0g{r}, q1, $14;", "add.u32 q2, q1, 1;",
-                    f"setp.lt.u32 row1g{r}, q2, $14;",
-                    f"mul.lo.u32 q1, $11, {8 * r};", "mul.wide.u32 off, q1, 4;",
-                    f"add.u64 ya{r}, ya, off;", "mul.wide.u32 off, $11, 4;",
-                    f"add.u64 yb{r}, ya{r}, off;"]
         return out
 
     def setup(self) -> list[str]:
@@ -237,7 +213,7 @@ class _PtxGroup:
             "mul.wide.u32 off, tmp, 4;",
             "add.u64 ya, $5, off;",
             *y_row_lines(self.rows),
-            *self.group_lines(),
+            *later_run_lines(self.groups, self.chunks * CHUNK),
             *[f"mov.f32 acc{i}, 0f00000000;" for i in range(self.accs)],
             f"mov.b32 ones, {self.one};",
             "mov.u32 grp, $7;",
@@ -254,8 +230,7 @@ class _PtxGroup:
                 r = (c * nt + i) * 4
                 out.append(f"{pred}ld.global.nc.L1::no_allocate.v4.u32 {{w{b}{r}, w{b}{r + 1}, "
                            f"w{b}{r + 2}, w{b}{r + 3}}}, [wa{i}+{skip_w + c * 512}];")
-            for grp in range(self.groups):
-                xa = f"xa{grp}" if grp else "xa"
+            for grp, (xa, _, _, _) in enumerate(run_suffixes(self.groups)):
                 for h in range(2):
                     r = (grp * chunks + c) * 8 + h * 4
                     out.append(f"{pred}ld.global.v4.u32 {{x{b}{r}, x{b}{r + 1}, x{b}{r + 2}, "
@@ -325,7 +300,7 @@ class _PtxGroup:
                 *[f"add.u64 wa{i}, wa{i}, {self.chunks * 512};" for i in range(self.nt)],
                 f"add.u64 xa, xa, {self.chunks * CHUNK * 2};",
                 *[f"add.u64 xa{r}, xa{r}, {self.chunks * CHUNK * 2};"
-                  for r in self.later_groups()],
+                  for r in range(1, self.groups)],
                 "cvt.u64.u32 off, $12;", "add.u64 za, za, off;",
                 "mul.wide.u32 off, $13, 2;", "add.u64 sa, sa, off;"]
 
@@ -336,11 +311,9 @@ class _PtxGroup:
         if self.rows:
             out = []
             for i in range(self.nt):
-                for grp in range(self.groups):
-                    sfx = f"g{grp}" if grp else ""
+                for grp, (_, ya, yb, sfx) in enumerate(run_suffixes(self.groups)):
                     for j in range(4):
-                        y = (f"ya{grp}" if grp else "ya") if j % 2 == 0 else \
-                            (f"yb{grp}" if grp else "yb")
+                        y = ya if j % 2 == 0 else yb
                         pred = f"row{j % 2}{sfx}"
                         out.append(f"@{pred} st.global.f32 [{y}+{4 * (16 * i + 8 * (j // 2))}], "
                                    f"acc{4 * (i * self.groups + grp) + j};")
@@ -363,13 +336,10 @@ def int4_gemv_mma(x: torch.Tensor, words: torch.Tensor, zeros: torch.Tensor,
     a run of 8 rows per B operand),
     whose split-K sums the epilogue adds per row in split order, so a row's sums
     are added in the same order whatever M is."""
-    m, n, k = check_rows(x, words, MAX_ROWS)
+    m, n, k = check_rows(x, words)
     assert x.dtype in (torch.bfloat16, torch.float16)
     assert group in GROUPS and k % group == 0 and zeros.stride(1) == scales.stride(1) == 1
-    runs = triton.cdiv(m, 8)
-    cfg = config or pick_config(n)
-    if runs > PREFETCH_RUNS:
-        cfg = cfg._replace(prefetch=False)
+    runs, cfg = row_runs(m, config or pick_config(n))
     ptx = gemv_ptx(cfg.nt, group // CHUNK, x.dtype == torch.bfloat16, cfg.prefetch, m > 1,
                    pdl.pdl_on(), runs)
     # A step is a group; the zero points' and scales' rows are their strides apart.

@@ -32,7 +32,9 @@ from radixlm.layers.pdl import pdl_trigger, pdl_wait
 from radixlm.layers.quantization.triton_ops.int4 import _int4_split_sum_kernel
 
 CHUNK = 64  # features a lane's words of one tile cover: 4 MMA blocks of 16
-MAX_ROWS = 8  # B's columns: rows of x one launch takes (int4: several runs of 8)
+MAX_RUNS = 8  # runs of 8 rows of x (B's 8 columns), each its own B operand
+MAX_ROWS = 8 * MAX_RUNS  # rows of x one launch takes
+PREFETCH_RUNS = 4  # above this many runs the prefetching loop spills (sm_90 SASS): off
 
 
 class MmaConfig(NamedTuple):
@@ -107,6 +109,44 @@ def y_row_lines(rows: bool) -> list[str]:
             "add.u64 yb, ya, off;"]
 
 
+def later_run_lines(runs: int, step_features: int) -> list[str]:
+    """Setup of runs r = 1 .. runs - 1 of 8 rows of x (each its own B operand): x
+    address xa{r} (row min(8 r + g, M - 1) at this program's first step of
+    `step_features` features, 16 t on), sums' addresses ya{r} / yb{r} (rows 8 r +
+    2t, + 1, from ya at row 2t) and their predicates row0g{r} / row1g{r} (uses
+    tmp, q1, q2, off)."""
+    out = []
+    for r in range(1, runs):
+        out += [f"mul.lo.u32 tmp, $7, {step_features};",
+                "mad.lo.u32 tmp, t, 16, tmp;",
+                f"add.u32 q2, g, {8 * r};", "sub.u32 q1, $14, 1;", "min.u32 q1, q2, q1;",
+                "mul.lo.u32 q1, q1, $10;", f"mad.lo.u32 tmp, q1, {CHUNK}, tmp;",
+                "mul.wide.u32 off, tmp, 2;", f"add.u64 xa{r}, $1, off;",
+                "shl.b32 q1, t, 1;", f"add.u32 q1, q1, {8 * r};",
+                f"setp.lt.u32 row0g{r}, q1, $14;", "add.u32 q2, q1, 1;",
+                f"setp.lt.u32 row1g{r}, q2, $14;",
+                f"mul.lo.u32 q1, $11, {8 * r};", "mul.wide.u32 off, q1, 4;",
+                f"add.u64 ya{r}, ya, off;", "mul.wide.u32 off, $11, 4;",
+                f"add.u64 yb{r}, ya{r}, off;"]
+    return out
+
+
+def later_run_declarations(runs: int) -> list[str]:
+    """The registers of `later_run_lines` (none for one run)."""
+    if runs == 1:
+        return []
+    later = range(1, runs)
+    return [".reg .pred " + ", ".join(f"row0g{r}, row1g{r}" for r in later) + ";",
+            ".reg .b64 " + ", ".join(f"xa{r}, ya{r}, yb{r}" for r in later) + ";"]
+
+
+def run_suffixes(runs: int) -> list[tuple[str, str, str, str]]:
+    """Per run of 8 rows, its (x address, sums at row 2t, at 2t + 1, predicate
+    suffix) registers: run 0 the rows form's own xa / ya / yb / row0, row1."""
+    return [("xa", "ya", "yb", "")] + [(f"xa{r}", f"ya{r}", f"yb{r}", f"g{r}")
+                                       for r in range(1, runs)]
+
+
 PDL_LINES = ["griddepcontrol.wait;", "griddepcontrol.launch_dependents;"]
 _X_LOAD = re.compile(r"\[xa\d*\+")
 
@@ -174,6 +214,13 @@ def mma_gemv_kernel(x_ptr, w_ptr, a_ptr, b_ptr, ws_ptr, TILES, CHUNKS_PER_ROW, N
          lo + one, hi + one, TILES + one, CHUNKS_PER_ROW + one, N + one, int_a + one,
          int_b + one, M + one],
         dtype=tl.int32, is_pure=False, pack=1)
+
+
+def row_runs(m: int, cfg: MmaConfig) -> tuple[int, MmaConfig]:
+    """The runs of 8 rows that x [m, K] takes, and `cfg` without the prefetching
+    loop where that many runs would spill its registers."""
+    runs = -(-m // 8)
+    return runs, (cfg._replace(prefetch=False) if runs > PREFETCH_RUNS else cfg)
 
 
 def rows_fit(x: torch.Tensor, max_rows: int = MAX_ROWS) -> bool:
