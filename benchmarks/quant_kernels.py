@@ -132,6 +132,9 @@ def variants(m: int, n: int, k: int) -> dict[str, tuple[Call, Callable[[], objec
                                lambda: fp8_row_weights(n, k), n * k)
         out["fp8 MMA plain"] = (lambda x, w: F8M.fp8_gemv_mma_plain(x, w[0], w[1]),
                                 out["fp8 chan MMA"][1], n * k)
+        out["fp8 block MMA"] = (  # 128 x 128 block scales, the weight where it lies
+            lambda x, w: F8M.fp8_gemv_mma_plain(x, w[0], w[1], scale_rows=w[3]),
+            out["fp8 block"][1], n * k)
 
     def int4(x, w):
         return T4.int4_linear(x, w[0], w[1], w[2], 128, None)

@@ -139,9 +139,49 @@ def check_against_float64(m, n, k, cfg, pdl: bool = False, pad: int | None = Non
     assert (err <= 2.0 ** -20 * mag).all(), (err / mag).max()
 
 
+@pytest.mark.parametrize("m,n,k,cfg,scale_rows,pad,pdl", [
+    (1, 32, 384, M.MmaConfig(2, 1, 2), 16, None, False),  # a block a tile, 3 steps in 2 + 1
+    (5, 64, 640, M.MmaConfig(2, 1, 2, prefetch=True), 32, 16, True),  # plain, prefetching
+    (13, 64, 256, M.MmaConfig(1, 2, 1, prefetch=True), 16, None, False),  # 2 tiles, 2 runs
+    (1, 256, 256, M.MmaConfig(2, 1, 1), 128, 0, True),  # DeepSeek's 128 x 128 blocks
+])
+def test_block_scales_ptx_against_float64(m, n, k, cfg, scale_rows, pad, pdl) -> None:
+    """Block scales (`block_shift`): each step's sums scaled by the scale of its
+    block of 128 features and 2^block_shift rows, as the float64 product of the
+    block-scaled weight; stored words and the weight where it lies alike."""
+    w = e4m3_weight(n, k, seed=n + k + scale_rows)
+    blocks = torch.rand(n // scale_rows, k // 128,
+                        generator=torch.Generator().manual_seed(2)) * 0.01 + 0.001
+    x = (torch.randn(m, k, generator=torch.Generator().manual_seed(k)) * 0.5).bfloat16()
+    shift = M.block_shift(128, scale_rows)
+    steps = k // (M.STEP_CHUNKS * M.CHUNK)
+    runs = -(-m // 8)
+    ptx = M.gemv_ptx(cfg.nt, cfg.prefetch, m > 1, pdl, runs=runs, block_shift=shift)
+    got = run_mma_gemv(ptx, cfg, x, M.mma_layout(w), blocks, blocks, steps, 0, k // 128)
+    if pad is not None:
+        rows = torch.full((n, k + pad), 0x7F, dtype=torch.uint8)  # NaN codes past K
+        rows[:, :k] = w.view(torch.uint8)
+        ptx = M.gemv_ptx(cfg.nt, cfg.prefetch, m > 1, pdl, plain=True, runs=runs,
+                         block_shift=shift)
+        plain = run_mma_gemv(ptx, cfg, x, rows, blocks, blocks, steps, k + pad, k // 128,
+                             grid_shape=(n // 16, k // M.CHUNK))
+        assert torch.equal(plain, got), "plain and stored words differ"
+    scale = blocks.double().repeat_interleave(scale_rows, 0).repeat_interleave(128, 1)
+    wd = w.double() * scale
+    ref = x.double() @ wd.T
+    mag = x.double().abs() @ wd.abs().T
+    err = (got.double() - ref).abs()
+    assert got.shape == (m, n) and not got.isnan().any(), "an output was not written"
+    assert (err <= 2.0 ** -20 * mag).all(), (err / mag).max()
+    assert M.takes(n, k, 128, torch.bfloat16, scale_rows)
+
+
 def test_takes_only_what_it_can() -> None:
     assert M.takes(4096, 4096, 0, torch.bfloat16)
-    assert not M.takes(4096, 4096, 128, torch.bfloat16)  # block scales
+    assert M.takes(4096, 4096, 128, torch.bfloat16, 128)  # 128 x 128 block scales
+    assert not M.takes(4096, 4096, 128, torch.bfloat16, 8)  # a tile across blocks
+    assert not M.takes(4096, 4096, 128, torch.bfloat16, 48)  # not a power of two
+    assert not M.takes(4096, 4096, 64, torch.bfloat16, 128)  # a step across blocks
     assert not M.takes(4096, 4096, 0, torch.float16)
     assert not M.takes(4104, 4096, 0, torch.bfloat16)
     assert not M.takes(4096, 4160, 0, torch.bfloat16)
@@ -152,11 +192,14 @@ def test_sm90_code_one_mma_per_two_words_no_shared_memory() -> None:
     sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
     from sass import mma_gemv_loop, opcode_counts
 
-    for nt, warps, prefetch, rows, runs in [
-            (1, 4, False, False, 1), (2, 2, False, False, 1), (1, 4, True, False, 1),
-            (1, 4, True, True, 1), (1, 4, True, True, MG.PREFETCH_RUNS),
-            (1, 4, False, True, MG.MAX_RUNS)]:  # `row_runs`' rule: no spill
-        ops = opcode_counts(mma_gemv_loop(M.gemv_ptx(nt, prefetch, rows, runs=runs), warps))
+    for nt, warps, prefetch, rows, runs, shift in [
+            (1, 4, False, False, 1, 0), (2, 2, False, False, 1, 0), (1, 4, True, False, 1, 0),
+            (1, 4, True, True, 1, 0), (1, 4, True, True, MG.PREFETCH_RUNS, 0),
+            (1, 4, False, True, MG.MAX_RUNS, 0),  # `row_runs`' rule: no spill
+            (1, 4, True, False, 1, 7), (1, 4, True, True, MG.PREFETCH_RUNS, 7),
+            (1, 4, False, True, MG.MAX_RUNS, 7)]:  # block scales too
+        ptx = M.gemv_ptx(nt, prefetch, rows, runs=runs, block_shift=shift)
+        ops = opcode_counts(mma_gemv_loop(ptx, warps))
         steps = 2 if prefetch else 1  # the prefetching loop is unrolled twice
         assert ops["HMMA"] == steps * runs * nt * M.STEP_CHUNKS * 4, ops
         assert ops["LDS"] == ops["STS"] == ops["BAR"] == 0, ops

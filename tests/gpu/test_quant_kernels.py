@@ -588,6 +588,39 @@ def test_fp8_gemv_mma(m, cfg):
     assert torch.equal(FM.fp8_gemv_mma_plain(x, q, s, config=config, silu_mul=True), fused)
 
 
+@needs_cuda
+@pytest.mark.parametrize("m", [1, 8, 27])
+@pytest.mark.parametrize("case", ["block", "block-fused-parts"])
+def test_fp8_gemv_mma_block_scales(case, m):
+    """The tensor-core FP8 GEMV with 128 x 128 block scales (each step's sums
+    scaled by its block's scale; a fused layer's table of 64-row blocks too):
+    within the output's rounding of the float64 product and fp32 roundings of the
+    magnitudes; the weight where it lies the same bits as the copy; the route
+    through `fp8_linear` (its `mma` argument) too; the fused SiLU."""
+    from radixlm.layers.quantization.triton_ops import fp8_mma as FM
+
+    n, k, block, parts = CASES[case]
+    w = fp8_weight(n, k, block, parts, seed=9)
+    assert FM.takes(n, k, w.block_k, torch.bfloat16, w.scale_rows)
+    x = randn(m, k, seed=91, dtype=torch.bfloat16)
+    bias = randn(n, seed=92, dtype=torch.bfloat16)
+    words = FM.mma_layout(w.weight)
+    out = FM.fp8_gemv_mma(x, words, w.scales, bias, scale_rows=w.scale_rows)
+    wd = w.dequantize().double()
+    ref = x.double() @ wd.T + bias.double()
+    mag = x.double().abs() @ wd.abs().T
+    err = (out.double() - ref).abs()
+    assert (err <= 2.0 ** -8 * ref.abs() + 2.0 ** -18 * mag).all(), f"max {(err / mag).max():.3g}"
+    plain = FM.fp8_gemv_mma_plain(x, w.weight, w.scales, bias, scale_rows=w.scale_rows)
+    assert torch.equal(plain, out)
+    via = F.fp8_linear(x, w.weight, w.scales, w.block_k, w.scale_rows, None, bias, mma=w.weight)
+    assert torch.equal(via, out)
+    fused = FM.fp8_gemv_mma_plain(x, w.weight, w.scales, scale_rows=w.scale_rows,
+                                  silu_mul=True)
+    check_silu_mul(fused, FM.fp8_gemv_mma_plain(x, w.weight, w.scales,
+                                                scale_rows=w.scale_rows))
+
+
 def test_int4_out_buffer_and_awq_repacking():
     """An AWQ checkpoint's qweight repacked at load gives the same products as the
     GPTQ-packed words of the same values."""

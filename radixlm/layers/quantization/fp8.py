@@ -138,12 +138,14 @@ class Fp8Weight:
 
 def with_tensor_cores(w: Fp8Weight) -> Fp8Weight:
     """`w` set up for the tensor-core GEMV (`fp8_mma.py`) unless $RADIXLM_FP8_GEMV=fma,
-    where the layer fits that kernel (per-row scales, whole tiles; "mma-plain" also
-    rows 16-byte aligned): its weight a second time in MMA fragment order ("mma"),
-    or the weight itself ("mma-plain"); else `w`."""
+    where the layer fits that kernel (`fp8_mma.takes`: per-row or 128-feature
+    block scales, whole tiles; "mma-plain" also rows 16-byte aligned): its
+    weight a second time in MMA fragment order ("mma"), or the weight itself
+    ("mma-plain"); else `w`."""
     n, k = w.weight.shape
     mode = mma_mode()
-    if not (mode and w.weight.is_cuda and _mma.takes(n, k, w.block_k, torch.bfloat16)):
+    if not (mode and w.weight.is_cuda
+            and _mma.takes(n, k, w.block_k, torch.bfloat16, w.scale_rows)):
         return w
     if mode == "mma-plain":
         return dataclasses.replace(w, mma=w.weight) if _mma.plain_fits(w.weight) else w
@@ -332,7 +334,8 @@ class Fp8LinearMethod(_Fp8Method):
             if s.static_input else None
         if s.strategy == "block":
             table, scale_rows = block_table(scale, rows, s.block[0])
-            layer.fp8 = Fp8Weight(weight, table, s.block[1], scale_rows, static, s.weight_only)
+            layer.fp8 = with_tensor_cores(Fp8Weight(weight, table, s.block[1], scale_rows,
+                                                    static, s.weight_only))
             return
         if s.strategy == "channel":
             per_row = scale.reshape(-1).contiguous()

@@ -154,9 +154,9 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, bloc
     (`weight_only`: x stays in its dtype, the weight tiles widened to it); with
     `silu_mul` (weight [2 D, K], no bias) silu(gate) * up, or None where only
     the GEMV fuses it. Returns [..., N] in x's dtype (into `out` if given). `mma`:
-    the weight in `fp8_mma.mma_layout` (per-row scales), or `weight` itself (read
-    where it lies: `fp8_gemv_mma_plain`), for the tensor-core GEMV at 1 to
-    `fp8_mma.GEMV_ROWS` contiguous, bf16, 16-byte aligned rows."""
+    the weight in `fp8_mma.mma_layout`, or `weight` itself (read where it lies:
+    `fp8_gemv_mma_plain`), for the tensor-core GEMV at 1 to `fp8_mma.GEMV_ROWS`
+    contiguous, bf16, 16-byte aligned rows (its scales as `fp8_mma.takes` says)."""
     n, k = weight.shape
     x2 = x.reshape(-1, k)
     if x2.stride(-1) != 1:
@@ -164,7 +164,8 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, bloc
     m = x2.shape[0]
     if mma is not None and x2.dtype == torch.bfloat16 and rows_fit(x2, fp8_mma.GEMV_ROWS):
         gemv_mma = fp8_mma.fp8_gemv_mma_plain if mma is weight else fp8_mma.fp8_gemv_mma
-        y = gemv_mma(x2, mma, scales, bias, out=out, silu_mul=silu_mul)
+        y = gemv_mma(x2, mma, scales, bias, out=out, silu_mul=silu_mul,
+                     scale_rows=scale_rows if block_k else 0)
         return y.view(*x.shape[:-1], y.shape[-1])
     if gemv_fits(m, block_k, scale_rows):
         y = fp8_gemv(x2, weight, scales, block_k, scale_rows, bias, out=out, silu_mul=silu_mul)

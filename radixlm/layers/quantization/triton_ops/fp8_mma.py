@@ -95,16 +95,24 @@ def mma_unlayout(words: torch.Tensor) -> torch.Tensor:
     return v.reshape(tiles * 16, chunks * CHUNK).view(torch.float8_e4m3fn)
 
 
-def takes(n: int, k: int, block_k: int, x_dtype: torch.dtype) -> bool:
-    """Whether the MMA GEMV takes this layer: per-row scales, bf16 x, whole tiles
-    of 16 rows and steps of 128 features."""
-    return (block_k == 0 and x_dtype == torch.bfloat16 and n % 16 == 0
-            and k % (STEP_CHUNKS * CHUNK) == 0)
+def takes(n: int, k: int, block_k: int, x_dtype: torch.dtype, scale_rows: int = 1) -> bool:
+    """Whether the MMA GEMV takes this layer: bf16 x, whole tiles of 16 rows and
+    steps of 128 features, and per-row scales or blocks of 128 features by a
+    power of two >= 16 rows (a step and a tile inside one block: `block_shift`)."""
+    blocks = block_k == 0 or (block_k == STEP_CHUNKS * CHUNK and scale_rows >= 16
+                              and scale_rows & (scale_rows - 1) == 0)
+    return blocks and x_dtype == torch.bfloat16 and n % 16 == 0 and k % (STEP_CHUNKS * CHUNK) == 0
+
+
+def block_shift(block_k: int, scale_rows: int) -> int:
+    """`gemv_ptx`'s block_shift: log2 of the rows a block scale covers; 0 for
+    per-row scales."""
+    return scale_rows.bit_length() - 1 if block_k else 0
 
 
 @functools.cache
 def gemv_ptx(nt: int, prefetch: bool = False, rows: bool = False, pdl: bool = False,
-             plain: bool = False, runs: int = 1) -> str:
+             plain: bool = False, runs: int = 1, block_shift: int = 0) -> str:
     """One thread's PTX: `nt` row tiles; with `prefetch` the next step's loads
     before this step's MMAs (two register buffers, the loop unrolled twice);
     `rows`: x has up to 8 rows, one per column of B (else one row, the code of
@@ -112,12 +120,16 @@ def gemv_ptx(nt: int, prefetch: bool = False, rows: bool = False, pdl: bool = Fa
     loads (`mma_gemv.loop_ptx`); `plain`: the weight as it is, [N, K] rows $12
     bytes apart, instead of `mma_layout` words (`_Fp8Ptx`); `runs` (with `rows`):
     x has up to 8 `runs` rows, each run of 8 a B operand of its own against the
-    same unpacked words, as `int4_mma.gemv_ptx`'s groups. Operands
+    same unpacked words, as `int4_mma.gemv_ptx`'s groups; `block_shift` > 0: the
+    scales are per block of 128 features (a step) by 2^block_shift rows, [N /
+    2^block_shift, K / 128] fp32 at $3 with rows $13 apart, each step's sums
+    scaled by its block's scale (else one fp32 scale a row at $3). Operands
     (`mma_gemv.mma_gemv_kernel`'s): $1 x, $2 words (plain: the weight), $3 row
     scales (fp32), $5 this program's partial sums; $6 its first warp index, $7 /
     $8 its first / past-last step, $9 row tiles in all, $10 chunks a row of tiles
     (K / 64), $11 N, $12 (plain) the weight's row stride in bytes, $14 x's rows."""
-    return loop_ptx(_Fp8Ptx(nt, rows, plain, runs), "fp8_mma", "stp", "$8", prefetch, pdl)
+    return loop_ptx(_Fp8Ptx(nt, rows, plain, runs, block_shift), "fp8_mma", "stp", "$8",
+                    prefetch, pdl)
 
 
 class _Fp8Ptx:
@@ -135,12 +147,18 @@ class _Fp8Ptx:
     `runs` > 1: rows 8 r .. 8 r + 7 are run r's B (`mma_gemv.later_run_lines`),
     each block's words unpacked once for all runs; run r has its own D (registers
     4 (tile runs + r) + j) and writes rows 8 r + 2t, 8 r + 2t + 1. runs = 1 is the
-    code above, text for text."""
+    code above, text for text.
+
+    `block_shift` > 0 (block scales): each step loads its block's scale for each
+    tile (`bs`, from `sb`: a tile's 16 rows and a step's 128 features lie in one
+    block), its MMAs start from zero and `acc` += scale x D; the epilogue then
+    scales by 2^120 alone. 0: the per-row form above, text for text."""
 
     def __init__(self, nt: int, rows: bool = False, plain: bool = False,
-                 runs: int = 1) -> None:
+                 runs: int = 1, block_shift: int = 0) -> None:
         assert runs == 1 or rows
         self.nt, self.rows, self.plain, self.runs = nt, rows, plain, runs
+        self.block_shift = block_shift
 
     def declarations(self, bufs: tuple[str, ...]) -> list[str]:
         nt = self.nt
@@ -152,9 +170,14 @@ class _Fp8Ptx:
                f".reg .b64 {regs('wa', nt)}, {(regs('wb', nt) + ', ') * self.plain}xa, sa, ya, "
                f"{'yb, ' * self.rows}off;",
                *later_run_declarations(self.runs)]
+        if self.block_shift:
+            out += [f".reg .b64 {regs('sb', nt)};",
+                    f".reg .f32 {regs('acc', 4 * nt * self.runs)};"]
         for b in bufs:
             out += [f".reg .b32 {regs(f'w{b}', nt * STEP_CHUNKS * 8)};",
                     f".reg .b32 {regs(f'x{b}', STEP_CHUNKS * 8 * self.runs)};"]
+            if self.block_shift:
+                out.append(f".reg .f32 {regs(f'bs{b}', nt)};")
         return out
 
     def setup(self) -> list[str]:
@@ -178,9 +201,24 @@ class _Fp8Ptx:
             "add.u64 ya, $5, off;",
             *y_row_lines(self.rows),
             *later_run_lines(self.runs, STEP_CHUNKS * CHUNK),
-            *[f"mov.f32 d{i}, 0f00000000;" for i in range(4 * nt * self.runs)],
+            *self._block_scale_lines(),
+            *[f"mov.f32 {self._sums()}{i}, 0f00000000;" for i in range(4 * nt * self.runs)],
             "mov.u32 stp, $7;",
         ]
+
+    def _sums(self) -> str:
+        """The registers the epilogue writes: D itself, or (block scales) acc."""
+        return "acc" if self.block_shift else "d"
+
+    def _block_scale_lines(self) -> list[str]:
+        """Block scales: sb{i}, the address of tile i's block scale at the first
+        step, ((tile + i) * 16 >> block_shift) * $13 + $7 fp32 elements into $3."""
+        out = []
+        for i in range(self.nt if self.block_shift else 0):
+            out += [f"add.u32 q3, tile, {i};", "shl.b32 q3, q3, 4;",
+                    f"shr.u32 q3, q3, {self.block_shift};", "mad.lo.u32 q3, q3, $13, $7;",
+                    "mul.wide.u32 off, q3, 4;", f"add.u64 sb{i}, $3, off;"]
+        return out
 
     def _word_addresses(self) -> list[str]:
         """wa: ((tile * chunks_per_row + step * STEP_CHUNKS) * 32 + lane) * 32 bytes
@@ -227,6 +265,8 @@ class _Fp8Ptx:
                     r = (run * STEP_CHUNKS + c) * 8 + h * 4
                     out.append(f"{pred}ld.global.v4.u32 {{x{b}{r}, x{b}{r + 1}, x{b}{r + 2}, "
                                f"x{b}{r + 3}}}, [{xa}+{skip_x + c * 128 + h * 16}];")
+        for i in range(self.nt if self.block_shift else 0):
+            out.append(f"{pred}ld.global.f32 bs{b}{i}, [sb{i}+{4 if ahead else 0}];")
         return out
 
     def _weight_at(self, i: int, c: int, h: int, ahead: bool) -> str:
@@ -249,6 +289,8 @@ class _Fp8Ptx:
 
     def compute(self, b: str) -> list[str]:
         out = []
+        if self.block_shift:  # this step's sums from zero, then scaled into acc
+            out += [f"mov.f32 d{i}, 0f00000000;" for i in range(4 * self.nt * self.runs)]
         mma = "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32"
         for c in range(STEP_CHUNKS):
             for k in range(4):  # MMA block k of the chunk
@@ -262,6 +304,9 @@ class _Fp8Ptx:
                     for run, xb in enumerate(xbs):
                         d = ", ".join(f"d{4 * (i * self.runs + run) + j}" for j in range(4))
                         out.append(f"{mma} {{{d}}}, {{q0, q1, q2, q3}}, {{{xb}}}, {{{d}}};")
+        for i in range(self.nt if self.block_shift else 0):
+            for a in range(4 * i * self.runs, 4 * (i + 1) * self.runs):
+                out.append(f"fma.rn.f32 acc{a}, bs{b}{i}, d{a}, acc{a};")
         return out
 
     def _block_words(self, b: str, r: int, k: int) -> list[str]:
@@ -283,50 +328,56 @@ class _Fp8Ptx:
             w = [f"add.u64 wa{i}, wa{i}, {STEP_CHUNKS * 1024};" for i in range(self.nt)]
         return ["add.u32 stp, stp, 1;", *w, f"add.u64 xa, xa, {STEP_CHUNKS * CHUNK * 2};",
                 *[f"add.u64 xa{r}, xa{r}, {STEP_CHUNKS * CHUNK * 2};"
-                  for r in range(1, self.runs)]]
+                  for r in range(1, self.runs)],
+                *[f"add.u64 sb{i}, sb{i}, 4;" for i in range(self.nt if self.block_shift else 0)]]
 
     def epilogue(self) -> list[str]:
-        """Lanes t = 0 write rows g and g + 8 of each tile, times s 2^120; with
-        rows, every lane its two rows of x that exist."""
+        """Lanes t = 0 write rows g and g + 8 of each tile, times s 2^120 (block
+        scales: 2^120, the scales already in); with rows, every lane its two rows
+        of x that exist."""
+        d = self._sums()
         if self.rows:
             out = []
             for i in range(self.nt):
                 for half in range(2):
                     row = 16 * i + 8 * half
-                    out += [f"ld.global.f32 sc, [sa+{4 * row}];",
-                            f"mul.f32 sc, sc, {TWO_POW_120};"]
+                    out += self._scale(row, "")
                     for run, (_, ya, yb, sfx) in enumerate(run_suffixes(self.runs)):
-                        d = 4 * (i * self.runs + run) + 2 * half
-                        out += [f"mul.f32 yv, sc, d{d};",
+                        r = 4 * (i * self.runs + run) + 2 * half
+                        out += [f"mul.f32 yv, sc, {d}{r};",
                                 f"@row0{sfx} st.global.f32 [{ya}+{4 * row}], yv;",
-                                f"mul.f32 yv, sc, d{d + 1};",
+                                f"mul.f32 yv, sc, {d}{r + 1};",
                                 f"@row1{sfx} st.global.f32 [{yb}+{4 * row}], yv;"]
             return out
         out = ["setp.eq.u32 writer, t, 0;"]
         for i in range(self.nt):
             for half in range(2):
                 row = 16 * i + 8 * half
-                out += [f"@writer ld.global.f32 sc, [sa+{4 * row}];",
-                        f"mul.f32 sc, sc, {TWO_POW_120};",
-                        f"mul.f32 sc, sc, d{4 * i + 2 * half};",
+                out += [*self._scale(row, "@writer "),
+                        f"mul.f32 sc, sc, {d}{4 * i + 2 * half};",
                         f"@writer st.global.f32 [ya+{4 * row}], sc;"]
         return out
+
+    def _scale(self, row: int, pred: str) -> list[str]:
+        """sc = the output scale of the tile's row `row`: its row scale times 2^120,
+        or (block scales) 2^120."""
+        if self.block_shift:
+            return [f"mov.f32 sc, {TWO_POW_120};"]
+        return [f"{pred}ld.global.f32 sc, [sa+{4 * row}];", f"mul.f32 sc, sc, {TWO_POW_120};"]
 
 
 def fp8_gemv_mma(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor,
                  bias: torch.Tensor | None = None, config: MmaConfig | None = None,
-                 out: torch.Tensor | None = None, silu_mul: bool = False) -> torch.Tensor:
+                 out: torch.Tensor | None = None, silu_mul: bool = False,
+                 scale_rows: int = 0) -> torch.Tensor:
     """x [M, K] (1 <= M <= MAX_ROWS contiguous rows, bf16, 16-byte aligned) times
-    the FP8 weight in `mma_layout` `words` with fp32 row scales [N]: [M, N]
-    (`silu_mul`: [M, N / 2]). One row runs the one-row PTX, more the rows PTX (a
-    run of 8 rows per B operand)."""
+    the FP8 weight in `mma_layout` `words` with fp32 row scales [N] (`scale_rows`
+    > 0: block scales [N / scale_rows, K / 128], `takes`): [M, N] (`silu_mul`: [M,
+    N / 2]). One row runs the one-row PTX, more the rows PTX (a run of 8 rows per
+    B operand)."""
     m, n, k = check_rows(x, words)
-    assert x.dtype == torch.bfloat16 and scales.shape == (n,)
-    assert scales.dtype == torch.float32 and scales.is_contiguous()
-    runs, cfg = row_runs(m, config or pick_config(n))
-    ptx = gemv_ptx(cfg.nt, cfg.prefetch, m > 1, pdl.pdl_on(), runs=runs)
-    return launch(ptx, cfg, x, words, scales, scales, k // (STEP_CHUNKS * CHUNK), 0, 0, bias,
-                  out, silu_mul)
+    assert x.dtype == torch.bfloat16
+    return _launch(x, words, scales, n, k, config, 0, bias, out, silu_mul, scale_rows)
 
 
 def plain_fits(weight: torch.Tensor) -> bool:
@@ -337,19 +388,35 @@ def plain_fits(weight: torch.Tensor) -> bool:
 
 def fp8_gemv_mma_plain(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor,
                        bias: torch.Tensor | None = None, config: MmaConfig | None = None,
-                       out: torch.Tensor | None = None, silu_mul: bool = False) -> torch.Tensor:
+                       out: torch.Tensor | None = None, silu_mul: bool = False,
+                       scale_rows: int = 0) -> torch.Tensor:
     """`fp8_gemv_mma` reading the FP8 weight [N, K] as it is (rows 16-byte aligned,
     any row stride that is a multiple of 16 bytes: an online-quantized weight's
     codes with their scale bytes after them are fine): `gemv_ptx(plain=True)`.
     The engine's GEMV for such layers unless $RADIXLM_FP8_GEMV says otherwise."""
     n, k = weight.shape
-    m = x.shape[0]
-    stride = weight.stride(0)  # bytes: one a code
-    assert rows_fit(x) and x.shape == (m, k) and x.dtype == torch.bfloat16
+    assert rows_fit(x) and x.shape == (x.shape[0], k) and x.dtype == torch.bfloat16
     assert weight.dtype == torch.float8_e4m3fn and weight.stride(1) == 1
-    assert plain_fits(weight) and takes(n, k, 0, x.dtype)
-    assert scales.shape == (n,) and scales.dtype == torch.float32 and scales.is_contiguous()
+    assert plain_fits(weight)
+    return _launch(x, weight, scales, n, k, config, weight.stride(0), bias, out, silu_mul,
+                   scale_rows, plain=True)
+
+
+def _launch(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, n: int, k: int,
+            config: MmaConfig | None, stride: int, bias: torch.Tensor | None,
+            out: torch.Tensor | None, silu_mul: bool, scale_rows: int,
+            plain: bool = False) -> torch.Tensor:
+    """Both forms' checks of the scales and their launch: `weight` the words, or
+    (`plain`) the weight with rows `stride` bytes apart ($12); block scales' rows
+    are $13 elements apart."""
+    block_k = STEP_CHUNKS * CHUNK if scale_rows else 0
+    assert takes(n, k, block_k, x.dtype, scale_rows), (n, k, scale_rows)
+    shape = (-(-n // scale_rows), k // block_k) if scale_rows else (n,)
+    assert scales.shape == shape and scales.dtype == torch.float32 and scales.is_contiguous()
+    m = x.shape[0]
     runs, cfg = row_runs(m, config or pick_config(n))
-    ptx = gemv_ptx(cfg.nt, cfg.prefetch, m > 1, pdl.pdl_on(), plain=True, runs=runs)
-    return launch(ptx, cfg, x, weight, scales, scales, k // (STEP_CHUNKS * CHUNK), stride, 0,
-                  bias, out, silu_mul, grid_shape=(n // 16, k // CHUNK))
+    ptx = gemv_ptx(cfg.nt, cfg.prefetch, m > 1, pdl.pdl_on(), plain=plain, runs=runs,
+                   block_shift=block_shift(block_k, scale_rows))
+    return launch(ptx, cfg, x, weight, scales, scales, k // (STEP_CHUNKS * CHUNK), stride,
+                  scales.stride(0) if scale_rows else 0, bias, out, silu_mul,
+                  grid_shape=(n // 16, k // CHUNK) if plain else None)
