@@ -54,7 +54,7 @@ def simulate(x: torch.Tensor, q, z, s, group: int, cfg: M.MmaConfig,
     (the simulator refuses x or the sums touched before it)."""
     k, n = q.shape
     ptx = M.gemv_ptx(cfg.nt, group // M.CHUNK, x.dtype == torch.bfloat16, cfg.prefetch,
-                     rows=x.shape[0] > 1, pdl=pdl, groups=-(-x.shape[0] // 8))
+                     rows=x.shape[0] > 1, pdl=pdl, runs=-(-x.shape[0] // 8))
     # A step is a group; the zero points' and scales' rows are N apart.
     return run_mma_gemv(ptx, cfg, x, M.mma_layout(q), z, s.view(torch.int16), k // group,
                         n, n)
@@ -166,7 +166,7 @@ def test_sm90_code_one_mma_a_word_no_shared_memory() -> None:
             (1, 2, 4, False, False, 1), (2, 1, 2, False, False, 1), (1, 2, 4, True, False, 1),
             (1, 2, 4, True, True, 1), (1, 2, 4, True, True, 2), (2, 1, 4, False, True, 2),
             (1, 2, 4, True, True, MG.PREFETCH_RUNS), (1, 2, 4, False, True, MG.MAX_RUNS)]:
-        ptx = M.gemv_ptx(nt, chunks, True, prefetch, rows, groups=runs)
+        ptx = M.gemv_ptx(nt, chunks, True, prefetch, rows, runs=runs)
         loop = mma_gemv_loop(ptx, warps)
         ops = opcode_counts(loop)
         groups = 2 if prefetch else 1  # the prefetching loop is unrolled twice

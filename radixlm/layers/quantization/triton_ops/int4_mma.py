@@ -45,7 +45,7 @@ Up to 8 rows of x (`_PtxGroup`'s `rows`) take B's 8 columns, one row each; the
 one-row code above is kept as it was measured (an H100 call of 2026-12-05:
 AWQ single stream 2.23x bf16 with it, 2.00x on the CUDA-core GEMV). 9-64 rows
 take up to 8 runs of 8, each its own B operand against the same unpacked words
-(`gemv_ptx`'s `groups`; the PTX of 1-8 rows is text for text what it was);
+(`gemv_ptx`'s `runs`; the PTX of 1-8 rows is text for text what it was);
 above 4 runs the loop does not prefetch (its registers would spill). On an
 H100 the GEMV beat every GEMM over these words at 16-64 rows at all four
 Llama-8B shapes (BENCHMARKS.md). Above 64 rows the words take the GEMM of
@@ -119,20 +119,20 @@ def takes(n: int, k: int, group: int, g_idx: torch.Tensor | None) -> bool:
 # ---- the PTX --------------------------------------------------------------------------
 @functools.cache
 def gemv_ptx(nt: int, chunks: int, bf16: bool, prefetch: bool = False,
-             rows: bool = False, pdl: bool = False, groups: int = 1) -> str:
+             rows: bool = False, pdl: bool = False, runs: int = 1) -> str:
     """The PTX of one thread's work: `nt` column tiles, `chunks` chunks a group (a
     step of the loop); with `prefetch` the next group's loads are issued before
     this group's MMAs (two register buffers, the loop unrolled twice), so a warp
     keeps a group in flight while it computes. `rows`: x has up to 8 rows, one
     per column of B (`_PtxGroup`); else one row, the code of the one-row GEMV.
     `pdl`: the PDL wait inside, after the first group's weight loads (`loop_ptx`).
-    `groups` (with `rows`): x has up to 8 `groups` rows, each run of 8 rows a
+    `runs` (with `rows`): x has up to 8 `runs` rows, each run of 8 rows a
     B operand of its own against the same unpacked weights (`_PtxGroup`).
     Operands (`mma_gemv.mma_gemv_kernel`'s): $1 x, $2 words, $3 zeros, $4 scales,
     $5 this program's partial sums; $6 its first warp index, $7 / $8 its first /
     past-last group, $9 column tiles in all, $10 chunks a row of tiles (K / 64),
     $11 N, $12 / $13 the zeros' / scales' row strides (in elements), $14 x's rows."""
-    return loop_ptx(_PtxGroup(nt, chunks, bf16, rows, groups), "int4_mma", "grp", "$8",
+    return loop_ptx(_PtxGroup(nt, chunks, bf16, rows, runs), "int4_mma", "grp", "$8",
                     prefetch, pdl)
 
 
@@ -147,18 +147,18 @@ class _PtxGroup:
     all-ones MMA's e0 / e1 are rows 2t / 2t + 1's sums of x. The lanes of rows
     below M write [M, N] partial sums.
 
-    `groups` > 1: rows 8 r .. 8 r + 7 are run r's B (x address xa{r}, lane g
+    `runs` > 1: rows 8 r .. 8 r + 7 are run r's B (x address xa{r}, lane g
     loading row min(8 r + g, M - 1)), each word unpacked once for all runs; run
-    r has its own D, e and sums (registers 4 (tile groups + r) + j, e 4 r + j)
-    and writes rows 8 r + 2t, 8 r + 2t + 1 (ya{r} / yb{r}). groups = 1 is the
+    r has its own D, e and sums (registers 4 (tile runs + r) + j, e 4 r + j)
+    and writes rows 8 r + 2t, 8 r + 2t + 1 (ya{r} / yb{r}). runs = 1 is the
     code above, text for text."""
 
     def __init__(self, nt: int, chunks: int, bf16: bool, rows: bool = False,
-                 groups: int = 1) -> None:
-        assert groups == 1 or rows
+                 runs: int = 1) -> None:
+        assert runs == 1 or rows
         self.nt, self.chunks, self.t = nt, chunks, "bf16" if bf16 else "f16"
-        self.rows, self.groups = rows, groups
-        self.accs = 4 * nt * groups if rows else 2 * nt
+        self.rows, self.runs = rows, runs
+        self.accs = 4 * nt * runs if rows else 2 * nt
         self.magic = "0x43004300" if bf16 else "0x64006400"  # 128.0 / 1024.0, both halves
         self.offset = "0f43000000" if bf16 else "0f44800000"  # the same, one fp32
         self.one = "0x3F803F80" if bf16 else "0x3C003C00"  # 1.0 in both halves
@@ -169,13 +169,13 @@ class _PtxGroup:
                ".reg .pred skip, more, writer;",
                ".reg .b32 tid, lane, warp, g, t, tile, grp, tmp, q0, q1, q2, q3, ones;",
                f".reg .f32 {regs('s', 2 * nt)}, {regs('sz', 2 * nt)}, zf, "
-               f"{regs('e', 4 * self.groups)};",
-               f".reg .f32 {regs('acc', self.accs)}, {regs('d', 4 * nt * self.groups)};",
+               f"{regs('e', 4 * self.runs)};",
+               f".reg .f32 {regs('acc', self.accs)}, {regs('d', 4 * nt * self.runs)};",
                f".reg .b64 {regs('wa', nt)}, xa, za, sa, zn, sn, ya, {'yb, ' * self.rows}off;",
-               *later_run_declarations(self.groups)]
+               *later_run_declarations(self.runs)]
         for b in bufs:
             out += [f".reg .b32 {regs(f'w{b}', nt * chunks * 4)};",
-                    f".reg .b32 {regs(f'x{b}', chunks * 8 * self.groups)}, "
+                    f".reg .b32 {regs(f'x{b}', chunks * 8 * self.runs)}, "
                     f"{regs(f'zr{b}', 2 * nt)};",
                     f".reg .b16 {regs(f'sr{b}', 2 * nt)};"]
         return out
@@ -213,7 +213,7 @@ class _PtxGroup:
             "mul.wide.u32 off, tmp, 4;",
             "add.u64 ya, $5, off;",
             *y_row_lines(self.rows),
-            *later_run_lines(self.groups, self.chunks * CHUNK),
+            *later_run_lines(self.runs, self.chunks * CHUNK),
             *[f"mov.f32 acc{i}, 0f00000000;" for i in range(self.accs)],
             f"mov.b32 ones, {self.one};",
             "mov.u32 grp, $7;",
@@ -230,9 +230,9 @@ class _PtxGroup:
                 r = (c * nt + i) * 4
                 out.append(f"{pred}ld.global.nc.L1::no_allocate.v4.u32 {{w{b}{r}, w{b}{r + 1}, "
                            f"w{b}{r + 2}, w{b}{r + 3}}}, [wa{i}+{skip_w + c * 512}];")
-            for grp, (xa, _, _, _) in enumerate(run_suffixes(self.groups)):
+            for run, (xa, _, _, _) in enumerate(run_suffixes(self.runs)):
                 for h in range(2):
-                    r = (grp * chunks + c) * 8 + h * 4
+                    r = (run * chunks + c) * 8 + h * 4
                     out.append(f"{pred}ld.global.v4.u32 {{x{b}{r}, x{b}{r + 1}, x{b}{r + 2}, "
                                f"x{b}{r + 3}}}, [{xa}+{skip_x + c * 128 + h * 16}];")
         if ahead:
@@ -257,14 +257,14 @@ class _PtxGroup:
                     f"add.f32 zf, zf, {self.offset};",
                     f"mul.f32 sz{r}, s{r}, zf;",
                     f"neg.f32 sz{r}, sz{r};"]
-        groups = self.groups
-        out += [f"mov.f32 d{i}, 0f00000000;" for i in range(4 * nt * groups)]
-        out += [f"mov.f32 e{i}, 0f00000000;" for i in range(4 * groups)]
+        runs = self.runs
+        out += [f"mov.f32 d{i}, 0f00000000;" for i in range(4 * nt * runs)]
+        out += [f"mov.f32 e{i}, 0f00000000;" for i in range(4 * runs)]
         mma = f"mma.sync.aligned.m16n8k16.row.col.f32.{t}.{t}.f32"
         for c in range(chunks):
             for k in range(4):  # MMA block k of the chunk
-                xbs = [f"x{b}{(grp * chunks + c) * 8 + 2 * k}, "
-                       f"x{b}{(grp * chunks + c) * 8 + 2 * k + 1}" for grp in range(groups)]
+                xbs = [f"x{b}{(run * chunks + c) * 8 + 2 * k}, "
+                       f"x{b}{(run * chunks + c) * 8 + 2 * k + 1}" for run in range(runs)]
                 for i in range(nt):
                     w = f"w{b}{(c * nt + i) * 4 + k}"
                     out += [f"lop3.b32 q0, {w}, 0x000F000F, {magic}, 0xEA;",
@@ -274,19 +274,19 @@ class _PtxGroup:
                             f"lop3.b32 q2, tmp, 0x000F000F, {magic}, 0xEA;",
                             f"shr.u32 tmp, {w}, 12;",
                             f"lop3.b32 q3, tmp, 0x000F000F, {magic}, 0xEA;"]
-                    for grp, xb in enumerate(xbs):
-                        d = ", ".join(f"d{4 * (i * groups + grp) + j}" for j in range(4))
+                    for run, xb in enumerate(xbs):
+                        d = ", ".join(f"d{4 * (i * runs + run) + j}" for j in range(4))
                         out.append(f"{mma} {{{d}}}, {{q0, q1, q2, q3}}, {{{xb}}}, {{{d}}};")
-                for grp, xb in enumerate(xbs):
-                    e = ", ".join(f"e{4 * grp + j}" for j in range(4))
+                for run, xb in enumerate(xbs):
+                    e = ", ".join(f"e{4 * run + j}" for j in range(4))
                     out.append(f"{mma} {{{e}}}, {{ones, ones, ones, ones}}, {{{xb}}}, {{{e}}};")
         if self.rows:  # acc 4i + j from d 4i + j: column g + 8 (j // 2), row 2t + j % 2
             for i in range(nt):
-                for grp in range(groups):
+                for run in range(runs):
                     for j in range(4):
-                        a, r = 4 * (i * groups + grp) + j, 2 * i + j // 2
+                        a, r = 4 * (i * runs + run) + j, 2 * i + j // 2
                         out += [f"fma.rn.f32 acc{a}, s{r}, d{a}, acc{a};",
-                                f"fma.rn.f32 acc{a}, sz{r}, e{4 * grp + j % 2}, acc{a};"]
+                                f"fma.rn.f32 acc{a}, sz{r}, e{4 * run + j % 2}, acc{a};"]
             return out
         for i in range(nt):  # D rows g (d0) and g + 8 (d2)
             for half in range(2):
@@ -300,7 +300,7 @@ class _PtxGroup:
                 *[f"add.u64 wa{i}, wa{i}, {self.chunks * 512};" for i in range(self.nt)],
                 f"add.u64 xa, xa, {self.chunks * CHUNK * 2};",
                 *[f"add.u64 xa{r}, xa{r}, {self.chunks * CHUNK * 2};"
-                  for r in range(1, self.groups)],
+                  for r in range(1, self.runs)],
                 "cvt.u64.u32 off, $12;", "add.u64 za, za, off;",
                 "mul.wide.u32 off, $13, 2;", "add.u64 sa, sa, off;"]
 
@@ -311,12 +311,12 @@ class _PtxGroup:
         if self.rows:
             out = []
             for i in range(self.nt):
-                for grp, (_, ya, yb, sfx) in enumerate(run_suffixes(self.groups)):
+                for run, (_, ya, yb, sfx) in enumerate(run_suffixes(self.runs)):
                     for j in range(4):
                         y = ya if j % 2 == 0 else yb
                         pred = f"row{j % 2}{sfx}"
                         out.append(f"@{pred} st.global.f32 [{y}+{4 * (16 * i + 8 * (j // 2))}], "
-                                   f"acc{4 * (i * self.groups + grp) + j};")
+                                   f"acc{4 * (i * self.runs + run) + j};")
             return out
         out = ["setp.eq.u32 writer, t, 0;"]
         for i in range(self.nt):
