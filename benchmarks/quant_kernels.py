@@ -338,9 +338,10 @@ def int4_gemm_sweep(rows: list[int]) -> None:
     """Graph time of the int4 GEMM's forms above 8 rows, group 128: the folded GEMM's
     tiles (`Int4Config.split`: K split), the per-tile dequantizing GEMM
     (`fold=False`, the act-order path), the weight dequantized whole + cuBLAS,
-    the same over fragment-order words (`int4_gemm_mma`, its picked form); bf16
-    cuBLAS the peer. What pick_gemm_config and
-    DEQUANT_ABOVE should say."""
+    the same over fragment-order words (`int4_gemm_mma`, its picked form), the
+    tensor-core GEMV (up to its MAX_ROWS; above, one launch per MAX_ROWS rows, up
+    to 4); bf16 cuBLAS the peer. What pick_gemm_config, DEQUANT_ABOVE and
+    int4_mma.GEMV_ROWS should say."""
     for name, k, n in SHAPES:
         ws = copies(lambda n=n, k=k: int4_weights(n, k), n * k // 2)
         dense = copies(lambda n=n, k=k: (torch.randn(n, k, device=DEV) * 0.02).bfloat16(),
@@ -362,6 +363,10 @@ def int4_gemm_sweep(rows: list[int]) -> None:
             if m <= M4.MAX_ROWS:  # the tensor-core GEMV, a B operand per 8 rows
                 cells["MMA GEMV"] = time_graph(
                     lambda x, w: M4.int4_gemv_mma(x, w[3], w[1], w[2], 128), x, ws)
+            elif m <= 4 * M4.MAX_ROWS:  # the same GEMV a launch per MAX_ROWS rows
+                cells["MMA GEMV chunks"] = time_graph(lambda x, w: [
+                    M4.int4_gemv_mma(x[i:i + M4.MAX_ROWS], w[3], w[1], w[2], 128)
+                    for i in range(0, x.shape[0], M4.MAX_ROWS)], x, ws)
             picked = T4.pick_gemm_config(m, n, 128)
             for c in INT4_GEMM_CANDIDATES:
                 if c.bm > max(16, m):
