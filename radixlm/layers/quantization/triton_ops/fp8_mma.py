@@ -1,6 +1,7 @@
 """The FP8 GEMV of 1-64 rows on the tensor cores (the CUDA default): the int4
 MMA GEMV's scheme (`int4_mma.py`: weights in `mma.m16n8k16` fragment order, x as
-B, the loop in PTX) for e4m3 weights with one fp32 scale per output row.
+B, the loop in PTX) for e4m3 weights with one fp32 scale per output row, or one
+per block of 128 features by 2^block_shift rows (below).
 
 An e4m3 byte s eeee mmm becomes a bf16 of the same value times 2^-120 by moving
 bits: s to bit 15, eeee mmm to bits 10-4 (bf16's exponent bias is 127, e4m3's
@@ -23,8 +24,12 @@ Each warp owns NT row tiles of 16 and its program's run of steps (2 chunks of
 x (with `prefetch`, the next step's before this step's MMAs), runs the MMAs
 into one fp32 accumulator per tile, and at the end lanes t = 0 write
 s 2^120 D as fp32 partial sums; `_int4_split_sum_kernel` adds them, the bias
-and the SiLU. Per-row scales and bf16 x only (block scales, fp16 x and other
-shapes take the FMA GEMV).
+and the SiLU. bf16 x only (fp16 x and other shapes take the FMA GEMV).
+
+Block scales (DeepSeek-V3 / Qwen3-FP8's 128 x 128; `takes`): a step is one block
+of K and a tile of 16 rows lies in one block, so each step's MMAs start from
+zero and one FMA per sum adds scale x D into fp32 accumulators; the epilogue
+multiplies by 2^120 alone. On an H100 as fast as the per-row form.
 
 Up to 8 rows of x take B's 8 columns as in `int4_mma` (`_Fp8Ptx`'s `rows`); the
 one-row code is kept as measured (an H100 call of 2026-12-05: FP8 single stream
@@ -40,8 +45,8 @@ A lane's 16 bytes of a chunk are 16 consecutive features of one row, so the
 words can also be made from the weight as it lies: `gemv_ptx(plain=True)` loads
 16 bytes of rows g and g + 8 and interleaves them with one `prmt` a word (2.38
 SASS instructions a weight against 2.16), with no second copy of the weight
-(`fp8_gemv_mma_plain`, the engine's default; $RADIXLM_FP8_GEMV=mma takes the copy). On an
-H100 it was 9 % faster than the copy at qkv but 11 % slower at gate/up (a warp's
+(`fp8_gemv_mma_plain`, the engine's default; $RADIXLM_FP8_GEMV=mma takes the
+copy). On an H100 it was 9 % faster than the copy at qkv but 11 % slower at gate/up (a warp's
 load covers 8 runs of 64 bytes, not 512 in a row); end to end the copy was 4 %
 faster (single stream 1.52x bf16 against 1.46x), not worth a second 8 GB.
 """
