@@ -206,10 +206,21 @@ def int4_gemv(x: torch.Tensor, qweight: torch.Tensor, zeros: torch.Tensor,
         EVEN=even, PACKED=packed, BF16=x.dtype == torch.bfloat16, LEAN=cfg.lean,
         num_warps=cfg.warps, num_stages=cfg.stages, **pdl.launch_args())
     if split > 1:
-        _int4_split_sum_kernel[(triton.cdiv(n, 256),)](
-            ws, bias if bias is not None else dummy, y, n, ws.stride(0), 0, 0, SPLIT=split,
-            BLOCK=256, HAS_BIAS=bias is not None, SILU_MUL=silu_mul, ROWS=False, num_warps=2,
-            **pdl.launch_args())
+        sum_splits(ws[:, None], bias, y, silu_mul)
+    return y
+
+
+def sum_splits(ws: torch.Tensor, bias: torch.Tensor | None, y: torch.Tensor,
+               silu_mul: bool) -> torch.Tensor:
+    """y [M, n_out] = the partial sums [split, M, N] added in split order (+ bias;
+    silu(gate) * up with `silu_mul`): the second launch of every split-K GEMV
+    (`int4_gemv` and the tensor-core ones of `mma_gemv`), one program per row and
+    block of columns, so a row's sum is the same at any M; one launch for all rows."""
+    n_out = y.shape[-1]
+    _int4_split_sum_kernel[(triton.cdiv(n_out, 256), ws.shape[1])](
+        ws, bias if bias is not None else ws, y, n_out, ws.stride(0), ws.stride(1), y.stride(0),
+        SPLIT=ws.shape[0], BLOCK=256, HAS_BIAS=bias is not None, SILU_MUL=silu_mul,
+        ROWS=ws.shape[1] > 1, num_warps=2, **pdl.launch_args())
     return y
 
 

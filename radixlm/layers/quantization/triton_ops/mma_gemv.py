@@ -29,7 +29,7 @@ import triton.language as tl
 
 from radixlm.layers import pdl
 from radixlm.layers.pdl import pdl_trigger, pdl_wait
-from radixlm.layers.quantization.triton_ops.int4 import _int4_split_sum_kernel
+from radixlm.layers.quantization.triton_ops.int4 import sum_splits
 
 CHUNK = 64  # features a lane's words of one tile cover: 4 MMA blocks of 16
 MAX_RUNS = 8  # runs of 8 rows of x (B's 8 columns), each its own B operand
@@ -273,17 +273,3 @@ def output(x: torch.Tensor, n_out: int, out: torch.Tensor | None) -> torch.Tenso
         return torch.empty((m, n_out), device=x.device, dtype=x.dtype)
     assert out.is_contiguous() and out.dtype == x.dtype and out.numel() == m * n_out
     return out.view(m, n_out)
-
-
-def sum_splits(ws: torch.Tensor, bias: torch.Tensor | None, y: torch.Tensor,
-               silu_mul: bool) -> torch.Tensor:
-    """y [M, n_out] = the partial sums [split, M, N] added in split order (+ bias;
-    silu(gate) * up with `silu_mul`): the second launch of every split-K GEMV
-    here, one program per row and block of columns, so a row's sum is the same at
-    any M; one launch for all rows (it was one a row: up to 8 launches a product)."""
-    n_out = y.shape[-1]
-    _int4_split_sum_kernel[(triton.cdiv(n_out, 256), ws.shape[1])](
-        ws, bias if bias is not None else ws, y, n_out, ws.stride(0), ws.stride(1), y.stride(0),
-        SPLIT=ws.shape[0], BLOCK=256, HAS_BIAS=bias is not None, SILU_MUL=silu_mul,
-        ROWS=ws.shape[1] > 1, num_warps=2, **pdl.launch_args())
-    return y
