@@ -245,26 +245,36 @@ def int4_gemm(x: torch.Tensor, qweight: torch.Tensor, zeros: torch.Tensor,
     bk = _pow2_divisor(group, cfg.bk)  # one group per step (or part of one)
     assert bk >= 16, f"group {group}: the tensor cores need 16 features per step"
     dummy = scales
-    grid = (triton.cdiv(m, cfg.bm) * triton.cdiv(n, cfg.bn),)
     args = (x, qweight, zeros, scales, g_idx if g_idx is not None else dummy,
             bias if bias is not None else dummy, y, m, n, k, x.stride(0), y.stride(0),
             qweight.stride(0), zeros.stride(0), scales.stride(0))
-    common = dict(BM=cfg.bm, BN=cfg.bn, BK=bk, GROUP=group, GROUP_M=8,
-                  HAS_BIAS=bias is not None, num_warps=cfg.warps, num_stages=cfg.stages)
     if cfg.fold and g_idx is None and x.dtype in (torch.bfloat16, torch.float16):
-        # Split-K: partial sums in fp32, added in split order by a second launch (a
-        # fixed order, so the same bits on every call of this shape).
-        split = even_split(k // bk, cfg.split)
-        ws = y if split == 1 else torch.empty((split, m, n), device=x.device,
-                                               dtype=torch.float32)
-        _int4_gemm_folded_kernel[(grid[0], split)](
-            *args, ws, k // split, PARTIAL=split > 1,
-            MAGIC=0x4300 if x.dtype == torch.bfloat16 else 0x6400, **common)
-        if split > 1:
-            split_sum(ws, y)
+        folded_gemm(_int4_gemm_folded_kernel, args, y, k, bk, cfg, group, bias is not None)
     else:
-        _int4_gemm_kernel[grid](*args, ACT_ORDER=g_idx is not None, **common)
+        _int4_gemm_kernel[(triton.cdiv(m, cfg.bm) * triton.cdiv(n, cfg.bn),)](
+            *args, BM=cfg.bm, BN=cfg.bn, BK=bk, GROUP=group, GROUP_M=8,
+            ACT_ORDER=g_idx is not None, HAS_BIAS=bias is not None, num_warps=cfg.warps,
+            num_stages=cfg.stages)
     return y
+
+
+def folded_gemm(kernel, args: tuple, y: torch.Tensor, k: int, bk: int, cfg: Int4Config,
+                group: int, has_bias: bool) -> None:
+    """Launch a folded GEMM `kernel` (`_int4_gemm_folded_kernel`, or
+    `int4_mma._int4_frag_gemm_kernel` over fragment-order words) on `args` (its
+    operands up to the workspace) into y [M, N] with K split: partial sums in
+    fp32, added in split order by a second launch (a fixed order, so the same
+    bits on every call of this shape)."""
+    m, n = y.shape
+    split = even_split(k // bk, cfg.split)
+    ws = y if split == 1 else torch.empty((split, m, n), device=y.device, dtype=torch.float32)
+    grid = (triton.cdiv(m, cfg.bm) * triton.cdiv(n, cfg.bn), split)
+    kernel[grid](*args, ws, k // split, BM=cfg.bm, BN=cfg.bn, BK=bk, GROUP=group, GROUP_M=8,
+                 HAS_BIAS=has_bias, PARTIAL=split > 1,
+                 MAGIC=0x4300 if y.dtype == torch.bfloat16 else 0x6400,
+                 num_warps=cfg.warps, num_stages=cfg.stages)
+    if split > 1:
+        split_sum(ws, y)
 
 
 def dense_product(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None,

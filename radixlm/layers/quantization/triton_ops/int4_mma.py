@@ -369,18 +369,9 @@ def int4_gemm_mma(x: torch.Tensor, words: torch.Tensor, zeros: torch.Tensor,
         return _int4.dense_product(x, w, bias, y)
     cfg = _int4.pick_gemm_config(m, n, group)
     bk = min(group, 128)  # a step lies in one group
-    split = _int4.even_split(k // bk, cfg.split)
-    ws = y if split == 1 else torch.empty((split, m, n), device=x.device, dtype=torch.float32)
-    grid = (triton.cdiv(m, cfg.bm) * triton.cdiv(n, cfg.bn), split)
-    _int4_frag_gemm_kernel[grid](
-        x, words, zeros, scales, bias if bias is not None else scales, y, m, n, k,
-        chunks_per_row, x.stride(0), y.stride(0), zeros.stride(0), scales.stride(0), ws,
-        k // split, BM=cfg.bm, BN=cfg.bn, BK=bk, GROUP=group, GROUP_M=8,
-        HAS_BIAS=bias is not None, PARTIAL=split > 1,
-        MAGIC=0x4300 if x.dtype == torch.bfloat16 else 0x6400, num_warps=cfg.warps,
-        num_stages=cfg.stages)
-    if split > 1:
-        _int4.split_sum(ws, y)
+    args = (x, words, zeros, scales, bias if bias is not None else scales, y, m, n, k,
+            chunks_per_row, x.stride(0), y.stride(0), zeros.stride(0), scales.stride(0))
+    _int4.folded_gemm(_int4_frag_gemm_kernel, args, y, k, bk, cfg, group, bias is not None)
     return y
 
 
