@@ -5,6 +5,7 @@ idle time, kernels by kind and by name, host events).
     python benchmarks/decode_profile.py --model-path benchmarks/llama-3.1-8b \
         --load-format dummy --dtype bfloat16 [--quantization fp8] [--steps 40]
     python benchmarks/decode_profile.py --shape qwen3-30b-a3b     # a MoE shape
+    python benchmarks/decode_profile.py --model-path ... --batch 256 --prompt-len 512
     python benchmarks/decode_profile.py --model-path ... --enable-deterministic-inference \
         --replay-draft 2,3                                       # speculative verify steps
 
@@ -49,15 +50,19 @@ def log(*args: object) -> None:
 
 def profile_decode(engine, name: str, steps: int = 40, top: int = 8,
                    prompt_len: int = 128, vocab: int = 32000,
-                   replay: tuple[int, int] | None = None) -> None:
-    """Trace `steps` single-stream decode steps on every rank and print rank 0's
-    per-step breakdown (`top` kernels by time). `replay` (k, L): verify steps
-    instead, drafts replayed from a plain run so each verify keeps L - 1 of k
-    (`bench speculative simulated`'s drafter; in-process engines only)."""
+                   replay: tuple[int, int] | None = None, batch: int = 1) -> None:
+    """Trace `steps` decode steps of `batch` streams on every rank and print rank
+    0's per-step breakdown (`top` kernels by time). The prompts are prefilled
+    and cached first, so the traced run's prefill is one token a stream.
+    `replay` (k, L): verify steps instead, drafts replayed from a plain run so
+    each verify keeps L - 1 of k (`bench speculative simulated`'s drafter;
+    in-process engines only; one stream)."""
+    assert replay is None or batch == 1
     out_dir = tempfile.mkdtemp(prefix="radixlm-prof-")
     greedy = {"temperature": 0.0, "ignore_eos": True}
     g = torch.Generator().manual_seed(3)
-    ids = torch.randint(100, vocab - 100, (prompt_len,), generator=g).tolist()
+    prompts = torch.randint(100, vocab - 100, (batch, prompt_len), generator=g).tolist()
+    ids = prompts[0] if batch == 1 else prompts
     # Enough tokens for `steps` traced steps past warm-up, at 1 or L tokens a step.
     length = (steps + 16) * (1 if replay is None else replay[1])
     plain = engine.generate(input_ids=ids, sampling_params={
@@ -142,6 +147,8 @@ def main() -> None:
     p.add_argument("--replay-draft", default=None, metavar="K,L",
                    help="profile verify steps of k replayed drafts keeping L - 1 each "
                         "(SIMULATED acceptance)")
+    p.add_argument("--batch", type=int, default=1, help="streams decoding together")
+    p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--top", type=int, default=25)
     args = p.parse_args()
@@ -164,7 +171,8 @@ def main() -> None:
         with radixlm.Engine(**kwargs) as engine:
             replay = tuple(map(int, args.replay_draft.split(","))) if args.replay_draft else None
             profile_decode(engine, args.shape or os.path.basename(path), args.steps, args.top,
-                           vocab=vocab, replay=replay)
+                           prompt_len=args.prompt_len, vocab=vocab, replay=replay,
+                           batch=args.batch)
 
 
 if __name__ == "__main__":
