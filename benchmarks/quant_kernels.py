@@ -337,8 +337,8 @@ INT4_GEMM_CANDIDATES = [T4.Int4Config(bm, bn, 128, w, 3, sp) for bm, bn, w, sp i
 def int4_gemm_sweep(rows: list[int]) -> None:
     """Graph time of the int4 GEMM's forms above 8 rows, group 128: the folded GEMM's
     tiles (`Int4Config.split`: K split), the per-tile dequantizing GEMM
-    (`fold=False`, the act-order path), the weight dequantized whole + cuBLAS,
-    the same over fragment-order words (`int4_gemm_mma`, its picked form), the
+    (`fold=False`, the act-order path), the weight dequantized whole + cuBLAS
+    (what fragment-order words take above `int4_mma.GEMV_ROWS`), the
     tensor-core GEMV (up to its MAX_ROWS; above, one launch per MAX_ROWS rows, up
     to 4); bf16 cuBLAS the peer. What pick_gemm_config, DEQUANT_ABOVE and
     int4_mma.GEMV_ROWS should say."""
@@ -358,8 +358,6 @@ def int4_gemm_sweep(rows: list[int]) -> None:
                 fold=False)), x, ws)
             cells["whole dequant"] = time_graph(lambda x, w: torch.mm(x, T4.int4_dequantize(
                 w[0], w[1], w[2], 128, None, x.dtype)), x, ws)
-            cells["fragment order"] = time_graph(  # the RADIXLM_INT4_GEMV=mma words
-                lambda x, w: M4.int4_gemm_mma(x, w[3], w[1], w[2], 128), x, ws)
             if m <= M4.MAX_ROWS:  # the tensor-core GEMV, a B operand per 8 rows
                 cells["MMA GEMV"] = time_graph(
                     lambda x, w: M4.int4_gemv_mma(x, w[3], w[1], w[2], 128), x, ws)

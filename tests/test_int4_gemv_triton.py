@@ -29,8 +29,8 @@ def test_packed_halves_under_interpreter() -> None:
 
 
 def test_fragment_order_gemm_under_interpreter() -> None:
-    """`int4_gemm_mma` (rows above 8 over the tensor-core GEMV's words), ~10 s."""
-    run_file_under_interpreter(GPU_TESTS, "frag_gemm or frag_dequantized", min_passed=6)
+    """`int4_gemm_mma` (rows above the tensor-core GEMV's, over its words)."""
+    run_file_under_interpreter(GPU_TESTS, "frag_dequantized", min_passed=2)
 
 
 def test_folded_and_dequantized_gemm_under_interpreter() -> None:

@@ -193,7 +193,7 @@ def test_the_variables_are_named_at_start_up_and_cost_the_cpu_nothing(monkeypatc
 
     for var in ("RADIXLM_INT4_GEMV", "RADIXLM_FP8_GEMV"):
         monkeypatch.delenv(var, raising=False)
-    assert "1-64 rows on the tensor cores" in describe("awq")
+    assert "1-128 rows on the tensor cores" in describe("awq")
     assert "on the tensor cores, reading the per-row-scaled weights" in describe("fp8")
     layer = MergedColumnParallelLinear(256, [128, 128], params_dtype=torch.bfloat16,
                                        quant_config=get_quantization_config(tiny_llama(),

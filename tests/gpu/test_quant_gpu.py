@@ -125,7 +125,7 @@ def test_awq_on_the_cuda_core_gemv_tracks_its_dequantized_model(model, monkeypat
 def test_awq_layer_held_in_fragment_order(monkeypatch):
     """$RADIXLM_INT4_GEMV=mma on a layer built on CUDA: qweight is the fragment-order
     words (no second copy), read back as the checkpoint's tensor; its products at
-    1, 3 (a misaligned view: copied), 8 and 40 rows and the fused SiLU track the
+    1, 3 (a misaligned view: copied), 8, 40 and 100 (two launches) rows and the fused SiLU track the
     dequantized weight as the GPTQ-form layer's do."""
     monkeypatch.setenv("RADIXLM_INT4_GEMV", "mma")
     quant = get_quantization_config(tiny_llama(quantization_config=awq_config(128)))
@@ -149,7 +149,7 @@ def test_awq_layer_held_in_fragment_order(monkeypatch):
     w = layer.int4
     assert w.qweight is None and w.mma.data_ptr() == layer.qweight.data_ptr()
     deq = w.dequantize().double()  # [N, K]
-    for m in (1, 3, 8, 40):
+    for m in (1, 3, 8, 40, 100):
         base = torch.randn(m, 1040, device="cuda").half()
         x = base[:, 8:1032] if m == 3 else base[:, :1024].contiguous()
         ref = x.double() @ deq.T

@@ -354,27 +354,28 @@ def test_int4_dequantized_gemm(case, act_order, monkeypatch):
     check_int4_rows(out, w, x, bias)
 
 
-@pytest.mark.parametrize("m", [17, 70])
-@pytest.mark.parametrize("n,group", [(80, 64), (48, 128)])
-def test_int4_frag_gemm(m, n, group):
-    """The GEMM over the tensor-core GEMV's fragment-order words (`int4_gemm_mma`,
-    rows above the GEMV's 16): each word unpacked into its 8 (feature, column)
-    places, the columns stored where `mma_layout` put them; a column block past N (80 = 5
-    tiles under a 64-column block) reads a clamped tile and stores nothing. The
-    float64 product within the dequantized tile's rounding, as the plain GEMM's
-    (the folded form, K split in 2 runs); `int4_linear` routes rows above
-    `int4_mma.GEMV_ROWS` there when given the words (checked at 70)."""
+@needs_cuda
+@pytest.mark.parametrize("silu_mul", [False, True])
+def test_int4_gemv_mma_rows_past_one_launch(silu_mul):
+    """Above MAX_ROWS rows the tensor-core GEMV runs a launch per MAX_ROWS
+    (`int4_gemv_mma_rows`): every row the bits of that row alone, and
+    `int4_linear` routes up to `int4_mma.GEMV_ROWS` rows there (100 here: a full
+    launch and a ragged one)."""
     from radixlm.layers.quantization.triton_ops import int4_mma as MM
 
-    k = 256
-    dtype = DTYPES[-1]
-    w = int4_weight(n, k, group, False, seed=61)
+    n, k, group, m = 256, 512, 128, 100
+    assert MM.MAX_ROWS < m <= MM.GEMV_ROWS
+    w = int4_weight(n, k, group, False, seed=71)
     words = MM.mma_layout(I.unpack_rows(w.qweight))
-    x = randn(m, k, seed=62, dtype=dtype)
-    bias = randn(n, seed=63, dtype=dtype)
-    out = MM.int4_gemm_mma(x, words, w.zeros, w.scales, group, bias)
-    check_int4_rows(out, w, x, bias)
-    if m > MM.GEMV_ROWS:  # fewer rows take the tensor-core GEMV
+    x = randn(m, k, seed=72, dtype=DTYPES[-1])
+    bias = None if silu_mul else randn(n, seed=73, dtype=DTYPES[-1])
+    out = MM.int4_gemv_mma_rows(x, words, w.zeros, w.scales, group, bias, silu_mul=silu_mul)
+    check_rows_alone(out, lambda r: MM.int4_gemv_mma(x[r:r + 1], words, w.zeros, w.scales,
+                                                     group, bias, silu_mul=silu_mul))
+    if silu_mul:
+        check_silu_mul(out, MM.int4_gemv_mma_rows(x, words, w.zeros, w.scales, group))
+    else:
+        check_int4_rows(out, w, x, bias)
         assert torch.equal(T.int4_linear(x, w.qweight, w.zeros, w.scales, group, None, bias,
                                          mma=words), out)
 
@@ -405,9 +406,11 @@ def test_split_sums_of_every_row_in_one_launch(silu_mul):
 
 
 @pytest.mark.parametrize("n,group", [(80, 64), (48, 128)])
-def test_int4_frag_dequantized_gemm(n, group, monkeypatch):
-    """Above DEQUANT_ABOVE rows the fragment-order words are dequantized whole: the
-    same bits as the GPTQ form's dequantization, then the dense GEMM."""
+def test_int4_frag_dequantized_gemm(n, group):
+    """Above `int4_mma.GEMV_ROWS` rows the fragment-order words are dequantized
+    whole (`int4_gemm_mma`): the same bits as the GPTQ form's dequantization,
+    then the dense GEMM; `int4_linear` routes such rows there when given the
+    words."""
     from radixlm.layers.quantization.triton_ops import int4_mma as MM
 
     k, dtype = 256, DTYPES[0]
@@ -415,11 +418,13 @@ def test_int4_frag_dequantized_gemm(n, group, monkeypatch):
     words = MM.mma_layout(I.unpack_rows(w.qweight))
     dq = MM.int4_dequantize_mma(words, w.zeros, w.scales, group, dtype)
     assert torch.equal(dq, T.int4_dequantize(w.qweight, w.zeros, w.scales, group, None, dtype))
-    monkeypatch.setattr(T, "DEQUANT_ABOVE", 16)
-    x = randn(24, k, seed=65, dtype=dtype)
+    m = MM.GEMV_ROWS + 12
+    x = randn(m, k, seed=65, dtype=dtype)
     bias = randn(n, seed=66, dtype=dtype)
     out = MM.int4_gemm_mma(x, words, w.zeros, w.scales, group, bias)
     torch.testing.assert_close(out, torch.addmm(bias, x, dq), rtol=0, atol=0)
+    assert torch.equal(T.int4_linear(x, w.qweight, w.zeros, w.scales, group, None, bias,
+                                     mma=words), out)
 
 
 @pytest.mark.parametrize("split", [2, 3])

@@ -25,16 +25,16 @@ Products: on CUDA in bf16/fp16 our Triton kernels. A layer built on CUDA that
 the tensor-core kernels take (no act-order, whole tiles of 16 output features,
 group 64 or 128) holds `qweight` in their MMA fragment order (`FragmentSpec`:
 int32 [N / 16, K / 64, 32, 4], the same bytes), and every product reads that:
-1-64 rows the tensor-core GEMV (`triton_ops/int4_mma.py`, fused with the MLP's
-silu(gate) * up on a merged gate/up layer), up to 128 a GEMM on the tensor cores
-with the scale folded out of the weights, above that the weight dequantized
-whole and a cuBLAS GEMM. Loads and read-backs convert through the GPTQ form, so
-updates and `get_weights_by_name` see the checkpoint's tensors. Other layers,
-and every layer under $RADIXLM_INT4_GEMV=fma, keep the GPTQ form: one row a
-CUDA-core GEMV in fp32 registers (fused SiLU too), then the same two GEMM forms
-over those words. Elsewhere the weight is dequantized at matmul time (fp32
-[N, K] for the one product, then freed: the memory stays half a byte per
-weight).
+1-128 rows the tensor-core GEMV (`triton_ops/int4_mma.py`, a launch per 64
+rows, fused with the MLP's silu(gate) * up on a merged gate/up layer), above
+that the weight dequantized whole and a cuBLAS GEMM. Loads and read-backs
+convert through the GPTQ form, so updates and `get_weights_by_name` see the
+checkpoint's tensors. Other layers, and every layer under
+$RADIXLM_INT4_GEMV=fma, keep the GPTQ form: one row a CUDA-core GEMV in fp32
+registers (fused SiLU too), up to 128 rows a GEMM on the tensor cores with the
+scale folded out of the weights, above that the weight dequantized whole.
+Elsewhere the weight is dequantized at matmul time (fp32 [N, K] for the one
+product, then freed: the memory stays half a byte per weight).
 """
 
 from __future__ import annotations
@@ -526,7 +526,7 @@ class _Int4Config(QuantizationConfig):
         f = self.fmt
         order = ", act-order (g_idx)" if f.desc_act else ""
         source = "" if self.from_checkpoint else " (dummy weights: round-to-nearest int4)"
-        products = ("GEMV at 1-64 rows on the tensor cores and a GEMM above, both reading the "
+        products = ("GEMV at 1-128 rows on the tensor cores and a GEMM above, both reading the "
                     "weights held in MMA fragment order (layers those kernels do not take, "
                     "e.g. act-order: GEMV at one row, GEMM above)"
                     if mma_requested() else

@@ -149,14 +149,15 @@ def int4_linear(x: torch.Tensor, qweight: torch.Tensor | None, zeros: torch.Tens
     if silu_mul:
         if m != 1 and not tensor_cores:
             return None
-        y = (_mma.int4_gemv_mma(x2, mma, zeros, scales, group, silu_mul=True) if tensor_cores
+        y = (_mma.int4_gemv_mma_rows(x2, mma, zeros, scales, group, silu_mul=True)
+             if tensor_cores
              else int4_gemv(x2, qweight, zeros, scales, group, g_idx, silu_mul=True))
         return y.view(*x.shape[:-1], n // 2)
     if out is not None:
         assert out.is_contiguous() and out.dtype == x.dtype and out.numel() == m * n
         out = out.view(m, n)
     if tensor_cores:
-        y = _mma.int4_gemv_mma(x2, mma, zeros, scales, group, bias, out=out)
+        y = _mma.int4_gemv_mma_rows(x2, mma, zeros, scales, group, bias, out=out)
     elif mma is not None and (m > 1 or qweight is None):  # the same words, more rows
         y = _mma.int4_gemm_mma(x2, mma, zeros, scales, group, bias, out=out)
     else:
@@ -260,8 +261,7 @@ def int4_gemm(x: torch.Tensor, qweight: torch.Tensor, zeros: torch.Tensor,
 
 def folded_gemm(kernel, args: tuple, y: torch.Tensor, k: int, bk: int, cfg: Int4Config,
                 group: int, has_bias: bool) -> None:
-    """Launch a folded GEMM `kernel` (`_int4_gemm_folded_kernel`, or
-    `int4_mma._int4_frag_gemm_kernel` over fragment-order words) on `args` (its
+    """Launch the folded GEMM `kernel` (`_int4_gemm_folded_kernel`) on `args` (its
     operands up to the workspace) into y [M, N] with K split: partial sums in
     fp32, added in split order by a second launch (a fixed order, so the same
     bits on every call of this shape)."""

@@ -1,4 +1,4 @@
-"""The int4 GEMV of 1-64 rows on the tensor cores (the CUDA default): the weights
+"""The int4 GEMV of 1-128 rows on the tensor cores (the CUDA default): the weights
 in the fragment order of `mma.m16n8k16`, so that each 32-bit word a lane loads
 is, after three shifts and four LOP3, exactly its A operand for one MMA.
 
@@ -48,9 +48,11 @@ take up to 8 runs of 8, each its own B operand against the same unpacked words
 (`gemv_ptx`'s `runs`; the PTX of 1-8 rows is text for text what it was);
 above 4 runs the loop does not prefetch (its registers would spill). On an
 H100 the GEMV beat every GEMM over these words at 16-64 rows at all four
-Llama-8B shapes (BENCHMARKS.md). Above 64 rows the words take the GEMM of
-`int4.int4_gemm`'s forms: the folded tiles with K split up to 128 rows, the
-weight dequantized whole and cuBLAS above (`int4_gemm_mma`).
+Llama-8B shapes (BENCHMARKS.md). 65-128 rows take a launch per 64
+(`int4_gemv_mma_rows`): at 80-128 rows that beat the folded GEMM over these
+words on all four shapes (AWQ offline decode with 96 prompts 1.35x, 128
+prompts 1.10x). Above 128 rows the words are dequantized whole for cuBLAS
+(`int4_gemm_mma`).
 """
 
 from __future__ import annotations
@@ -81,10 +83,9 @@ from radixlm.layers.quantization.triton_ops.mma_gemv import (
     x_row_lines,
     y_row_lines,
 )
-from radixlm.layers.tiles import grouped_tile
 
 GROUPS = (64, 128)  # group sizes the kernel takes (whole chunks, <= 2 chunks unrolled)
-GEMV_ROWS = MAX_ROWS  # rows `int4.int4_linear` gives the GEMV (more: `int4_gemm_mma`)
+GEMV_ROWS = 2 * MAX_ROWS  # rows `int4.int4_linear` gives the GEMV, MAX_ROWS a launch
 
 
 # ---- the layout (torch, any device) --------------------------------------------------
@@ -347,15 +348,33 @@ def int4_gemv_mma(x: torch.Tensor, words: torch.Tensor, zeros: torch.Tensor,
                   scales.stride(0), bias, out, silu_mul)
 
 
-# ---- above MAX_ROWS: a GEMM over the same words ---------------------------------------
+def int4_gemv_mma_rows(x: torch.Tensor, words: torch.Tensor, zeros: torch.Tensor,
+                       scales: torch.Tensor, group: int, bias: torch.Tensor | None = None,
+                       out: torch.Tensor | None = None, silu_mul: bool = False) -> torch.Tensor:
+    """`int4_gemv_mma` over any number of rows, a launch per MAX_ROWS of them (each
+    row's bits are its own, as in one launch): what `int4.int4_linear` runs up to
+    GEMV_ROWS."""
+    m, n = x.shape[0], 16 * words.shape[0]
+    if m <= MAX_ROWS:
+        return int4_gemv_mma(x, words, zeros, scales, group, bias, out=out, silu_mul=silu_mul)
+    y = output(x, n // 2 if silu_mul else n, out)
+    for i in range(0, m, MAX_ROWS):
+        int4_gemv_mma(x[i:i + MAX_ROWS], words, zeros, scales, group, bias,
+                      out=y[i:i + MAX_ROWS], silu_mul=silu_mul)
+    return y
+
+
+# ---- above GEMV_ROWS: the same words dequantized whole ------------------------------
 def int4_gemm_mma(x: torch.Tensor, words: torch.Tensor, zeros: torch.Tensor,
                   scales: torch.Tensor, group: int, bias: torch.Tensor | None = None,
                   out: torch.Tensor | None = None) -> torch.Tensor:
     """x [M, K] (bf16 / fp16, rows contiguous) times the int4 weight in `mma_layout`
-    `words`: [M, N]. What rows above `MAX_ROWS` take, so that the fragment-order
-    words can serve every product: as `int4.int4_gemm` does on the GPTQ form, up
-    to `DEQUANT_ABOVE` rows the folded GEMM (its tiles and K split), above it the
-    weight dequantized whole and cuBLAS."""
+    `words`: [M, N]. What rows above `GEMV_ROWS` take, so that the fragment-order
+    words serve every product: the weight dequantized whole
+    (`int4_dequantize_mma`, the GPTQ form's bits) and cuBLAS. Up to 128 rows the
+    GEMV's launches of 64 rows beat the folded GEMM over these words, which was
+    taken out (H100, BENCHMARKS.md 2026-12-05 19:35); above 128 the whole
+    dequantization beats the folded GEMM on the GPTQ form too (`int4.DEQUANT_ABOVE`)."""
     tiles, chunks_per_row = words.shape[:2]
     n, k = tiles * 16, chunks_per_row * CHUNK
     m = x.shape[0]
@@ -364,15 +383,8 @@ def int4_gemm_mma(x: torch.Tensor, words: torch.Tensor, zeros: torch.Tensor,
     y = output(x, n, out)
     if m == 0:
         return y
-    if m > _int4.DEQUANT_ABOVE:
-        w = int4_dequantize_mma(words, zeros, scales, group, x.dtype)
-        return _int4.dense_product(x, w, bias, y)
-    cfg = _int4.pick_gemm_config(m, n, group)
-    bk = min(group, 128)  # a step lies in one group
-    args = (x, words, zeros, scales, bias if bias is not None else scales, y, m, n, k,
-            chunks_per_row, x.stride(0), y.stride(0), zeros.stride(0), scales.stride(0))
-    _int4.folded_gemm(_int4_frag_gemm_kernel, args, y, k, bk, cfg, group, bias is not None)
-    return y
+    w = int4_dequantize_mma(words, zeros, scales, group, x.dtype)
+    return _int4.dense_product(x, w, bias, y)
 
 
 def int4_dequantize_mma(words: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor,
@@ -388,83 +400,6 @@ def int4_dequantize_mma(words: torch.Tensor, zeros: torch.Tensor, scales: torch.
         words, zeros, scales, w, n, chunks_per_row, zeros.stride(0), scales.stride(0),
         w.stride(0), BK=bk, BN=bn, GROUP=group, num_warps=4)
     return w
-
-
-@triton.jit
-def _frag_columns(n0, BN: tl.constexpr):
-    """The output column of each of a tile's BN dequantized columns: column 2 nw +
-    jm of the tile is word column nw = 8 tile + g's nibble pair member jm, output
-    column 16 tile + 8 jm + g (`mma_layout`)."""
-    nn = tl.arange(0, BN)
-    return n0 + (nn // 16) * 16 + (nn % 2) * 8 + (nn // 2) % 8
-
-
-@triton.jit
-def _frag_nibbles(w_ptr, tile0, tiles, chunk0, CHUNKS_PER_ROW, BK: tl.constexpr,
-                  BN: tl.constexpr):
-    """The [BK, BN] nibbles (int32, 0..15) of column tiles tile0.. (those past
-    `tiles` read the last one again: their columns are never stored) and chunks
-    chunk0..: row 4 kw + q is feature 64 chunk + 16 t + 4 b + q (kw = 16 chunk +
-    4 t + b, in feature order), column 2 nw + jm as `_frag_columns` maps it. Word
-    (kw, nw) holds features 4 kw + q of columns (jm = 0, 1) at nibble jm + 2 (q //
-    2) + 4 (q % 2); each word is loaded once."""
-    kw = tl.arange(0, BK // 4)
-    nw = tl.arange(0, BN // 2)
-    lane = (nw % 8)[None, :] * 4 + ((kw // 4) % 4)[:, None]
-    tile = tl.minimum(tile0 + nw // 8, tiles - 1).to(tl.int64)
-    word = (tile[None, :] * CHUNKS_PER_ROW + chunk0 + (kw // 16)[:, None]) * 32
-    w = tl.load(w_ptr + (word + lane) * 4 + (kw % 4)[:, None])
-    q = tl.arange(0, 4)[:, None]
-    jm = tl.arange(0, 2)[None, :]
-    shifts = 4 * (jm + 2 * (q // 2) + 4 * (q % 2))  # [4, 2]
-    v = (w[:, None, :, None] >> shifts[None, :, None, :]) & 0xF  # [kw, q, nw, jm]
-    return tl.reshape(v, [BK, BN])
-
-
-@triton.jit
-def _int4_frag_gemm_kernel(x_ptr, w_ptr, z_ptr, s_ptr, b_ptr, y_ptr, M, N, K, CHUNKS_PER_ROW,
-                           stride_xm, stride_ym, stride_z, stride_s, ws_ptr, K_SPLIT,
-                           BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                           GROUP: tl.constexpr, GROUP_M: tl.constexpr,
-                           HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr,
-                           MAGIC: tl.constexpr):
-    """y = x @ W^T from the fragment-order words, as `int4._int4_gemm_folded_kernel`
-    does from the GPTQ form: per step of BK features (inside one group) the
-    nibbles of BN columns made the exact 16-bit q - z (OR into the units of
-    128.0 / 1024.0, one subtraction), one tl.dot, s times its sums; program
-    (tile, j) covers K_SPLIT features from j K_SPLIT (PARTIAL: into fp32 ws[j],
-    the bias in j = 0's). The columns come out in `_frag_columns`' order, which
-    the scale, zero, bias loads and the store follow."""
-    pid_m, pid_n = grouped_tile(tl.program_id(0), M, N, BM, BN, GROUP_M)
-    k_lo = tl.program_id(1) * K_SPLIT
-    offs_m = pid_m * BM + tl.arange(0, BM)
-    rm = tl.minimum(offs_m, M - 1).to(tl.int64)
-    cols = _frag_columns(pid_n * BN, BN)
-    ok_n = cols < N
-    cols_c = tl.minimum(cols, N - 1)
-    offs_k = tl.arange(0, BK)
-    x_ptrs = x_ptr + rm[:, None] * stride_xm + offs_k[None, :] + k_lo
-    dt = x_ptr.dtype.element_ty
-    acc = tl.zeros([BM, BN], dtype=tl.float32)
-    for kk in range(0, K_SPLIT, BK):
-        k = k_lo + kk
-        q = _frag_nibbles(w_ptr, pid_n * (BN // 16), N // 16, k // 64, CHUNKS_PER_ROW, BK, BN)
-        xa = tl.load(x_ptrs + kk)
-        g = k // GROUP
-        s = tl.load(s_ptr + g * stride_s + cols_c).to(tl.float32)
-        z = (tl.load(z_ptr + g * stride_z + cols_c).to(tl.int16) | MAGIC).to(dt, bitcast=True)
-        w = (q | MAGIC).to(tl.int16).to(dt, bitcast=True) - z[None, :]
-        acc += s[None, :] * tl.dot(xa, w)
-    if HAS_BIAS and tl.program_id(1) == 0:
-        acc += tl.load(b_ptr + cols_c).to(tl.float32)[None, :]
-    if PARTIAL:
-        out_ptr = ws_ptr + tl.program_id(1).to(tl.int64) * M * N
-        stride_o = N
-    else:
-        out_ptr = y_ptr
-        stride_o = stride_ym
-    tl.store(out_ptr + offs_m[:, None].to(tl.int64) * stride_o + cols[None, :],
-             acc.to(out_ptr.dtype.element_ty), mask=(offs_m[:, None] < M) & ok_n[None, :])
 
 
 @triton.jit
