@@ -5,8 +5,9 @@ tests/gpu/test_quant_kernels.py, in bf16 and fp16, with and without split K and
 (tests/interpreter.py says why a child). The kernel's PTX is emulated there in
 Triton operations with the same nibble pairs, x pairs and roundings, so what this
 covers is the indexing: which nibbles, zeros, scales and x features meet. ~35 s
-on 2 cores. Also the GEMMs above 8 rows: the folded one with its K split, the
-dequantized one, and both over the tensor-core GEMV's fragment-order words.
+on 2 cores. Also the GEMMs above 8 rows: the folded one with its K split and
+the dequantized one, the latter over the tensor-core GEMV's fragment-order
+words too.
 """
 
 from __future__ import annotations
