@@ -75,7 +75,8 @@ def fp8_ref_quant(x: torch.Tensor, group: int | None) -> tuple[torch.Tensor, tor
 
 
 # ---- activation quantization -----------------------------------------------------------------
-@pytest.mark.parametrize("m,k", [(1, 200), (5, 256), (33, 1000), (2, 4104)])
+@pytest.mark.parametrize("m,k", [(1, 200), (5, 256), (33, 1000), (2, 4104), (3, 14336),
+                                 (2, 20000)])  # down_proj's input and a longer row
 @pytest.mark.parametrize("group", [None, 128, 64])
 def test_activation_quantization_matches_round_to_nearest_even(m, k, group):
     x = randn(m, k, seed=k, dtype=torch.bfloat16) * 3
@@ -89,8 +90,9 @@ def test_activation_quantization_matches_round_to_nearest_even(m, k, group):
     assert ((q.float() * full - x.float()).abs() <= x.float().abs() / 16 + full * 2 ** -10).all()
 
 
-def test_static_activation_scale_and_saturation():
-    x = randn(4, 300, seed=3, dtype=torch.float16) * 4
+@pytest.mark.parametrize("k", [300, 20000])
+def test_static_activation_scale_and_saturation(k):
+    x = randn(4, k, seed=3, dtype=torch.float16) * 4
     scale = torch.tensor([0.005], device=DEV)
     q, s = F.quantize_activations(x, 0, scale)
     assert s.shape == (4, 1) and s.stride(0) == 0
