@@ -250,7 +250,7 @@ def int4_gemm(x: torch.Tensor, qweight: torch.Tensor, zeros: torch.Tensor,
             bias if bias is not None else dummy, y, m, n, k, x.stride(0), y.stride(0),
             qweight.stride(0), zeros.stride(0), scales.stride(0))
     if cfg.fold and g_idx is None and x.dtype in (torch.bfloat16, torch.float16):
-        folded_gemm(_int4_gemm_folded_kernel, args, y, k, bk, cfg, group, bias is not None)
+        _folded_gemm(args, y, k, bk, cfg, group, bias is not None)
     else:
         _int4_gemm_kernel[(triton.cdiv(m, cfg.bm) * triton.cdiv(n, cfg.bn),)](
             *args, BM=cfg.bm, BN=cfg.bn, BK=bk, GROUP=group, GROUP_M=8,
@@ -259,20 +259,23 @@ def int4_gemm(x: torch.Tensor, qweight: torch.Tensor, zeros: torch.Tensor,
     return y
 
 
-def folded_gemm(kernel, args: tuple, y: torch.Tensor, k: int, bk: int, cfg: Int4Config,
-                group: int, has_bias: bool) -> None:
-    """Launch the folded GEMM `kernel` (`_int4_gemm_folded_kernel`) on `args` (its
-    operands up to the workspace) into y [M, N] with K split: partial sums in
+def _folded_gemm(args: tuple, y: torch.Tensor, k: int, bk: int, cfg: Int4Config,
+                 group: int, has_bias: bool) -> None:
+    """Launch `_int4_gemm_folded_kernel` on `args` (its operands up to the
+    workspace) into y [M, N] with K split in equal runs of whole steps (at most
+    cfg.split, so every program's loop has the same trip count): partial sums in
     fp32, added in split order by a second launch (a fixed order, so the same
     bits on every call of this shape)."""
     m, n = y.shape
-    split = even_split(k // bk, cfg.split)
+    steps = k // bk
+    split = max(d for d in range(1, min(cfg.split, steps) + 1) if steps % d == 0)
     ws = y if split == 1 else torch.empty((split, m, n), device=y.device, dtype=torch.float32)
     grid = (triton.cdiv(m, cfg.bm) * triton.cdiv(n, cfg.bn), split)
-    kernel[grid](*args, ws, k // split, BM=cfg.bm, BN=cfg.bn, BK=bk, GROUP=group, GROUP_M=8,
-                 HAS_BIAS=has_bias, PARTIAL=split > 1,
-                 MAGIC=0x4300 if y.dtype == torch.bfloat16 else 0x6400,
-                 num_warps=cfg.warps, num_stages=cfg.stages)
+    _int4_gemm_folded_kernel[grid](
+        *args, ws, k // split, BM=cfg.bm, BN=cfg.bn, BK=bk, GROUP=group, GROUP_M=8,
+        HAS_BIAS=has_bias, PARTIAL=split > 1,
+        MAGIC=0x4300 if y.dtype == torch.bfloat16 else 0x6400,
+        num_warps=cfg.warps, num_stages=cfg.stages)
     if split > 1:
         split_sum(ws, y)
 
@@ -281,12 +284,6 @@ def dense_product(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None,
                   y: torch.Tensor) -> torch.Tensor:
     """y = x @ w (+ bias) on cuBLAS, w the dequantized weight [K, N]."""
     return torch.mm(x, w, out=y) if bias is None else torch.addmm(bias, x, w, out=y)
-
-
-def even_split(steps: int, most: int) -> int:
-    """Runs of K for split-K: the most, up to `most`, that cut `steps` whole steps
-    into equal runs (so every program's loop has the same trip count)."""
-    return max(d for d in range(1, min(most, steps) + 1) if steps % d == 0)
 
 
 def split_sum(ws: torch.Tensor, y: torch.Tensor) -> None:
