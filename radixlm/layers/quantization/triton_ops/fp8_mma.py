@@ -72,6 +72,8 @@ from radixlm.layers.quantization.triton_ops.mma_gemv import (
     row_runs,
     rows_fit,
     run_suffixes,
+    x_advance_lines,
+    x_load_lines,
     x_row_lines,
     y_row_lines,
 )
@@ -265,11 +267,7 @@ class _Fp8Ptx:
                     out.append(f"{pred}ld.global.nc.L1::no_allocate.v4.u32 {{w{b}{r + 4 * h}, "
                                f"w{b}{r + 4 * h + 1}, w{b}{r + 4 * h + 2}, w{b}{r + 4 * h + 3}}}, "
                                f"[{self._weight_at(i, c, h, ahead)}];")
-            for run, (xa, _, _, _) in enumerate(run_suffixes(self.runs)):
-                for h in range(2):
-                    r = (run * STEP_CHUNKS + c) * 8 + h * 4
-                    out.append(f"{pred}ld.global.v4.u32 {{x{b}{r}, x{b}{r + 1}, x{b}{r + 2}, "
-                               f"x{b}{r + 3}}}, [{xa}+{skip_x + c * 128 + h * 16}];")
+            out += x_load_lines(b, self.runs, STEP_CHUNKS, c, skip_x, pred)
         for i in range(self.nt if self.block_shift else 0):
             out.append(f"{pred}ld.global.f32 bs{b}{i}, [sb{i}+{4 if ahead else 0}];")
         return out
@@ -331,9 +329,7 @@ class _Fp8Ptx:
                  for i in range(self.nt) for ab in "ab"]
         else:
             w = [f"add.u64 wa{i}, wa{i}, {STEP_CHUNKS * 1024};" for i in range(self.nt)]
-        return ["add.u32 stp, stp, 1;", *w, f"add.u64 xa, xa, {STEP_CHUNKS * CHUNK * 2};",
-                *[f"add.u64 xa{r}, xa{r}, {STEP_CHUNKS * CHUNK * 2};"
-                  for r in range(1, self.runs)],
+        return ["add.u32 stp, stp, 1;", *w, *x_advance_lines(self.runs, STEP_CHUNKS * CHUNK * 2),
                 *[f"add.u64 sb{i}, sb{i}, 4;" for i in range(self.nt if self.block_shift else 0)]]
 
     def epilogue(self) -> list[str]:

@@ -80,6 +80,8 @@ from radixlm.layers.quantization.triton_ops.mma_gemv import (
     regs,
     row_runs,
     run_suffixes,
+    x_advance_lines,
+    x_load_lines,
     x_row_lines,
     y_row_lines,
 )
@@ -231,11 +233,7 @@ class _PtxGroup:
                 r = (c * nt + i) * 4
                 out.append(f"{pred}ld.global.nc.L1::no_allocate.v4.u32 {{w{b}{r}, w{b}{r + 1}, "
                            f"w{b}{r + 2}, w{b}{r + 3}}}, [wa{i}+{skip_w + c * 512}];")
-            for run, (xa, _, _, _) in enumerate(run_suffixes(self.runs)):
-                for h in range(2):
-                    r = (run * chunks + c) * 8 + h * 4
-                    out.append(f"{pred}ld.global.v4.u32 {{x{b}{r}, x{b}{r + 1}, x{b}{r + 2}, "
-                               f"x{b}{r + 3}}}, [{xa}+{skip_x + c * 128 + h * 16}];")
+            out += x_load_lines(b, self.runs, chunks, c, skip_x, pred)
         if ahead:
             out += ["cvt.u64.u32 off, $12;", "add.u64 zn, za, off;",
                     "mul.wide.u32 off, $13, 2;", "add.u64 sn, sa, off;"]
@@ -299,9 +297,7 @@ class _PtxGroup:
     def advance(self) -> list[str]:
         return ["add.u32 grp, grp, 1;",
                 *[f"add.u64 wa{i}, wa{i}, {self.chunks * 512};" for i in range(self.nt)],
-                f"add.u64 xa, xa, {self.chunks * CHUNK * 2};",
-                *[f"add.u64 xa{r}, xa{r}, {self.chunks * CHUNK * 2};"
-                  for r in range(1, self.runs)],
+                *x_advance_lines(self.runs, self.chunks * CHUNK * 2),
                 "cvt.u64.u32 off, $12;", "add.u64 za, za, off;",
                 "mul.wide.u32 off, $13, 2;", "add.u64 sa, sa, off;"]
 

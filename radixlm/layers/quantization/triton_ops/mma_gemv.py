@@ -147,6 +147,24 @@ def run_suffixes(runs: int) -> list[tuple[str, str, str, str]]:
                                        for r in range(1, runs)]
 
 
+def x_load_lines(b: str, runs: int, chunks: int, c: int, skip_x: int, pred: str) -> list[str]:
+    """Chunk c (of `chunks` a step) of x for every run of 8 rows: two 16-byte loads
+    a lane into x{b} (run r's at (r chunks + c) 8 ..), from its x address +
+    skip_x bytes."""
+    out = []
+    for run, (xa, _, _, _) in enumerate(run_suffixes(runs)):
+        for h in range(2):
+            r = (run * chunks + c) * 8 + h * 4
+            out.append(f"{pred}ld.global.v4.u32 {{x{b}{r}, x{b}{r + 1}, x{b}{r + 2}, "
+                       f"x{b}{r + 3}}}, [{xa}+{skip_x + c * 128 + h * 16}];")
+    return out
+
+
+def x_advance_lines(runs: int, step_bytes: int) -> list[str]:
+    """Every run's x address moved on by a step of x (`step_bytes`)."""
+    return [f"add.u64 {xa}, {xa}, {step_bytes};" for xa, _, _, _ in run_suffixes(runs)]
+
+
 PDL_LINES = ["griddepcontrol.wait;", "griddepcontrol.launch_dependents;"]
 _X_LOAD = re.compile(r"\[xa\d*\+")
 
