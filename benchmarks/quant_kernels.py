@@ -20,12 +20,14 @@ microseconds per call, weight bytes read / time (TB/s), 2MNK / time (TFLOP/s).
 - scaled_mm: torch._scaled_mm with FP8 activations and row-wise scales (the
   activations quantized beforehand, outside the timing: the peer's best case).
 - fp8 chan / fp8 block: ours (`triton_ops/fp8.py`) per-channel and 128x128
-  block scales, end to end: at 1-8 rows the GEMV, above the activation
-  quantization kernel plus the W8A8 GEMM, both timed.
+  block scales, end to end as `fp8_linear` routes them (given no tensor-core
+  words: the FMA GEMV at 1-8 rows, above the activation quantization kernel
+  plus the W8A8 GEMM, both timed).
 - int4: ours (`triton_ops/int4.py`), group 128.
-- fp8 chan MMA / int4 g128 MMA (1-8 rows; int4 1-16): the tensor-core GEMVs
-  (`fp8_mma.py`, `int4_mma.py`; opt-in in the engine); fp8 MMA plain:
-  the FP8 one reading the weight as it lies (no fragment-order copy).
+- fp8 chan MMA / int4 g128 MMA (1-64 rows, one launch): the tensor-core GEMVs
+  (`fp8_mma.py`, `int4_mma.py`; the engine's CUDA default, FP8 to 32 rows);
+  fp8 MMA plain: the FP8 one reading the weight as it lies (no fragment-order
+  copy, the engine's form); fp8 block MMA: the same with 128x128 block scales.
 """
 
 from __future__ import annotations
@@ -362,9 +364,8 @@ def int4_gemm_sweep(rows: list[int]) -> None:
                 cells["MMA GEMV"] = time_graph(
                     lambda x, w: M4.int4_gemv_mma(x, w[3], w[1], w[2], 128), x, ws)
             elif m <= 4 * M4.MAX_ROWS:  # the same GEMV a launch per MAX_ROWS rows
-                cells["MMA GEMV chunks"] = time_graph(lambda x, w: [
-                    M4.int4_gemv_mma(x[i:i + M4.MAX_ROWS], w[3], w[1], w[2], 128)
-                    for i in range(0, x.shape[0], M4.MAX_ROWS)], x, ws)
+                cells["MMA GEMV chunks"] = time_graph(
+                    lambda x, w: M4.int4_gemv_mma_rows(x, w[3], w[1], w[2], 128), x, ws)
             picked = T4.pick_gemm_config(m, n, 128)
             for c in INT4_GEMM_CANDIDATES:
                 if c.bm > max(16, m):
