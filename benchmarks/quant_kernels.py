@@ -69,6 +69,13 @@ def time_graph(fn: Call, x: torch.Tensor, ws: list[object], calls: int = 64,
     with torch.cuda.graph(graph):
         for i in range(calls):
             fn(x, ws[i % len(ws)])
+    seconds = replay_seconds(graph, reps) / calls
+    del graph
+    return seconds
+
+
+def replay_seconds(graph: torch.cuda.CUDAGraph, reps: int = 10) -> float:
+    """Median seconds of one replay of `graph` (after a warm-up replay)."""
     graph.replay()
     times = []
     for _ in range(reps):
@@ -77,8 +84,7 @@ def time_graph(fn: Call, x: torch.Tensor, ws: list[object], calls: int = 64,
         graph.replay()
         end.record()
         end.synchronize()
-        times.append(start.elapsed_time(end) * 1e-3 / calls)
-    del graph
+        times.append(start.elapsed_time(end) * 1e-3)
     return statistics.median(times)
 
 

@@ -1,0 +1,181 @@
+"""The L2 prefetch after each qkv product (`radixlm/layers/l2_prefetch.py`), on the
+CPU: which weights each layer asks for under each mode and budget, the byte
+ranges a bulk prefetch may take, the calls a forward makes (a prefetch per
+layer with the step's rows, one join after them, the same logits), the refusals,
+and the kernel's sm_90 SASS (compiled here with Triton's ptxas). That the
+prefetch makes the next products faster is measured on the device
+(`benchmarks/l2_prefetch.py`)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from kv_runner import greedy_through_kv
+from quant_checkpoints import save_float_model, tiny_llama
+
+from radixlm.config import ServerArgs
+from radixlm.layers import l2_prefetch as L
+from radixlm.layers.quantization import get_quantization_config
+from radixlm.models.loader import load_config, load_model
+
+PROMPTS = [[3, 17, 99, 5, 42, 8], [120, 4, 66]]
+
+
+@pytest.fixture(scope="module")
+def path(tmp_path_factory) -> str:
+    root = tmp_path_factory.mktemp("l2")
+    save_float_model(tiny_llama(num_hidden_layers=3), root)
+    return str(root)
+
+
+def load(path: str, quantization: str | None = None) -> torch.nn.Module:
+    config = load_config(path)
+    return load_model(path, config, "safetensors", torch.float32, "cpu",
+                      quant_config=get_quantization_config(config, quantization))
+
+
+def attentions(model: torch.nn.Module) -> list[torch.nn.Module]:
+    return [layer.self_attn for layer in model.model.layers]
+
+
+def nbytes(layer: torch.nn.Module) -> int:
+    return sum(t.numel() * t.element_size() for t in layer.quant_method.decode_tensors(layer))
+
+
+# ---- byte ranges -------------------------------------------------------------------------
+def test_byte_span_takes_whole_aligned_lines_of_what_a_view_spans() -> None:
+    base = torch.zeros(4096, dtype=torch.uint8)
+    assert base.data_ptr() % 16 == 0
+    assert L.byte_span(base) == (base.data_ptr(), 4096)
+    # From byte 3 to byte 3 + 100: lines 16 .. 96.
+    assert L.byte_span(base[3:103]) == (base.data_ptr() + 16, 80)
+    # Rows 0..7 of a [64, 64] matrix, first 40 columns: up to row 7's byte 40.
+    rows = base.view(64, 64)[:8, :40]
+    assert L.byte_span(rows) == (base.data_ptr(), 7 * 64 + 40 - 8)
+    assert L.byte_span(base[5:9])[1] == 0
+    assert L.byte_span(base[:0])[1] == 0
+    wide = torch.zeros(10, 6, dtype=torch.float32)[:, :3]  # 4-byte elements, strided
+    assert L.byte_span(wide) == (wide.data_ptr(), (9 * 6 + 3) * 4 // 16 * 16)
+
+
+# ---- plans -------------------------------------------------------------------------------
+def test_o_mode_asks_for_each_layers_o_proj(path) -> None:
+    attns = attentions(load(path))
+    points = L.plan(attns, "o", 1 << 30)
+    assert [p.layers for p in points] == [((a.o_proj, False),) for a in attns]
+
+
+def test_o_qkv_mode_adds_the_next_layers_qkv_to_stay_in_l2(path) -> None:
+    attns = attentions(load(path))
+    points = L.plan(attns, "o+qkv", 1 << 30)
+    assert [p.layers for p in points[:-1]] == [
+        ((a.o_proj, False), (b.qkv_proj, True)) for a, b in zip(attns, attns[1:])]
+    assert points[-1].layers == ((attns[-1].o_proj, False),)
+
+
+def test_the_budget_drops_what_does_not_fit(path) -> None:
+    attns = attentions(load(path))
+    o, qkv = nbytes(attns[0].o_proj), nbytes(attns[1].qkv_proj)
+    assert qkv > o
+    assert all(p.layers == ((a.o_proj, False),)
+               for p, a in zip(L.plan(attns, "o+qkv", o + qkv - 1), attns))
+    assert L.plan(attns, "o+qkv", o - 1)[:-1] == [None, None]  # qkv alone is larger still
+    assert L.plan(attns, "o", 0) == [None] * 3
+
+
+def test_decode_tensors_are_what_the_products_read(path, tmp_path) -> None:
+    plain = load(path).model.layers[0].self_attn.o_proj
+    assert [t.data_ptr() for t in plain.quant_method.decode_tensors(plain)] == [
+        plain.weight.data_ptr()]
+    fp8 = load(path, "fp8").model.layers[0].self_attn.o_proj
+    weight, scales = fp8.quant_method.decode_tensors(fp8)
+    assert weight.dtype == torch.float8_e4m3fn and weight.data_ptr() == fp8.weight.data_ptr()
+    assert scales is fp8.fp8.scales
+
+
+def test_cpu_tensors_are_never_prefetched(path) -> None:
+    point = L.plan(attentions(load(path)), "o", 1 << 30)[0]
+    assert point.tensors() == []
+
+
+# ---- a forward ---------------------------------------------------------------------------
+class Recorder:
+    def __init__(self) -> None:
+        self.calls: list[tuple] = []
+
+    def issue(self, name: str, rows: int) -> None:
+        self.calls.append((name, rows))
+
+    def join(self) -> None:
+        self.calls.append(("join",))
+
+
+def test_a_forward_prefetches_after_each_qkv_and_joins_once(path) -> None:
+    model = load(path)
+    want = greedy_through_kv(model, PROMPTS, 3)
+    rec = Recorder()
+    for i, attn in enumerate(attentions(model)):
+        attn.l2_prefetch = (lambda rows, i=i: rec.issue(f"layer {i}", rows))
+    model.model.l2_prefetcher = rec
+    assert greedy_through_kv(model, PROMPTS, 3) == want
+    prefill = [*[(f"layer {i}", 9) for i in range(3)], ("join",)]
+    decode = [*[(f"layer {i}", 2) for i in range(3)], ("join",)]
+    assert rec.calls == prefill + decode + decode
+
+
+# ---- refusals ----------------------------------------------------------------------------
+def test_refused_without_a_hopper_gpu_and_for_unknown_modes(path) -> None:
+    attns = attentions(load(path))
+    with pytest.raises(ValueError, match=r"l2_prefetch='o': .*compute capability 9.0"):
+        L.attach(attns, "o", torch.device("cpu"))
+    with pytest.raises(ValueError, match="l2_prefetch='qkv': expected one of off, o, o"):
+        L.attach(attns, "qkv", torch.device("cpu"))
+    with pytest.raises(ValueError, match="l2_prefetch='all': expected one of"):
+        ServerArgs(model_path=path, l2_prefetch="all")
+    assert L.attach(attns, "off", torch.device("cpu")) == (None, "")
+
+
+# ---- the kernel's code -------------------------------------------------------------------
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1" or not L.HAS_TRITON,
+                    reason="compiles for sm_90 with Triton's ptxas")
+@pytest.mark.parametrize("evict_last", [False, True])
+def test_the_kernel_is_one_bulk_l2_prefetch_a_lane(evict_last) -> None:
+    import triton
+
+    ptxas = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
+    if not (ptxas.exists() or shutil.which("ptxas")):
+        pytest.skip("no ptxas in this Triton install")
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    from sass import opcode, signature, sm90_sass
+
+    sig = {**signature(L._prefetch_kernel, {"base_ptr": "*i8"}), "size": "i64"}
+    code = sm90_sass(L._prefetch_kernel, sig, {"CHUNK": L.CHUNK, "LANES": L.LANES,
+                                               "PTX": L.EVICT_LAST_PTX if evict_last else L.PTX},
+                     warps=1)
+    prefetches = [ins for _, ins in code if opcode(ins) == "UBLKPF"]
+    assert len(prefetches) == 1 and ".L2" in prefetches[0]
+    # The evict-last form carries its cache policy; neither form stores anything.
+    assert ("desc[" in prefetches[0]) == evict_last
+    assert not any(opcode(ins) in ("STG", "ATOM", "RED") for _, ins in code)
+
+
+def test_an_engine_on_the_cpu_refuses_it_by_name(path) -> None:
+    import radixlm
+
+    with pytest.raises(ValueError, match=r"l2_prefetch='o\+qkv': bulk L2 prefetches need"):
+        radixlm.Engine(path, dtype="float32", skip_tokenizer_init=True, l2_prefetch="o+qkv")
+
+
+def test_a_draft_runner_does_not_inherit_it(path) -> None:
+    from types import SimpleNamespace
+
+    from radixlm.speculative.standalone import draft_args
+
+    args = ServerArgs(model_path=path, l2_prefetch="o+qkv")
+    draft = draft_args(args, path, SimpleNamespace(context_len=256))
+    assert (draft.l2_prefetch, draft.context_length) == ("off", 256)
