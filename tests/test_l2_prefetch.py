@@ -71,11 +71,11 @@ def test_o_mode_asks_for_each_layers_o_proj(path) -> None:
 
 
 def test_o_qkv_mode_adds_the_next_layers_qkv_to_stay_in_l2(path) -> None:
+    """The last layer's next qkv is the first layer's, of the next decode step."""
     attns = attentions(load(path))
     points = L.plan(attns, "o+qkv", 1 << 30)
-    assert [p.layers for p in points[:-1]] == [
-        ((a.o_proj, False), (b.qkv_proj, True)) for a, b in zip(attns, attns[1:])]
-    assert points[-1].layers == ((attns[-1].o_proj, False),)
+    assert [p.layers for p in points] == [
+        ((a.o_proj, False), (b.qkv_proj, True)) for a, b in zip(attns, attns[1:] + attns[:1])]
 
 
 def test_the_budget_drops_what_does_not_fit(path) -> None:
@@ -84,7 +84,7 @@ def test_the_budget_drops_what_does_not_fit(path) -> None:
     assert qkv > o
     assert all(p.layers == ((a.o_proj, False),)
                for p, a in zip(L.plan(attns, "o+qkv", o + qkv - 1), attns))
-    assert L.plan(attns, "o+qkv", o - 1)[:-1] == [None, None]  # qkv alone is larger still
+    assert L.plan(attns, "o+qkv", o - 1) == [None] * 3  # qkv alone is larger still
     assert L.plan(attns, "o", 0) == [None] * 3
 
 

@@ -14,7 +14,9 @@ find them in L2.
 What is asked for after a layer's qkv product (`--l2-prefetch`):
 - `o`: the layer's o_proj weights;
 - `o+qkv`: also the next layer's qkv weights, with an evict-last policy, so
-  they outlive the gate/up and down weights streaming through L2 meanwhile.
+  they outlive the gate/up and down weights streaming through L2 meanwhile
+  (the last layer asks for the first layer's, which the next decode step
+  reads after the LM head and the sampling).
 Tensors are taken in that order while they fit in BUDGET of the L2 (a bf16
 o_proj of Llama-8B, 33.5 MB, does not fit an H100's 50 MB budget of 30), and
 only for steps of at most MAX_ROWS rows (larger batches are compute-bound).
@@ -92,8 +94,8 @@ def plan(attentions: Sequence[torch.nn.Module], mode: str, budget_bytes: int
     points: list[PrefetchPoint | None] = []
     for i, attn in enumerate(attentions):
         wanted = [(attn.o_proj, False)]
-        if mode == "o+qkv" and i + 1 < len(attentions):
-            wanted.append((attentions[i + 1].qkv_proj, True))
+        if mode == "o+qkv":  # the last layer's next is the first of the next step
+            wanted.append((attentions[(i + 1) % len(attentions)].qkv_proj, True))
         chosen, used = [], 0
         for layer, last in wanted:
             size = sum(t.numel() * t.element_size()

@@ -84,8 +84,8 @@ def test_eager_decode_prefetches_on_a_stream_of_its_own(model_dir, prompts, tmp_
                if ev.get("cat") == "kernel"]
     ours = [ev for ev in kernels if "_prefetch_kernel" in ev["name"]]
     # Each forward of up to MAX_ROWS rows (the 9-token prefill, the decode steps):
-    # each layer's o_proj, and the next layer's qkv for the first two.
-    assert len(ours) >= 4 * (3 + 2) and len(ours) % (3 + 2) == 0
+    # each of the 3 layers' o_proj and its next layer's qkv (the last: the first's).
+    assert len(ours) >= 4 * 6 and len(ours) % 6 == 0
     streams = {ev["args"]["stream"] for ev in ours}
     others = {ev["args"]["stream"] for ev in kernels if ev not in ours}
     assert len(streams) == 1 and streams.isdisjoint(others)
