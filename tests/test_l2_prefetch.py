@@ -15,7 +15,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from family_models import save_random_model
 from kv_runner import greedy_through_kv
+from moe_models import MOE_FAMILIES
 from quant_checkpoints import save_float_model, tiny_llama
 
 from radixlm.config import ServerArgs
@@ -39,12 +41,8 @@ def load(path: str, quantization: str | None = None) -> torch.nn.Module:
                       quant_config=get_quantization_config(config, quantization))
 
 
-def attentions(model: torch.nn.Module) -> list[torch.nn.Module]:
-    return [layer.self_attn for layer in model.model.layers]
-
-
-def nbytes(layer: torch.nn.Module) -> int:
-    return sum(t.numel() * t.element_size() for t in layer.quant_method.decode_tensors(layer))
+def layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    return list(model.model.layers)
 
 
 # ---- byte ranges -------------------------------------------------------------------------
@@ -65,27 +63,42 @@ def test_byte_span_takes_whole_aligned_lines_of_what_a_view_spans() -> None:
 
 # ---- plans -------------------------------------------------------------------------------
 def test_o_mode_asks_for_each_layers_o_proj(path) -> None:
-    attns = attentions(load(path))
-    points = L.plan(attns, "o", 1 << 30)
-    assert [p.layers for p in points] == [((a.o_proj, False),) for a in attns]
+    ls = layers(load(path))
+    points = L.plan(ls, "o", 1 << 30)
+    assert [p.modules for p in points] == [((x.self_attn.o_proj, False),) for x in ls]
 
 
 def test_o_qkv_mode_adds_the_next_layers_qkv_to_stay_in_l2(path) -> None:
     """The last layer's next qkv is the first layer's, of the next decode step."""
-    attns = attentions(load(path))
-    points = L.plan(attns, "o+qkv", 1 << 30)
-    assert [p.layers for p in points] == [
-        ((a.o_proj, False), (b.qkv_proj, True)) for a, b in zip(attns, attns[1:] + attns[:1])]
+    ls = layers(load(path))
+    points = L.plan(ls, "o+qkv", 1 << 30)
+    assert [p.modules for p in points] == [
+        ((a.self_attn.o_proj, False), (b.self_attn.qkv_proj, True))
+        for a, b in zip(ls, ls[1:] + ls[:1])]
+
+
+def test_an_moe_layer_asks_for_its_router_too(tmp_path) -> None:
+    config = MOE_FAMILIES["qwen3_moe"](hidden_size=128, moe_intermediate_size=32)
+    save_random_model(config, tmp_path)
+    ls = layers(load(str(tmp_path)))
+    points = L.plan(ls, "o", 1 << 30)
+    dense = [i for i, x in enumerate(ls) if not hasattr(x.mlp, "gate")]
+    assert dense == [0]  # mlp_only_layers
+    assert points[0].modules == ((ls[0].self_attn.o_proj, False),)
+    assert [p.modules for p in points[1:]] == [
+        ((x.self_attn.o_proj, False), (x.mlp.gate, False)) for x in ls[1:]]
+    assert [t.data_ptr() for t in L.decode_tensors(ls[1].mlp.gate)] == [
+        ls[1].mlp.gate.weight.data_ptr()]
 
 
 def test_the_budget_drops_what_does_not_fit(path) -> None:
-    attns = attentions(load(path))
-    o, qkv = nbytes(attns[0].o_proj), nbytes(attns[1].qkv_proj)
+    ls = layers(load(path))
+    o, qkv = L.nbytes(ls[0].self_attn.o_proj), L.nbytes(ls[1].self_attn.qkv_proj)
     assert qkv > o
-    assert all(p.layers == ((a.o_proj, False),)
-               for p, a in zip(L.plan(attns, "o+qkv", o + qkv - 1), attns))
-    assert L.plan(attns, "o+qkv", o - 1) == [None] * 3  # qkv alone is larger still
-    assert L.plan(attns, "o", 0) == [None] * 3
+    assert all(p.modules == ((x.self_attn.o_proj, False),)
+               for p, x in zip(L.plan(ls, "o+qkv", o + qkv - 1), ls))
+    assert L.plan(ls, "o+qkv", o - 1) == [None] * 3  # qkv alone is larger still
+    assert L.plan(ls, "o", 0) == [None] * 3
 
 
 def test_decode_tensors_are_what_the_products_read(path, tmp_path) -> None:
@@ -99,7 +112,7 @@ def test_decode_tensors_are_what_the_products_read(path, tmp_path) -> None:
 
 
 def test_cpu_tensors_are_never_prefetched(path) -> None:
-    point = L.plan(attentions(load(path)), "o", 1 << 30)[0]
+    point = L.plan(layers(load(path)), "o", 1 << 30)[0]
     assert point.tensors() == []
 
 
@@ -119,8 +132,8 @@ def test_a_forward_prefetches_after_each_qkv_and_joins_once(path) -> None:
     model = load(path)
     want = greedy_through_kv(model, PROMPTS, 3)
     rec = Recorder()
-    for i, attn in enumerate(attentions(model)):
-        attn.l2_prefetch = (lambda rows, i=i: rec.issue(f"layer {i}", rows))
+    for i, layer in enumerate(layers(model)):
+        layer.self_attn.l2_prefetch = (lambda rows, i=i: rec.issue(f"layer {i}", rows))
     model.model.l2_prefetcher = rec
     assert greedy_through_kv(model, PROMPTS, 3) == want
     prefill = [*[(f"layer {i}", 9) for i in range(3)], ("join",)]
@@ -130,14 +143,14 @@ def test_a_forward_prefetches_after_each_qkv_and_joins_once(path) -> None:
 
 # ---- refusals ----------------------------------------------------------------------------
 def test_refused_without_a_hopper_gpu_and_for_unknown_modes(path) -> None:
-    attns = attentions(load(path))
+    ls = layers(load(path))
     with pytest.raises(ValueError, match=r"l2_prefetch='o': .*compute capability 9.0"):
-        L.attach(attns, "o", torch.device("cpu"))
+        L.attach(ls, "o", torch.device("cpu"))
     with pytest.raises(ValueError, match="l2_prefetch='qkv': expected one of off, o, o"):
-        L.attach(attns, "qkv", torch.device("cpu"))
+        L.attach(ls, "qkv", torch.device("cpu"))
     with pytest.raises(ValueError, match="l2_prefetch='all': expected one of"):
         ServerArgs(model_path=path, l2_prefetch="all")
-    assert L.attach(attns, "off", torch.device("cpu")) == (None, "")
+    assert L.attach(ls, "off", torch.device("cpu")) == (None, "")
 
 
 # ---- the kernel's code -------------------------------------------------------------------

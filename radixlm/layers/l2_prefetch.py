@@ -12,19 +12,22 @@ a hint that moves no data into the SM and writes nothing), and those products
 find them in L2.
 
 What is asked for after a layer's qkv product (`--l2-prefetch`):
-- `o`: the layer's o_proj weights;
+- `o`: the layer's o_proj weights (and an MoE layer's router, read next);
 - `o+qkv`: also the next layer's qkv weights, with an evict-last policy, so
   they outlive the gate/up and down weights streaming through L2 meanwhile
   (the last layer asks for the first layer's, which the next decode step
   reads after the LM head and the sampling).
 Tensors are taken in that order while they fit in BUDGET of the L2 (a bf16
 o_proj of Llama-8B, 33.5 MB, does not fit an H100's 50 MB budget of 30), and
-only for steps of at most MAX_ROWS rows (larger batches are compute-bound).
+only for steps of at most MAX_ROWS rows (FP8's GEMV range; larger batches
+spend longer in attention, and their products less on the weights' ramp).
 
 The side stream forks from the current stream after the qkv product and joins
 it at the end of the model's forward (`L2Prefetcher.join`). A CUDA graph
-captures the prefetch as a branch off the main chain of kernels: nothing on
-the chain waits for it, and its programmatic (PDL) edges are untouched. The
+captures the prefetch as a branch off the main chain of kernels that nothing
+on the chain waits for (that the chain's programmatic (PDL) edges survive the
+fork is for the device to confirm: `benchmarks/l2_prefetch.py` and the end-to-end
+runs with and without). The
 prefetched addresses are taken from each layer's weight method at every issue
 (`LinearMethod.decode_tensors`), so derived tensors that move after a weight
 update are followed (the graphs are captured anew then).
@@ -37,11 +40,11 @@ from __future__ import annotations
 import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
 from radixlm.config import L2_PREFETCH_MODES
+from radixlm.layers.moe.router import TopKRouter
 
 try:  # CPU-only installs may lack Triton
     import triton
@@ -51,11 +54,8 @@ try:  # CPU-only installs may lack Triton
 except ImportError:  # pragma: no cover - depends on the install
     HAS_TRITON = False
 
-if TYPE_CHECKING:
-    from radixlm.layers.linear import LinearBase
-
 MODES = L2_PREFETCH_MODES
-MAX_ROWS = 32  # tokens of a step up to which its products are weight-bound
+MAX_ROWS = 32  # tokens of a step up to which it prefetches
 BUDGET = 0.6  # share of the L2 that one prefetch may fill
 CHUNK = 1 << 17  # bytes one program of the kernel asks for (32 lanes of 4 KiB)
 LANES = 32
@@ -74,35 +74,50 @@ def byte_span(t: torch.Tensor) -> tuple[int, int]:
     return first, max(0, (end - first) // 16 * 16)
 
 
+def decode_tensors(module: torch.nn.Module) -> list[torch.Tensor]:
+    """What a product of few rows reads of `module`: a linear layer's weight method
+    names it; another module (a router) reads its own parameters."""
+    method = getattr(module, "quant_method", None)
+    if method is not None:
+        return method.decode_tensors(module)
+    return [p.data for p in module.parameters(recurse=False)]
+
+
+def nbytes(module: torch.nn.Module) -> int:
+    return sum(t.numel() * t.element_size() for t in decode_tensors(module))
+
+
 @dataclass(frozen=True)
 class PrefetchPoint:
-    """What one layer asks for after its qkv product: each linear layer's decode
-    tensors, with (True) or without the evict-last policy."""
+    """What one layer asks for after its qkv product: each module's decode tensors,
+    with (True) or without the evict-last policy."""
 
-    layers: tuple[tuple[LinearBase, bool], ...]
+    modules: tuple[tuple[torch.nn.Module, bool], ...]
 
     def tensors(self) -> list[tuple[torch.Tensor, bool]]:
-        return [(t, last) for layer, last in self.layers
-                for t in layer.quant_method.decode_tensors(layer)
+        return [(t, last) for module, last in self.modules for t in decode_tensors(module)
                 if t.is_cuda and t.numel() * t.element_size() >= MIN_BYTES]
 
 
-def plan(attentions: Sequence[torch.nn.Module], mode: str, budget_bytes: int
+def plan(layers: Sequence[torch.nn.Module], mode: str, budget_bytes: int
          ) -> list[PrefetchPoint | None]:
-    """Per attention module (the decoder's, in layer order), what it asks for after
-    its qkv product under `mode`; None where nothing fits `budget_bytes`."""
+    """Per decoder layer (each has `self_attn` with `qkv_proj` and `o_proj`, and
+    `mlp`), what it asks for after its qkv product under `mode`: o_proj, then an
+    MoE layer's router (read right after o_proj, in chains of dependent loads),
+    then with "o+qkv" the next layer's qkv; None where nothing fits `budget_bytes`."""
     points: list[PrefetchPoint | None] = []
-    for i, attn in enumerate(attentions):
-        wanted = [(attn.o_proj, False)]
+    for i, layer in enumerate(layers):
+        wanted = [(layer.self_attn.o_proj, False)]
+        router = getattr(layer.mlp, "gate", None)
+        if isinstance(router, TopKRouter):
+            wanted.append((router, False))
         if mode == "o+qkv":  # the last layer's next is the first of the next step
-            wanted.append((attentions[(i + 1) % len(attentions)].qkv_proj, True))
+            wanted.append((layers[(i + 1) % len(layers)].self_attn.qkv_proj, True))
         chosen, used = [], 0
-        for layer, last in wanted:
-            size = sum(t.numel() * t.element_size()
-                       for t in layer.quant_method.decode_tensors(layer))
-            if used + size <= budget_bytes:
-                chosen.append((layer, last))
-                used += size
+        for module, last in wanted:
+            if used + nbytes(module) <= budget_bytes:
+                chosen.append((module, last))
+                used += nbytes(module)
         points.append(PrefetchPoint(tuple(chosen)) if chosen else None)
     return points
 
@@ -180,12 +195,12 @@ def supported(device: torch.device) -> bool:
     return torch.cuda.get_device_capability(device) >= (9, 0)
 
 
-def attach(attentions: Sequence[torch.nn.Module], mode: str, device: torch.device
+def attach(layers: Sequence[torch.nn.Module], mode: str, device: torch.device
            ) -> tuple[L2Prefetcher | None, str]:
-    """Give the decoder's attention modules (in layer order: each has `qkv_proj`,
-    `o_proj` and an `l2_prefetch` slot) what they ask for under `mode`; returns
-    the prefetcher whose `join` ends a forward (None for "off") and what was set
-    up, for the start-up log."""
+    """Give the decoder's layers (in order; `plan`'s) what their attention modules
+    ask for after the qkv product under `mode` (each attention module's
+    `l2_prefetch` slot); returns the prefetcher whose `join` ends a forward
+    (None for "off") and what was set up, for the start-up log."""
     if mode not in MODES:
         raise ValueError(f"l2_prefetch={mode!r}: expected one of {', '.join(MODES)}")
     if mode == "off":
@@ -194,10 +209,11 @@ def attach(attentions: Sequence[torch.nn.Module], mode: str, device: torch.devic
         raise ValueError(f"l2_prefetch={mode!r}: bulk L2 prefetches need an NVIDIA GPU of "
                          "compute capability 9.0 (Hopper) or newer")
     l2 = torch.cuda.get_device_properties(device).L2_cache_size
-    points = plan(attentions, mode, int(BUDGET * l2))
+    points = plan(layers, mode, int(BUDGET * l2))
     prefetcher = L2Prefetcher(device)
-    for attn, point in zip(attentions, points, strict=True):
-        attn.l2_prefetch = None if point is None else functools.partial(prefetcher.issue, point)
+    for layer, point in zip(layers, points, strict=True):
+        layer.self_attn.l2_prefetch = (None if point is None
+                                       else functools.partial(prefetcher.issue, point))
     taken = sum(p is not None for p in points)
     return prefetcher, (f"L2 prefetch {mode}: {taken} of {len(points)} layers ask for their "
                         f"next weights after the qkv product (budget "

@@ -495,8 +495,7 @@ class DecoderForCausalLM(nn.Module):
         up, for the start-up log."""
         from radixlm.layers import l2_prefetch
 
-        self.model.l2_prefetcher, note = l2_prefetch.attach(
-            [layer.self_attn for layer in self.model.layers], mode, device)
+        self.model.l2_prefetcher, note = l2_prefetch.attach(self.model.layers, mode, device)
         return note
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
