@@ -60,6 +60,10 @@ BUDGET = 0.6  # share of the L2 that one prefetch may fill
 CHUNK = 1 << 17  # bytes one program of the kernel asks for (32 lanes of 4 KiB)
 LANES = 32
 MIN_BYTES = 1 << 18  # smaller tensors (scales, biases) are not worth a launch
+# The next layer's qkv under evict-last, to outlive the MLP's weights streaming
+# past. Untimed either way: evict-last lines that were read may crowd the L2
+# (the device's call compares both).
+NEXT_EVICT_LAST = True
 
 
 def byte_span(t: torch.Tensor) -> tuple[int, int]:
@@ -112,7 +116,7 @@ def plan(layers: Sequence[torch.nn.Module], mode: str, budget_bytes: int
         if isinstance(router, TopKRouter):
             wanted.append((router, False))
         if mode == "o+qkv":  # the last layer's next is the first of the next step
-            wanted.append((layers[(i + 1) % len(layers)].self_attn.qkv_proj, True))
+            wanted.append((layers[(i + 1) % len(layers)].self_attn.qkv_proj, NEXT_EVICT_LAST))
         chosen, used = [], 0
         for module, last in wanted:
             if used + nbytes(module) <= budget_bytes:
