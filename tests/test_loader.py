@@ -18,11 +18,11 @@ from gguf_blocks import add_hparams
 from transformers import AutoModelForCausalLM, LlamaConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-from radixlm.models import loader, model_source
+from radixlm.models import gguf_convert, model_source
+from radixlm.models.gguf_convert import gguf_field, unpermute_qk
 from radixlm.models.loader import (
     default_model_path,
     family_config,
-    gguf_field,
     gguf_tensor_summary,
     iter_safetensors,
     load_config,
@@ -30,7 +30,6 @@ from radixlm.models.loader import (
     native_bf16_isa,
     prepare_model_dir,
     resolve_dtype,
-    unpermute_qk,
 )
 from radixlm.tokenizer import get_tokenizer
 
@@ -81,7 +80,7 @@ def test_cached_conversion_is_reused(model_dir, monkeypatch):
     def fail(*args):
         raise AssertionError("converted again")
 
-    monkeypatch.setattr(loader, "_write_hf_dir", fail)
+    monkeypatch.setattr(gguf_convert, "write_hf_dir", fail)
     start = time.perf_counter()
     assert prepare_model_dir(None) == model_dir
     assert prepare_model_dir(default_model_path(), "gguf") == model_dir
@@ -268,7 +267,7 @@ def test_crash_mid_conversion_leaves_no_cache(tiny_gguf, cache_dir, monkeypatch)
     def crash(*args):
         raise RuntimeError("killed")
 
-    monkeypatch.setattr(loader, "_write_tensors", crash)
+    monkeypatch.setattr(gguf_convert, "_write_tensors", crash)
     with pytest.raises(RuntimeError, match="killed"):
         prepare_model_dir(str(path))
     assert [p.name for p in cache_dir.iterdir()] == ["digests.json"]

@@ -33,13 +33,8 @@ from radixlm.layers.quantization.gguf import GGUFConfig, GGUFTensors
 from radixlm.layers.quantization.packed import PackedLayout, packed_bytes
 from radixlm.models.decoder import num_experts
 from radixlm.models.gguf_arch import EXPERT, GgufArch, arch_spec
-from radixlm.models.loader import (
-    cached_dir,
-    gguf_field,
-    gguf_tensor_summary,
-    iter_safetensors,
-    unpermute_qk,
-)
+from radixlm.models.gguf_convert import gguf_field, unpermute_qk
+from radixlm.models.loader import cached_dir, gguf_tensor_summary, iter_safetensors
 from radixlm.models.registry import get_model_class
 
 logger = logging.getLogger(__name__)

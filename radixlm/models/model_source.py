@@ -154,10 +154,10 @@ def convert_gguf(gguf_path: str | Path) -> Path:
 
 
 def _write_converted_dir(gguf_path: Path, out: Path) -> None:
-    # Looked up at call time, in whichever process converts.
-    from radixlm.models import loader
+    # Looked up at call time, in whichever process converts (it needs torch).
+    from radixlm.models import gguf_convert
 
-    loader._write_hf_dir(gguf_path, out)
+    gguf_convert.write_hf_dir(gguf_path, out, CONVERTED_FROM_GGUF)
 
 
 def gguf_tensor_summary(gguf_path: str | Path) -> tuple[str, dict[str, tuple[str, int]]]:
