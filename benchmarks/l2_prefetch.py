@@ -45,8 +45,10 @@ def forms(n: int, k: int) -> dict[str, tuple[Callable, Callable, Callable]]:
     }
 
 
-def time_steps(step: Callable[[int], None], side: torch.cuda.Stream, reps: int = 10) -> float:
-    """us a step of a graph of STEPS calls of `step(i)` (which may fork `side`)."""
+def time_steps(step: Callable[[int], None], side: torch.cuda.Stream | None = None,
+               reps: int = 10) -> float:
+    """us a step of a graph of STEPS calls of `step(i)`; `side`: the stream the steps
+    fork, joined at the end (a capture may wait only on streams it forked)."""
     for i in range(2):  # compile outside capture
         step(i)
     torch.cuda.synchronize()
@@ -55,7 +57,8 @@ def time_steps(step: Callable[[int], None], side: torch.cuda.Stream, reps: int =
     with torch.cuda.graph(graph, stream=stream):
         for i in range(STEPS):
             step(i)
-        torch.cuda.current_stream().wait_stream(side)
+        if side is not None:
+            torch.cuda.current_stream().wait_stream(side)
     return replay_seconds(graph, reps) * 1e6 / STEPS
 
 
@@ -83,7 +86,7 @@ def measure(call: Callable, make: Callable, tensors: Callable, k: int,
         window(i)
         call(x, w)
 
-    return time_steps(window, side), time_steps(cold, side), time_steps(prefetched, side)
+    return time_steps(window), time_steps(cold), time_steps(prefetched, side)
 
 
 def main() -> None:
