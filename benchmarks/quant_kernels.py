@@ -7,7 +7,6 @@ Llama-3.1-8B projection shapes (tp 1), at 1, 8, 64 and 4096 rows.
     python benchmarks/quant_kernels.py --sweep --int4-only   # (--fp8-only) one format
     python benchmarks/quant_kernels.py --gemm-sweep    # W8A8 GEMM tiles, 256 and 4096 rows
     python benchmarks/quant_kernels.py --mma-launch --pdl   # tensor-core GEMVs' launch forms
-    python benchmarks/quant_kernels.py --mma-depth --pdl    # their loads 1-3 steps ahead
     python benchmarks/quant_kernels.py --int4-gemm-sweep  # int4 GEMM tiles, 16-256 rows
 
 Each variant runs 64 back-to-back calls in one CUDA graph, replayed 10 times
@@ -222,22 +221,6 @@ def sweep(fp8: bool = True, int4: bool = True) -> None:
         torch.cuda.empty_cache()
 
 
-def mma_depth() -> None:
-    """The engine's tensor-core GEMVs at one row (FP8 reading the weight where it
-    lies, int4 fragment words) with their loads issued 1, 2 or 3 steps ahead, at
-    split 4 and 8: whether more bytes in flight a warp pay (`MmaConfig.prefetch`)."""
-    for name, k, n in SHAPES:
-        x = torch.randn(1, k, device=DEV).bfloat16()
-        cands = [MG.MmaConfig(4, 1, sp, pf) for sp in (4, 8) for pf in (1, 2, 3)]
-        _time_configs(f"fp8  {name}", x, lambda n=n, k=k: fp8_row_weights(n, k), n * k,
-                      [(lambda x, w, c=c: F8M.fp8_gemv_mma_plain(x, w[0], w[1], config=c), c)
-                       for c in cands], MG.pick_config(n))
-        _time_configs(f"int4 {name}", x, lambda n=n, k=k: int4_weights(n, k), n * k // 2,
-                      [(lambda x, w, c=c: M4.int4_gemv_mma(x, w[3], w[1], w[2], 128, config=c),
-                        c) for c in cands], MG.pick_config(n))
-        torch.cuda.empty_cache()
-
-
 def mma_launch() -> None:
     """The tensor-core GEMVs at one row (gate_up with its SiLU-and-mul, as the engine
     runs it) with the PDL wait before the PTX or inside it (after the first step's
@@ -416,8 +399,6 @@ def main() -> None:
     parser.add_argument("--int4-only", action="store_true", help="--sweep: no FP8 tiles")
     parser.add_argument("--gemm-sweep", action="store_true")
     parser.add_argument("--mma-launch", action="store_true")
-    parser.add_argument("--mma-depth", action="store_true",
-                        help="tensor-core GEMVs with loads 1-3 steps ahead")
     parser.add_argument("--int4-gemm-sweep", action="store_true")
     parser.add_argument("--pdl", action="store_true", help="launch with PDL, as the engine does")
     args = parser.parse_args()
@@ -425,8 +406,6 @@ def main() -> None:
           f"PDL {pdl.set_pdl(args.pdl, DEV)}")
     if args.mma_launch:
         mma_launch()
-    elif args.mma_depth:
-        mma_depth()
     elif args.sweep:
         sweep(fp8=not args.int4_only, int4=not args.fp8_only)
     elif args.int4_gemm_sweep:

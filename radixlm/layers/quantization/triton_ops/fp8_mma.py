@@ -118,10 +118,10 @@ def block_shift(block_k: int, scale_rows: int) -> int:
 
 
 @functools.cache
-def gemv_ptx(nt: int, prefetch: int = 0, rows: bool = False, pdl: bool = False,
+def gemv_ptx(nt: int, prefetch: bool = False, rows: bool = False, pdl: bool = False,
              plain: bool = False, runs: int = 1, block_shift: int = 0) -> str:
-    """One thread's PTX: `nt` row tiles; with `prefetch` n the loads of the step n
-    ahead before this step's MMAs (n + 1 register buffers, `mma_gemv.loop_ptx`);
+    """One thread's PTX: `nt` row tiles; with `prefetch` the next step's loads
+    before this step's MMAs (two register buffers, the loop unrolled twice);
     `rows`: x has up to 8 rows, one per column of B (else one row, the code of
     the one-row GEMV); `pdl`: the PDL wait inside, after the first step's weight
     loads (`mma_gemv.loop_ptx`); `plain`: the weight as it is, [N, K] rows $12
@@ -255,10 +255,10 @@ class _Fp8Ptx:
                 *[f"add.u64 w{ab}{i}, w{ab}{i - 1}, off;" for i in range(1, self.nt)
                   for ab in "ab"]]
 
-    def loads(self, b: str, ahead: int, pred: str = "") -> list[str]:
-        """Buffer b's loads of the step `ahead` steps on: 32 bytes of words
+    def loads(self, b: str, ahead: bool, pred: str = "") -> list[str]:
+        """Buffer b's loads of this step (`ahead`: the next one): 32 bytes of words
         per chunk and tile (plain: 16 bytes of each of the lane's two rows), then x."""
-        skip_x = STEP_CHUNKS * CHUNK * 2 * ahead
+        skip_x = STEP_CHUNKS * CHUNK * 2 if ahead else 0
         out = []
         for c in range(STEP_CHUNKS):
             for i in range(self.nt):
@@ -269,15 +269,15 @@ class _Fp8Ptx:
                                f"[{self._weight_at(i, c, h, ahead)}];")
             out += x_load_lines(b, self.runs, STEP_CHUNKS, c, skip_x, pred)
         for i in range(self.nt if self.block_shift else 0):
-            out.append(f"{pred}ld.global.f32 bs{b}{i}, [sb{i}+{4 * ahead}];")
+            out.append(f"{pred}ld.global.f32 bs{b}{i}, [sb{i}+{4 if ahead else 0}];")
         return out
 
-    def _weight_at(self, i: int, c: int, h: int, ahead: int) -> str:
+    def _weight_at(self, i: int, c: int, h: int, ahead: bool) -> str:
         """Where load h of tile i's chunk c reads: 16 h bytes into the lane's 32 bytes
         of words; plain, row g (h 0) or g + 8 (h 1) at the lane's 16 bytes."""
         if self.plain:
-            return f"w{'ab'[h]}{i}+{STEP_CHUNKS * ahead * CHUNK + c * CHUNK}"
-        return f"wa{i}+{STEP_CHUNKS * ahead * 1024 + c * 1024 + 16 * h}"
+            return f"w{'ab'[h]}{i}+{(STEP_CHUNKS if ahead else 0) * CHUNK + c * CHUNK}"
+        return f"wa{i}+{(STEP_CHUNKS if ahead else 0) * 1024 + c * 1024 + 16 * h}"
 
     @staticmethod
     def _unpack(word: str, hi: str, lo: str) -> list[str]:

@@ -121,12 +121,12 @@ def takes(n: int, k: int, group: int, g_idx: torch.Tensor | None) -> bool:
 
 # ---- the PTX --------------------------------------------------------------------------
 @functools.cache
-def gemv_ptx(nt: int, chunks: int, bf16: bool, prefetch: int = 0,
+def gemv_ptx(nt: int, chunks: int, bf16: bool, prefetch: bool = False,
              rows: bool = False, pdl: bool = False, runs: int = 1) -> str:
     """The PTX of one thread's work: `nt` column tiles, `chunks` chunks a group (a
-    step of the loop); with `prefetch` n the loads of the group n ahead are issued
-    before this group's MMAs (n + 1 register buffers, `mma_gemv.loop_ptx`), so a
-    warp keeps n groups in flight while it computes. `rows`: x has up to 8 rows, one
+    step of the loop); with `prefetch` the next group's loads are issued before
+    this group's MMAs (two register buffers, the loop unrolled twice), so a warp
+    keeps a group in flight while it computes. `rows`: x has up to 8 rows, one
     per column of B (`_PtxGroup`); else one row, the code of the one-row GEMV.
     `pdl`: the PDL wait inside, after the first group's weight loads (`loop_ptx`).
     `runs` (with `rows`): x has up to 8 `runs` rows, each run of 8 rows a
@@ -222,11 +222,11 @@ class _PtxGroup:
             "mov.u32 grp, $7;",
         ]
 
-    def loads(self, b: str, ahead: int, pred: str = "") -> list[str]:
-        """Buffer b's loads of the group `ahead` groups on: the words of each chunk
-        and tile, x, then the zero points and scales of rows g and g + 8."""
+    def loads(self, b: str, ahead: bool, pred: str = "") -> list[str]:
+        """Buffer b's loads of this group (`ahead`: the next one): the words of each
+        chunk and tile, x, then the zero points and scales of rows g and g + 8."""
         nt, chunks = self.nt, self.chunks
-        skip_w, skip_x = chunks * 512 * ahead, chunks * CHUNK * 2 * ahead
+        skip_w, skip_x = (chunks * 512, chunks * CHUNK * 2) if ahead else (0, 0)
         out = []
         for c in range(chunks):
             for i in range(nt):
@@ -235,9 +235,8 @@ class _PtxGroup:
                            f"w{b}{r + 2}, w{b}{r + 3}}}, [wa{i}+{skip_w + c * 512}];")
             out += x_load_lines(b, self.runs, chunks, c, skip_x, pred)
         if ahead:
-            out += ["cvt.u64.u32 off, $12;" if ahead == 1 else f"mul.wide.u32 off, $12, {ahead};",
-                    "add.u64 zn, za, off;", f"mul.wide.u32 off, $13, {2 * ahead};",
-                    "add.u64 sn, sa, off;"]
+            out += ["cvt.u64.u32 off, $12;", "add.u64 zn, za, off;",
+                    "mul.wide.u32 off, $13, 2;", "add.u64 sn, sa, off;"]
         zbase, sbase = ("zn", "sn") if ahead else ("za", "sa")
         for i in range(nt):
             for half in range(2):

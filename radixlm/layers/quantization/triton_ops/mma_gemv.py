@@ -1,16 +1,14 @@
 """What the tensor-core one-row GEMVs (`int4_mma.py`, `fp8_mma.py`) share: the shape
 of their PTX (a warp per run of 16-row tiles, a loop over steps of K with an
-optional prefetch of steps ahead), their launch config and their epilogue
+optional prefetch of the next step), their launch config and their epilogue
 launch (the split-K sum).
 
 The PTX is assembled from a format's `MmaPieces`: register declarations, the
-setup after the common lane/warp/tile lines, a step's loads (into one register
-buffer, of this step or one some steps ahead, optionally predicated), its
-compute, the address advance, and the partial-sum stores. `loop_ptx` strings
-them into the plain loop or the prefetching one (n + 1 buffers, unrolled n + 1
-times: load the step n ahead into the buffer freed last while computing this
-one; the engine's default n is 1, deeper is a sweep candidate,
-`benchmarks/quant_kernels.py --mma-depth`). One Triton kernel,
+setup after the common lane/warp/tile lines, a step's loads (into register
+buffer A or B, optionally the next step's, optionally predicated), its compute,
+the address advance, and the partial-sum stores. `loop_ptx` strings them into
+the plain loop or the prefetching one (two buffers, unrolled twice: load the
+next step into one buffer while computing the other). One Triton kernel,
 `mma_gemv_kernel`, launches any format's PTX with the same operands.
 
 Under PDL the wait sits inside the PTX, after the first step's weight loads
@@ -43,7 +41,7 @@ class MmaConfig(NamedTuple):
     warps: int = 4
     nt: int = 1  # tiles (16 output rows) a warp
     split: int = 8  # programs along K (whole steps each)
-    prefetch: int = 0  # steps ahead whose loads are issued before this step's MMAs
+    prefetch: bool = False  # the next step's loads before this step's MMAs
 
 
 def pick_config(n: int) -> MmaConfig:
@@ -53,7 +51,7 @@ def pick_config(n: int) -> MmaConfig:
     3 % of it for both formats at Llama-3.1-8B's four shapes on an H100
     (`python benchmarks/quant_kernels.py --sweep`, BENCHMARKS.md 2026-12-05),
     where split 16 at K 14336 lost 4-30 %."""
-    return MmaConfig(4, 1, 4 if n >= 6144 else 8, prefetch=1)
+    return MmaConfig(4, 1, 4 if n >= 6144 else 8, prefetch=True)
 
 
 def regs(prefix: str, n: int) -> str:
@@ -65,7 +63,7 @@ class MmaPieces(Protocol):
 
     def declarations(self, bufs: tuple[str, ...]) -> list[str]: ...
     def setup(self) -> list[str]: ...
-    def loads(self, b: str, ahead: int, pred: str = "") -> list[str]: ...
+    def loads(self, b: str, ahead: bool, pred: str = "") -> list[str]: ...
     def compute(self, b: str) -> list[str]: ...
     def advance(self) -> list[str]: ...
     def epilogue(self) -> list[str]: ...
@@ -169,56 +167,38 @@ def x_advance_lines(runs: int, step_bytes: int) -> list[str]:
 
 PDL_LINES = ["griddepcontrol.wait;", "griddepcontrol.launch_dependents;"]
 _X_LOAD = re.compile(r"\[xa\d*\+")
-BUFFERS = ("A", "B", "C", "D")  # register buffers: one a step in flight
 
 
-def loop_ptx(p: MmaPieces, name: str, step: str, hi: str, prefetch: int,
+def loop_ptx(p: MmaPieces, name: str, step: str, hi: str, prefetch: bool,
              pdl: bool = False) -> str:
     """The whole asm block: declarations, setup, the loop over steps (register
     `step` counts them up to operand `hi`), the epilogue.
 
-    `prefetch` n > 0: each step first issues the loads of the step n ahead (into
-    the buffer freed last), then runs its own MMAs, so n + 1 register buffers
-    hold steps in flight and the loop is unrolled n + 1 times; the first n
-    steps' loads come before the loop, each where it exists (`pro{j}`).
-
     `pdl`: the block holds the kernel's one PDL wait and trigger
-    (`radixlm/layers/pdl.py`), so the first steps' weights (every load but x's,
+    (`radixlm/layers/pdl.py`), so the first step's weights (every load but x's,
     which the kernel before may write) are in flight while the kernel before
     finishes. Warps with no tile wait too: their branch to the end moves below
     the wait, and their early loads are predicated off."""
     top, end, done = f"L_{name}_step", f"L_{name}_end", f"L_{name}_done"
-    prefetch = int(prefetch)
     setup = p.setup()
     leave = f"@skip bra.uni {done};"
     if pdl:
         setup.remove(leave)
     wait = [*PDL_LINES, leave] if pdl else []
-    bufs = BUFFERS[:prefetch + 1]
-    ahead = [f"pro{j}" for j in range(1, prefetch)]  # whether step j of the prologue exists
-    lines = ["{", *p.declarations(bufs), *([f".reg .pred {', '.join(ahead)};"] if ahead else []),
-             *setup]
+    lines = ["{", *p.declarations(("A", "B") if prefetch else ("A",)), *setup]
     if not prefetch:
-        lines += [*wait, f"{top}:", *p.loads("A", ahead=0), *p.compute("A"), *p.advance(),
+        lines += [*wait, f"{top}:", *p.loads("A", ahead=False), *p.compute("A"), *p.advance(),
                   f"setp.lt.u32 more, {step}, {hi};", f"@more bra.uni {top};"]
     else:
-        first = p.loads("A", ahead=0, pred="@!skip " if pdl else "")
-        for j in range(1, prefetch):
-            first += [f"add.u32 tmp, {step}, {j};", f"setp.lt.u32 pro{j}, tmp, {hi};",
-                      *([f"@skip setp.lt.u32 pro{j}, tmp, 0;"] if pdl else []),
-                      *p.loads(bufs[j], ahead=j, pred=f"@pro{j} ")]
+        first = p.loads("A", ahead=False, pred="@!skip " if pdl else "")
         if pdl:  # x's loads read "[xa+...]" ("[xa1+...]": further runs of rows); the
             # weights', every other address register
             first = ([ln for ln in first if not _X_LOAD.search(ln)] + wait
                      + [ln for ln in first if _X_LOAD.search(ln)])
         lines += [*first, f"{top}:"]
-        for j, cur in enumerate(bufs):
-            nxt, last = bufs[(j + prefetch) % len(bufs)], j == prefetch
-            lines += [f"add.u32 tmp, {step}, {prefetch};", f"setp.lt.u32 more, tmp, {hi};",
-                      *p.loads(nxt, ahead=prefetch, pred="@more "), *p.compute(cur),
-                      *p.advance()]
-            if prefetch > 1:  # `more` said whether step + prefetch exists
-                lines.append(f"setp.lt.u32 more, {step}, {hi};")
+        for cur, nxt, last in (("A", "B", False), ("B", "A", True)):
+            lines += [f"add.u32 tmp, {step}, 1;", f"setp.lt.u32 more, tmp, {hi};",
+                      *p.loads(nxt, ahead=True, pred="@more "), *p.compute(cur), *p.advance()]
             lines.append(f"@more bra.uni {top};" if last else f"@!more bra.uni {end};")
         lines.append(f"{end}:")
     lines += [*p.epilogue(), f"{done}:", "mov.u32 $0, 0;", "}"]
