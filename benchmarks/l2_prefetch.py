@@ -4,16 +4,19 @@ faster? (`radixlm/layers/l2_prefetch.py`, Llama-3.1-8B's projection shapes.)
     python benchmarks/l2_prefetch.py                  # window 8 us, PDL as the engine
     python benchmarks/l2_prefetch.py --window-us 4 --no-pdl
 
-Each row times three CUDA graphs of 32 steps, replayed 10 times (median, time /
-32); a step's weights rotate through copies of >= 256 MiB, so without the
-prefetch each product reads them from HBM, as a decode step does:
-- window: a kernel that spins `--window-us` (what RoPE and attention are to o_proj);
-- cold: the window, then the product;
-- prefetched: the same, with the product's weights asked for on a side stream
-  as the window starts (as the engine forks after the qkv product).
-Columns: us a step; "product" = step - window. The product's forms are the
-engine's at one row: our bf16 GEMV, the FP8 tensor-core GEMV reading the
-weight where it lies (per-row scales), the int4 tensor-core GEMV (group 128).
+Each row times CUDA graphs of 32 steps, replayed 10 times (median, time / 32);
+a step's weights rotate through copies of >= 256 MiB, so without help each
+product reads them from HBM, as a decode step does. Steps: a kernel that spins
+`--window-us` (what RoPE and attention are to o_proj), then the product; the
+columns are us of the product:
+- cold: as it is; warm: the product run a second time (from L2 where it fits);
+- bulk / lines / read: after asking for its weights on a side stream as the
+  window starts (as the engine forks after the qkv product): the engine's bulk
+  prefetch (`l2_prefetch.prefetch`), one `prefetch.global.L2` a 128-byte line,
+  or a kernel reading them.
+The product's forms are the engine's at one row: our bf16 GEMV, the FP8
+tensor-core GEMV reading the weight where it lies (per-row scales), the int4
+tensor-core GEMV (group 128).
 """
 
 from __future__ import annotations
@@ -22,6 +25,8 @@ import argparse
 from collections.abc import Callable
 
 import torch
+import triton
+import triton.language as tl
 from quant_kernels import DEV, SHAPES, copies, fp8_row_weights, int4_weights, replay_seconds
 
 from radixlm.layers import l2_prefetch, pdl
@@ -62,13 +67,46 @@ def time_steps(step: Callable[[int], None], side: torch.cuda.Stream | None = Non
     return replay_seconds(graph, reps) * 1e6 / STEPS
 
 
+@triton.jit
+def _line_prefetch_kernel(base_ptr, nbytes, BLOCK: tl.constexpr):
+    """One `prefetch.global.L2` a 128-byte line, a line a thread."""
+    line = (tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)) * 128
+    address = base_ptr.to(tl.int64, bitcast=True) + tl.minimum(line, nbytes - 1)
+    tl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [address],
+                              dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
+def _read_kernel(ptr, out_ptr, n, BLOCK: tl.constexpr):
+    """Reads n int32 (16 bytes a thread at a time) and writes one xor a program."""
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    v = tl.load(ptr + offs, mask=offs < n, other=0)
+    tl.store(out_ptr + tl.program_id(0), tl.xor_sum(v, 0))
+
+
+def by_lines(t: torch.Tensor) -> None:
+    nbytes = t.numel() * t.element_size()
+    _line_prefetch_kernel[(triton.cdiv(nbytes, 128 * 256),)](t, nbytes, BLOCK=256, num_warps=8)
+
+
+def by_reading(t: torch.Tensor, sink: torch.Tensor) -> None:
+    flat = t.view(torch.int32).view(-1) if t.element_size() == 4 else t.view(-1).view(torch.int32)
+    _read_kernel[(triton.cdiv(flat.numel(), 4096),)](flat, sink, flat.numel(), BLOCK=4096,
+                                                      num_warps=8)
+
+
 def measure(call: Callable, make: Callable, tensors: Callable, k: int,
-            cycles: int) -> tuple[float, float, float]:
-    """us a step: (window, window + cold product, window + prefetched product)."""
+            cycles: int) -> dict[str, float]:
+    """us a step: the window alone, + the product cold, + twice (the second from
+    L2 where it fits), and + the product after each way of asking for its weights
+    on a side stream as the window starts."""
     x = torch.randn(1, k, device=DEV).bfloat16()
     one = make()
     ws = copies(make, sum(t.numel() * t.element_size() for t in tensors(one)))
     side = torch.cuda.Stream()
+    sink = torch.empty(1 << 20, device=DEV, dtype=torch.int32)
+    ways = {"bulk": l2_prefetch.prefetch, "lines": by_lines,
+            "read": lambda t: by_reading(t, sink)}
 
     def window(i: int) -> None:
         torch.cuda._sleep(cycles)
@@ -77,16 +115,23 @@ def measure(call: Callable, make: Callable, tensors: Callable, k: int,
         window(i)
         call(x, ws[i % len(ws)])
 
-    def prefetched(i: int) -> None:
+    def twice(i: int) -> None:
+        cold(i)
+        call(x, ws[i % len(ws)])
+
+    def prefetched(how: Callable, i: int) -> None:
         w = ws[i % len(ws)]
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
             for t in tensors(w):
-                l2_prefetch.prefetch(t)
+                how(t)
         window(i)
         call(x, w)
 
-    return time_steps(window), time_steps(cold), time_steps(prefetched, side)
+    out = {"window": time_steps(window), "cold": time_steps(cold), "twice": time_steps(twice)}
+    for name, how in ways.items():
+        out[name] = time_steps(lambda i, how=how: prefetched(how, i), side)
+    return out
 
 
 def main() -> None:
@@ -99,16 +144,21 @@ def main() -> None:
     cycles = int(args.window_us * props.clock_rate * 1e-3)  # clock_rate: kHz
     print(f"{torch.cuda.get_device_name()}, L2 {props.L2_cache_size / 2**20:.0f} MiB, "
           f"PDL {on}, window {args.window_us} us ({cycles} cycles)")
-    print("| shape | form | weight MB | window | cold: product | prefetched: product | "
-          "product cold / prefetched |")
-    print("|---|---|---|---|---|---|---|")
+    print("us of the product after the window: cold; warm (run twice, the second); after "
+          "asking for its weights by bulk prefetch (the engine's), by a prefetch a line, by "
+          "reading them")
+    print("| shape | form | weight MB | window | cold | warm | bulk | lines | read |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for name, k, n in SHAPES:
         for form, (call, make, tensors) in forms(n, k).items():
             size = sum(t.numel() * t.element_size() for t in tensors(make()))
-            win, cold, pre = measure(call, make, tensors, k, cycles)
+            r = measure(call, make, tensors, k, cycles)
             torch.cuda.empty_cache()
-            print(f"| {name} | {form} | {size / 1e6:.1f} | {win:.1f} | {cold - win:.1f} | "
-                  f"{pre - win:.1f} | {(cold - win) / max(pre - win, 1e-3):.2f}x |", flush=True)
+            win = r["window"]
+            cells = [r["cold"] - win, r["twice"] - r["cold"],
+                     *(r[h] - win for h in ("bulk", "lines", "read"))]
+            print(f"| {name} | {form} | {size / 1e6:.1f} | {win:.1f} | "
+                  + " | ".join(f"{c:.1f}" for c in cells) + " |", flush=True)
 
 
 if __name__ == "__main__":
