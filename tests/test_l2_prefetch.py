@@ -62,31 +62,51 @@ def test_byte_span_takes_whole_aligned_lines_of_what_a_view_spans() -> None:
 
 
 # ---- plans -------------------------------------------------------------------------------
-def test_o_mode_asks_for_each_layers_o_proj(path) -> None:
+def asked(points) -> list[tuple]:
+    """(module after which, ((module, evict-last), ...)) of each point."""
+    return [(p.after, p.modules) for p in points]
+
+
+def test_o_mode_asks_for_each_layers_o_proj_after_its_qkv(path) -> None:
     ls = layers(load(path))
-    points = L.plan(ls, "o", 1 << 30)
-    assert [p.modules for p in points] == [((x.self_attn.o_proj, False),) for x in ls]
+    assert asked(L.plan(ls, "o", 1 << 30)) == [
+        (x.self_attn.qkv_proj, ((x.self_attn.o_proj, False),)) for x in ls]
 
 
 def test_o_qkv_mode_adds_the_next_layers_qkv_to_stay_in_l2(path) -> None:
     """The last layer's next qkv is the first layer's, of the next decode step."""
     ls = layers(load(path))
-    points = L.plan(ls, "o+qkv", 1 << 30)
-    assert [p.modules for p in points] == [
-        ((a.self_attn.o_proj, False), (b.self_attn.qkv_proj, True))
+    assert asked(L.plan(ls, "o+qkv", 1 << 30)) == [
+        (a.self_attn.qkv_proj, ((a.self_attn.o_proj, False), (b.self_attn.qkv_proj, True)))
         for a, b in zip(ls, ls[1:] + ls[:1])]
 
 
+def test_all_mode_asks_after_each_product_for_the_next(path) -> None:
+    ls = layers(load(path))
+    want = []
+    for a, b in zip(ls, ls[1:] + ls[:1]):
+        attn, mlp = a.self_attn, a.mlp
+        want += [(attn.qkv_proj, ((attn.o_proj, False),)),
+                 (attn.o_proj, ((mlp.gate_up_proj, False),)),
+                 (mlp.gate_up_proj, ((mlp.down_proj, False),)),
+                 (mlp.down_proj, ((b.self_attn.qkv_proj, False),))]
+    assert asked(L.plan(ls, "all", 1 << 30)) == want
+
+
 def test_an_moe_layer_asks_for_its_router_too(tmp_path) -> None:
+    """After qkv, o_proj and the router; under "all" nothing after o_proj (the
+    experts are not known before the router), and the dense layer's MLP as usual."""
     config = MOE_FAMILIES["qwen3_moe"](hidden_size=128, moe_intermediate_size=32)
     save_random_model(config, tmp_path)
     ls = layers(load(str(tmp_path)))
-    points = L.plan(ls, "o", 1 << 30)
-    dense = [i for i, x in enumerate(ls) if not hasattr(x.mlp, "gate")]
-    assert dense == [0]  # mlp_only_layers
-    assert points[0].modules == ((ls[0].self_attn.o_proj, False),)
-    assert [p.modules for p in points[1:]] == [
-        ((x.self_attn.o_proj, False), (x.mlp.gate, False)) for x in ls[1:]]
+    assert not hasattr(ls[0].mlp, "gate") and hasattr(ls[1].mlp, "gate")  # mlp_only_layers
+    assert asked(L.plan(ls, "o", 1 << 30)) == [
+        (ls[0].self_attn.qkv_proj, ((ls[0].self_attn.o_proj, False),)),
+        *[(x.self_attn.qkv_proj, ((x.self_attn.o_proj, False), (x.mlp.gate, False)))
+          for x in ls[1:]]]
+    afters = [p.after for p in L.plan(ls, "all", 1 << 30)]
+    assert afters == [ls[0].self_attn.qkv_proj, ls[0].self_attn.o_proj, ls[0].mlp.gate_up_proj,
+                      ls[0].mlp.down_proj, *[x.self_attn.qkv_proj for x in ls[1:]]]
     assert [t.data_ptr() for t in L.decode_tensors(ls[1].mlp.gate)] == [
         ls[1].mlp.gate.weight.data_ptr()]
 
@@ -95,10 +115,13 @@ def test_the_budget_drops_what_does_not_fit(path) -> None:
     ls = layers(load(path))
     o, qkv = L.nbytes(ls[0].self_attn.o_proj), L.nbytes(ls[1].self_attn.qkv_proj)
     assert qkv > o
-    assert all(p.modules == ((x.self_attn.o_proj, False),)
-               for p, x in zip(L.plan(ls, "o+qkv", o + qkv - 1), ls))
-    assert L.plan(ls, "o+qkv", o - 1) == [None] * 3  # qkv alone is larger still
-    assert L.plan(ls, "o", 0) == [None] * 3
+    l2 = int((o + qkv - 1) / L.BUDGET) + 1  # o + qkv just past the budget
+    assert asked(L.plan(ls, "o+qkv", l2)) == asked(L.plan(ls, "o", 1 << 30))
+    assert L.plan(ls, "o", int(o / L.BUDGET) - 1) == []
+    # "all" takes each product alone up to CAP times the L2
+    gate_up = L.nbytes(ls[0].mlp.gate_up_proj)
+    afters = [p.after for p in L.plan(ls, "all", int(gate_up / L.CAP) - 1)]
+    assert ls[0].self_attn.o_proj not in afters and ls[0].mlp.gate_up_proj in afters
 
 
 def test_decode_tensors_are_what_the_products_read(path, tmp_path) -> None:
@@ -112,8 +135,7 @@ def test_decode_tensors_are_what_the_products_read(path, tmp_path) -> None:
 
 
 def test_cpu_tensors_are_never_prefetched(path) -> None:
-    point = L.plan(layers(load(path)), "o", 1 << 30)[0]
-    assert point.tensors() == []
+    assert L.plan(layers(load(path)), "all", 1 << 30)[0].tensors() == []
 
 
 # ---- a forward ---------------------------------------------------------------------------
@@ -121,36 +143,43 @@ class Recorder:
     def __init__(self) -> None:
         self.calls: list[tuple] = []
 
-    def issue(self, name: str, rows: int) -> None:
-        self.calls.append((name, rows))
+    def issue(self, point, rows: int) -> None:
+        self.calls.append((point, rows))
 
     def join(self) -> None:
         self.calls.append(("join",))
 
 
-def test_a_forward_prefetches_after_each_qkv_and_joins_once(path) -> None:
+def test_a_forward_issues_each_point_after_its_product_and_joins_once(path) -> None:
     model = load(path)
     want = greedy_through_kv(model, PROMPTS, 3)
+    points = L.plan(layers(model), "all", 1 << 30)
     rec = Recorder()
-    for i, layer in enumerate(layers(model)):
-        layer.self_attn.l2_prefetch = (lambda rows, i=i: rec.issue(f"layer {i}", rows))
-    model.model.l2_prefetcher = rec
+    L.install(model.model, points, rec)
     assert greedy_through_kv(model, PROMPTS, 3) == want
-    prefill = [*[(f"layer {i}", 9) for i in range(3)], ("join",)]
-    decode = [*[(f"layer {i}", 2) for i in range(3)], ("join",)]
-    assert rec.calls == prefill + decode + decode
+    # Each forward: the points in order, then one join. The rows: the 9-token
+    # prefill's (its last layer projects only the 2 rows that get logits), then
+    # two decode steps of 2.
+    per = len(points) + 1
+    forwards = [rec.calls[i:i + per] for i in range(0, len(rec.calls), per)]
+    assert len(forwards) == 3 and all(f[-1] == ("join",) for f in forwards)
+    assert all([point for point, _ in f[:-1]] == points for f in forwards)
+    last = {p.after for p in points[-3:]}  # the last layer's o_proj, gate/up, down
+    assert [[rows for point, rows in f[:-1]] for f in forwards] == [
+        [2 if p.after in last else 9 for p in points], [2] * len(points), [2] * len(points)]
 
 
 # ---- refusals ----------------------------------------------------------------------------
 def test_refused_without_a_hopper_gpu_and_for_unknown_modes(path) -> None:
-    ls = layers(load(path))
+    model = load(path)
+    ls = layers(model)
     with pytest.raises(ValueError, match=r"l2_prefetch='o': .*compute capability 9.0"):
-        L.attach(ls, "o", torch.device("cpu"))
+        L.attach(model.model, ls, "o", torch.device("cpu"))
     with pytest.raises(ValueError, match="l2_prefetch='qkv': expected one of off, o, o"):
-        L.attach(ls, "qkv", torch.device("cpu"))
-    with pytest.raises(ValueError, match="l2_prefetch='all': expected one of"):
-        ServerArgs(model_path=path, l2_prefetch="all")
-    assert L.attach(ls, "off", torch.device("cpu")) == (None, "")
+        L.attach(model.model, ls, "qkv", torch.device("cpu"))
+    with pytest.raises(ValueError, match="l2_prefetch='every': expected one of"):
+        ServerArgs(model_path=path, l2_prefetch="every")
+    assert L.attach(model.model, ls, "off", torch.device("cpu")) == ""
 
 
 # ---- the kernel's code -------------------------------------------------------------------

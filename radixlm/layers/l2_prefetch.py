@@ -1,45 +1,41 @@
-"""Weights pulled into the GPU's L2 cache while small kernels keep DRAM idle.
+"""Weights asked of the GPU's L2 cache ahead of the products that read them.
 
-Why: a decode step of a few rows reads every weight from DRAM once, and the
-products of few rows are bandwidth-bound. Between a layer's qkv product and its
-o_proj product run RoPE and attention, which at small batch read a few MB of
-KV: on an H100 at one row the profile shows ~8 us a layer there with DRAM
-nearly idle (BENCHMARKS.md, 2026-12-05). The small products pay most for DRAM's
-ramp: FP8 qkv and o read their weights at 60-68 % of the copy rate, gate/up at
-91 %. So after the qkv product a kernel on a side stream asks the L2 for the
-weights of the products that come next (sm_90's `cp.async.bulk.prefetch.L2`:
-a hint that moves no data into the SM and writes nothing), and those products
-find them in L2.
+Why: a decode step of a few rows reads every weight from DRAM once, and its
+products are bandwidth-bound but keep too few bytes in flight to reach the copy
+rate: on an H100 FP8 qkv and o read at 60-68 % of it, and o_proj runs in 5.4 us
+with its weights in L2 against 8.8 from DRAM. Between products run small
+kernels (RoPE, attention, norms, the split-K sums) with DRAM nearly idle. So
+once a product is enqueued, a kernel on a side stream asks the L2 for the
+weights of a product that follows (sm_90's `cp.async.bulk.prefetch.L2`, a hint
+that moves no data into an SM and writes nothing). `benchmarks/l2_prefetch.py`
+(BENCHMARKS.md, 2026-12-05) showed it filling the L2 only partly within an
+8 us window, and speeding the large products by 9-22 %: it keeps going while
+the product runs, with more bytes in flight than the product's warps.
 
-What is asked for after a layer's qkv product (`--l2-prefetch`):
-- `o`: the layer's o_proj weights (and an MoE layer's router, read next);
-- `o+qkv`: also the next layer's qkv weights, with an evict-last policy, so
-  they outlive the gate/up and down weights streaming through L2 meanwhile
-  (the last layer asks for the first layer's, which the next decode step
-  reads after the LM head and the sampling).
-Tensors are taken in that order while they fit in BUDGET of the L2 (a bf16
-o_proj of Llama-8B, 33.5 MB, does not fit an H100's 50 MB budget of 30), and
-only for steps of at most MAX_ROWS rows (FP8's GEMV range; larger batches
-spend longer in attention, and their products less on the weights' ramp).
+What is asked for (`--l2-prefetch`, `plan`):
+- `o`: after qkv, the layer's o_proj (and an MoE layer's router);
+- `o+qkv`: also the next layer's qkv, evict-last, to outlive the MLP's weights
+  streaming past; both within BUDGET of the L2;
+- `all`: after each product the next one's weights (o_proj, gate/up, down,
+  the next layer's qkv), each up to CAP times the L2 (past that the prefetch
+  and the product fight over DRAM: bf16 gate/up lost 19 %).
+Only for steps of at most MAX_ROWS rows (FP8's GEMV range).
 
-The side stream forks from the current stream after the qkv product and joins
-it at the end of the model's forward (`L2Prefetcher.join`). A CUDA graph
-captures the prefetch as a branch off the main chain of kernels that nothing
-on the chain waits for (that the chain's programmatic (PDL) edges survive the
-fork is for the device to confirm: `benchmarks/l2_prefetch.py` and the end-to-end
-runs with and without). The
-prefetched addresses are taken from each layer's weight method at every issue
-(`LinearMethod.decode_tensors`), so derived tensors that move after a weight
-update are followed (the graphs are captured anew then).
+The hooks are forward hooks (`install`): a product's module issues its point
+after its forward, and the decoder stack joins the side stream after its own.
+A CUDA graph captures each prefetch as a branch off the main chain that
+nothing on the chain waits for. The addresses come from each layer's weight
+method at every issue (`LinearMethod.decode_tensors`), so derived tensors that
+move after a weight update are followed (the graphs are captured anew then).
 
-Off by default: it has not yet been timed on a device.
+Off by default: end to end it has not yet been measured.
 """
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -60,6 +56,7 @@ BUDGET = 0.6  # share of the L2 that one prefetch may fill
 CHUNK = 1 << 17  # bytes one program of the kernel asks for (32 lanes of 4 KiB)
 LANES = 32
 MIN_BYTES = 1 << 18  # smaller tensors (scales, biases) are not worth a launch
+CAP = 2.5  # "all": a product's weights past this many times the L2 are not asked for
 # The next layer's qkv under evict-last, to outlive the MLP's weights streaming
 # past. Untimed either way: evict-last lines that were read may crowd the L2
 # (the device's call compares both).
@@ -93,9 +90,10 @@ def nbytes(module: torch.nn.Module) -> int:
 
 @dataclass(frozen=True)
 class PrefetchPoint:
-    """What one layer asks for after its qkv product: each module's decode tensors,
-    with (True) or without the evict-last policy."""
+    """What the forward of `after` asks for once it is enqueued: each module's
+    decode tensors, with (True) or without the evict-last policy."""
 
+    after: torch.nn.Module
     modules: tuple[tuple[torch.nn.Module, bool], ...]
 
     def tensors(self) -> list[tuple[torch.Tensor, bool]]:
@@ -103,27 +101,46 @@ class PrefetchPoint:
                 if t.is_cuda and t.numel() * t.element_size() >= MIN_BYTES]
 
 
-def plan(layers: Sequence[torch.nn.Module], mode: str, budget_bytes: int
-         ) -> list[PrefetchPoint | None]:
-    """Per decoder layer (each has `self_attn` with `qkv_proj` and `o_proj`, and
-    `mlp`), what it asks for after its qkv product under `mode`: o_proj, then an
-    MoE layer's router (read right after o_proj, in chains of dependent loads),
-    then with "o+qkv" the next layer's qkv; None where nothing fits `budget_bytes`."""
-    points: list[PrefetchPoint | None] = []
+def plan(layers: Sequence[torch.nn.Module], mode: str, l2_bytes: int) -> list[PrefetchPoint]:
+    """What the products of the decoder `layers` (each has `self_attn` with
+    `qkv_proj` and `o_proj`, and `mlp`) ask for under `mode`, in forward order:
+    - "o" / "o+qkv": after qkv, o_proj, an MoE layer's router (read right after
+      o_proj, in chains of dependent loads), and with "o+qkv" the next layer's
+      qkv; what passes BUDGET of `l2_bytes` is left out;
+    - "all": after each product the next one's weights (qkv -> o_proj (+ router),
+      o_proj -> gate/up, gate/up -> down, down -> the next layer's qkv; a MoE
+      layer's experts are not known before its router), each left out past CAP
+      times `l2_bytes`.
+    The last layer's next qkv is the first layer's, of the next decode step."""
+    points = []
     for i, layer in enumerate(layers):
-        wanted = [(layer.self_attn.o_proj, False)]
-        router = getattr(layer.mlp, "gate", None)
-        if isinstance(router, TopKRouter):
-            wanted.append((router, False))
-        if mode == "o+qkv":  # the last layer's next is the first of the next step
-            wanted.append((layers[(i + 1) % len(layers)].self_attn.qkv_proj, NEXT_EVICT_LAST))
-        chosen, used = [], 0
-        for module, last in wanted:
-            if used + nbytes(module) <= budget_bytes:
-                chosen.append((module, last))
-                used += nbytes(module)
-        points.append(PrefetchPoint(tuple(chosen)) if chosen else None)
-    return points
+        attn, mlp = layer.self_attn, layer.mlp
+        next_qkv = layers[(i + 1) % len(layers)].self_attn.qkv_proj
+        router = getattr(mlp, "gate", None)
+        wanted = [(attn.o_proj, False), *([(router, False)] if isinstance(router, TopKRouter)
+                                          else [])]
+        if mode == "o+qkv":
+            wanted.append((next_qkv, NEXT_EVICT_LAST))
+        points.append(_point(attn.qkv_proj, wanted, BUDGET * l2_bytes, mode == "all"))
+        gate_up, down = getattr(mlp, "gate_up_proj", None), getattr(mlp, "down_proj", None)
+        if mode == "all" and gate_up is not None and down is not None:
+            points += [_point(attn.o_proj, [(gate_up, False)], CAP * l2_bytes, True),
+                       _point(gate_up, [(down, False)], CAP * l2_bytes, True),
+                       _point(down, [(next_qkv, False)], CAP * l2_bytes, True)]
+    return [p for p in points if p.modules]
+
+
+def _point(after: torch.nn.Module, wanted: list[tuple[torch.nn.Module, bool]], limit: float,
+           each: bool) -> PrefetchPoint:
+    """`wanted` in order while their bytes stay within `limit` (`each`: every
+    module alone within it)."""
+    chosen, used = [], 0
+    for module, last in wanted:
+        size = nbytes(module)
+        if (size if each else used + size) <= limit:
+            chosen.append((module, last))
+            used += size
+    return PrefetchPoint(after, tuple(chosen))
 
 
 class L2Prefetcher:
@@ -199,26 +216,30 @@ def supported(device: torch.device) -> bool:
     return torch.cuda.get_device_capability(device) >= (9, 0)
 
 
-def attach(layers: Sequence[torch.nn.Module], mode: str, device: torch.device
-           ) -> tuple[L2Prefetcher | None, str]:
-    """Give the decoder's layers (in order; `plan`'s) what their attention modules
-    ask for after the qkv product under `mode` (each attention module's
-    `l2_prefetch` slot); returns the prefetcher whose `join` ends a forward
-    (None for "off") and what was set up, for the start-up log."""
+def attach(decoder: torch.nn.Module, layers: Sequence[torch.nn.Module], mode: str,
+           device: torch.device) -> str:
+    """Set up `mode` for a decoder stack (`decoder`, whose forward runs `layers`):
+    each product of `plan` asks for what follows it once it is enqueued, and the
+    side stream joins back when the stack's forward returns. Returns what was set
+    up, for the start-up log ('' for "off")."""
     if mode not in MODES:
         raise ValueError(f"l2_prefetch={mode!r}: expected one of {', '.join(MODES)}")
     if mode == "off":
-        return None, ""
+        return ""
     if not supported(device):
         raise ValueError(f"l2_prefetch={mode!r}: bulk L2 prefetches need an NVIDIA GPU of "
                          "compute capability 9.0 (Hopper) or newer")
     l2 = torch.cuda.get_device_properties(device).L2_cache_size
-    points = plan(layers, mode, int(BUDGET * l2))
-    prefetcher = L2Prefetcher(device)
-    for layer, point in zip(layers, points, strict=True):
-        layer.self_attn.l2_prefetch = (None if point is None
-                                       else functools.partial(prefetcher.issue, point))
-    taken = sum(p is not None for p in points)
-    return prefetcher, (f"L2 prefetch {mode}: {taken} of {len(points)} layers ask for their "
-                        f"next weights after the qkv product (budget "
-                        f"{BUDGET * l2 / 2**20:.0f} MiB, steps of up to {MAX_ROWS} rows)")
+    points = plan(layers, mode, l2)
+    install(decoder, points, L2Prefetcher(device))
+    return (f"L2 prefetch {mode}: {len(points)} products ask for the weights that follow "
+            f"them (L2 {l2 / 2**20:.0f} MiB, steps of up to {MAX_ROWS} rows)")
+
+
+def install(decoder: torch.nn.Module, points: Sequence[PrefetchPoint], prefetcher: Any) -> None:
+    """Forward hooks: each point's module issues it (with the rows of its input)
+    after its forward; `decoder` joins the prefetcher's stream after its own."""
+    for point in points:
+        point.after.register_forward_hook(
+            lambda module, args, out, point=point: prefetcher.issue(point, args[0].shape[0]))
+    decoder.register_forward_hook(lambda module, args, out: prefetcher.join())

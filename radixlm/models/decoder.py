@@ -56,7 +56,6 @@ from radixlm.models.weight_map import WeightMapping, load_weights
 
 if TYPE_CHECKING:
     from radixlm.forward_batch import ForwardBatch
-    from radixlm.layers.l2_prefetch import L2Prefetcher
 
 logger = logging.getLogger(__name__)
 
@@ -270,10 +269,6 @@ def sparse_layers(num_layers: int, moe_factory: MlpFactory = moe_mlp, *, step: i
 
 
 class DecoderAttention(nn.Module):
-    # Called with the step's rows after the qkv product, where weights are pulled
-    # into the L2 meanwhile (`layers/l2_prefetch.attach`).
-    l2_prefetch: Callable[[int], None] | None = None
-
     def __init__(self, spec: DecoderSpec, layer_id: int, rotary_emb: RotaryEmbedding,
                  quant_config: QuantizationConfig | None = None, prefix: str = "") -> None:
         super().__init__()
@@ -302,16 +297,9 @@ class DecoderAttention(nn.Module):
                 rows: torch.Tensor | None = None) -> torch.Tensor:
         """`rows`: project only these rows of the attention output (every token's
         K/V is still computed and stored)."""
-        q, k, v = self.project_qkv(hidden)
+        q, k, v = self.qkv_proj(hidden).split(self.split_sizes, dim=-1)
         out = self.attn(q, k, v, fb, rope=(self.rope, positions))
         return self.o_proj(out if rows is None else out[rows])
-
-    def project_qkv(self, hidden: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """q, k, v of `hidden`; then the L2 prefetch of what comes next, if any."""
-        qkv = self.qkv_proj(hidden)
-        if self.l2_prefetch is not None:
-            self.l2_prefetch(hidden.shape[0])
-        return qkv.split(self.split_sizes, dim=-1)
 
 
 class DecoderLayer(nn.Module):
@@ -364,9 +352,6 @@ class DecoderLayer(nn.Module):
 
 
 class DecoderModel(nn.Module):
-    # Joins the side stream of the layers' L2 prefetches (`layers/l2_prefetch.py`).
-    l2_prefetcher: L2Prefetcher | None = None
-
     def __init__(self, spec: DecoderSpec, quant_config: QuantizationConfig | None = None,
                  prefix: str = "model") -> None:
         super().__init__()
@@ -414,8 +399,6 @@ class DecoderModel(nn.Module):
             pending = layer.output_norm
             if i in capture:
                 fb.captured.append(_layer_output(hidden, residual, pending))
-        if self.l2_prefetcher is not None:
-            self.l2_prefetcher.join()
         # Under tensor parallelism this norm all-reduces the last MLP's partial
         # sums in place (in the buffer the MLP wrote), so rows are picked after it.
         return self.norm(hidden, residual, reduce=True, pre_norm=pending)[0]
@@ -490,13 +473,12 @@ class DecoderForCausalLM(nn.Module):
         return self.compute_logits(hidden)
 
     def enable_l2_prefetch(self, mode: str, device: torch.device) -> str:
-        """Pull the next products' weights into the L2 after each qkv product
+        """Have the products ask the L2 for the weights that follow them
         (`layers/l2_prefetch.py`, `mode` one of its MODES); returns what was set
         up, for the start-up log."""
         from radixlm.layers import l2_prefetch
 
-        self.model.l2_prefetcher, note = l2_prefetch.attach(self.model.layers, mode, device)
-        return note
+        return l2_prefetch.attach(self.model, self.model.layers, mode, device)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = self.lm_head.compute_logits(hidden).float()

@@ -91,7 +91,7 @@ class OlmoeAttention(DecoderAttention):
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor, fb: ForwardBatch,
                 rows: torch.Tensor | None = None) -> torch.Tensor:
-        q, k, v = self.project_qkv(hidden)
+        q, k, v = self.qkv_proj(hidden).split(self.split_sizes, dim=-1)
         q, k = self.q_norm(q), self.k_norm(k)
         if self.clip is not None:
             q, k, v = (t.clamp(-self.clip, self.clip) for t in (q, k, v))

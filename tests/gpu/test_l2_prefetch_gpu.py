@@ -63,7 +63,7 @@ def _bits(outs):
              o["meta_info"]["output_token_logprobs"]) for o in outs]
 
 
-@pytest.mark.parametrize("quantization,mode", [(None, "o"), (None, "o+qkv"), ("fp8", "o+qkv")])
+@pytest.mark.parametrize("quantization,mode", [(None, "o"), (None, "o+qkv"), ("fp8", "all")])
 def test_the_same_bits_with_the_prefetch_in_graphs(model_dir, prompts, quantization, mode):
     off = _generate(model_dir, prompts, quantization=quantization)
     on = _generate(model_dir, prompts, quantization=quantization, l2_prefetch=mode)
