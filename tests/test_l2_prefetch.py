@@ -121,7 +121,8 @@ def test_the_budget_drops_what_does_not_fit(path) -> None:
     # "all" takes each product alone up to CAP times the L2
     gate_up = L.nbytes(ls[0].mlp.gate_up_proj)
     afters = [p.after for p in L.plan(ls, "all", int(gate_up / L.CAP) - 1)]
-    assert ls[0].self_attn.o_proj not in afters and ls[0].mlp.gate_up_proj in afters
+    assert ls[0].self_attn.o_proj not in afters
+    assert ls[0].self_attn.qkv_proj in afters and ls[0].mlp.gate_up_proj in afters
 
 
 def test_decode_tensors_are_what_the_products_read(path, tmp_path) -> None:

@@ -121,7 +121,8 @@ def plan(layers: Sequence[torch.nn.Module], mode: str, l2_bytes: int) -> list[Pr
                                           else [])]
         if mode == "o+qkv":
             wanted.append((next_qkv, NEXT_EVICT_LAST))
-        points.append(_point(attn.qkv_proj, wanted, BUDGET * l2_bytes, mode == "all"))
+        each = mode == "all"
+        points.append(_point(attn.qkv_proj, wanted, (CAP if each else BUDGET) * l2_bytes, each))
         gate_up, down = getattr(mlp, "gate_up_proj", None), getattr(mlp, "down_proj", None)
         if mode == "all" and gate_up is not None and down is not None:
             points += [_point(attn.o_proj, [(gate_up, False)], CAP * l2_bytes, True),
