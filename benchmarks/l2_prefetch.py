@@ -1,5 +1,7 @@
-"""Does an L2 prefetch during a window of idle DRAM make the next one-row product
-faster? (`radixlm/layers/l2_prefetch.py`, Llama-3.1-8B's projection shapes.)
+"""Does asking the L2 for a one-row product's weights during a window of idle DRAM
+make the product faster? (Llama-3.1-8B's projection shapes.) The question behind
+an `--l2-prefetch` that was built and taken out: end to end it cost FP8 single
+stream 19 % (BENCHMARKS.md, 2026-12-05, 23:10).
 
     python benchmarks/l2_prefetch.py                  # window 8 us, PDL as the engine
     python benchmarks/l2_prefetch.py --window-us 4 --no-pdl
@@ -11,9 +13,8 @@ product reads them from HBM, as a decode step does. Steps: a kernel that spins
 columns are us of the product:
 - cold: as it is; warm: the product run a second time (from L2 where it fits);
 - bulk / lines / read: after asking for its weights on a side stream as the
-  window starts (as the engine forks after the qkv product): the engine's bulk
-  prefetch (`l2_prefetch.prefetch`), one `prefetch.global.L2` a 128-byte line,
-  or a kernel reading them.
+  window starts: sm_90's bulk prefetch (`cp.async.bulk.prefetch.L2`, 4 KiB a
+  lane), one `prefetch.global.L2` a 128-byte line, or a kernel reading them.
 The product's forms are the engine's at one row: our bf16 GEMV, the FP8
 tensor-core GEMV reading the weight where it lies (per-row scales), the int4
 tensor-core GEMV (group 128).
@@ -29,7 +30,7 @@ import triton
 import triton.language as tl
 from quant_kernels import DEV, SHAPES, copies, fp8_row_weights, int4_weights, replay_seconds
 
-from radixlm.layers import l2_prefetch, pdl
+from radixlm.layers import pdl
 from radixlm.layers.gemv import gemv
 from radixlm.layers.quantization.triton_ops import fp8_mma as F8M
 from radixlm.layers.quantization.triton_ops import int4_mma as M4
@@ -65,6 +66,35 @@ def time_steps(step: Callable[[int], None], side: torch.cuda.Stream | None = Non
         if side is not None:
             torch.cuda.current_stream().wait_stream(side)
     return replay_seconds(graph, reps) * 1e6 / STEPS
+
+
+BULK_PTX = """{
+.reg .pred p;
+setp.gt.s32 p, $2, 0;
+@p cp.async.bulk.prefetch.L2.global [$1], $2;
+mov.u32 $0, 0;
+}"""  # $1 the address, $2 the bytes (a multiple of 16; none where <= 0)
+CHUNK, LANES = 1 << 17, 32  # bytes a program asks for, in 4 KiB a lane
+
+
+@triton.jit
+def _bulk_prefetch_kernel(base_ptr, size, CHUNK: tl.constexpr, LANES: tl.constexpr,
+                          PTX: tl.constexpr):
+    """Lane l of program p asks for bytes [p CHUNK + l CHUNK / LANES, + CHUNK / LANES)
+    of the `size` from `base_ptr` (clipped at `size`)."""
+    sub: tl.constexpr = CHUNK // LANES
+    offset = tl.program_id(0).to(tl.int64) * CHUNK + tl.arange(0, LANES) * sub
+    nbytes = tl.minimum(size - offset, sub).to(tl.int32)
+    address = base_ptr.to(tl.int64, bitcast=True) + offset
+    tl.inline_asm_elementwise(PTX, "=r,l,r", [address, nbytes], dtype=tl.int32,
+                              is_pure=False, pack=1)
+
+
+def by_bulk(t: torch.Tensor) -> None:
+    """The tensor's bytes (contiguous, 16-byte aligned) in bulk prefetches."""
+    size = t.numel() * t.element_size() // 16 * 16
+    _bulk_prefetch_kernel[(triton.cdiv(size, CHUNK),)](t, size, CHUNK=CHUNK, LANES=LANES,
+                                                       PTX=BULK_PTX, num_warps=1)
 
 
 @triton.jit
@@ -105,7 +135,7 @@ def measure(call: Callable, make: Callable, tensors: Callable, k: int,
     ws = copies(make, sum(t.numel() * t.element_size() for t in tensors(one)))
     side = torch.cuda.Stream()
     sink = torch.empty(1 << 20, device=DEV, dtype=torch.int32)
-    ways = {"bulk": l2_prefetch.prefetch, "lines": by_lines,
+    ways = {"bulk": by_bulk, "lines": by_lines,
             "read": lambda t: by_reading(t, sink)}
 
     def window(i: int) -> None:

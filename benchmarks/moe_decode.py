@@ -4,7 +4,6 @@ roofline of the bytes a decode step reads, in one run.
     python benchmarks/moe_decode.py                      # Qwen3-30B-A3B's shape
     python benchmarks/moe_decode.py --shape mixtral-8x7b
     python benchmarks/moe_decode.py --offline            # + 256 x 512/256 throughput
-    python benchmarks/moe_decode.py --skip-hf --l2-prefetch o   # ours with an engine option
 
 Dummy bf16 weights of the real model's shape (`--load-format dummy`: N(0, 0.02),
 from config.json alone). Ours: the offline Engine (CUDA graphs, the default
@@ -93,14 +92,12 @@ def spread(xs: list[float]) -> str:
     return f"{min(xs):.1f} / {statistics.median(xs):.1f} / {max(xs):.1f}"
 
 
-def ours(model_dir: str, prompt: list[int], offline: list[list[int]] | None,
-         l2_prefetch: str = "off") -> dict:
+def ours(model_dir: str, prompt: list[int], offline: list[list[int]] | None) -> dict:
     import radixlm
 
     out: dict = {}
     with radixlm.Engine(model_path=model_dir, load_format="dummy", dtype="bfloat16",
-                        skip_tokenizer_init=True, context_length=4096,
-                        l2_prefetch=l2_prefetch) as e:
+                        skip_tokenizer_init=True, context_length=4096) as e:
         first = {"max_new_tokens": 1, "temperature": 0.0, "ignore_eos": True}
         full = {"max_new_tokens": DECODE + 1, "temperature": 0.0, "ignore_eos": True}
         e.generate(input_ids=prompt, sampling_params=full)  # warm-up
@@ -176,7 +173,6 @@ def main() -> None:
     p.add_argument("--offline", action="store_true")
     p.add_argument("--skip-hf", action="store_true")
     p.add_argument("--output-json", default=None)
-    p.add_argument("--l2-prefetch", default="off", help="the engine's --l2-prefetch")
     args = p.parse_args()
     config = dict(SHAPES[args.shape])
     if args.layers:
@@ -191,12 +187,12 @@ def main() -> None:
     total = sum(parts.values())
     with tempfile.TemporaryDirectory() as d:
         Path(d, "config.json").write_text(json.dumps(config))
-        mine = ours(d, prompt, offline, args.l2_prefetch)
+        mine = ours(d, prompt, offline)
         peer = None if args.skip_hf else hf(d, prompt, offline)
     roof = rate / total
     name = f"{args.shape} ({config['num_hidden_layers']} layers), {torch.cuda.get_device_name()}"
     print(f"\n{name}; MoE layers: {mine['moe'][0] if mine['moe'] else '-'}; "
-          f"CUDA graphs: {mine['cuda_graphs']}; L2 prefetch: {args.l2_prefetch}")
+          f"CUDA graphs: {mine['cuda_graphs']}")
     print(f"copy rate {rate / 1e12:.2f} TB/s; bytes per decode step {total / 1e9:.2f} GB (" +
           ", ".join(f"{k} {v / 1e9:.2f}" for k, v in parts.items()) +
           f"); roofline {roof:.0f} tok/s")

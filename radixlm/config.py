@@ -19,7 +19,6 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16", "fp8_e4m3", "fp8_e5m2")
 ATTENTION_BACKENDS = ("auto", "torch_native", "cpu", "triton")
 MOE_RUNNER_BACKENDS = ("auto", "triton", "cpu", "torch")  # layers/moe/backends.py
-L2_PREFETCH_MODES = ("off", "o", "o+qkv", "all")  # layers/l2_prefetch.py
 EMBEDDING_POOLINGS = ("last", "mean")
 LOAD_BALANCE_METHODS = ("round_robin", "shortest_queue", "cache_aware")
 TOOL_CALL_PARSERS = ("hermes", "qwen25", "llama3", "mistral", "deepseekv3", "pythonic")
@@ -139,12 +138,6 @@ class ServerArgs:
         "runtime", "On Hopper and newer GPUs, launch the decode kernels one after another "
         "instead of with programmatic dependent launch (which lets each start during "
         "the previous one's tail)", default=False)
-    l2_prefetch: str = _opt(
-        "runtime", "On Hopper and newer GPUs, in decode steps of up to 32 rows, pull weights "
-        "into the L2 cache on a side stream: o: each layer's o_proj while RoPE and "
-        "attention run; o+qkv: also the next layer's qkv; all: after each product the "
-        "next one's (experimental)",
-        L2_PREFETCH_MODES, default="off")
     num_threads: int | None = _opt("runtime", "torch CPU threads (default: all cores)",
                                    default=None)
     moe_runner_backend: str = _opt(

@@ -472,14 +472,6 @@ class DecoderForCausalLM(nn.Module):
             hidden = hidden[rows]
         return self.compute_logits(hidden)
 
-    def enable_l2_prefetch(self, mode: str, device: torch.device) -> str:
-        """Have the products ask the L2 for the weights that follow them
-        (`layers/l2_prefetch.py`, `mode` one of its MODES); returns what was set
-        up, for the start-up log."""
-        from radixlm.layers import l2_prefetch
-
-        return l2_prefetch.attach(self.model, self.model.layers, mode, device)
-
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = self.lm_head.compute_logits(hidden).float()
         cap = self.final_logit_softcap

@@ -91,7 +91,6 @@ class ModelRunner:
         self.vocab_size = config.vocab_size
         self.model = load_model(model_dir, config, args.load_format, self.dtype, self.device,
                                 seed=args.random_seed, quant_config=self._quant_config())
-        self._enable_l2_prefetch()
         self.layers = sorted((m for m in self.model.modules() if isinstance(m, RadixAttention)),
                              key=lambda m: m.layer_id)
         spec = self.model.kv_spec()
@@ -105,16 +104,6 @@ class ModelRunner:
         self.graph_runner = None
         self.max_running_requests = 0
         self.capture: HiddenCapture | None = None  # hidden states every forward keeps
-
-    def _enable_l2_prefetch(self) -> None:
-        mode = self.args.l2_prefetch
-        if mode == "off":
-            return
-        enable = getattr(self.model, "enable_l2_prefetch", None)
-        if enable is None:
-            raise ValueError(f"l2_prefetch={mode!r}: {type(self.model).__name__} has no "
-                             "decoder layers to prefetch for")
-        logger.info("%s", enable(mode, self.device))
 
     def _check_deterministic(self) -> None:
         """Refuse, by name, what --enable-deterministic-inference cannot make batch-invariant."""

@@ -38,10 +38,8 @@ class StandaloneDrafter(ModelDrafter):
 
 def draft_args(args: ServerArgs, draft_dir: str, target: ModelRunner) -> ServerArgs:
     """The draft runner's settings: the target's, with the draft's weights and the
-    target's context length (the request table is shared); no L2 prefetch (the
-    draft's weights are few, and an EAGLE head has no decoder stack for it)."""
-    return args.replace(model_path=draft_dir, context_length=target.context_len,
-                        l2_prefetch="off")
+    target's context length (the request table is shared)."""
+    return args.replace(model_path=draft_dir, context_length=target.context_len)
 
 
 def check_same_vocabulary(target: ModelRunner, target_dir: str, config: Any,

@@ -122,11 +122,6 @@ class LinearMethod(ABC):
     def drop_derived(self, layer: LinearBase) -> None:  # noqa: B027 (optional)
         """Forget what `process_weights_after_loading` derived."""
 
-    def decode_tensors(self, layer: LinearBase) -> list[torch.Tensor]:
-        """The tensors a product of few rows reads (what `layers/l2_prefetch.py` may
-        pull into the L2 ahead of it): by default the layer's own parameters."""
-        return [p.data for p in layer.parameters(recurse=False)]
-
 
 class FusedMoEMethod(ABC):
     """How one MoE layer's experts are held and computed: the same rules as a

@@ -181,10 +181,6 @@ class _Fp8Method(LinearMethod):
     def drop_derived(self, layer: LinearBase) -> None:
         layer.fp8 = None
 
-    def decode_tensors(self, layer: LinearBase) -> list[torch.Tensor]:
-        w: Fp8Weight = layer.fp8
-        return [w.weight if w.mma is None else w.mma, w.scales]
-
 
 # ---- a float checkpoint quantized at load ------------------------------------------------
 def row_stride(features: int) -> int:
