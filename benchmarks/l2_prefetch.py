@@ -120,19 +120,19 @@ def by_lines(t: torch.Tensor) -> None:
 
 
 def by_reading(t: torch.Tensor, sink: torch.Tensor) -> None:
-    flat = t.view(torch.int32).view(-1) if t.element_size() == 4 else t.view(-1).view(torch.int32)
+    flat = t.view(-1).view(torch.int32)
     _read_kernel[(triton.cdiv(flat.numel(), 4096),)](flat, sink, flat.numel(), BLOCK=4096,
                                                       num_warps=8)
 
 
-def measure(call: Callable, make: Callable, tensors: Callable, k: int,
+def measure(call: Callable, make: Callable, nbytes: int, tensors: Callable, k: int,
             cycles: int) -> dict[str, float]:
     """us a step: the window alone, + the product cold, + twice (the second from
     L2 where it fits), and + the product after each way of asking for its weights
-    on a side stream as the window starts."""
+    on a side stream as the window starts. `nbytes`: the weight bytes a product
+    reads (the copies rotate through >= 256 MiB of them)."""
     x = torch.randn(1, k, device=DEV).bfloat16()
-    one = make()
-    ws = copies(make, sum(t.numel() * t.element_size() for t in tensors(one)))
+    ws = copies(make, nbytes)
     side = torch.cuda.Stream()
     sink = torch.empty(1 << 20, device=DEV, dtype=torch.int32)
     ways = {"bulk": by_bulk, "lines": by_lines,
@@ -182,7 +182,7 @@ def main() -> None:
     for name, k, n in SHAPES:
         for form, (call, make, tensors) in forms(n, k).items():
             size = sum(t.numel() * t.element_size() for t in tensors(make()))
-            r = measure(call, make, tensors, k, cycles)
+            r = measure(call, make, size, tensors, k, cycles)
             torch.cuda.empty_cache()
             win = r["window"]
             cells = [r["cold"] - win, r["twice"] - r["cold"],
