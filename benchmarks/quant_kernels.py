@@ -8,6 +8,7 @@ Llama-3.1-8B projection shapes (tp 1), at 1, 8, 64 and 4096 rows.
     python benchmarks/quant_kernels.py --gemm-sweep    # W8A8 GEMM tiles, 256 and 4096 rows
     python benchmarks/quant_kernels.py --mma-launch --pdl   # tensor-core GEMVs' launch forms
     python benchmarks/quant_kernels.py --int4-gemm-sweep  # int4 GEMM tiles, 16-256 rows
+    python benchmarks/quant_kernels.py --w8a8-sweep --pdl  # W8A8 GEMV tiles at 1 row
 
 Each variant runs 64 back-to-back calls in one CUDA graph, replayed 10 times
 (median, time / 64), with weights rotating through copies of >= 256 MiB so
@@ -46,6 +47,7 @@ from radixlm.layers.quantization import int4 as I
 from radixlm.layers.quantization.fp8 import block_table, quantize_rows
 from radixlm.layers.quantization.triton_ops import fp8 as F8
 from radixlm.layers.quantization.triton_ops import fp8_mma as F8M
+from radixlm.layers.quantization.triton_ops import fp8_w8a8_gemv as W8
 from radixlm.layers.quantization.triton_ops import int4 as T4
 from radixlm.layers.quantization.triton_ops import int4_mma as M4
 from radixlm.layers.quantization.triton_ops import mma_gemv as MG
@@ -390,6 +392,56 @@ def int4_gemm_sweep(rows: list[int]) -> None:
         torch.cuda.empty_cache()
 
 
+W8A8_CANDIDATES = [W8.W8A8Config(*c) for c in
+                   [(64, 4, 4, 1), (64, 4, 4, 2), (64, 4, 4, 4), (64, 4, 8, 4),
+                    (128, 4, 4, 1), (128, 4, 4, 2), (128, 4, 4, 4), (128, 4, 4, 8),
+                    (128, 4, 6, 4), (128, 8, 4, 2), (128, 8, 4, 4), (256, 8, 4, 2),
+                    (256, 8, 4, 4), (256, 8, 4, 8), (256, 4, 3, 4), (256, 4, 3, 8)]]
+
+
+def w8a8_sweep(rows: list[int], out_json: str | None) -> None:
+    """The W8A8 GEMV's tiles at each row count (gate_up with its SiLU-and-mul, as
+    the engine runs it) beside the engine's route with x in bf16 (the tensor-core
+    GEMV reading the weight where it lies) and the bf16 GEMV on bf16 weights, same
+    run; the best tile per shape and row count into `out_json`."""
+    import json
+
+    best = {}
+    for m in rows:
+        for name, k, n in SHAPES:
+            silu = name == "gate_up"
+            x = torch.randn(m, k, device=DEV).bfloat16()
+            ws = copies(lambda n=n, k=k: fp8_weights(n, k, False)[:2], n * k)
+            base = [("route, x bf16", lambda x, w, s=silu: F8.fp8_linear(
+                x, w[0], w[1], 0, 1, None, silu_mul=s, mma=w[0]))]
+            calls = [(c.label(), lambda x, w, c=c, s=silu: W8.fp8_gemv_w8a8(
+                x, w[0], w[1], config=c, silu_mul=s)) for c in W8A8_CANDIDATES]
+            res = []
+            for label, call in base + calls:
+                try:
+                    res.append((time_graph(call, x, ws), label))
+                except Exception as e:  # a tile that does not compile: say so, go on
+                    print(f"    {label}: failed ({type(e).__name__}: {str(e)[:120]})")
+            del ws
+            bf = copies(lambda n=n, k=k: (torch.randn(n, k, device=DEV) * 0.02).bfloat16(),
+                        2 * n * k)
+            t_bf = time_graph(lambda x, w: gemv(x, w), x, bf) if m <= 8 else float("nan")
+            del bf
+            torch.cuda.empty_cache()
+            t_route = res[0][0]
+            ranked = sorted(res[1:])
+            print(f"{name} rows {m}: bf16 GEMV {t_bf * 1e6:.1f} us ({2 * n * k / t_bf / 1e12:.2f}"
+                  f" TB/s); route {t_route * 1e6:.1f} us ({n * k / t_route / 1e12:.2f} TB/s)")
+            for t, label in ranked:
+                print(f"    {label}: {t * 1e6:.1f} us, {n * k / t / 1e12:.2f} TB/s, "
+                      f"{t_route / t:.2f}x route")
+            if ranked:
+                best[f"{m},{n},{k}"] = ranked[0][1]
+    if out_json:
+        with open(out_json, "w") as f:
+            json.dump(best, f)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rows", default=None,
@@ -401,11 +453,15 @@ def main() -> None:
     parser.add_argument("--mma-launch", action="store_true")
     parser.add_argument("--int4-gemm-sweep", action="store_true")
     parser.add_argument("--pdl", action="store_true", help="launch with PDL, as the engine does")
+    parser.add_argument("--w8a8-sweep", action="store_true")
+    parser.add_argument("--json", default=None, help="--w8a8-sweep: best tiles to this file")
     args = parser.parse_args()
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, "
           f"PDL {pdl.set_pdl(args.pdl, DEV)}")
     if args.mma_launch:
         mma_launch()
+    elif args.w8a8_sweep:
+        w8a8_sweep([int(r) for r in (args.rows or "1").split(",")], args.json)
     elif args.sweep:
         sweep(fp8=not args.int4_only, int4=not args.fp8_only)
     elif args.int4_gemm_sweep:

@@ -162,14 +162,21 @@ def test_awq_layer_held_in_fragment_order(monkeypatch):
     torch.testing.assert_close(got.double(), want, rtol=2e-2, atol=2e-2 * want.abs().max())
 
 
-@pytest.mark.parametrize("mode", ["mma", "fma"])
+@pytest.mark.parametrize("mode", ["mma", "fma", "w8a8"])
 def test_online_fp8_on_the_other_gemvs_tracks_its_dequantized_model(mode, model,
                                                                     monkeypatch):
-    """$RADIXLM_FP8_GEMV=mma / fma: decode's products on the MMA GEMV from the
-    fragment-order copy / on the FMA GEMV (the default, the MMA GEMV reading the
-    weight where it lies, is the test below)."""
+    """$RADIXLM_FP8_GEMV=mma / fma / w8a8: decode's products on the MMA GEMV from
+    the fragment-order copy / on the FMA GEMV / with FP8 activations (the default,
+    the MMA GEMV reading the weight where it lies, is the test below)."""
     monkeypatch.setenv("RADIXLM_FP8_GEMV", mode)
     test_online_fp8_on_cuda_tracks_its_dequantized_model(model)
+
+
+def test_block_fp8_on_the_w8a8_gemv_tracks_its_dequantized_model(model, monkeypatch):
+    """$RADIXLM_FP8_GEMV=w8a8 on a 128 x 128 block checkpoint: decode's activations
+    per token and group of 128, as prefill's."""
+    monkeypatch.setenv("RADIXLM_FP8_GEMV", "w8a8")
+    test_quantized_checkpoint_on_cuda_tracks_its_dequantized_model("fp8-block", model)
 
 
 def test_online_fp8_on_cuda_tracks_its_dequantized_model(model):

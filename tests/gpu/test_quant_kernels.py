@@ -763,3 +763,110 @@ def test_layers_run_the_kernels_on_their_weights(fmt, m):
 def fp8_weight_of(w: torch.Tensor) -> torch.Tensor:
     q, s = quantize_rows(w)
     return q.float() * s[:, None]
+
+
+# ---- the W8A8 GEMV (FP8 activations per token and group of 128) -------------------------------
+from radixlm.layers.quantization.triton_ops import fp8_w8a8_gemv as W8  # noqa: E402
+
+W8A8_CASES = {  # name -> (n, k, block, parts)
+    "channel": (96, 256, None, None),
+    "channel-ragged-n": (100, 384, None, None),
+    "block": (256, 384, (128, 128), None),
+    "block-ragged-n": (200, 256, (128, 128), None),
+    "block-fused-parts": (320, 256, (128, 128), [192, 64, 64]),
+}
+W8A8_TILES = [W8.W8A8Config(64, 4, 2, 1), W8.W8A8Config(64, 4, 3, 2),
+              W8.W8A8Config(128, 4, 2, 4), W8.W8A8Config(32, 2, 2, 2)]
+
+
+def w8a8_reference(x: torch.Tensor, w: Fp8Weight) -> torch.Tensor:
+    return W8.reference(x, w.weight, w.scales, w.block_k, w.scale_rows)
+
+
+def test_w8a8_gemv_codes_are_the_gemm_paths_group_codes():
+    """The GEMV's activation codes and scales (`quantize_groups`, the kernel's
+    arithmetic: x times 448 / amax) are the W8A8 GEMM's per-group codes (x / scale)
+    but where the product and the quotient round apart, there one code step."""
+    x = randn(4, 1024, seed=11, dtype=torch.bfloat16) * 3
+    q, s = W8.quantize_groups(x)
+    want_q, want_s = fp8_ref_quant(x, 128)
+    assert torch.equal(s, want_s)
+    a, b = q.view(torch.uint8).int(), want_q.view(torch.uint8).int()
+    apart = a != b
+    assert apart.float().mean() < 0.01 and ((a - b)[apart].abs() == 1).all()
+
+
+@pytest.mark.parametrize("case", sorted(W8A8_CASES))
+@pytest.mark.parametrize("m", [1, 2, 16, 17, 32])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_w8a8_gemv(case, m, dtype):
+    """Per-row and 128 x 128 block scales (ragged N, fused parts), one row (its
+    own code path), 2-16 rows (the MMA's 16 columns) and 17-32 (32): within the
+    FP8 MMA's sums of the float64 product of the same codes, with the bias."""
+    n, k, block, parts = W8A8_CASES[case]
+    w = fp8_weight(n, k, block, parts, seed=m)
+    x = randn(m, k, seed=m + 1, dtype=dtype) * 2
+    x[0, 3] = 40.0  # an outlier: its group's scale, not its row's
+    bias = randn(n, seed=9, dtype=dtype)
+    out = W8.fp8_gemv_w8a8(x, w.weight, w.scales, w.block_k, w.scale_rows, bias)
+    check(out, w8a8_reference(x, w) + bias.double(), dtype, k, fp8_mma=True)
+
+
+@pytest.mark.parametrize("cfg", W8A8_TILES, ids=lambda c: c.label())
+@pytest.mark.parametrize("m", [1, 5])
+def test_w8a8_gemv_tiles_and_splits(cfg, m):
+    """Every tile the sweep tries: fewer groups than splits, ragged N, a split
+    whose last program has fewer groups."""
+    dtype = DTYPES[0]
+    for n, k in ((100, 384), (64, 640)):
+        w = fp8_weight(n, k, None, seed=n)
+        x = randn(m, k, seed=k, dtype=dtype)
+        out = W8.fp8_gemv_w8a8(x, w.weight, w.scales, config=cfg)
+        check(out, w8a8_reference(x, w), dtype, k, fp8_mma=True)
+
+
+@pytest.mark.parametrize("m", [1, 3])
+@pytest.mark.parametrize("block", [None, (128, 128)])
+def test_w8a8_gemv_silu_mul_and_routing(m, block, monkeypatch):
+    """silu(gate) * up from the split sums equals the activation applied to the
+    plain product's rounded outputs; `fp8_linear` routes 1-32 rows here when
+    asked, and rows past 32 to the W8A8 GEMM."""
+    dtype = DTYPES[0]
+    d, k = 128, 256
+    w = fp8_weight(2 * d, k, block, [d, d] if block else None, seed=4)
+    x = randn(m, k, seed=5, dtype=dtype)
+    args = (w.weight, w.scales, w.block_k, w.scale_rows, None)
+    fused = F.fp8_linear(x, *args, silu_mul=True, w8a8_gemv=True)
+    plain = F.fp8_linear(x, *args, w8a8_gemv=True)
+    check_silu_mul(fused, plain)
+    assert torch.equal(plain, W8.fp8_gemv_w8a8(x, w.weight, w.scales, w.block_k, w.scale_rows))
+    many = randn(40, k, seed=6, dtype=dtype)
+    assert F.fp8_linear(many, *args, silu_mul=True, w8a8_gemv=True) is None
+
+
+def test_w8a8_gemv_refuses_what_it_cannot_take():
+    assert not W8.takes(256, 200, 0, 1, 1)  # K not whole groups
+    assert not W8.takes(256, 256, 64, 64, 1)  # blocks of 64 features
+    assert not W8.takes(256, 256, 0, 1, 33)  # rows past the MMA's 32 columns
+    assert W8.takes(200, 256, 128, 128, 32)
+
+
+@needs_cuda
+@pytest.mark.parametrize("k,n", LLAMA)
+@pytest.mark.parametrize("m", [1, 8])
+def test_w8a8_gemv_llama_shapes_and_graphs(k, n, m):
+    """Llama-8B's four shapes at the picked tiles, per-row and block scales; a CUDA
+    graph's replay gives the eager bits."""
+    x = randn(m, k, seed=1, dtype=torch.bfloat16)
+    for block in (None, (128, 128)):
+        w = fp8_weight(n, k, block, seed=2)
+        out = W8.fp8_gemv_w8a8(x, w.weight, w.scales, w.block_k, w.scale_rows)
+        check(out, w8a8_reference(x, w), torch.bfloat16, k, fp8_mma=True)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = W8.fp8_gemv_w8a8(x, w.weight, w.scales, w.block_k, w.scale_rows)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(captured, out)
+    torch.cuda.empty_cache()

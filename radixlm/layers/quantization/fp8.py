@@ -66,17 +66,20 @@ F32 = torch.float32
 FP8_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
 _ops = lazy_import("radixlm.layers.quantization.triton_ops.fp8")  # Triton: CUDA only
 _mma = lazy_import("radixlm.layers.quantization.triton_ops.fp8_mma")
+_w8a8 = lazy_import("radixlm.layers.quantization.triton_ops.fp8_w8a8_gemv")
 # The GEMV of few rows: on the tensor cores "mma-plain" (the default) reading the
 # weight where it lies, "mma" from a second copy in MMA fragment order (on an H100
-# faster at gate/up, slower at qkv: `fp8_mma.py`), "fma" on the CUDA cores.
+# faster at gate/up, slower at qkv: `fp8_mma.py`), "fma" on the CUDA cores, all
+# with x in bf16; "w8a8" with x quantized per token and group of 128 on the FP8
+# tensor cores (`fp8_w8a8_gemv.py`).
 MMA_ENV = "RADIXLM_FP8_GEMV"
-MMA_MODES = ("mma-plain", "mma", "fma")
+MMA_MODES = ("mma-plain", "mma", "fma", "w8a8")
 
 
 def mma_mode() -> str:
     """$RADIXLM_FP8_GEMV: "mma-plain" (also when unset: single stream 1.46x bf16 on an
-    H100 against the FMA GEMV's 1.32x, BENCHMARKS.md 2026-12-05), "mma", or "" for
-    "fma" (the FMA GEMV); any other value is refused."""
+    H100 against the FMA GEMV's 1.32x, BENCHMARKS.md 2026-12-05), "mma", "w8a8", or
+    "" for "fma" (the FMA GEMV); any other value is refused."""
     mode = os.environ.get(MMA_ENV) or "mma-plain"
     if mode not in MMA_MODES:
         raise ValueError(f"${MMA_ENV}={mode!r}: expected one of {', '.join(MMA_MODES)} "
@@ -125,6 +128,7 @@ class Fp8Weight:
     # For the tensor-core GEMV (MMA_ENV): the weight again in MMA fragment order, or
     # `weight` itself ("mma-plain": read where it lies).
     mma: torch.Tensor | None = None
+    w8a8_gemv: bool = False  # few rows through `fp8_w8a8_gemv` (MMA_ENV "w8a8")
 
     def dequantize(self) -> torch.Tensor:
         """The weight as fp32 [N, K]."""
@@ -144,6 +148,10 @@ def with_tensor_cores(w: Fp8Weight) -> Fp8Weight:
     ("mma-plain"); else `w`."""
     n, k = w.weight.shape
     mode = mma_mode()
+    if mode == "w8a8":
+        dynamic = w.input_scale is None and not w.weight_only
+        fits = dynamic and _w8a8.takes(n, k, w.block_k, w.scale_rows, 1)
+        return dataclasses.replace(w, w8a8_gemv=True) if fits and w.weight.is_cuda else w
     if not (mode and w.weight.is_cuda
             and _mma.takes(n, k, w.block_k, torch.bfloat16, w.scale_rows)):
         return w
@@ -159,7 +167,7 @@ def fp8_product(layer: LinearBase, x: torch.Tensor, bias: torch.Tensor | None,
     if kernels_run(x):
         return _ops.fp8_linear(x, w.weight, w.scales, w.block_k, w.scale_rows, w.input_scale,
                                bias, out=out, silu_mul=silu_mul, weight_only=w.weight_only,
-                               mma=w.mma)
+                               mma=w.mma, w8a8_gemv=w.w8a8_gemv)
     if silu_mul:
         return None
     return plain_linear(x, w.dequantize().to(x.dtype), bias, out)
@@ -451,6 +459,8 @@ class Fp8Config(QuantizationConfig):
                        "of the per-row-scaled weights in MMA fragment order; else 1-8)",
                 "mma-plain": " (1-32 rows on the tensor cores, reading the per-row-scaled "
                              "weights where they lie; else 1-8)",
+                "w8a8": f" (1-32 rows with FP8 activations per token and group of 128 on the "
+                        f"FP8 tensor cores, ${MMA_ENV}=w8a8, where activations are dynamic)",
                 "": f" (1-8 rows on the CUDA cores, ${MMA_ENV}=fma)"}[mma_mode()]
         experts = ""
         if self.counts["fp8 experts"] or self.counts["float experts"]:

@@ -1,0 +1,193 @@
+"""The FP8 GEMV of 1-32 rows with FP8 activations (W8A8) on the FP8 tensor cores.
+
+Why: the other FP8 GEMVs (`fp8.py`'s FMA one, `fp8_mma.py`'s tensor-core one)
+keep x in bf16, so every weight byte is widened in registers first: 2.2-3.6
+SASS instructions a weight, and on an H100 they read at 76-78 % of the copy
+rate where the bf16 GEMV, at one instruction a byte, reads at ~95 %. Here the
+weight tile goes from memory through shared memory into the e4m3 MMA as it
+is; only x is converted, once per step for all of the program's rows. That is
+the arithmetic vLLM and SGLang run FP8 checkpoints with at every batch size
+(dynamic per-token activation scales; per token and group for block weights),
+so it is the same scheme our W8A8 GEMM already runs above the GEMV's rows.
+
+Scheme (`reference` spells it in torch): x's features in groups of 128, per
+row and group amax = max(max |x|, 1e-12), codes q = e4m3(clamp(x * (448 /
+amax), +-448)) rounded to nearest even, scale amax / 448. Each step of the loop
+is one group: the [BN, 128] weight tile times the [128, rows] codes on the
+tensor cores (a fresh fp32 sum of 128 products: Hopper's FP8 MMA sums in less
+than fp32, so it is promoted each group, as DeepSeek-V3's recipe does), times
+the rows' group scales (and a block weight's scale), into fp32 accumulators.
+Per-row weight scales multiply once at the end. Against x in bf16 the codes
+add a relative error of at most 2^-4 per feature (e4m3's 3 mantissa bits), the
+error every W8A8 engine accepts.
+
+Programs: (BN weight rows, a run of whole groups of K); each writes fp32
+partial sums [split, M, N] and `int4.sum_splits` adds them in split order with
+the bias and the SiLU-and-mul, as the tensor-core GEMVs do. No host sync and
+no allocation but the sums and the output: CUDA graphs capture it.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+from radixlm.layers import pdl
+from radixlm.layers.pdl import pdl_trigger, pdl_wait
+from radixlm.layers.quantization.triton_ops.int4 import sum_splits
+from radixlm.layers.quantization.triton_ops.mma_gemv import output, splits
+
+GROUP = 128  # features a step, one activation scale per row and group
+MAX_ROWS = 32
+FP8_MAX = 448.0
+
+
+class W8A8Config(NamedTuple):
+    bn: int = 64  # weight rows a program (the MMA's M: 64 a warp group)
+    warps: int = 4
+    stages: int = 4  # weight tiles in flight a program (Triton's pipeline)
+    split: int = 4  # programs along K
+
+    def label(self) -> str:
+        return "x".join(map(str, self))
+
+
+def pick_config(n: int, k: int) -> W8A8Config:
+    """128-row tiles, K split until there are >= 256 programs for the 132 SMs (at
+    most 8 ways, each >= 4 groups of K). Untimed: `benchmarks/quant_kernels.py
+    --w8a8-sweep` is what should set it."""
+    tiles, steps = triton.cdiv(n, 128), k // GROUP
+    split = 1
+    while split < 8 and tiles * split < 256 and steps >= 8 * split:
+        split *= 2
+    return W8A8Config(128, 4, 4, split)
+
+
+def takes(n: int, k: int, block_k: int, scale_rows: int, rows: int) -> bool:
+    """Whether this GEMV takes the layer: whole groups of K, per-row scales or
+    blocks of 128 features (any rows a block), 1 to MAX_ROWS rows."""
+    return k % GROUP == 0 and block_k in (0, GROUP) and 1 <= rows <= MAX_ROWS and n >= 1
+
+
+def fp8_gemv_w8a8(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor,
+                  block_k: int = 0, scale_rows: int = 1, bias: torch.Tensor | None = None,
+                  config: W8A8Config | None = None, out: torch.Tensor | None = None,
+                  silu_mul: bool = False) -> torch.Tensor:
+    """x [M, K] (bf16/fp16, 1-32 rows, unit feature stride) times the FP8 weight [N,
+    K] (unit feature stride) with per-row scales [N] (`block_k` 0) or block scales
+    [N / scale_rows, K / 128]: [M, N] in x's dtype (`silu_mul`: [M, N / 2])."""
+    m, k = x.shape
+    n = weight.shape[0]
+    assert takes(n, k, block_k, scale_rows, m), (m, n, k, block_k)
+    assert x.stride(1) == 1 and weight.stride(1) == 1 and weight.shape[1] == k
+    assert scales.dtype == torch.float32
+    cfg = config or pick_config(n, k)
+    per, split = splits(k // GROUP, cfg.split)
+    ws = torch.empty((split, m, n), device=x.device, dtype=torch.float32)
+    y = output(x, n // 2 if silu_mul else n, out)
+    _w8a8_gemv_kernel[(triton.cdiv(n, cfg.bn), split)](
+        x, weight, scales, ws, m, n, x.stride(0), weight.stride(0),
+        scales.stride(0) if block_k else 0, ws.stride(0), k // GROUP, per,
+        BM=16 if m <= 16 else 32, BN=cfg.bn, BLOCK_SCALES=block_k > 0, SCALE_ROWS=scale_rows,
+        ONE_ROW=m == 1, EXACT=not x.is_cuda, num_warps=cfg.warps, num_stages=cfg.stages,
+        **pdl.launch_args())
+    return sum_splits(ws, bias, y, silu_mul)
+
+
+def quantize_groups(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The kernel's activation codes in torch: x [M, K] -> (e4m3 [M, K], fp32 scales
+    [M, K / 128])."""
+    m, k = x.shape
+    g = x.float().reshape(m, k // GROUP, GROUP)
+    amax = g.abs().amax(dim=2).clamp(min=1e-12)
+    # Tensor divisions, correctly rounded as the kernel's div_rn: torch turns a
+    # Python scalar over a tensor (and, on CUDA, a tensor over a scalar) into a
+    # product with a reciprocal.
+    top = torch.full_like(amax, FP8_MAX)
+    q = (g * (top / amax)[..., None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return q.reshape(m, k), amax / top
+
+
+def reference(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, block_k: int = 0,
+              scale_rows: int = 1) -> torch.Tensor:
+    """What `fp8_gemv_w8a8` computes, in float64: [M, N] (before bias and dtype)."""
+    m, k = x.shape
+    n = weight.shape[0]
+    q, s = quantize_groups(x)
+    xd = (q.double().reshape(m, k // GROUP, GROUP) * s.double()[..., None]).reshape(m, k)
+    w = weight.double()
+    if block_k:
+        table = scales.double().repeat_interleave(scale_rows, 0)[:n]
+        w = w * table.repeat_interleave(block_k, 1)[:, :k]
+    else:
+        w = w * scales.double()[:, None]
+    return xd @ w.T
+
+
+@triton.jit
+def _round_e4m3(v):
+    """fp32 v (|v| <= 448) rounded to the nearest e4m3 value, ties to even, in fp32
+    (`fp8._round_e4m3`'s arithmetic: the interpreter's own cast mis-rounds at binade
+    edges; on the GPU the hardware cast is exact and this is not used)."""
+    bits = v.to(tl.int32, bitcast=True)
+    normal = ((bits + 0x7FFFF + ((bits >> 20) & 1)) & -0x100000).to(tl.float32, bitcast=True)
+    subnormal = (v + 24576.0) - 24576.0
+    return tl.where(tl.abs(v) < 0.015625, subnormal, normal)
+
+
+@triton.jit
+def _codes(v, EXACT: tl.constexpr):
+    """fp32 x times 448 / amax -> its e4m3 codes (clamped; nearest, ties to even)."""
+    v = tl.clamp(v, -448.0, 448.0)
+    if EXACT:
+        v = _round_e4m3(v)
+    return v.to(tl.float8e4nv)
+
+
+@triton.jit
+def _w8a8_gemv_kernel(x_ptr, w_ptr, s_ptr, ws_ptr, M, N, stride_xm, stride_wn, stride_sn,
+                      stride_ws, STEPS, SPLIT_STEPS, BM: tl.constexpr, BN: tl.constexpr,
+                      BLOCK_SCALES: tl.constexpr, SCALE_ROWS: tl.constexpr,
+                      ONE_ROW: tl.constexpr, EXACT: tl.constexpr, PDL: tl.constexpr):
+    """Program (pid 0: BN weight rows; pid 1: SPLIT_STEPS groups of K): the partial
+    sums of its rows and groups for x's M rows (padded to BM for the MMA) into
+    ws[pid 1]. ONE_ROW (M == 1): x's row quantized once a step, not BM padded rows."""
+    pid_k = tl.program_id(1)
+    lo = pid_k * SPLIT_STEPS
+    hi = tl.minimum(STEPS, lo + SPLIT_STEPS)
+    offs_n = tl.program_id(0) * BN + tl.arange(0, BN)
+    rows = tl.minimum(offs_n, N - 1).to(tl.int64)  # clamped: loads need no row mask
+    offs_m = tl.arange(0, BM)
+    offs_k = tl.arange(0, 128)
+    w_ptrs = w_ptr + rows[:, None] * stride_wn + offs_k[None, :]
+    x_ptrs = x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :]
+    m_ok = offs_m[:, None] < M
+    s_rows = s_ptr + (rows // SCALE_ROWS) * stride_sn
+    # Waits first: the loop is software-pipelined over num_stages weight tiles.
+    pdl_wait(PDL)
+    pdl_trigger(PDL)
+    acc = tl.zeros([BN, BM], dtype=tl.float32)
+    for step in range(lo, hi):
+        k = step * 128
+        w = tl.load(w_ptrs + k)
+        if ONE_ROW:  # one row's codes broadcast to the MMA's BM columns
+            xv = tl.load(x_ptr + k + offs_k).to(tl.float32)
+            amax = tl.maximum(tl.max(tl.abs(xv), axis=0), 1e-12)
+            xq = _codes(xv * tl.div_rn(448.0, amax), EXACT)
+            xt = tl.broadcast_to(xq[:, None], (128, BM))
+            d = tl.dot(w, xt) * tl.div_rn(amax, 448.0)
+        else:
+            xv = tl.load(x_ptrs + k, mask=m_ok, other=0.0).to(tl.float32)
+            amax = tl.maximum(tl.max(tl.abs(xv), axis=1), 1e-12)
+            xq = _codes(xv * tl.div_rn(448.0, amax)[:, None], EXACT)
+            d = tl.dot(w, tl.trans(xq)) * tl.div_rn(amax, 448.0)[None, :]
+        if BLOCK_SCALES:
+            d *= tl.load(s_rows + step)[:, None]
+        acc += d
+    if not BLOCK_SCALES:
+        acc *= tl.load(s_ptr + rows)[:, None]
+    out = ws_ptr + pid_k.to(tl.int64) * stride_ws + offs_m[None, :] * N + offs_n[:, None]
+    tl.store(out, acc, mask=(offs_m[None, :] < M) & (offs_n[:, None] < N))
