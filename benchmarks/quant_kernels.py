@@ -437,9 +437,9 @@ def w8a8_sweep(rows: list[int], out_json: str | None) -> None:
                       f"{t_route / t:.2f}x route")
             if ranked:
                 best[f"{m},{n},{k}"] = ranked[0][1]
-    if out_json:
-        with open(out_json, "w") as f:
-            json.dump(best, f)
+            if out_json:  # after each shape: a cut-off run keeps what it measured
+                with open(out_json, "w") as f:
+                    json.dump(best, f)
 
 
 def main() -> None:
