@@ -845,10 +845,10 @@ def test_w8a8_gemv_silu_mul_and_routing(m, block, monkeypatch):
 
 
 def test_w8a8_gemv_refuses_what_it_cannot_take():
-    assert not W8.takes(256, 200, 0, 1, 1)  # K not whole groups
-    assert not W8.takes(256, 256, 64, 64, 1)  # blocks of 64 features
-    assert not W8.takes(256, 256, 0, 1, 33)  # rows past the MMA's 32 columns
-    assert W8.takes(200, 256, 128, 128, 32)
+    assert not W8.takes(200, 0, 1)  # K not whole groups
+    assert not W8.takes(256, 64, 1)  # blocks of 64 features
+    assert not W8.takes(256, 0, 33)  # rows past the MMA's 32 columns
+    assert W8.takes(256, 128, 32)
 
 
 @needs_cuda

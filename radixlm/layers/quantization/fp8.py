@@ -145,12 +145,13 @@ def with_tensor_cores(w: Fp8Weight) -> Fp8Weight:
     where the layer fits that kernel (`fp8_mma.takes`: per-row or 128-feature
     block scales, whole tiles; "mma-plain" also rows 16-byte aligned): its
     weight a second time in MMA fragment order ("mma"), or the weight itself
-    ("mma-plain"); else `w`."""
+    ("mma-plain"); "w8a8": marked for `fp8_w8a8_gemv` where activations are
+    dynamic and the scales fit (`fp8_w8a8_gemv.takes`); else `w`."""
     n, k = w.weight.shape
     mode = mma_mode()
     if mode == "w8a8":
         dynamic = w.input_scale is None and not w.weight_only
-        fits = dynamic and _w8a8.takes(n, k, w.block_k, w.scale_rows, 1)
+        fits = dynamic and _w8a8.takes(k, w.block_k, 1)
         return dataclasses.replace(w, w8a8_gemv=True) if fits and w.weight.is_cuda else w
     if not (mode and w.weight.is_cuda
             and _mma.takes(n, k, w.block_k, torch.bfloat16, w.scale_rows)):

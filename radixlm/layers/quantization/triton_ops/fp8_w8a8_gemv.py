@@ -66,10 +66,10 @@ def pick_config(n: int, k: int) -> W8A8Config:
     return W8A8Config(128, 4, 4, split)
 
 
-def takes(n: int, k: int, block_k: int, scale_rows: int, rows: int) -> bool:
-    """Whether this GEMV takes the layer: whole groups of K, per-row scales or
+def takes(k: int, block_k: int, rows: int) -> bool:
+    """Whether this GEMV takes the product: whole groups of K, per-row scales or
     blocks of 128 features (any rows a block), 1 to MAX_ROWS rows."""
-    return k % GROUP == 0 and block_k in (0, GROUP) and 1 <= rows <= MAX_ROWS and n >= 1
+    return k % GROUP == 0 and block_k in (0, GROUP) and 1 <= rows <= MAX_ROWS
 
 
 def fp8_gemv_w8a8(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor,
@@ -81,7 +81,7 @@ def fp8_gemv_w8a8(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor,
     [N / scale_rows, K / 128]: [M, N] in x's dtype (`silu_mul`: [M, N / 2])."""
     m, k = x.shape
     n = weight.shape[0]
-    assert takes(n, k, block_k, scale_rows, m), (m, n, k, block_k)
+    assert takes(k, block_k, m), (m, k, block_k)
     assert x.stride(1) == 1 and weight.stride(1) == 1 and weight.shape[1] == k
     assert scales.dtype == torch.float32
     cfg = config or pick_config(n, k)
