@@ -821,15 +821,16 @@ def test_w8a8_gemv_tiles_and_splits(cfg, m):
     for n, k in ((100, 384), (64, 640)):
         w = fp8_weight(n, k, None, seed=n)
         x = randn(m, k, seed=k, dtype=dtype)
-        out = W8.fp8_gemv_w8a8(x, w.weight, w.scales, config=cfg)
-        check(out, w8a8_reference(x, w), dtype, k, fp8_mma=True)
+        bias = randn(n, seed=3, dtype=dtype)
+        out = W8.fp8_gemv_w8a8(x, w.weight, w.scales, bias=bias, config=cfg)
+        check(out, w8a8_reference(x, w) + bias.double(), dtype, k, fp8_mma=True)
 
 
 @pytest.mark.parametrize("m", [1, 3])
 @pytest.mark.parametrize("block", [None, (128, 128)])
 def test_w8a8_gemv_silu_mul_and_routing(m, block, monkeypatch):
-    """silu(gate) * up from the split sums equals the activation applied to the
-    plain product's rounded outputs; `fp8_linear` routes 1-32 rows here when
+    """silu(gate) * up, in the kernel (one split) or from the split sums, equals the
+    activation applied to the plain product's rounded outputs; `fp8_linear` routes 1-32 rows here when
     asked, and rows past 32 to the W8A8 GEMM."""
     dtype = DTYPES[0]
     d, k = 128, 256
@@ -840,6 +841,9 @@ def test_w8a8_gemv_silu_mul_and_routing(m, block, monkeypatch):
     plain = F.fp8_linear(x, *args, w8a8_gemv=True)
     check_silu_mul(fused, plain)
     assert torch.equal(plain, W8.fp8_gemv_w8a8(x, w.weight, w.scales, w.block_k, w.scale_rows))
+    split = W8.W8A8Config(64, 4, 2, 2)  # the activation in the split sums' launch
+    check_silu_mul(W8.fp8_gemv_w8a8(x, w.weight, w.scales, w.block_k, w.scale_rows,
+                                    config=split, silu_mul=True), plain)
     many = randn(40, k, seed=6, dtype=dtype)
     assert F.fp8_linear(many, *args, silu_mul=True, w8a8_gemv=True) is None
 

@@ -21,9 +21,11 @@ Per-row weight scales multiply once at the end. Against x in bf16 the codes
 add a relative error of at most 2^-4 per feature (e4m3's 3 mantissa bits), the
 error every W8A8 engine accepts.
 
-Programs: (BN weight rows, a run of whole groups of K); each writes fp32
-partial sums [split, M, N] and `int4.sum_splits` adds them in split order with
-the bias and the SiLU-and-mul, as the tensor-core GEMVs do. No host sync and
+Programs: (BN weight rows, a run of whole groups of K). With K in one run a
+program writes its outputs (bias and SiLU-and-mul included: a gate row's up row
+is summed in the same program); split, each writes fp32 partial sums [split,
+M, N] and `int4.sum_splits` adds them in split order with the bias and the
+SiLU-and-mul, as the tensor-core GEMVs do. No host sync and
 no allocation but the sums and the output: CUDA graphs capture it.
 """
 
@@ -36,6 +38,7 @@ import triton
 import triton.language as tl
 
 from radixlm.layers import pdl
+from radixlm.layers.gemv import _silu_mul
 from radixlm.layers.pdl import pdl_trigger, pdl_wait
 from radixlm.layers.quantization.triton_ops.int4 import sum_splits
 from radixlm.layers.quantization.triton_ops.mma_gemv import output, splits
@@ -86,15 +89,21 @@ def fp8_gemv_w8a8(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor,
     assert scales.dtype == torch.float32
     cfg = config or pick_config(n, k)
     per, split = splits(k // GROUP, cfg.split)
-    ws = torch.empty((split, m, n), device=x.device, dtype=torch.float32)
-    y = output(x, n // 2 if silu_mul else n, out)
-    _w8a8_gemv_kernel[(triton.cdiv(n, cfg.bn), split)](
-        x, weight, scales, ws, m, n, x.stride(0), weight.stride(0),
-        scales.stride(0) if block_k else 0, ws.stride(0), k // GROUP, per,
-        BM=16 if m <= 16 else 32, BN=cfg.bn, BLOCK_SCALES=block_k > 0, SCALE_ROWS=scale_rows,
-        ONE_ROW=m == 1, EXACT=not x.is_cuda, num_warps=cfg.warps, num_stages=cfg.stages,
-        **pdl.launch_args())
-    return sum_splits(ws, bias, y, silu_mul)
+    n_out = n // 2 if silu_mul else n
+    y = output(x, n_out, out)
+    # One split: the program writes y itself (bias, SiLU-and-mul: its gate rows'
+    # up rows alongside); more: fp32 partial sums and `sum_splits`.
+    direct = split == 1
+    ws = y if direct else torch.empty((split, m, n), device=x.device, dtype=torch.float32)
+    rows = n_out if direct else n
+    _w8a8_gemv_kernel[(triton.cdiv(rows, cfg.bn), split)](
+        x, weight, scales, bias if bias is not None else scales, ws, m, rows, x.stride(0),
+        weight.stride(0), scales.stride(0) if block_k else 0, ws.stride(0) if split > 1 else 0,
+        k // GROUP, per, BM=16 if m <= 16 else 32, BN=cfg.bn, BLOCK_SCALES=block_k > 0,
+        SCALE_ROWS=scale_rows, ONE_ROW=m == 1, DIRECT=direct, SILU_MUL=direct and silu_mul,
+        HAS_BIAS=direct and bias is not None, EXACT=not x.is_cuda, num_warps=cfg.warps,
+        num_stages=cfg.stages, **pdl.launch_args())
+    return y if direct else sum_splits(ws, bias, y, silu_mul)
 
 
 def quantize_groups(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -148,13 +157,35 @@ def _codes(v, EXACT: tl.constexpr):
 
 
 @triton.jit
-def _w8a8_gemv_kernel(x_ptr, w_ptr, s_ptr, ws_ptr, M, N, stride_xm, stride_wn, stride_sn,
-                      stride_ws, STEPS, SPLIT_STEPS, BM: tl.constexpr, BN: tl.constexpr,
-                      BLOCK_SCALES: tl.constexpr, SCALE_ROWS: tl.constexpr,
-                      ONE_ROW: tl.constexpr, EXACT: tl.constexpr, PDL: tl.constexpr):
-    """Program (pid 0: BN weight rows; pid 1: SPLIT_STEPS groups of K): the partial
-    sums of its rows and groups for x's M rows (padded to BM for the MMA) into
-    ws[pid 1]. ONE_ROW (M == 1): x's row quantized once a step, not BM padded rows."""
+def _group_codes(x_ptr, x_ptrs, k, offs_k, m_ok, BM: tl.constexpr, ONE_ROW: tl.constexpr,
+                 EXACT: tl.constexpr):
+    """x's group of 128 features at k as the MMA's B operand: (codes [128, BM] e4m3,
+    scales [1, BM] for x's rows). ONE_ROW: the row's codes made once and
+    broadcast to the BM columns, not BM padded rows quantized."""
+    if ONE_ROW:
+        xv = tl.load(x_ptr + k + offs_k).to(tl.float32)
+        amax = tl.maximum(tl.max(tl.abs(xv), axis=0), 1e-12)
+        xq = _codes(xv * tl.div_rn(448.0, amax), EXACT)
+        scale = tl.full([1, BM], 0.0, tl.float32) + tl.div_rn(amax, 448.0)
+        return tl.broadcast_to(xq[:, None], (128, BM)), scale
+    xv = tl.load(x_ptrs + k, mask=m_ok, other=0.0).to(tl.float32)
+    amax = tl.maximum(tl.max(tl.abs(xv), axis=1), 1e-12)
+    xq = _codes(xv * tl.div_rn(448.0, amax)[:, None], EXACT)
+    return tl.trans(xq), tl.div_rn(amax, 448.0)[None, :]
+
+
+@triton.jit
+def _w8a8_gemv_kernel(x_ptr, w_ptr, s_ptr, b_ptr, out_ptr, M, N, stride_xm, stride_wn,
+                      stride_sn, stride_out, STEPS, SPLIT_STEPS, BM: tl.constexpr,
+                      BN: tl.constexpr, BLOCK_SCALES: tl.constexpr, SCALE_ROWS: tl.constexpr,
+                      ONE_ROW: tl.constexpr, DIRECT: tl.constexpr, SILU_MUL: tl.constexpr,
+                      HAS_BIAS: tl.constexpr, EXACT: tl.constexpr, PDL: tl.constexpr):
+    """Program (pid 0: BN of the N output rows; pid 1: SPLIT_STEPS groups of K):
+    its rows' sums over its groups for x's M rows (padded to BM for the MMA), into
+    out [M, N] in its dtype with the bias (DIRECT: one split), else as fp32 partial
+    sums at out + pid 1 * stride_out. SILU_MUL (DIRECT): N is half the weight's
+    rows; each output row's up row, N further, is summed alongside and
+    silu(gate) * up stored."""
     pid_k = tl.program_id(1)
     lo = pid_k * SPLIT_STEPS
     hi = tl.minimum(STEPS, lo + SPLIT_STEPS)
@@ -163,31 +194,40 @@ def _w8a8_gemv_kernel(x_ptr, w_ptr, s_ptr, ws_ptr, M, N, stride_xm, stride_wn, s
     offs_m = tl.arange(0, BM)
     offs_k = tl.arange(0, 128)
     w_ptrs = w_ptr + rows[:, None] * stride_wn + offs_k[None, :]
+    up_ptrs = w_ptrs + N * stride_wn  # SILU_MUL: the up rows
     x_ptrs = x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :]
     m_ok = offs_m[:, None] < M
     s_rows = s_ptr + (rows // SCALE_ROWS) * stride_sn
+    s_rows_up = s_ptr + ((rows + N) // SCALE_ROWS) * stride_sn
     # Waits first: the loop is software-pipelined over num_stages weight tiles.
     pdl_wait(PDL)
     pdl_trigger(PDL)
     acc = tl.zeros([BN, BM], dtype=tl.float32)
+    acc_up = tl.zeros([BN, BM], dtype=tl.float32)
     for step in range(lo, hi):
         k = step * 128
         w = tl.load(w_ptrs + k)
-        if ONE_ROW:  # one row's codes broadcast to the MMA's BM columns
-            xv = tl.load(x_ptr + k + offs_k).to(tl.float32)
-            amax = tl.maximum(tl.max(tl.abs(xv), axis=0), 1e-12)
-            xq = _codes(xv * tl.div_rn(448.0, amax), EXACT)
-            xt = tl.broadcast_to(xq[:, None], (128, BM))
-            d = tl.dot(w, xt) * tl.div_rn(amax, 448.0)
-        else:
-            xv = tl.load(x_ptrs + k, mask=m_ok, other=0.0).to(tl.float32)
-            amax = tl.maximum(tl.max(tl.abs(xv), axis=1), 1e-12)
-            xq = _codes(xv * tl.div_rn(448.0, amax)[:, None], EXACT)
-            d = tl.dot(w, tl.trans(xq)) * tl.div_rn(amax, 448.0)[None, :]
+        xt, xs = _group_codes(x_ptr, x_ptrs, k, offs_k, m_ok, BM, ONE_ROW, EXACT)
+        d = tl.dot(w, xt) * xs
         if BLOCK_SCALES:
             d *= tl.load(s_rows + step)[:, None]
         acc += d
+        if SILU_MUL:
+            d = tl.dot(tl.load(up_ptrs + k), xt) * xs
+            if BLOCK_SCALES:
+                d *= tl.load(s_rows_up + step)[:, None]
+            acc_up += d
     if not BLOCK_SCALES:
         acc *= tl.load(s_ptr + rows)[:, None]
-    out = ws_ptr + pid_k.to(tl.int64) * stride_ws + offs_m[None, :] * N + offs_n[:, None]
-    tl.store(out, acc, mask=(offs_m[None, :] < M) & (offs_n[:, None] < N))
+        if SILU_MUL:
+            acc_up *= tl.load(s_ptr + rows + N)[:, None]
+    out = out_ptr + pid_k.to(tl.int64) * stride_out + offs_m[None, :] * N + offs_n[:, None]
+    ok = (offs_m[None, :] < M) & (offs_n[:, None] < N)
+    if DIRECT:
+        if HAS_BIAS:
+            acc += tl.load(b_ptr + rows).to(tl.float32)[:, None]
+        if SILU_MUL:
+            acc = _silu_mul(acc, acc_up, out_ptr.dtype.element_ty)
+        tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=ok)
+    else:
+        tl.store(out, acc, mask=ok)
