@@ -22,6 +22,7 @@ from radixlm.layers.moe.triton_ops import moe_gemv as MG
 from radixlm.layers.moe.triton_ops import topk as TK
 from radixlm.layers.quantization.triton_ops import fp8 as F8
 from radixlm.layers.quantization.triton_ops import fp8_mma as F8M
+from radixlm.layers.quantization.triton_ops import fp8_w8a8_gemv as W8
 from radixlm.layers.quantization.triton_ops import int4 as I4
 from radixlm.layers.quantization.triton_ops import int4_mma as I4M
 from radixlm.layers.quantization.triton_ops import mma_gemv as MMA
@@ -80,6 +81,10 @@ def kernels():
     yield ("FP8 GEMV, 2-8 rows", F8._fp8_gemv_mma_kernel, fp8, (),
            dict(BM=16, BN=64, BK=128, BLOCK_K=128, SCALE_ROWS=128, HAS_BIAS=False,
                 EVEN_K=True, SILU_MUL=False, PDL=True), 4)
+    w8a8 = {"x_ptr": b16, "w_ptr": "*fp8e4nv", "s_ptr": f32, "b_ptr": b16, "out_ptr": b16}
+    yield ("FP8 W8A8 GEMV, one row, gate/up", W8._w8a8_gemv_kernel, w8a8, (),
+           dict(BM=16, BN=64, BLOCK_SCALES=False, SCALE_ROWS=1, ONE_ROW=True, DIRECT=True,
+                SILU_MUL=True, HAS_BIAS=False, EXACT=False, PDL=True), 4)
     int4 = {"x_ptr": b16, "qw_ptr": i32, "z_ptr": i32, "s_ptr": b16, "g_ptr": i32,
             "b_ptr": b16, "y_ptr": b16, "ws_ptr": f32}
     yield ("int4 GEMV, split K", I4._int4_gemv_kernel, int4, (),

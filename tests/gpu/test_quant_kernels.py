@@ -828,10 +828,10 @@ def test_w8a8_gemv_tiles_and_splits(cfg, m):
 
 @pytest.mark.parametrize("m", [1, 3])
 @pytest.mark.parametrize("block", [None, (128, 128)])
-def test_w8a8_gemv_silu_mul_and_routing(m, block, monkeypatch):
-    """silu(gate) * up, in the kernel (one split) or from the split sums, equals the
-    activation applied to the plain product's rounded outputs; `fp8_linear` routes 1-32 rows here when
-    asked, and rows past 32 to the W8A8 GEMM."""
+def test_w8a8_gemv_silu_mul_and_routing(m, block):
+    """silu(gate) * up, in the kernel (one split) or from the split sums, equals
+    the activation applied to the plain product's rounded outputs; `fp8_linear`
+    routes 1-32 rows here when asked, and rows past 32 to the W8A8 GEMM."""
     dtype = DTYPES[0]
     d, k = 128, 256
     w = fp8_weight(2 * d, k, block, [d, d] if block else None, seed=4)
