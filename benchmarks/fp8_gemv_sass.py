@@ -5,7 +5,9 @@ counted before device time is spent on it. Compiled with the launch's divisibili
 N, K and the row stride multiples of 16, as every Llama shape is); per tile,
 with 16-byte weight vectors and with 8-byte ones (`GemvConfig.vec8`): the
 loop's instructions per weight and its barriers and shared-memory traffic; then
-the tensor-core GEMV (`fp8_mma.py`) per configuration.
+the tensor-core GEMV (`fp8_mma.py`) per configuration; then the W8A8 GEMV
+(`fp8_w8a8_gemv.py`), whose weights go from shared memory into the e4m3 MMA
+without passing through registers, per tile.
 
     python benchmarks/fp8_gemv_sass.py
 
@@ -22,6 +24,7 @@ from sass import divisibility, main_loop, mma_gemv_loop, opcode_counts, signatur
 
 from radixlm.layers.quantization.triton_ops import fp8 as F8
 from radixlm.layers.quantization.triton_ops import fp8_mma as F8M
+from radixlm.layers.quantization.triton_ops import fp8_w8a8_gemv as W8
 
 KERNEL = F8._fp8_gemv_fma_kernel
 SIGNATURE = signature(KERNEL, {"x_ptr": "*bf16", "w_ptr": "*fp8e4nv", "s_ptr": "*fp32",
@@ -69,6 +72,28 @@ def main_mma() -> None:
               f"{ops['LDS']:>5}{ops['STS']:>5}{ops['LDG']:>5}")
 
 
+def main_w8a8() -> None:
+    """The W8A8 GEMV at one row (its ONE_ROW path) and at 16 rows, per tile; a
+    step is 128 features of BN rows. Its weights never pass through registers, so
+    "/weight" counts what the loop spends on x, scales and addresses per weight."""
+    kernel = W8._w8a8_gemv_kernel
+    sig = signature(kernel, {"x_ptr": "*bf16", "w_ptr": "*fp8e4nv", "s_ptr": "*fp32",
+                             "b_ptr": "*bf16", "out_ptr": "*fp32"})
+    hints = divisibility(kernel, {"x_ptr", "w_ptr", "s_ptr", "out_ptr", "stride_xm",
+                                  "stride_wn", "N"})
+    print("\nthe W8A8 GEMV's loop (a step: 128 features of BN rows)")
+    for one_row in (True, False):
+        for bn, warps, stages in [(64, 4, 4), (128, 4, 4), (128, 8, 4), (256, 8, 4)]:
+            consts = dict(BM=16, BN=bn, BLOCK_SCALES=False, SCALE_ROWS=1, ONE_ROW=one_row,
+                          DIRECT=False, SILU_MUL=False, HAS_BIAS=False, EXACT=False, PDL=True)
+            body = main_loop(sm90_sass(kernel, sig, consts, warps, stages, hints))
+            ops = opcode_counts(body)
+            name = f"{bn} rows, {warps} warps" + (", one row" if one_row else ", 16 rows")
+            print(f"{name:<32}{len(body):>7}{len(body) / (bn * 128 / (32 * warps)):>9.2f}"
+                  f"{ops['BAR']:>5}{ops['LDS']:>5}{ops['STS']:>5}{ops['LDG']:>5}")
+
+
 if __name__ == "__main__":
     main()
     main_mma()
+    main_w8a8()
