@@ -46,6 +46,7 @@ from radixlm.layers import pdl, tiles
 from radixlm.layers.gemv import _load_w, _load_x, _silu_mul
 from radixlm.layers.pdl import pdl_trigger, pdl_wait
 from radixlm.layers.quantization.triton_ops import fp8_mma, fp8_w8a8_gemv
+from radixlm.layers.quantization.triton_ops.e4m3 import round_e4m3
 from radixlm.layers.quantization.triton_ops.mma_gemv import rows_fit
 from radixlm.layers.tiles import grouped_tile
 
@@ -357,7 +358,7 @@ def _quant_rows_kernel(x_ptr, q_ptr, s_ptr, K, stride_xm, stride_qm, stride_sm,
     for i in range(STEPS):
         k = i * BLOCK + offs
         v = tl.load(x_row + k, mask=k < K, other=0.0).to(tl.float32)
-        q = _round_e4m3(tl.clamp(tl.div_rn(v, s), -448.0, 448.0))
+        q = round_e4m3(tl.clamp(tl.div_rn(v, s), -448.0, 448.0))
         tl.store(q_ptr + m * stride_qm + k, q.to(q_ptr.dtype.element_ty), mask=k < K)
 
 
@@ -372,20 +373,8 @@ def _quant_groups_kernel(x_ptr, q_ptr, s_ptr, K, NUM_GROUPS, stride_xm, stride_q
     v = tl.load(x_ptr + m * stride_xm + k, mask=ok, other=0.0).to(tl.float32)
     s = tl.div_rn(tl.maximum(tl.max(tl.abs(v), 1), 1e-12), 448.0)
     tl.store(s_ptr + m * stride_sm + g, s, mask=g < NUM_GROUPS)
-    q = _round_e4m3(tl.clamp(tl.div_rn(v, s[:, None]), -448.0, 448.0))
+    q = round_e4m3(tl.clamp(tl.div_rn(v, s[:, None]), -448.0, 448.0))
     tl.store(q_ptr + m * stride_qm + k, q.to(q_ptr.dtype.element_ty), mask=ok)
-
-
-@triton.jit
-def _round_e4m3(v):
-    """v (fp32, |v| <= 448) rounded to the nearest e4m3 value, ties to even, still in
-    fp32, so that the cast to FP8 is exact on every backend (the Triton interpreter's
-    own cast mis-rounds at binade edges). Normal range: round fp32's mantissa to 3
-    bits (a carry moves into the exponent); below 2^-6 the fixed step 2^-9."""
-    bits = v.to(tl.int32, bitcast=True)
-    normal = ((bits + 0x7FFFF + ((bits >> 20) & 1)) & -0x100000).to(tl.float32, bitcast=True)
-    subnormal = (v + 24576.0) - 24576.0  # fp32's step in [2^14, 2^15) is 2^-9
-    return tl.where(tl.abs(v) < 0.015625, subnormal, normal)
 
 
 @triton.jit

@@ -40,6 +40,7 @@ import triton.language as tl
 from radixlm.layers import pdl
 from radixlm.layers.gemv import _silu_mul
 from radixlm.layers.pdl import pdl_trigger, pdl_wait
+from radixlm.layers.quantization.triton_ops.e4m3 import round_e4m3
 from radixlm.layers.quantization.triton_ops.int4 import sum_splits
 from radixlm.layers.quantization.triton_ops.mma_gemv import output, splits
 
@@ -137,22 +138,11 @@ def reference(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, block
 
 
 @triton.jit
-def _round_e4m3(v):
-    """fp32 v (|v| <= 448) rounded to the nearest e4m3 value, ties to even, in fp32
-    (`fp8._round_e4m3`'s arithmetic: the interpreter's own cast mis-rounds at binade
-    edges; on the GPU the hardware cast is exact and this is not used)."""
-    bits = v.to(tl.int32, bitcast=True)
-    normal = ((bits + 0x7FFFF + ((bits >> 20) & 1)) & -0x100000).to(tl.float32, bitcast=True)
-    subnormal = (v + 24576.0) - 24576.0
-    return tl.where(tl.abs(v) < 0.015625, subnormal, normal)
-
-
-@triton.jit
 def _codes(v, EXACT: tl.constexpr):
     """fp32 x times 448 / amax -> its e4m3 codes (clamped; nearest, ties to even)."""
     v = tl.clamp(v, -448.0, 448.0)
     if EXACT:
-        v = _round_e4m3(v)
+        v = round_e4m3(v)
     return v.to(tl.float8e4nv)
 
 
