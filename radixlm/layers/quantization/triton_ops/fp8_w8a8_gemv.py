@@ -2,8 +2,9 @@
 
 Why: the other FP8 GEMVs (`fp8.py`'s FMA one, `fp8_mma.py`'s tensor-core one)
 keep x in bf16, so every weight byte is widened in registers first: 2.2-3.6
-SASS instructions a weight, and on an H100 they read at 76-78 % of the copy
-rate where the bf16 GEMV, at one instruction a byte, reads at ~95 %. Here the
+SASS instructions a weight. On an H100 the tensor-core one streams Llama-8B's
+products at 1.9-2.6 TB/s where the bf16 GEMV, at about one instruction a
+byte, streams the same products at 2.6-3.1 (BENCHMARKS.md, 2026-12-05). Here the
 weight tile goes from memory through shared memory into the e4m3 MMA as it
 is; only x is converted, once per step for all of the program's rows. That is
 the arithmetic vLLM and SGLang run FP8 checkpoints with at every batch size
@@ -25,8 +26,9 @@ Programs: (BN weight rows, a run of whole groups of K). With K in one run a
 program writes its outputs (bias and SiLU-and-mul included: a gate row's up row
 is summed in the same program); split, each writes fp32 partial sums [split,
 M, N] and `int4.sum_splits` adds them in split order with the bias and the
-SiLU-and-mul, as the tensor-core GEMVs do. No host sync and
-no allocation but the sums and the output: CUDA graphs capture it.
+SiLU-and-mul, as the tensor-core GEMVs do. No host sync and no allocation but
+the sums and the output: CUDA graphs capture it. Opt-in
+(`$RADIXLM_FP8_GEMV=w8a8`) until measured on a GPU.
 """
 
 from __future__ import annotations
