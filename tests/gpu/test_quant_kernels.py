@@ -780,7 +780,12 @@ W8A8_TILES = [W8.W8A8Config(64, 4, 2, 1), W8.W8A8Config(64, 4, 3, 2),
 
 
 def w8a8_reference(x: torch.Tensor, w: Fp8Weight) -> torch.Tensor:
-    return W8.reference(x, w.weight, w.scales, w.block_k, w.scale_rows)
+    """What the W8A8 GEMV computes, in float64 (before bias and dtype): x's group
+    codes times their scales, times the dequantized weight."""
+    m, k = x.shape
+    q, s = W8.quantize_groups(x)
+    xd = q.double().reshape(m, k // W8.GROUP, W8.GROUP) * s.double()[..., None]
+    return xd.reshape(m, k) @ w.dequantize().double().T
 
 
 def test_w8a8_gemv_codes_are_the_gemm_paths_group_codes():

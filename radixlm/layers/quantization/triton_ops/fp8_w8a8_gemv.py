@@ -11,7 +11,7 @@ the arithmetic vLLM and SGLang run FP8 checkpoints with at every batch size
 (dynamic per-token activation scales; per token and group for block weights),
 so it is the same scheme our W8A8 GEMM already runs above the GEMV's rows.
 
-Scheme (`reference` spells it in torch): x's features in groups of 128, per
+Scheme (`quantize_groups` spells the codes in torch): x's features in groups of 128, per
 row and group amax = max(max |x|, 1e-12), codes q = e4m3(clamp(x * (448 /
 amax), +-448)) rounded to nearest even, scale amax / 448. Each step of the loop
 is one group: the [BN, 128] weight tile times the [128, rows] codes on the
@@ -121,22 +121,6 @@ def quantize_groups(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     top = torch.full_like(amax, FP8_MAX)
     q = (g * (top / amax)[..., None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
     return q.reshape(m, k), amax / top
-
-
-def reference(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, block_k: int = 0,
-              scale_rows: int = 1) -> torch.Tensor:
-    """What `fp8_gemv_w8a8` computes, in float64: [M, N] (before bias and dtype)."""
-    m, k = x.shape
-    n = weight.shape[0]
-    q, s = quantize_groups(x)
-    xd = (q.double().reshape(m, k // GROUP, GROUP) * s.double()[..., None]).reshape(m, k)
-    w = weight.double()
-    if block_k:
-        table = scales.double().repeat_interleave(scale_rows, 0)[:n]
-        w = w * table.repeat_interleave(block_k, 1)[:, :k]
-    else:
-        w = w * scales.double()[:, None]
-    return xd @ w.T
 
 
 @triton.jit
