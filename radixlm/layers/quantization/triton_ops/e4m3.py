@@ -11,6 +11,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+FP8_MAX = 448.0  # the largest e4m3 value (torch.finfo(torch.float8_e4m3fn).max)
+
 
 @triton.jit
 def round_e4m3(v):

@@ -51,7 +51,6 @@ from radixlm.layers.quantization.triton_ops.mma_gemv import rows_fit
 from radixlm.layers.tiles import grouped_tile
 
 FP8 = torch.float8_e4m3fn
-FP8_MAX = 448.0
 MAX_GEMV_ROWS = 8
 
 

@@ -42,13 +42,12 @@ import triton.language as tl
 from radixlm.layers import pdl
 from radixlm.layers.gemv import _silu_mul
 from radixlm.layers.pdl import pdl_trigger, pdl_wait
-from radixlm.layers.quantization.triton_ops.e4m3 import round_e4m3
+from radixlm.layers.quantization.triton_ops.e4m3 import FP8_MAX, round_e4m3
 from radixlm.layers.quantization.triton_ops.int4 import sum_splits
 from radixlm.layers.quantization.triton_ops.mma_gemv import output, splits
 
 GROUP = 128  # features a step, one activation scale per row and group
 MAX_ROWS = 32
-FP8_MAX = 448.0
 
 
 class W8A8Config(NamedTuple):
