@@ -96,16 +96,16 @@ def fp8_gemv_w8a8(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor,
     # One split: the program writes y itself (bias, SiLU-and-mul: its gate rows'
     # up rows alongside); more: fp32 partial sums and `sum_splits`.
     direct = split == 1
-    ws = y if direct else torch.empty((split, m, n), device=x.device, dtype=torch.float32)
+    dest = y if direct else torch.empty((split, m, n), device=x.device, dtype=torch.float32)
     rows = n_out if direct else n
     _w8a8_gemv_kernel[(triton.cdiv(rows, cfg.bn), split)](
-        x, weight, scales, bias if bias is not None else scales, ws, m, rows, x.stride(0),
-        weight.stride(0), scales.stride(0) if block_k else 0, ws.stride(0) if split > 1 else 0,
+        x, weight, scales, bias if bias is not None else scales, dest, m, rows, x.stride(0),
+        weight.stride(0), scales.stride(0) if block_k else 0, 0 if direct else dest.stride(0),
         k // GROUP, per, BM=16 if m <= 16 else 32, BN=cfg.bn, BLOCK_SCALES=block_k > 0,
         SCALE_ROWS=scale_rows, ONE_ROW=m == 1, DIRECT=direct, SILU_MUL=direct and silu_mul,
         HAS_BIAS=direct and bias is not None, EXACT=not x.is_cuda, num_warps=cfg.warps,
         num_stages=cfg.stages, **pdl.launch_args())
-    return y if direct else sum_splits(ws, bias, y, silu_mul)
+    return y if direct else sum_splits(dest, bias, y, silu_mul)
 
 
 def quantize_groups(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
