@@ -83,12 +83,16 @@ def main_w8a8() -> None:
                                   "stride_wn", "N"})
     print("\nthe W8A8 GEMV's loop (a step: 128 features of BN rows)")
     for one_row in (True, False):
-        for bn, warps, stages in [(64, 4, 4), (128, 4, 4), (128, 8, 4), (256, 8, 4)]:
+        for bn, warps, stages, ahead in [(64, 4, 4, False), (128, 4, 4, False),
+                                         (128, 8, 4, False), (256, 8, 4, False),
+                                         (128, 4, 4, True)]:
             consts = dict(BM=16, BN=bn, BLOCK_SCALES=False, SCALE_ROWS=1, ONE_ROW=one_row,
-                          DIRECT=False, SILU_MUL=False, HAS_BIAS=False, EXACT=False, PDL=True)
+                          DIRECT=False, SILU_MUL=False, HAS_BIAS=False, EXACT=False,
+                          X_AHEAD=ahead, PDL=True)
             body = main_loop(sm90_sass(kernel, sig, consts, warps, stages, hints))
             ops = opcode_counts(body)
-            name = f"{bn} rows, {warps} warps" + (", one row" if one_row else ", 16 rows")
+            name = (f"{bn} rows, {warps} warps" + (", one row" if one_row else ", 16 rows")
+                    + (", x ahead" if ahead else ""))
             print(f"{name:<32}{len(body):>7}{len(body) / (bn * 128 / (32 * warps)):>9.2f}"
                   f"{ops['BAR']:>5}{ops['LDS']:>5}{ops['STS']:>5}{ops['LDG']:>5}")
 

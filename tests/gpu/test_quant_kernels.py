@@ -776,7 +776,8 @@ W8A8_CASES = {  # name -> (n, k, block, parts)
     "block-fused-parts": (320, 256, (128, 128), [192, 64, 64]),
 }
 W8A8_TILES = [W8.W8A8Config(64, 4, 2, 1), W8.W8A8Config(64, 4, 3, 2),
-              W8.W8A8Config(128, 4, 2, 4), W8.W8A8Config(32, 2, 2, 2)]
+              W8.W8A8Config(128, 4, 2, 4), W8.W8A8Config(32, 2, 2, 2),
+              W8.W8A8Config(64, 4, 3, 2, x_ahead=True), W8.W8A8Config(64, 4, 2, 1, x_ahead=True)]
 
 
 def w8a8_reference(x: torch.Tensor, w: Fp8Weight) -> torch.Tensor:

@@ -55,9 +55,13 @@ class W8A8Config(NamedTuple):
     warps: int = 4
     stages: int = 4  # weight tiles in flight a program (Triton's pipeline)
     split: int = 4  # programs along K
+    # x's next group loaded a step ahead, so its trip to L2 overlaps this step's
+    # MMA (Triton's pipeline carries only the weight tiles, which feed the dot
+    # as loaded; x goes through the quantization first).
+    x_ahead: bool = False
 
     def label(self) -> str:
-        return "x".join(map(str, self))
+        return "x".join(map(str, self[:4])) + ("-xa" if self.x_ahead else "")
 
 
 def pick_config(n: int, k: int) -> W8A8Config:
@@ -103,7 +107,8 @@ def fp8_gemv_w8a8(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor,
         weight.stride(0), scales.stride(0) if block_k else 0, 0 if direct else dest.stride(0),
         k // GROUP, per, BM=16 if m <= 16 else 32, BN=cfg.bn, BLOCK_SCALES=block_k > 0,
         SCALE_ROWS=scale_rows, ONE_ROW=m == 1, DIRECT=direct, SILU_MUL=direct and silu_mul,
-        HAS_BIAS=direct and bias is not None, EXACT=not x.is_cuda, num_warps=cfg.warps,
+        HAS_BIAS=direct and bias is not None, EXACT=not x.is_cuda, X_AHEAD=cfg.x_ahead,
+        num_warps=cfg.warps,
         num_stages=cfg.stages, **pdl.launch_args())
     return y if direct else sum_splits(dest, bias, y, silu_mul)
 
@@ -132,21 +137,31 @@ def _codes(v, EXACT: tl.constexpr):
 
 
 @triton.jit
-def _group_codes(x_ptr, x_ptrs, k, offs_k, m_ok, BM: tl.constexpr, ONE_ROW: tl.constexpr,
-                 EXACT: tl.constexpr):
-    """x's group of 128 features at k as the MMA's B operand: (codes [128, BM] e4m3,
-    scales [1, BM] for x's rows). ONE_ROW: the row's codes made once and
-    broadcast to the BM columns, not BM padded rows quantized."""
+def _group(x_ptr, x_ptrs, k, offs_k, m_ok, ONE_ROW: tl.constexpr):
+    """x's group of 128 features at k: [128] of the one row, else [BM, 128]."""
     if ONE_ROW:
-        xv = tl.load(x_ptr + k + offs_k).to(tl.float32)
+        xv = tl.load(x_ptr + k + offs_k)
+    else:
+        xv = tl.load(x_ptrs + k, mask=m_ok, other=0.0)
+    return xv
+
+
+@triton.jit
+def _group_codes(xv, BM: tl.constexpr, ONE_ROW: tl.constexpr, EXACT: tl.constexpr):
+    """x's group (`_group`) as the MMA's B operand: (codes [128, BM] e4m3, scales
+    [1, BM] for x's rows). ONE_ROW: the row's codes made once and broadcast to
+    the BM columns, not BM padded rows quantized."""
+    xv = xv.to(tl.float32)
+    if ONE_ROW:
         amax = tl.maximum(tl.max(tl.abs(xv), axis=0), 1e-12)
         xq = _codes(xv * tl.div_rn(448.0, amax), EXACT)
         scale = tl.full([1, BM], 0.0, tl.float32) + tl.div_rn(amax, 448.0)
-        return tl.broadcast_to(xq[:, None], (128, BM)), scale
-    xv = tl.load(x_ptrs + k, mask=m_ok, other=0.0).to(tl.float32)
-    amax = tl.maximum(tl.max(tl.abs(xv), axis=1), 1e-12)
-    xq = _codes(xv * tl.div_rn(448.0, amax)[:, None], EXACT)
-    return tl.trans(xq), tl.div_rn(amax, 448.0)[None, :]
+        xt = tl.broadcast_to(xq[:, None], (128, BM))
+    else:
+        amax = tl.maximum(tl.max(tl.abs(xv), axis=1), 1e-12)
+        xt = tl.trans(_codes(xv * tl.div_rn(448.0, amax)[:, None], EXACT))
+        scale = tl.div_rn(amax, 448.0)[None, :]
+    return xt, scale
 
 
 @triton.jit
@@ -154,7 +169,8 @@ def _w8a8_gemv_kernel(x_ptr, w_ptr, s_ptr, b_ptr, out_ptr, M, N, stride_xm, stri
                       stride_sn, stride_out, STEPS, SPLIT_STEPS, BM: tl.constexpr,
                       BN: tl.constexpr, BLOCK_SCALES: tl.constexpr, SCALE_ROWS: tl.constexpr,
                       ONE_ROW: tl.constexpr, DIRECT: tl.constexpr, SILU_MUL: tl.constexpr,
-                      HAS_BIAS: tl.constexpr, EXACT: tl.constexpr, PDL: tl.constexpr):
+                      HAS_BIAS: tl.constexpr, EXACT: tl.constexpr, X_AHEAD: tl.constexpr,
+                      PDL: tl.constexpr):
     """Program (pid 0: BN of the N output rows; pid 1: SPLIT_STEPS groups of K):
     its rows' sums over its groups for x's M rows (padded to BM for the MMA), into
     out [M, N] in its dtype with the bias (DIRECT: one split), else as fp32 partial
@@ -179,10 +195,18 @@ def _w8a8_gemv_kernel(x_ptr, w_ptr, s_ptr, b_ptr, out_ptr, M, N, stride_xm, stri
     pdl_trigger(PDL)
     acc = tl.zeros([BN, BM], dtype=tl.float32)
     acc_up = tl.zeros([BN, BM], dtype=tl.float32)
+    if X_AHEAD:
+        xv = _group(x_ptr, x_ptrs, lo * 128, offs_k, m_ok, ONE_ROW)
     for step in range(lo, hi):
         k = step * 128
         w = tl.load(w_ptrs + k)
-        xt, xs = _group_codes(x_ptr, x_ptrs, k, offs_k, m_ok, BM, ONE_ROW, EXACT)
+        if X_AHEAD:  # the last step reloads its own group rather than read past hi
+            cur = xv
+            xv = _group(x_ptr, x_ptrs, tl.minimum(step + 1, hi - 1) * 128, offs_k, m_ok,
+                        ONE_ROW)
+        else:
+            cur = _group(x_ptr, x_ptrs, k, offs_k, m_ok, ONE_ROW)
+        xt, xs = _group_codes(cur, BM, ONE_ROW, EXACT)
         d = tl.dot(w, xt) * xs
         if BLOCK_SCALES:
             d *= tl.load(s_rows + step)[:, None]
