@@ -777,7 +777,8 @@ W8A8_CASES = {  # name -> (n, k, block, parts)
 }
 W8A8_TILES = [W8.W8A8Config(64, 4, 2, 1), W8.W8A8Config(64, 4, 3, 2),
               W8.W8A8Config(128, 4, 2, 4), W8.W8A8Config(32, 2, 2, 2),
-              W8.W8A8Config(64, 4, 3, 2, x_ahead=True), W8.W8A8Config(64, 4, 2, 1, x_ahead=True)]
+              W8.W8A8Config(64, 4, 3, 2, x_ahead=True), W8.W8A8Config(64, 4, 2, 1, x_ahead=True),
+              W8.W8A8Config(64, 4, 2, 2, x_ahead=True, one_row=False)]
 
 
 def w8a8_reference(x: torch.Tensor, w: Fp8Weight) -> torch.Tensor:

@@ -59,9 +59,14 @@ class W8A8Config(NamedTuple):
     # MMA (Triton's pipeline carries only the weight tiles, which feed the dot
     # as loaded; x goes through the quantization first).
     x_ahead: bool = False
+    # One row quantized once a step and broadcast to the MMA's 16 columns (6
+    # barriers a step in the sm_90 SASS: the amax crosses warps), or as the
+    # 2-32-row path does, the row and 15 zero rows (3 barriers, more instructions).
+    one_row: bool = True
 
     def label(self) -> str:
-        return "x".join(map(str, self[:4])) + ("-xa" if self.x_ahead else "")
+        return ("x".join(map(str, self[:4])) + ("-xa" if self.x_ahead else "")
+                + ("" if self.one_row else "-rows"))
 
 
 def pick_config(n: int, k: int) -> W8A8Config:
@@ -106,9 +111,9 @@ def fp8_gemv_w8a8(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor,
         x, weight, scales, bias if bias is not None else scales, dest, m, rows, x.stride(0),
         weight.stride(0), scales.stride(0) if block_k else 0, 0 if direct else dest.stride(0),
         k // GROUP, per, BM=16 if m <= 16 else 32, BN=cfg.bn, BLOCK_SCALES=block_k > 0,
-        SCALE_ROWS=scale_rows, ONE_ROW=m == 1, DIRECT=direct, SILU_MUL=direct and silu_mul,
-        HAS_BIAS=direct and bias is not None, EXACT=not x.is_cuda, X_AHEAD=cfg.x_ahead,
-        num_warps=cfg.warps,
+        SCALE_ROWS=scale_rows, ONE_ROW=m == 1 and cfg.one_row, DIRECT=direct,
+        SILU_MUL=direct and silu_mul, HAS_BIAS=direct and bias is not None,
+        EXACT=not x.is_cuda, X_AHEAD=cfg.x_ahead, num_warps=cfg.warps,
         num_stages=cfg.stages, **pdl.launch_args())
     return y if direct else sum_splits(dest, bias, y, silu_mul)
 
