@@ -395,10 +395,7 @@ def int4_gemm_sweep(rows: list[int]) -> None:
 W8A8_CANDIDATES = [W8.W8A8Config(*c) for c in
                    [(64, 4, 4, 1), (64, 4, 4, 2), (64, 4, 4, 4), (64, 4, 6, 4),
                     (128, 4, 4, 1), (128, 4, 4, 2), (128, 4, 4, 4), (128, 4, 4, 8),
-                    (128, 8, 4, 4), (256, 8, 4, 4), (64, 4, 4, 4, True), (128, 4, 4, 1, True),
-                    (128, 4, 4, 2, True), (128, 4, 4, 4, True), (128, 4, 4, 8, True),
-                    (128, 4, 4, 2, True, False), (128, 4, 4, 4, True, False),
-                    (128, 4, 4, 4, False, False)]]
+                    (128, 8, 4, 4), (256, 8, 4, 4)]]
 
 
 def w8a8_sweep(rows: list[int], out_json: str | None) -> None:

@@ -179,6 +179,19 @@ def test_block_fp8_on_the_w8a8_gemv_tracks_its_dequantized_model(model, monkeypa
     test_quantized_checkpoint_on_cuda_tracks_its_dequantized_model("fp8-block", model)
 
 
+def test_online_fp8_in_a_batch_of_twenty_tracks_its_dequantized_model(model):
+    """Twenty sequences decoded together: the default route's products at 17-32
+    rows go through the W8A8 GEMV (`fp8_w8a8_gemv.MIN_ROWS`)."""
+    root, config, floats, prompts = model
+    g = torch.Generator().manual_seed(2)
+    batch = [torch.randint(10, SIZES["vocab_size"], (5 + 7 * i,), generator=g).tolist()
+             for i in range(20)]
+    deq = {k: fp8_per_channel(w)[2] if k.endswith("proj.weight") else w
+           for k, w in floats.items()}
+    ref = write(root / "fp8-online-deq", config, deq, None)
+    _compare(_run(str(root / "float"), "fp8", batch), _run(ref, None, batch), "fp8 online, 20")
+
+
 def test_online_fp8_on_cuda_tracks_its_dequantized_model(model):
     root, config, floats, prompts = model
     deq = {k: fp8_per_channel(w)[2] if k.endswith("proj.weight") else w

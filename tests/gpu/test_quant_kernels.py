@@ -776,9 +776,7 @@ W8A8_CASES = {  # name -> (n, k, block, parts)
     "block-fused-parts": (320, 256, (128, 128), [192, 64, 64]),
 }
 W8A8_TILES = [W8.W8A8Config(64, 4, 2, 1), W8.W8A8Config(64, 4, 3, 2),
-              W8.W8A8Config(128, 4, 2, 4), W8.W8A8Config(32, 2, 2, 2),
-              W8.W8A8Config(64, 4, 3, 2, x_ahead=True), W8.W8A8Config(64, 4, 2, 1, x_ahead=True),
-              W8.W8A8Config(64, 4, 2, 2, x_ahead=True, one_row=False)]
+              W8.W8A8Config(128, 4, 2, 4), W8.W8A8Config(32, 2, 2, 2)]
 
 
 def w8a8_reference(x: torch.Tensor, w: Fp8Weight) -> torch.Tensor:
@@ -808,7 +806,7 @@ def test_w8a8_gemv_codes_are_the_gemm_paths_group_codes():
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_w8a8_gemv(case, m, dtype):
     """Per-row and 128 x 128 block scales (ragged N, fused parts), one row (its
-    own code path), 2-16 rows (the MMA's 16 columns) and 17-32 (32): within the
+    own tile), 2-16 rows (the MMA's 16 columns) and 17-32 (32): within the
     FP8 MMA's sums of the float64 product of the same codes, with the bias."""
     n, k, block, parts = W8A8_CASES[case]
     w = fp8_weight(n, k, block, parts, seed=m)
@@ -844,15 +842,15 @@ def test_w8a8_gemv_silu_mul_and_routing(m, block):
     w = fp8_weight(2 * d, k, block, [d, d] if block else None, seed=4)
     x = randn(m, k, seed=5, dtype=dtype)
     args = (w.weight, w.scales, w.block_k, w.scale_rows, None)
-    fused = F.fp8_linear(x, *args, silu_mul=True, w8a8_gemv=True)
-    plain = F.fp8_linear(x, *args, w8a8_gemv=True)
+    fused = F.fp8_linear(x, *args, silu_mul=True, w8a8_from=1)
+    plain = F.fp8_linear(x, *args, w8a8_from=1)
     check_silu_mul(fused, plain)
     assert torch.equal(plain, W8.fp8_gemv_w8a8(x, w.weight, w.scales, w.block_k, w.scale_rows))
     split = W8.W8A8Config(64, 4, 2, 2)  # the activation in the split sums' launch
     check_silu_mul(W8.fp8_gemv_w8a8(x, w.weight, w.scales, w.block_k, w.scale_rows,
                                     config=split, silu_mul=True), plain)
     many = randn(40, k, seed=6, dtype=dtype)
-    assert F.fp8_linear(many, *args, silu_mul=True, w8a8_gemv=True) is None
+    assert F.fp8_linear(many, *args, silu_mul=True, w8a8_from=1) is None
 
 
 def test_w8a8_gemv_refuses_what_it_cannot_take():
@@ -864,15 +862,19 @@ def test_w8a8_gemv_refuses_what_it_cannot_take():
 
 @needs_cuda
 @pytest.mark.parametrize("k,n", LLAMA)
-@pytest.mark.parametrize("m", [1, 8])
+@pytest.mark.parametrize("m", [1, 12, 20, 32])
 def test_w8a8_gemv_llama_shapes_and_graphs(k, n, m):
-    """Llama-8B's four shapes at the picked tiles, per-row and block scales; a CUDA
-    graph's replay gives the eager bits."""
+    """Llama-8B's four shapes at the picked tiles (gate/up also with its SiLU, an
+    unsplit tile of its own), per-row and block scales; a CUDA graph's replay
+    gives the eager bits."""
     x = randn(m, k, seed=1, dtype=torch.bfloat16)
     for block in (None, (128, 128)):
         w = fp8_weight(n, k, block, seed=2)
         out = W8.fp8_gemv_w8a8(x, w.weight, w.scales, w.block_k, w.scale_rows)
         check(out, w8a8_reference(x, w), torch.bfloat16, k, fp8_mma=True)
+    if n > k:
+        check_silu_mul(W8.fp8_gemv_w8a8(x, w.weight, w.scales, w.block_k, w.scale_rows,
+                                        silu_mul=True), out)
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
@@ -881,3 +883,23 @@ def test_w8a8_gemv_llama_shapes_and_graphs(k, n, m):
     torch.cuda.synchronize()
     assert torch.equal(captured, out)
     torch.cuda.empty_cache()
+
+
+@needs_cuda
+def test_fp8_linear_takes_the_w8a8_gemv_from_its_rows():
+    """The engine's route (`Fp8Weight.w8a8_from` = MIN_ROWS beside the tensor-core
+    GEMV reading the weight where it lies): below MIN_ROWS the bits of that GEMV,
+    from MIN_ROWS to MAX_ROWS those of the W8A8 GEMV, past them the W8A8 GEMM's."""
+    n, k = 256, 512
+    w = fp8_weight(n, k, None, seed=7)
+    args = (w.weight, w.scales, 0, 1, None)
+    for m in (W8.MIN_ROWS - 1, W8.MIN_ROWS, W8.MAX_ROWS, W8.MAX_ROWS + 1):
+        x = randn(m, k, seed=m, dtype=torch.bfloat16)
+        routed = F.fp8_linear(x, *args, mma=w.weight, w8a8_from=W8.MIN_ROWS)
+        if m < W8.MIN_ROWS:
+            want = F.fp8_linear(x, *args, mma=w.weight)
+        elif m <= W8.MAX_ROWS:
+            want = W8.fp8_gemv_w8a8(x, w.weight, w.scales)
+        else:
+            want = F.fp8_linear(x, *args)
+        assert torch.equal(routed, want), m

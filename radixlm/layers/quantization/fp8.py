@@ -71,7 +71,8 @@ _w8a8 = lazy_import("radixlm.layers.quantization.triton_ops.fp8_w8a8_gemv")
 # weight where it lies, "mma" from a second copy in MMA fragment order (on an H100
 # faster at gate/up, slower at qkv: `fp8_mma.py`), "fma" on the CUDA cores, all
 # with x in bf16; "w8a8" with x quantized per token and group of 128 on the FP8
-# tensor cores (`fp8_w8a8_gemv.py`).
+# tensor cores (`fp8_w8a8_gemv.py`) at every row count, where the two "mma" modes
+# take it from `fp8_w8a8_gemv.MIN_ROWS` rows (faster there on an H100).
 MMA_ENV = "RADIXLM_FP8_GEMV"
 MMA_MODES = ("mma-plain", "mma", "fma", "w8a8")
 
@@ -128,7 +129,9 @@ class Fp8Weight:
     # For the tensor-core GEMV (MMA_ENV): the weight again in MMA fragment order, or
     # `weight` itself ("mma-plain": read where it lies).
     mma: torch.Tensor | None = None
-    w8a8_gemv: bool = False  # few rows through `fp8_w8a8_gemv` (MMA_ENV "w8a8")
+    # Rows from which products go through `fp8_w8a8_gemv` (up to its MAX_ROWS;
+    # see MMA_ENV); 0: never.
+    w8a8_from: int = 0
 
     def dequantize(self) -> torch.Tensor:
         """The weight as fp32 [N, K]."""
@@ -141,20 +144,21 @@ class Fp8Weight:
 
 
 def with_tensor_cores(w: Fp8Weight) -> Fp8Weight:
-    """`w` set up for the tensor-core GEMV (`fp8_mma.py`) unless $RADIXLM_FP8_GEMV=fma,
-    where the layer fits that kernel (`fp8_mma.takes`: per-row or 128-feature
-    block scales, whole tiles; "mma-plain" also rows 16-byte aligned): its
-    weight a second time in MMA fragment order ("mma"), or the weight itself
-    ("mma-plain"); "w8a8": marked for `fp8_w8a8_gemv` where activations are
-    dynamic and the scales fit (`fp8_w8a8_gemv.takes`); else `w`."""
+    """`w` set up for the tensor-core GEMVs unless $RADIXLM_FP8_GEMV=fma: marked
+    for `fp8_w8a8_gemv` where activations are dynamic and the scales fit
+    (`fp8_w8a8_gemv.takes`), and, but under "w8a8", given the operand of the
+    GEMV with x in bf16 where the layer fits that one (`fp8_mma.takes`: per-row
+    or 128-feature block scales, whole tiles; "mma-plain" also rows 16-byte
+    aligned): its weight a second time in MMA fragment order ("mma"), or the
+    weight itself ("mma-plain")."""
     n, k = w.weight.shape
     mode = mma_mode()
-    if mode == "w8a8":
-        dynamic = w.input_scale is None and not w.weight_only
-        fits = dynamic and _w8a8.takes(k, w.block_k, 1)
-        return dataclasses.replace(w, w8a8_gemv=True) if fits and w.weight.is_cuda else w
-    if not (mode and w.weight.is_cuda
-            and _mma.takes(n, k, w.block_k, torch.bfloat16, w.scale_rows)):
+    if not (mode and w.weight.is_cuda):
+        return w
+    dynamic = w.input_scale is None and not w.weight_only
+    if dynamic and _w8a8.takes(k, w.block_k, 1):
+        w = dataclasses.replace(w, w8a8_from=1 if mode == "w8a8" else _w8a8.MIN_ROWS)
+    if mode == "w8a8" or not _mma.takes(n, k, w.block_k, torch.bfloat16, w.scale_rows):
         return w
     if mode == "mma-plain":
         return dataclasses.replace(w, mma=w.weight) if _mma.plain_fits(w.weight) else w
@@ -168,7 +172,7 @@ def fp8_product(layer: LinearBase, x: torch.Tensor, bias: torch.Tensor | None,
     if kernels_run(x):
         return _ops.fp8_linear(x, w.weight, w.scales, w.block_k, w.scale_rows, w.input_scale,
                                bias, out=out, silu_mul=silu_mul, weight_only=w.weight_only,
-                               mma=w.mma, w8a8_gemv=w.w8a8_gemv)
+                               mma=w.mma, w8a8_from=w.w8a8_from)
     if silu_mul:
         return None
     return plain_linear(x, w.dequantize().to(x.dtype), bias, out)
@@ -456,10 +460,12 @@ class Fp8Config(QuantizationConfig):
     def describe(self) -> str:
         how = ("per-channel weight scales, dynamic per-token activation scales"
                if self.scheme is None else self.scheme.describe())
+        w8a8 = (f"; {_w8a8.MIN_ROWS}-{_w8a8.MAX_ROWS} rows with FP8 activations per token and "
+                "group of 128 where activations are dynamic")
         gemv = {"mma": " (1-32 rows on the tensor cores, $RADIXLM_FP8_GEMV=mma: a second copy "
-                       "of the per-row-scaled weights in MMA fragment order; else 1-8)",
+                       f"of the per-row-scaled weights in MMA fragment order; else 1-8{w8a8})",
                 "mma-plain": " (1-32 rows on the tensor cores, reading the per-row-scaled "
-                             "weights where they lie; else 1-8)",
+                             f"weights where they lie; else 1-8{w8a8})",
                 "w8a8": f" (1-32 rows with FP8 activations per token and group of 128 on the "
                         f"FP8 tensor cores, ${MMA_ENV}=w8a8, where activations are dynamic)",
                 "": f" (1-8 rows on the CUDA cores, ${MMA_ENV}=fma)"}[mma_mode()]

@@ -149,7 +149,7 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, bloc
                scale_rows: int, input_scale: torch.Tensor | None,
                bias: torch.Tensor | None = None, *, out: torch.Tensor | None = None,
                silu_mul: bool = False, weight_only: bool = False,
-               mma: torch.Tensor | None = None, w8a8_gemv: bool = False) -> torch.Tensor | None:
+               mma: torch.Tensor | None = None, w8a8_from: int = 0) -> torch.Tensor | None:
     """x @ (weight * scales)^T (+ bias), through the GEMV or the W8A8 GEMM
     (`weight_only`: x stays in its dtype, the weight tiles widened to it); with
     `silu_mul` (weight [2 D, K], no bias) silu(gate) * up, or None where only
@@ -157,14 +157,14 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, bloc
     the weight in `fp8_mma.mma_layout`, or `weight` itself (read where it lies:
     `fp8_gemv_mma_plain`), for the tensor-core GEMV at 1 to `fp8_mma.GEMV_ROWS`
     contiguous, bf16, 16-byte aligned rows (its scales as `fp8_mma.takes` says).
-    `w8a8_gemv`: 1 to `fp8_w8a8_gemv.MAX_ROWS` rows through that GEMV (FP8
-    activations, dynamic scales: `fp8_w8a8_gemv.takes`)."""
+    `w8a8_from`: from that many rows (0: never) to `fp8_w8a8_gemv.MAX_ROWS`
+    through that GEMV (FP8 activations, dynamic scales: `fp8_w8a8_gemv.takes`)."""
     n, k = weight.shape
     x2 = x.reshape(-1, k)
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     m = x2.shape[0]
-    if w8a8_gemv and 1 <= m <= fp8_w8a8_gemv.MAX_ROWS:
+    if 0 < w8a8_from <= m <= fp8_w8a8_gemv.MAX_ROWS:
         y = fp8_w8a8_gemv.fp8_gemv_w8a8(x2, weight, scales, block_k, scale_rows, bias,
                                         out=out, silu_mul=silu_mul)
         return y.view(*x.shape[:-1], y.shape[-1])

@@ -27,8 +27,17 @@ program writes its outputs (bias and SiLU-and-mul included: a gate row's up row
 is summed in the same program); split, each writes fp32 partial sums [split,
 M, N] and `int4.sum_splits` adds them in split order with the bias and the
 SiLU-and-mul, as the tensor-core GEMVs do. No host sync and no allocation but
-the sums and the output: CUDA graphs capture it. Opt-in
-(`$RADIXLM_FP8_GEMV=w8a8`) until measured on a GPU.
+the sums and the output: CUDA graphs capture it.
+
+Measured on an H100 (BENCHMARKS.md, 2026-12-06): at one row it streams 0.91-0.96x
+what the tensor-core GEMV with x in bf16 does, despite 40 % fewer instructions
+a weight (each step's x quantization is a chain of L2 reads, cross-warp
+reductions and barriers the weight stream waits on); from 16 rows it is faster
+(the other one's time grows with the rows, this one's barely), so the engine
+takes it there (`MIN_ROWS`); `$RADIXLM_FP8_GEMV=w8a8` takes it at every row. One
+row runs as 16 with 15 zero rows: a path that quantized the row once and
+broadcast its codes took 6 barriers a step to the 3 here and was 1.1-1.5x slower;
+loading x's next group a step ahead was 2-12 % slower.
 """
 
 from __future__ import annotations
@@ -48,6 +57,12 @@ from radixlm.layers.quantization.triton_ops.mma_gemv import output, splits
 
 GROUP = 128  # features a step, one activation scale per row and group
 MAX_ROWS = 32
+# Rows from which `fp8.fp8_linear` takes this GEMV over the tensor-core one with x
+# in bf16 (`fp8_mma.py`). On an H100, products alone: this one 0.91-0.96x that at
+# one row, 0.96-1.03x at 8, 1.00-1.22x at 16, 1.31-1.40x at 32; FP8 decode of 16
+# sequences (512 in / 128 out) the same either way (3,142 against 3,153 tok/s,
+# medians of 3), of 32 sequences 1.08x (5,245 against 4,855).
+MIN_ROWS = 17
 
 
 class W8A8Config(NamedTuple):
@@ -55,29 +70,22 @@ class W8A8Config(NamedTuple):
     warps: int = 4
     stages: int = 4  # weight tiles in flight a program (Triton's pipeline)
     split: int = 4  # programs along K
-    # x's next group loaded a step ahead, so its trip to L2 overlaps this step's
-    # MMA (Triton's pipeline carries only the weight tiles, which feed the dot
-    # as loaded; x goes through the quantization first).
-    x_ahead: bool = False
-    # One row quantized once a step and broadcast to the MMA's 16 columns (6
-    # barriers a step in the sm_90 SASS: the amax crosses warps), or as the
-    # 2-32-row path does, the row and 15 zero rows (3 barriers, more instructions).
-    one_row: bool = True
 
     def label(self) -> str:
-        return ("x".join(map(str, self[:4])) + ("-xa" if self.x_ahead else "")
-                + ("" if self.one_row else "-rows"))
+        return "x".join(map(str, self))
 
 
-def pick_config(n: int, k: int) -> W8A8Config:
-    """128-row tiles, K split until there are >= 256 programs for the 132 SMs (at
-    most 8 ways, each >= 4 groups of K). Untimed: `benchmarks/quant_kernels.py
-    --w8a8-sweep` is what should set it."""
-    tiles, steps = triton.cdiv(n, 128), k // GROUP
-    split = 1
-    while split < 8 and tiles * split < 256 and steps >= 8 * split:
-        split *= 2
-    return W8A8Config(128, 4, 4, split)
+def pick_config(m: int, silu_mul: bool) -> W8A8Config:
+    """From the H100 sweep of Llama-8B's four products (`benchmarks/quant_kernels.py
+    --w8a8-sweep --rows 1,8,16,32`, BENCHMARKS.md 2026-12-06): one row 128-row
+    tiles; 2-16 rows 64-row tiles on 4 warps; above, 128 rows on 8 warps. K split
+    4 ways, except gate/up with its SiLU-and-mul (from 2 rows), which gives
+    112-224 programs unsplit and then needs no second launch for the splits."""
+    if m == 1:
+        return W8A8Config(128, 4, 4, 4)
+    if silu_mul:
+        return W8A8Config(64 if m <= 16 else 128, 4, 4, 1)
+    return W8A8Config(64, 4, 4, 4) if m <= 16 else W8A8Config(128, 8, 4, 4)
 
 
 def takes(k: int, block_k: int, rows: int) -> bool:
@@ -98,7 +106,7 @@ def fp8_gemv_w8a8(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor,
     assert takes(k, block_k, m), (m, k, block_k)
     assert x.stride(1) == 1 and weight.stride(1) == 1 and weight.shape[1] == k
     assert scales.dtype == torch.float32
-    cfg = config or pick_config(n, k)
+    cfg = config or pick_config(m, silu_mul)
     per, split = splits(k // GROUP, cfg.split)
     n_out = n // 2 if silu_mul else n
     y = output(x, n_out, out)
@@ -111,9 +119,8 @@ def fp8_gemv_w8a8(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor,
         x, weight, scales, bias if bias is not None else scales, dest, m, rows, x.stride(0),
         weight.stride(0), scales.stride(0) if block_k else 0, 0 if direct else dest.stride(0),
         k // GROUP, per, BM=16 if m <= 16 else 32, BN=cfg.bn, BLOCK_SCALES=block_k > 0,
-        SCALE_ROWS=scale_rows, ONE_ROW=m == 1 and cfg.one_row, DIRECT=direct,
-        SILU_MUL=direct and silu_mul, HAS_BIAS=direct and bias is not None,
-        EXACT=not x.is_cuda, X_AHEAD=cfg.x_ahead, num_warps=cfg.warps,
+        SCALE_ROWS=scale_rows, DIRECT=direct, SILU_MUL=direct and silu_mul,
+        HAS_BIAS=direct and bias is not None, EXACT=not x.is_cuda, num_warps=cfg.warps,
         num_stages=cfg.stages, **pdl.launch_args())
     return y if direct else sum_splits(dest, bias, y, silu_mul)
 
@@ -142,40 +149,21 @@ def _codes(v, EXACT: tl.constexpr):
 
 
 @triton.jit
-def _group(x_ptr, x_ptrs, k, offs_k, m_ok, ONE_ROW: tl.constexpr):
-    """x's group of 128 features at k: [128] of the one row, else [BM, 128]."""
-    if ONE_ROW:
-        xv = tl.load(x_ptr + k + offs_k)
-    else:
-        xv = tl.load(x_ptrs + k, mask=m_ok, other=0.0)
-    return xv
-
-
-@triton.jit
-def _group_codes(xv, BM: tl.constexpr, ONE_ROW: tl.constexpr, EXACT: tl.constexpr):
-    """x's group (`_group`) as the MMA's B operand: (codes [128, BM] e4m3, scales
-    [1, BM] for x's rows). ONE_ROW: the row's codes made once and broadcast to
-    the BM columns, not BM padded rows quantized."""
-    xv = xv.to(tl.float32)
-    if ONE_ROW:
-        amax = tl.maximum(tl.max(tl.abs(xv), axis=0), 1e-12)
-        xq = _codes(xv * tl.div_rn(448.0, amax), EXACT)
-        scale = tl.full([1, BM], 0.0, tl.float32) + tl.div_rn(amax, 448.0)
-        xt = tl.broadcast_to(xq[:, None], (128, BM))
-    else:
-        amax = tl.maximum(tl.max(tl.abs(xv), axis=1), 1e-12)
-        xt = tl.trans(_codes(xv * tl.div_rn(448.0, amax)[:, None], EXACT))
-        scale = tl.div_rn(amax, 448.0)[None, :]
-    return xt, scale
+def _group_codes(x_ptrs, k, m_ok, EXACT: tl.constexpr):
+    """x's group of 128 features at k as the MMA's B operand: (codes [128, BM]
+    e4m3, scales [1, BM] for x's rows; rows past M are zeros)."""
+    xv = tl.load(x_ptrs + k, mask=m_ok, other=0.0).to(tl.float32)
+    amax = tl.maximum(tl.max(tl.abs(xv), axis=1), 1e-12)
+    xq = _codes(xv * tl.div_rn(448.0, amax)[:, None], EXACT)
+    return tl.trans(xq), tl.div_rn(amax, 448.0)[None, :]
 
 
 @triton.jit
 def _w8a8_gemv_kernel(x_ptr, w_ptr, s_ptr, b_ptr, out_ptr, M, N, stride_xm, stride_wn,
                       stride_sn, stride_out, STEPS, SPLIT_STEPS, BM: tl.constexpr,
                       BN: tl.constexpr, BLOCK_SCALES: tl.constexpr, SCALE_ROWS: tl.constexpr,
-                      ONE_ROW: tl.constexpr, DIRECT: tl.constexpr, SILU_MUL: tl.constexpr,
-                      HAS_BIAS: tl.constexpr, EXACT: tl.constexpr, X_AHEAD: tl.constexpr,
-                      PDL: tl.constexpr):
+                      DIRECT: tl.constexpr, SILU_MUL: tl.constexpr, HAS_BIAS: tl.constexpr,
+                      EXACT: tl.constexpr, PDL: tl.constexpr):
     """Program (pid 0: BN of the N output rows; pid 1: SPLIT_STEPS groups of K):
     its rows' sums over its groups for x's M rows (padded to BM for the MMA), into
     out [M, N] in its dtype with the bias (DIRECT: one split), else as fp32 partial
@@ -200,18 +188,10 @@ def _w8a8_gemv_kernel(x_ptr, w_ptr, s_ptr, b_ptr, out_ptr, M, N, stride_xm, stri
     pdl_trigger(PDL)
     acc = tl.zeros([BN, BM], dtype=tl.float32)
     acc_up = tl.zeros([BN, BM], dtype=tl.float32)
-    if X_AHEAD:
-        xv = _group(x_ptr, x_ptrs, lo * 128, offs_k, m_ok, ONE_ROW)
     for step in range(lo, hi):
         k = step * 128
         w = tl.load(w_ptrs + k)
-        if X_AHEAD:  # the last step reloads its own group rather than read past hi
-            cur = xv
-            xv = _group(x_ptr, x_ptrs, tl.minimum(step + 1, hi - 1) * 128, offs_k, m_ok,
-                        ONE_ROW)
-        else:
-            cur = _group(x_ptr, x_ptrs, k, offs_k, m_ok, ONE_ROW)
-        xt, xs = _group_codes(cur, BM, ONE_ROW, EXACT)
+        xt, xs = _group_codes(x_ptrs, k, m_ok, EXACT)
         d = tl.dot(w, xt) * xs
         if BLOCK_SCALES:
             d *= tl.load(s_rows + step)[:, None]
