@@ -30,11 +30,12 @@ SiLU-and-mul, as the tensor-core GEMVs do. No host sync and no allocation but
 the sums and the output: CUDA graphs capture it.
 
 Measured on an H100 (BENCHMARKS.md, 2026-12-06): at one row it streams 0.91-0.96x
-what the tensor-core GEMV with x in bf16 does, despite 40 % fewer instructions
-a weight (each step's x quantization is a chain of L2 reads, cross-warp
-reductions and barriers the weight stream waits on); from 16 rows it is faster
-(the other one's time grows with the rows, this one's barely), so the engine
-takes it there (`MIN_ROWS`); `$RADIXLM_FP8_GEMV=w8a8` takes it at every row. One
+what the tensor-core GEMV with x in bf16 does, with no more instructions a
+weight (each step's x quantization is a chain of an L2 read, a cross-warp
+reduction and barriers that the weight stream waits on); from 16 rows its
+products are faster (the other one's time grows with the rows, this one's
+barely), and the engine takes it from 17, where that shows end to end
+(`MIN_ROWS`); `$RADIXLM_FP8_GEMV=w8a8` takes it at every row. One
 row runs as 16 with 15 zero rows: a path that quantized the row once and
 broadcast its codes took 6 barriers a step to the 3 here and was 1.1-1.5x slower;
 loading x's next group a step ahead was 2-12 % slower.
