@@ -460,8 +460,8 @@ class Fp8Config(QuantizationConfig):
     def describe(self) -> str:
         how = ("per-channel weight scales, dynamic per-token activation scales"
                if self.scheme is None else self.scheme.describe())
-        w8a8 = (f"; {_w8a8.MIN_ROWS}-{_w8a8.MAX_ROWS} rows with FP8 activations per token and "
-                "group of 128 where activations are dynamic")
+        w8a8 = (f"; of these, {_w8a8.MIN_ROWS}-{_w8a8.MAX_ROWS} rows with FP8 activations per "
+                "token and group of 128 where activations are dynamic") if _triton() else ""
         gemv = {"mma": " (1-32 rows on the tensor cores, $RADIXLM_FP8_GEMV=mma: a second copy "
                        f"of the per-row-scaled weights in MMA fragment order; else 1-8{w8a8})",
                 "mma-plain": " (1-32 rows on the tensor cores, reading the per-row-scaled "
