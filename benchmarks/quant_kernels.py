@@ -42,6 +42,7 @@ import torch
 import torch.nn.functional as F
 
 from radixlm.layers import pdl
+from radixlm.layers.fused_ops import silu_and_mul
 from radixlm.layers.gemv import gemv
 from radixlm.layers.quantization import int4 as I
 from radixlm.layers.quantization.fp8 import block_table, quantize_rows
@@ -395,14 +396,23 @@ def int4_gemm_sweep(rows: list[int]) -> None:
 W8A8_CANDIDATES = [W8.W8A8Config(*c) for c in
                    [(64, 4, 4, 1), (64, 4, 4, 2), (64, 4, 4, 4), (64, 4, 6, 4),
                     (128, 4, 4, 1), (128, 4, 4, 2), (128, 4, 4, 4), (128, 4, 4, 8),
-                    (128, 8, 4, 4), (256, 8, 4, 4)]]
+                    (128, 8, 4, 1), (128, 8, 4, 4), (256, 8, 4, 4)]]
+
+
+def gemm_route(x: torch.Tensor, w: tuple[torch.Tensor, torch.Tensor],
+               silu: bool) -> torch.Tensor:
+    """The engine's FP8 product past the GEMVs' rows: the W8A8 GEMM, which fuses
+    no SiLU-and-mul, so the activation's own kernel follows."""
+    y = F8.fp8_linear(x, w[0], w[1], 0, 1, None)
+    return silu_and_mul(y) if silu else y
 
 
 def w8a8_sweep(rows: list[int], out_json: str | None) -> None:
     """The W8A8 GEMV's tiles at each row count (gate_up with its SiLU-and-mul, as
     the engine runs it) beside the engine's route with x in bf16 (the tensor-core
-    GEMV reading the weight where it lies) and the bf16 GEMV on bf16 weights, same
-    run; the best tile per shape and row count into `out_json`."""
+    GEMV reading the weight where it lies, up to its GEMV_ROWS; past them the W8A8
+    GEMM, then the activation's own kernel) and the bf16 GEMV on bf16 weights,
+    same run; the best tile per shape and row count into `out_json`."""
     import json
 
     best = {}
@@ -411,8 +421,11 @@ def w8a8_sweep(rows: list[int], out_json: str | None) -> None:
             silu = name == "gate_up"
             x = torch.randn(m, k, device=DEV).bfloat16()
             ws = copies(lambda n=n, k=k: fp8_weights(n, k, False)[:2], n * k)
-            base = [("route, x bf16", lambda x, w, s=silu: F8.fp8_linear(
-                x, w[0], w[1], 0, 1, None, silu_mul=s, mma=w[0]))]
+            if m <= F8M.GEMV_ROWS:
+                base = [("route, x bf16", lambda x, w, s=silu: F8.fp8_linear(
+                    x, w[0], w[1], 0, 1, None, silu_mul=s, mma=w[0]))]
+            else:
+                base = [("route, W8A8 GEMM", lambda x, w, s=silu: gemm_route(x, w, s))]
             calls = [(c.label(), lambda x, w, c=c, s=silu: W8.fp8_gemv_w8a8(
                 x, w[0], w[1], config=c, silu_mul=s)) for c in W8A8_CANDIDATES]
             res = []

@@ -802,11 +802,11 @@ def test_w8a8_gemv_codes_are_the_gemm_paths_group_codes():
 
 
 @pytest.mark.parametrize("case", sorted(W8A8_CASES))
-@pytest.mark.parametrize("m", [1, 2, 16, 17, 32])
+@pytest.mark.parametrize("m", [1, 2, 16, 17, 32, 33, 64])
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_w8a8_gemv(case, m, dtype):
     """Per-row and 128 x 128 block scales (ragged N, fused parts), one row (its
-    own tile), 2-16 rows (the MMA's 16 columns) and 17-32 (32): within the
+    own tile), 2-16 rows (the MMA's 16 columns), 17-32 (32) and 33-64 (64): within the
     FP8 MMA's sums of the float64 product of the same codes, with the bias."""
     n, k, block, parts = W8A8_CASES[case]
     w = fp8_weight(n, k, block, parts, seed=m)
@@ -856,13 +856,13 @@ def test_w8a8_gemv_silu_mul_and_routing(m, block):
 def test_w8a8_gemv_refuses_what_it_cannot_take():
     assert not W8.takes(200, 0, 1)  # K not whole groups
     assert not W8.takes(256, 64, 1)  # blocks of 64 features
-    assert not W8.takes(256, 0, 33)  # rows past the MMA's 32 columns
-    assert W8.takes(256, 128, 32)
+    assert not W8.takes(256, 0, 65)  # rows past the MMA's 64 columns
+    assert W8.takes(256, 128, 64)
 
 
 @needs_cuda
 @pytest.mark.parametrize("k,n", LLAMA)
-@pytest.mark.parametrize("m", [1, 12, 20, 32])
+@pytest.mark.parametrize("m", [1, 12, 20, 32, 64])
 def test_w8a8_gemv_llama_shapes_and_graphs(k, n, m):
     """Llama-8B's four shapes at the picked tiles (gate/up also with its SiLU, an
     unsplit tile of its own), per-row and block scales; a CUDA graph's replay
@@ -889,16 +889,16 @@ def test_w8a8_gemv_llama_shapes_and_graphs(k, n, m):
 def test_fp8_linear_takes_the_w8a8_gemv_from_its_rows():
     """The engine's route (`Fp8Weight.w8a8_from` = MIN_ROWS beside the tensor-core
     GEMV reading the weight where it lies): below MIN_ROWS the bits of that GEMV,
-    from MIN_ROWS to MAX_ROWS those of the W8A8 GEMV, past them the W8A8 GEMM's."""
+    from MIN_ROWS to ROUTE_MAX_ROWS those of the W8A8 GEMV, past them the W8A8 GEMM's."""
     n, k = 256, 512
     w = fp8_weight(n, k, None, seed=7)
     args = (w.weight, w.scales, 0, 1, None)
-    for m in (W8.MIN_ROWS - 1, W8.MIN_ROWS, W8.MAX_ROWS, W8.MAX_ROWS + 1):
+    for m in (W8.MIN_ROWS - 1, W8.MIN_ROWS, W8.ROUTE_MAX_ROWS, W8.ROUTE_MAX_ROWS + 1):
         x = randn(m, k, seed=m, dtype=torch.bfloat16)
         routed = F.fp8_linear(x, *args, mma=w.weight, w8a8_from=W8.MIN_ROWS)
         if m < W8.MIN_ROWS:
             want = F.fp8_linear(x, *args, mma=w.weight)
-        elif m <= W8.MAX_ROWS:
+        elif m <= W8.ROUTE_MAX_ROWS:
             want = W8.fp8_gemv_w8a8(x, w.weight, w.scales)
         else:
             want = F.fp8_linear(x, *args)

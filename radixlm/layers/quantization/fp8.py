@@ -129,7 +129,7 @@ class Fp8Weight:
     # For the tensor-core GEMV (MMA_ENV): the weight again in MMA fragment order, or
     # `weight` itself ("mma-plain": read where it lies).
     mma: torch.Tensor | None = None
-    # Rows from which products go through `fp8_w8a8_gemv` (up to its MAX_ROWS;
+    # Rows from which products go through `fp8_w8a8_gemv` (to its ROUTE_MAX_ROWS;
     # see MMA_ENV); 0: never.
     w8a8_from: int = 0
 
@@ -460,8 +460,9 @@ class Fp8Config(QuantizationConfig):
     def describe(self) -> str:
         how = ("per-channel weight scales, dynamic per-token activation scales"
                if self.scheme is None else self.scheme.describe())
-        w8a8 = (f"; of these, {_w8a8.MIN_ROWS}-{_w8a8.MAX_ROWS} rows with FP8 activations per "
-                "token and group of 128 where activations are dynamic") if _triton() else ""
+        w8a8 = (f"; of these, {_w8a8.MIN_ROWS}-{_w8a8.ROUTE_MAX_ROWS} rows with FP8 "
+                "activations per token and group of 128 where activations are dynamic"
+                ) if _triton() else ""
         gemv = {"mma": " (1-32 rows on the tensor cores, $RADIXLM_FP8_GEMV=mma: a second copy "
                        f"of the per-row-scaled weights in MMA fragment order; else 1-8{w8a8})",
                 "mma-plain": " (1-32 rows on the tensor cores, reading the per-row-scaled "

@@ -157,14 +157,14 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, bloc
     the weight in `fp8_mma.mma_layout`, or `weight` itself (read where it lies:
     `fp8_gemv_mma_plain`), for the tensor-core GEMV at 1 to `fp8_mma.GEMV_ROWS`
     contiguous, bf16, 16-byte aligned rows (its scales as `fp8_mma.takes` says).
-    `w8a8_from`: from that many rows (0: never) to `fp8_w8a8_gemv.MAX_ROWS`
+    `w8a8_from`: from that many rows (0: never) to `fp8_w8a8_gemv.ROUTE_MAX_ROWS`
     through that GEMV (FP8 activations, dynamic scales: `fp8_w8a8_gemv.takes`)."""
     n, k = weight.shape
     x2 = x.reshape(-1, k)
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     m = x2.shape[0]
-    if 0 < w8a8_from <= m <= fp8_w8a8_gemv.MAX_ROWS:
+    if 0 < w8a8_from <= m <= fp8_w8a8_gemv.ROUTE_MAX_ROWS:
         y = fp8_w8a8_gemv.fp8_gemv_w8a8(x2, weight, scales, block_k, scale_rows, bias,
                                         out=out, silu_mul=silu_mul)
         return y.view(*x.shape[:-1], y.shape[-1])

@@ -1,4 +1,4 @@
-"""The FP8 GEMV of 1-32 rows with FP8 activations (W8A8) on the FP8 tensor cores.
+"""The FP8 GEMV of 1-64 rows with FP8 activations (W8A8) on the FP8 tensor cores.
 
 Why: the other FP8 GEMVs (`fp8.py`'s FMA one, `fp8_mma.py`'s tensor-core one)
 keep x in bf16, so every weight byte is widened in registers first: 2.2-3.6
@@ -57,13 +57,17 @@ from radixlm.layers.quantization.triton_ops.int4 import sum_splits
 from radixlm.layers.quantization.triton_ops.mma_gemv import output, splits
 
 GROUP = 128  # features a step, one activation scale per row and group
-MAX_ROWS = 32
+MAX_ROWS = 64  # x's rows, the MMA's N: padded to 16, 32 or 64
 # Rows from which `fp8.fp8_linear` takes this GEMV over the tensor-core one with x
 # in bf16 (`fp8_mma.py`). On an H100, products alone: this one 0.91-0.96x that at
 # one row, 0.96-1.03x at 8, 1.00-1.22x at 16, 1.31-1.40x at 32; FP8 decode of 16
 # sequences (512 in / 128 out) the same either way (3,142 against 3,153 tok/s,
 # medians of 3), of 32 sequences 1.08x (5,245 against 4,855).
 MIN_ROWS = 17
+# Rows up to which it takes them: past 32 rows the engine had the W8A8 GEMM
+# (64 x 64 tiles) before this GEMV took more than 32, and no device run has
+# compared the two there yet (`benchmarks/quant_kernels.py --w8a8-sweep --rows 48,64`).
+ROUTE_MAX_ROWS = 32
 
 
 class W8A8Config(NamedTuple):
@@ -81,11 +85,13 @@ def pick_config(m: int, silu_mul: bool) -> W8A8Config:
     --w8a8-sweep --rows 1,8,16,32`, BENCHMARKS.md 2026-12-06): one row 128-row
     tiles; 2-16 rows 64-row tiles on 4 warps; above, 128 rows on 8 warps. K split
     4 ways, except gate/up with its SiLU-and-mul (from 2 rows), which gives
-    112-224 programs unsplit and then needs no second launch for the splits."""
+    112-224 programs unsplit and then needs no second launch for the splits.
+    33-64 rows, untimed: the 32-row tiles, gate/up's on 8 warps (on 4 its two
+    [128, 64] accumulators spill in the sm_90 SASS)."""
     if m == 1:
         return W8A8Config(128, 4, 4, 4)
     if silu_mul:
-        return W8A8Config(64 if m <= 16 else 128, 4, 4, 1)
+        return W8A8Config(64, 4, 4, 1) if m <= 16 else W8A8Config(128, 4 if m <= 32 else 8, 4, 1)
     return W8A8Config(64, 4, 4, 4) if m <= 16 else W8A8Config(128, 8, 4, 4)
 
 
@@ -119,7 +125,7 @@ def fp8_gemv_w8a8(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor,
     _w8a8_gemv_kernel[(triton.cdiv(rows, cfg.bn), split)](
         x, weight, scales, bias if bias is not None else scales, dest, m, rows, x.stride(0),
         weight.stride(0), scales.stride(0) if block_k else 0, 0 if direct else dest.stride(0),
-        k // GROUP, per, BM=16 if m <= 16 else 32, BN=cfg.bn, BLOCK_SCALES=block_k > 0,
+        k // GROUP, per, BM=max(16, triton.next_power_of_2(m)), BN=cfg.bn, BLOCK_SCALES=block_k > 0,
         SCALE_ROWS=scale_rows, DIRECT=direct, SILU_MUL=direct and silu_mul,
         HAS_BIAS=direct and bias is not None, EXACT=not x.is_cuda, num_warps=cfg.warps,
         num_stages=cfg.stages, **pdl.launch_args())
