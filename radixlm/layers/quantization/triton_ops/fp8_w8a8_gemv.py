@@ -60,7 +60,7 @@ GROUP = 128  # features a step, one activation scale per row and group
 MAX_ROWS = 64  # x's rows, the MMA's N: padded to 16, 32 or 64
 # Rows from which `fp8.fp8_linear` takes this GEMV over the tensor-core one with x
 # in bf16 (`fp8_mma.py`). On an H100, products alone: this one 0.91-0.96x that at
-# one row, 0.96-1.03x at 8, 1.00-1.22x at 16, 1.31-1.40x at 32; FP8 decode of 16
+# one row, 0.96-1.03x at 8, 1.00-1.22x at 16, 1.18-1.40x at 32; FP8 decode of 16
 # sequences (512 in / 128 out) the same either way (3,142 against 3,153 tok/s,
 # medians of 3), of 32 sequences 1.08x (5,245 against 4,855).
 MIN_ROWS = 17
