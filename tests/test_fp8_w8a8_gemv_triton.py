@@ -1,6 +1,6 @@
 """The W8A8 GEMV (`triton_ops/fp8_w8a8_gemv.py`) on the CPU:
 `tests/gpu/test_quant_kernels.py`'s W8A8 GEMV tests (codes against the GEMM
-path's, per-row and block scales, 1-32 rows, every swept tile, SiLU-and-mul,
+path's, per-row and block scales, 1-64 rows, every swept tile, SiLU-and-mul,
 routing) in a child pytest under Triton's interpreter, ~10 s."""
 
 from __future__ import annotations

@@ -83,11 +83,11 @@ class W8A8Config(NamedTuple):
 def pick_config(m: int, silu_mul: bool) -> W8A8Config:
     """From the H100 sweep of Llama-8B's four products (`benchmarks/quant_kernels.py
     --w8a8-sweep --rows 1,8,16,32`, BENCHMARKS.md 2026-12-06): one row 128-row
-    tiles; 2-16 rows 64-row tiles on 4 warps; above, 128 rows on 8 warps. K split
-    4 ways, except gate/up with its SiLU-and-mul (from 2 rows), which gives
-    112-224 programs unsplit and then needs no second launch for the splits.
-    33-64 rows, untimed: the 32-row tiles, gate/up's on 8 warps (on 4 its two
-    [128, 64] accumulators spill in the sm_90 SASS)."""
+    tiles on 4 warps, K split 4 ways. From 2 rows, up to 16 rows 64-row tiles
+    on 4 warps, above 128-row ones: split 4 ways on 8 warps, but gate/up with its
+    SiLU-and-mul unsplit on 4 (112-224 programs, and no second launch for the
+    splits). 33-64 rows, untimed: the 32-row tiles, gate/up's on 8 warps (on 4
+    its two [128, 64] accumulators spill in the sm_90 SASS)."""
     if m == 1:
         return W8A8Config(128, 4, 4, 4)
     if silu_mul:
@@ -105,7 +105,7 @@ def fp8_gemv_w8a8(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor,
                   block_k: int = 0, scale_rows: int = 1, bias: torch.Tensor | None = None,
                   config: W8A8Config | None = None, out: torch.Tensor | None = None,
                   silu_mul: bool = False) -> torch.Tensor:
-    """x [M, K] (bf16/fp16, 1-32 rows, unit feature stride) times the FP8 weight [N,
+    """x [M, K] (bf16/fp16, 1-64 rows, unit feature stride) times the FP8 weight [N,
     K] (unit feature stride) with per-row scales [N] (`block_k` 0) or block scales
     [N / scale_rows, K / 128]: [M, N] in x's dtype (`silu_mul`: [M, N / 2])."""
     m, k = x.shape
