@@ -779,21 +779,35 @@ W8A8_TILES = [W8.W8A8Config(64, 4, 2, 1), W8.W8A8Config(64, 4, 3, 2),
               W8.W8A8Config(128, 4, 2, 4), W8.W8A8Config(32, 2, 2, 2)]
 
 
+def w8a8_codes(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The W8A8 GEMV's activation codes in torch: x [M, K] -> (e4m3 [M, K], fp32
+    scales [M, K / 128]), the kernel's arithmetic (x times 448 / amax)."""
+    m, k = x.shape
+    g = x.float().reshape(m, k // W8.GROUP, W8.GROUP)
+    amax = g.abs().amax(dim=2).clamp(min=1e-12)
+    # Tensor divisions, correctly rounded as the kernel's div_rn: torch turns a
+    # Python scalar over a tensor (and, on CUDA, a tensor over a scalar) into a
+    # product with a reciprocal.
+    top = torch.full_like(amax, 448.0)
+    q = (g * (top / amax)[..., None]).clamp(-448, 448).to(FP8)
+    return q.reshape(m, k), amax / top
+
+
 def w8a8_reference(x: torch.Tensor, w: Fp8Weight) -> torch.Tensor:
     """What the W8A8 GEMV computes, in float64 (before bias and dtype): x's group
     codes times their scales, times the dequantized weight."""
     m, k = x.shape
-    q, s = W8.quantize_groups(x)
+    q, s = w8a8_codes(x)
     xd = q.double().reshape(m, k // W8.GROUP, W8.GROUP) * s.double()[..., None]
     return xd.reshape(m, k) @ w.dequantize().double().T
 
 
 def test_w8a8_gemv_codes_are_the_gemm_paths_group_codes():
-    """The GEMV's activation codes and scales (`quantize_groups`, the kernel's
+    """The GEMV's activation codes and scales (`w8a8_codes`, the kernel's
     arithmetic: x times 448 / amax) are the W8A8 GEMM's per-group codes (x / scale)
     but where the product and the quotient round apart, there one code step."""
     x = randn(4, 1024, seed=11, dtype=torch.bfloat16) * 3
-    q, s = W8.quantize_groups(x)
+    q, s = w8a8_codes(x)
     want_q, want_s = fp8_ref_quant(x, 128)
     assert torch.equal(s, want_s)
     a, b = q.view(torch.uint8).int(), want_q.view(torch.uint8).int()

@@ -11,7 +11,8 @@ the arithmetic vLLM and SGLang run FP8 checkpoints with at every batch size
 (dynamic per-token activation scales; per token and group for block weights),
 so it is the same scheme our W8A8 GEMM already runs above the GEMV's rows.
 
-Scheme (`quantize_groups` spells the codes in torch): x's features in groups of 128, per
+Scheme (`w8a8_codes` in tests/gpu/test_quant_kernels.py spells the codes in torch):
+x's features in groups of 128, per
 row and group amax = max(max |x|, 1e-12), codes q = e4m3(clamp(x * (448 /
 amax), +-448)) rounded to nearest even, scale amax / 448. Each step of the loop
 is one group: the [BN, 128] weight tile times the [128, rows] codes on the
@@ -52,7 +53,7 @@ import triton.language as tl
 from radixlm.layers import pdl
 from radixlm.layers.gemv import _silu_mul
 from radixlm.layers.pdl import pdl_trigger, pdl_wait
-from radixlm.layers.quantization.triton_ops.e4m3 import FP8_MAX, round_e4m3
+from radixlm.layers.quantization.triton_ops.e4m3 import round_e4m3
 from radixlm.layers.quantization.triton_ops.int4 import sum_splits
 from radixlm.layers.quantization.triton_ops.mma_gemv import output, splits
 
@@ -130,20 +131,6 @@ def fp8_gemv_w8a8(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor,
         HAS_BIAS=direct and bias is not None, EXACT=not x.is_cuda, num_warps=cfg.warps,
         num_stages=cfg.stages, **pdl.launch_args())
     return y if direct else sum_splits(dest, bias, y, silu_mul)
-
-
-def quantize_groups(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The kernel's activation codes in torch: x [M, K] -> (e4m3 [M, K], fp32 scales
-    [M, K / 128])."""
-    m, k = x.shape
-    g = x.float().reshape(m, k // GROUP, GROUP)
-    amax = g.abs().amax(dim=2).clamp(min=1e-12)
-    # Tensor divisions, correctly rounded as the kernel's div_rn: torch turns a
-    # Python scalar over a tensor (and, on CUDA, a tensor over a scalar) into a
-    # product with a reciprocal.
-    top = torch.full_like(amax, FP8_MAX)
-    q = (g * (top / amax)[..., None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
-    return q.reshape(m, k), amax / top
 
 
 @triton.jit
