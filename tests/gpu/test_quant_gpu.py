@@ -186,18 +186,22 @@ def test_online_fp8_in_a_batch_of_twenty_tracks_its_dequantized_model(model):
     g = torch.Generator().manual_seed(2)
     batch = [torch.randint(10, SIZES["vocab_size"], (5 + 7 * i,), generator=g).tolist()
              for i in range(20)]
-    deq = {k: fp8_per_channel(w)[2] if k.endswith("proj.weight") else w
-           for k, w in floats.items()}
-    ref = write(root / "fp8-online-deq", config, deq, None)
+    ref = _online_fp8_reference(root, config, floats)
     _compare(_run(str(root / "float"), "fp8", batch), _run(ref, None, batch), "fp8 online, 20")
 
 
 def test_online_fp8_on_cuda_tracks_its_dequantized_model(model):
     root, config, floats, prompts = model
+    ref = _online_fp8_reference(root, config, floats)
+    _compare(_run(str(root / "float"), "fp8", prompts), _run(ref, None, prompts), "fp8 online")
+
+
+def _online_fp8_reference(root, config, floats) -> str:
+    """The float model with each projection replaced by what `--quantization fp8`
+    makes of it (per-channel codes times their scales), saved: its path."""
     deq = {k: fp8_per_channel(w)[2] if k.endswith("proj.weight") else w
            for k, w in floats.items()}
-    ref = write(root / "fp8-online-deq", config, deq, None)
-    _compare(_run(str(root / "float"), "fp8", prompts), _run(ref, None, prompts), "fp8 online")
+    return write(root / "fp8-online-deq", config, deq, None)
 
 
 def test_dummy_fp8_and_awq_engines_run(model):

@@ -11,10 +11,10 @@ the arithmetic vLLM and SGLang run FP8 checkpoints with at every batch size
 (dynamic per-token activation scales; per token and group for block weights),
 so it is the same scheme our W8A8 GEMM already runs above the GEMV's rows.
 
-Scheme (`w8a8_codes` in tests/gpu/test_quant_kernels.py spells the codes in torch):
-x's features in groups of 128, per
-row and group amax = max(max |x|, 1e-12), codes q = e4m3(clamp(x * (448 /
-amax), +-448)) rounded to nearest even, scale amax / 448. Each step of the loop
+Scheme (`w8a8_codes` in tests/gpu/test_quant_kernels.py spells the codes in
+torch): x's features in groups of 128, per row and group amax = max(max |x|,
+1e-12), codes q = e4m3(clamp(x * (448 / amax), +-448)) rounded to nearest even,
+scale amax / 448. Each step of the loop
 is one group: the [BN, 128] weight tile times the [128, rows] codes on the
 tensor cores (a fresh fp32 sum of 128 products: Hopper's FP8 MMA sums in less
 than fp32, so it is promoted each group, as DeepSeek-V3's recipe does), times
