@@ -850,7 +850,8 @@ def test_w8a8_gemv_tiles_and_splits(cfg, m):
 def test_w8a8_gemv_silu_mul_and_routing(m, block):
     """silu(gate) * up, in the kernel (one split) or from the split sums, equals
     the activation applied to the plain product's rounded outputs; `fp8_linear`
-    routes 1-32 rows here when asked, and rows past 32 to the W8A8 GEMM."""
+    routes 1 to ROUTE_MAX_ROWS rows here when asked, and rows past them to the
+    W8A8 GEMM (which leaves the activation to its caller)."""
     dtype = DTYPES[0]
     d, k = 128, 256
     w = fp8_weight(2 * d, k, block, [d, d] if block else None, seed=4)
@@ -863,7 +864,7 @@ def test_w8a8_gemv_silu_mul_and_routing(m, block):
     split = W8.W8A8Config(64, 4, 2, 2)  # the activation in the split sums' launch
     check_silu_mul(W8.fp8_gemv_w8a8(x, w.weight, w.scales, w.block_k, w.scale_rows,
                                     config=split, silu_mul=True), plain)
-    many = randn(40, k, seed=6, dtype=dtype)
+    many = randn(W8.ROUTE_MAX_ROWS + 1, k, seed=6, dtype=dtype)
     assert F.fp8_linear(many, *args, silu_mul=True, w8a8_from=1) is None
 
 

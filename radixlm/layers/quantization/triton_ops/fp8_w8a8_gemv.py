@@ -36,7 +36,7 @@ weight (each step's x quantization is a chain of an L2 read, a cross-warp
 reduction and barriers that the weight stream waits on); from 16 rows its
 products are faster (the other one's time grows with the rows, this one's
 barely), and the engine takes it from 17, where that shows end to end
-(`MIN_ROWS`); `$RADIXLM_FP8_GEMV=w8a8` takes it at every row. One
+(`MIN_ROWS`), to 64 (`ROUTE_MAX_ROWS`); `$RADIXLM_FP8_GEMV=w8a8` takes it at every row. One
 row runs as 16 with 15 zero rows: a path that quantized the row once and
 broadcast its codes took 6 barriers a step to the 3 here and was 1.1-1.5x slower;
 loading x's next group a step ahead was 2-12 % slower.
@@ -65,10 +65,14 @@ MAX_ROWS = 64  # x's rows, the MMA's N: padded to 16, 32 or 64
 # sequences (512 in / 128 out) the same either way (3,142 against 3,153 tok/s,
 # medians of 3), of 32 sequences 1.08x (5,245 against 4,855).
 MIN_ROWS = 17
-# Rows up to which it takes them: past 32 rows the engine had the W8A8 GEMM
-# (64 x 64 tiles) before this GEMV took more than 32, and no device run has
-# compared the two there yet (`benchmarks/quant_kernels.py --w8a8-sweep --rows 48,64`).
-ROUTE_MAX_ROWS = 32
+# Rows up to which it takes them, all it holds. At 33-64 rows it replaced the W8A8
+# GEMM (64 x 64 tiles): products alone 0.91-1.35x that (qkv loses at 64 rows),
+# FP8 decode of 48 sequences 1.07x, of 64 a tie (H100, 2026-12-06).
+ROUTE_MAX_ROWS = 64
+# Programs a product's tiles should not exceed past 32 rows: one wave on an
+# H100's 132 SMs (qkv's 192 programs of 128 rows took 25.2 us at 48 rows, 96 of
+# 256 rows 17.4).
+ONE_WAVE = 128
 
 
 class W8A8Config(NamedTuple):
@@ -81,19 +85,24 @@ class W8A8Config(NamedTuple):
         return "x".join(map(str, self))
 
 
-def pick_config(m: int, silu_mul: bool) -> W8A8Config:
+def pick_config(m: int, silu_mul: bool, n: int = 0) -> W8A8Config:
     """From the H100 sweep of Llama-8B's four products (`benchmarks/quant_kernels.py
-    --w8a8-sweep --rows 1,8,16,32`, BENCHMARKS.md 2026-12-06): one row 128-row
-    tiles on 4 warps, K split 4 ways. From 2 rows, up to 16 rows 64-row tiles
-    on 4 warps, above 128-row ones: split 4 ways on 8 warps, but gate/up with its
-    SiLU-and-mul unsplit on 4 (112-224 programs, and no second launch for the
-    splits). 33-64 rows, untimed: the 32-row tiles, gate/up's on 8 warps (on 4
-    its two [128, 64] accumulators spill in the sm_90 SASS)."""
+    --w8a8-sweep --rows 1,8,16,32,48,64`, BENCHMARKS.md 2026-12-06): one row
+    128-row tiles on 4 warps, K split 4 ways. From 2 rows, up to 16 rows 64-row
+    tiles on 4 warps, above 128-row ones: split 4 ways on 8 warps, but gate/up
+    with its SiLU-and-mul unsplit (112-224 programs, and no second launch for the
+    splits), on 4 warps to 32 rows and on 8 above (on 4 its two [128, 64]
+    accumulators spill in the sm_90 SASS). Past 32 rows, a product of `n` rows
+    whose 128-row tiles would make more than `ONE_WAVE` programs takes 256-row
+    ones (qkv)."""
     if m == 1:
         return W8A8Config(128, 4, 4, 4)
     if silu_mul:
         return W8A8Config(64, 4, 4, 1) if m <= 16 else W8A8Config(128, 4 if m <= 32 else 8, 4, 1)
-    return W8A8Config(64, 4, 4, 4) if m <= 16 else W8A8Config(128, 8, 4, 4)
+    if m <= 16:
+        return W8A8Config(64, 4, 4, 4)
+    wide = m > 32 and triton.cdiv(n, 128) * 4 > ONE_WAVE
+    return W8A8Config(256 if wide else 128, 8, 4, 4)
 
 
 def takes(k: int, block_k: int, rows: int) -> bool:
@@ -114,7 +123,7 @@ def fp8_gemv_w8a8(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor,
     assert takes(k, block_k, m), (m, k, block_k)
     assert x.stride(1) == 1 and weight.stride(1) == 1 and weight.shape[1] == k
     assert scales.dtype == torch.float32
-    cfg = config or pick_config(m, silu_mul)
+    cfg = config or pick_config(m, silu_mul, n)
     per, split = splits(k // GROUP, cfg.split)
     n_out = n // 2 if silu_mul else n
     y = output(x, n_out, out)
