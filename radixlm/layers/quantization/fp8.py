@@ -460,15 +460,16 @@ class Fp8Config(QuantizationConfig):
     def describe(self) -> str:
         how = ("per-channel weight scales, dynamic per-token activation scales"
                if self.scheme is None else self.scheme.describe())
-        w8a8 = (f"; of these, {_w8a8.MIN_ROWS}-{_w8a8.ROUTE_MAX_ROWS} rows with FP8 "
-                "activations per token and group of 128 where activations are dynamic"
-                ) if _triton() else ""
+        rows = (_w8a8.MIN_ROWS, _w8a8.ROUTE_MAX_ROWS) if _triton() else None
+        w8a8 = (f"; {rows[0]}-{rows[1]} rows instead with FP8 activations per token and "
+                "group of 128 where activations are dynamic") if rows else ""
         gemv = {"mma": " (1-32 rows on the tensor cores, $RADIXLM_FP8_GEMV=mma: a second copy "
                        f"of the per-row-scaled weights in MMA fragment order; else 1-8{w8a8})",
                 "mma-plain": " (1-32 rows on the tensor cores, reading the per-row-scaled "
                              f"weights where they lie; else 1-8{w8a8})",
-                "w8a8": f" (1-32 rows with FP8 activations per token and group of 128 on the "
-                        f"FP8 tensor cores, ${MMA_ENV}=w8a8, where activations are dynamic)",
+                "w8a8": f" (from one row{f' to {rows[1]}' if rows else ''} with FP8 "
+                        f"activations per token and group of 128 on the FP8 tensor cores, "
+                        f"${MMA_ENV}=w8a8, where activations are dynamic)",
                 "": f" (1-8 rows on the CUDA cores, ${MMA_ENV}=fma)"}[mma_mode()]
         experts = ""
         if self.counts["fp8 experts"] or self.counts["float experts"]:
