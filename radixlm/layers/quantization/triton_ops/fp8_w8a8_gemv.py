@@ -36,10 +36,10 @@ weight (each step's x quantization is a chain of an L2 read, a cross-warp
 reduction and barriers that the weight stream waits on); from 16 rows its
 products are faster (the other one's time grows with the rows, this one's
 barely), and the engine takes it from 17, where that shows end to end
-(`MIN_ROWS`), to 64 (`ROUTE_MAX_ROWS`); `$RADIXLM_FP8_GEMV=w8a8` takes it at every row. One
-row runs as 16 with 15 zero rows: a path that quantized the row once and
-broadcast its codes took 6 barriers a step to the 3 here and was 1.1-1.5x slower;
-loading x's next group a step ahead was 2-12 % slower.
+(`MIN_ROWS`), to 64 (`ROUTE_MAX_ROWS`); `$RADIXLM_FP8_GEMV=w8a8` takes it at
+every row. One row runs as 16 with 15 zero rows: a path that quantized the row
+once and broadcast its codes took 6 barriers a step to the 3 here and was
+1.1-1.5x slower; loading x's next group a step ahead was 2-12 % slower.
 """
 
 from __future__ import annotations
@@ -85,14 +85,14 @@ class W8A8Config(NamedTuple):
         return "x".join(map(str, self))
 
 
-def pick_config(m: int, silu_mul: bool, n: int = 0) -> W8A8Config:
+def pick_config(m: int, silu_mul: bool, n: int) -> W8A8Config:
     """From the H100 sweep of Llama-8B's four products (`benchmarks/quant_kernels.py
     --w8a8-sweep --rows 1,8,16,32,48,64`, BENCHMARKS.md 2026-12-06): one row
     128-row tiles on 4 warps, K split 4 ways. From 2 rows, up to 16 rows 64-row
     tiles on 4 warps, above 128-row ones: split 4 ways on 8 warps, but gate/up
     with its SiLU-and-mul unsplit (112-224 programs, and no second launch for the
     splits), on 4 warps to 32 rows and on 8 above (on 4 its two [128, 64]
-    accumulators spill in the sm_90 SASS). Past 32 rows, a product of `n` rows
+    accumulators spill in the sm_90 SASS). Past 32 rows, a weight of `n` rows
     whose 128-row tiles would make more than `ONE_WAVE` programs takes 256-row
     ones (qkv)."""
     if m == 1:
