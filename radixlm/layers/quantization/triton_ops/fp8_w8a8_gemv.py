@@ -101,8 +101,10 @@ def pick_config(m: int, silu_mul: bool, n: int) -> W8A8Config:
         return W8A8Config(64, 4, 4, 1) if m <= 16 else W8A8Config(128, 4 if m <= 32 else 8, 4, 1)
     if m <= 16:
         return W8A8Config(64, 4, 4, 4)
-    wide = m > 32 and triton.cdiv(n, 128) * 4 > ONE_WAVE
-    return W8A8Config(256 if wide else 128, 8, 4, 4)
+    cfg = W8A8Config(128, 8, 4, 4)
+    if m > 32 and triton.cdiv(n, cfg.bn) * cfg.split > ONE_WAVE:
+        return cfg._replace(bn=256)
+    return cfg
 
 
 def takes(k: int, block_k: int, rows: int) -> bool:
@@ -134,16 +136,12 @@ def fp8_gemv_w8a8(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor,
     cfg = config or pick_config(m, silu_mul, n)
     per, split = splits(k // GROUP, cfg.split)
     n_out = n // 2 if silu_mul else n
-    if x_scales is None:
-        y = output(x, n_out, out)
-    else:
+    if x_scales is not None:
         assert x.dtype == torch.float8_e4m3fn and x_scales.dtype == torch.float32
         assert x_scales.shape == (m, k // GROUP) and x_scales.is_contiguous()
-        if out is None:
-            assert out_dtype in (torch.bfloat16, torch.float16), "x_scales: out or out_dtype"
-            out = torch.empty((m, n_out), device=x.device, dtype=out_dtype)
-        assert out.is_contiguous() and out.numel() == m * n_out
-        y = out.view(m, n_out)
+        out_dtype = out.dtype if out is not None else out_dtype
+        assert out_dtype in (torch.bfloat16, torch.float16), "x_scales: out or out_dtype"
+    y = output(x, n_out, out, out_dtype)
     # One split: the program writes y itself (bias, SiLU-and-mul: its gate rows'
     # up rows alongside); more: fp32 partial sums and `sum_splits`.
     direct = split == 1
