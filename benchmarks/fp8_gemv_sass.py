@@ -18,7 +18,6 @@ counts as a guide to what a tile's loop does, not as the device's code.
 from __future__ import annotations
 
 import collections
-import itertools
 
 import triton
 from sass import divisibility, main_loop, mma_gemv_loop, opcode_counts, signature, sm90_sass
@@ -79,20 +78,17 @@ def main_w8a8() -> None:
     never pass through registers, so "/weight" counts what the loop spends on x,
     scales and addresses per weight."""
     kernel = W8._w8a8_gemv_kernel
-    hints = divisibility(kernel, {"x_ptr", "xs_ptr", "w_ptr", "s_ptr", "out_ptr", "stride_xm",
+    sig = signature(kernel, {"x_ptr": "*bf16", "w_ptr": "*fp8e4nv", "s_ptr": "*fp32",
+                             "b_ptr": "*bf16", "out_ptr": "*fp32"})
+    hints = divisibility(kernel, {"x_ptr", "w_ptr", "s_ptr", "out_ptr", "stride_xm",
                                   "stride_wn", "N"})
-    print("\nthe W8A8 GEMV's loop (a step: 128 features of BN rows, 1-16 rows of x; "
-          "'x codes': x handed over quantized, `x_scales`)")
-    for xq, (bn, warps, stages) in itertools.product(
-            (False, True), [(64, 4, 4), (128, 4, 4), (128, 8, 4), (256, 8, 4)]):
-        sig = signature(kernel, {"x_ptr": "*fp8e4nv" if xq else "*bf16", "xs_ptr": "*fp32",
-                                 "w_ptr": "*fp8e4nv", "s_ptr": "*fp32", "b_ptr": "*bf16",
-                                 "out_ptr": "*fp32"})
+    print("\nthe W8A8 GEMV's loop (a step: 128 features of BN rows, 1-16 rows of x)")
+    for bn, warps, stages in [(64, 4, 4), (128, 4, 4), (128, 8, 4), (256, 8, 4)]:
         consts = dict(BM=16, BN=bn, BLOCK_SCALES=False, SCALE_ROWS=1, DIRECT=False,
-                      SILU_MUL=False, HAS_BIAS=False, EXACT=False, XQ=xq, PDL=True)
+                      SILU_MUL=False, HAS_BIAS=False, EXACT=False, PDL=True)
         body = main_loop(sm90_sass(kernel, sig, consts, warps, stages, hints))
         ops = opcode_counts(body)
-        name = f"{bn} rows, {warps} warps" + (", x codes" if xq else "")
+        name = f"{bn} rows, {warps} warps"
         print(f"{name:<32}{len(body):>7}{len(body) / (bn * 128 / (32 * warps)):>9.2f}"
               f"{ops['BAR']:>5}{ops['LDS']:>5}{ops['STS']:>5}{ops['LDG']:>5}")
 

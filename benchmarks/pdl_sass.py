@@ -84,7 +84,7 @@ def kernels():
     w8a8 = {"x_ptr": b16, "w_ptr": "*fp8e4nv", "s_ptr": f32, "b_ptr": b16, "out_ptr": b16}
     yield ("FP8 W8A8 GEMV, gate/up", W8._w8a8_gemv_kernel, w8a8, (),
            dict(BM=16, BN=64, BLOCK_SCALES=False, SCALE_ROWS=1, DIRECT=True,
-                SILU_MUL=True, HAS_BIAS=False, EXACT=False, XQ=False, PDL=True), 4)
+                SILU_MUL=True, HAS_BIAS=False, EXACT=False, PDL=True), 4)
     int4 = {"x_ptr": b16, "qw_ptr": i32, "z_ptr": i32, "s_ptr": b16, "g_ptr": i32,
             "b_ptr": b16, "y_ptr": b16, "ws_ptr": f32}
     yield ("int4 GEMV, split K", I4._int4_gemv_kernel, int4, (),

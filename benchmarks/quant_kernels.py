@@ -9,7 +9,6 @@ Llama-3.1-8B projection shapes (tp 1), at 1, 8, 64 and 4096 rows.
     python benchmarks/quant_kernels.py --mma-launch --pdl   # tensor-core GEMVs' launch forms
     python benchmarks/quant_kernels.py --int4-gemm-sweep  # int4 GEMM tiles, 16-256 rows
     python benchmarks/quant_kernels.py --w8a8-sweep --pdl  # W8A8 GEMV tiles at 1 row
-    python benchmarks/quant_kernels.py --w8a8-sweep --pdl --xq  # + x handed over quantized
 
 Each variant runs 64 back-to-back calls in one CUDA graph, replayed 10 times
 (median, time / 64), with weights rotating through copies of >= 256 MiB so
@@ -408,14 +407,12 @@ def gemm_route(x: torch.Tensor, w: tuple[torch.Tensor, torch.Tensor],
     return silu_and_mul(y) if silu else y
 
 
-def w8a8_sweep(rows: list[int], out_json: str | None, xq: bool = False) -> None:
+def w8a8_sweep(rows: list[int], out_json: str | None) -> None:
     """The W8A8 GEMV's tiles at each row count (gate_up with its SiLU-and-mul, as
     the engine runs it) beside the engine's route with x in bf16 (the tensor-core
     GEMV reading the weight where it lies, up to its GEMV_ROWS; past them the W8A8
     GEMM, then the activation's own kernel) and the bf16 GEMV on bf16 weights,
-    same run; the best tile per shape and row count into `out_json`. `xq`: each
-    tile also with x handed over already quantized (`x_scales`; the codes made
-    once, outside the timing), what a producer writing them would leave to it."""
+    same run; the best tile per shape and row count into `out_json`."""
     import json
 
     best = {}
@@ -431,12 +428,6 @@ def w8a8_sweep(rows: list[int], out_json: str | None, xq: bool = False) -> None:
                 base = [("route, W8A8 GEMM", lambda x, w, s=silu: gemm_route(x, w, s))]
             calls = [(c.label(), lambda x, w, c=c, s=silu: W8.fp8_gemv_w8a8(
                 x, w[0], w[1], config=c, silu_mul=s)) for c in W8A8_CANDIDATES]
-            if xq:
-                q, qs = F8.quantize_activations(x, 128)
-                calls += [(f"x codes {c.label()}",
-                           lambda x, w, c=c, s=silu, q=q, qs=qs: W8.fp8_gemv_w8a8(
-                               q, w[0], w[1], config=c, silu_mul=s, x_scales=qs,
-                               out_dtype=x.dtype)) for c in W8A8_CANDIDATES]
             res = []
             for label, call in base + calls:
                 try:
@@ -475,8 +466,6 @@ def main() -> None:
     parser.add_argument("--int4-gemm-sweep", action="store_true")
     parser.add_argument("--pdl", action="store_true", help="launch with PDL, as the engine does")
     parser.add_argument("--w8a8-sweep", action="store_true")
-    parser.add_argument("--xq", action="store_true",
-                        help="--w8a8-sweep: also with x handed over quantized")
     parser.add_argument("--json", default=None, help="--w8a8-sweep: best tiles to this file")
     args = parser.parse_args()
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, "
@@ -484,7 +473,7 @@ def main() -> None:
     if args.mma_launch:
         mma_launch()
     elif args.w8a8_sweep:
-        w8a8_sweep([int(r) for r in (args.rows or "1").split(",")], args.json, args.xq)
+        w8a8_sweep([int(r) for r in (args.rows or "1").split(",")], args.json)
     elif args.sweep:
         sweep(fp8=not args.int4_only, int4=not args.fp8_only)
     elif args.int4_gemm_sweep:

@@ -868,26 +868,6 @@ def test_w8a8_gemv_silu_mul_and_routing(m, block):
     assert F.fp8_linear(many, *args, silu_mul=True, w8a8_from=1) is None
 
 
-@pytest.mark.parametrize("m", [1, 17, 64])
-@pytest.mark.parametrize("block", [None, (128, 128)])
-@pytest.mark.parametrize("silu", [False, True])
-def test_w8a8_gemv_takes_x_already_quantized(m, block, silu):
-    """x handed over as its codes and group scales (`x_scales`) gives the same bits
-    as x quantized in the loop, when the codes are the loop's (`w8a8_codes`), unsplit
-    (SiLU in the kernel) and split (the split sums)."""
-    dtype = DTYPES[0]
-    d, k = 192, 384
-    w = fp8_weight(2 * d, k, block, [d, d] if block else None, seed=m + 20)
-    x = randn(m, k, seed=m + 21, dtype=dtype) * 2
-    args = (w.weight, w.scales, w.block_k, w.scale_rows)
-    q, s = w8a8_codes(x)
-    for cfg in (W8.W8A8Config(64, 4, 2, 1), W8.W8A8Config(64, 4, 2, 2)):
-        want = W8.fp8_gemv_w8a8(x, *args, config=cfg, silu_mul=silu)
-        got = W8.fp8_gemv_w8a8(q, *args, config=cfg, silu_mul=silu, x_scales=s,
-                               out_dtype=dtype)
-        assert got.dtype == dtype and torch.equal(got, want)
-
-
 def test_w8a8_gemv_refuses_what_it_cannot_take():
     assert not W8.takes(200, 0, 1)  # K not whole groups
     assert not W8.takes(256, 64, 1)  # blocks of 64 features

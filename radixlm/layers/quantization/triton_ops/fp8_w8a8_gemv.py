@@ -116,18 +116,10 @@ def takes(k: int, block_k: int, rows: int) -> bool:
 def fp8_gemv_w8a8(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor,
                   block_k: int = 0, scale_rows: int = 1, bias: torch.Tensor | None = None,
                   config: W8A8Config | None = None, out: torch.Tensor | None = None,
-                  silu_mul: bool = False, x_scales: torch.Tensor | None = None,
-                  out_dtype: torch.dtype | None = None) -> torch.Tensor:
+                  silu_mul: bool = False) -> torch.Tensor:
     """x [M, K] (bf16/fp16, 1-64 rows, unit feature stride) times the FP8 weight [N,
     K] (unit feature stride) with per-row scales [N] (`block_k` 0) or block scales
-    [N / scale_rows, K / 128]: [M, N] in x's dtype (`silu_mul`: [M, N / 2]).
-
-    `x_scales`: x is already quantized, as e4m3 codes [M, K] with fp32 scales
-    [M, K / 128] (contiguous) per row and group of 128 features (x ~ codes *
-    scale), and the loop only reads them: none of its per-step amax, codes and
-    barriers (sm_90 SASS, 128 x 4 warps: 1.04 instructions a weight against
-    2.23). The result is then in `out_dtype` (or `out`'s). Not yet on a GPU and
-    not routed: producers that write such codes come first."""
+    [N / scale_rows, K / 128]: [M, N] in x's dtype (`silu_mul`: [M, N / 2])."""
     m, k = x.shape
     n = weight.shape[0]
     assert takes(k, block_k, m), (m, k, block_k)
@@ -136,25 +128,19 @@ def fp8_gemv_w8a8(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor,
     cfg = config or pick_config(m, silu_mul, n)
     per, split = splits(k // GROUP, cfg.split)
     n_out = n // 2 if silu_mul else n
-    if x_scales is not None:
-        assert x.dtype == torch.float8_e4m3fn and x_scales.dtype == torch.float32
-        assert x_scales.shape == (m, k // GROUP) and x_scales.is_contiguous()
-        out_dtype = out.dtype if out is not None else out_dtype
-        assert out_dtype in (torch.bfloat16, torch.float16), "x_scales: out or out_dtype"
-    y = output(x, n_out, out, out_dtype)
+    y = output(x, n_out, out)
     # One split: the program writes y itself (bias, SiLU-and-mul: its gate rows'
     # up rows alongside); more: fp32 partial sums and `sum_splits`.
     direct = split == 1
     dest = y if direct else torch.empty((split, m, n), device=x.device, dtype=torch.float32)
     rows = n_out if direct else n
     _w8a8_gemv_kernel[(triton.cdiv(rows, cfg.bn), split)](
-        x, x_scales if x_scales is not None else scales, weight, scales,
-        bias if bias is not None else scales, dest, m, rows, x.stride(0),
+        x, weight, scales, bias if bias is not None else scales, dest, m, rows, x.stride(0),
         weight.stride(0), scales.stride(0) if block_k else 0, 0 if direct else dest.stride(0),
         k // GROUP, per, BM=max(16, triton.next_power_of_2(m)), BN=cfg.bn, BLOCK_SCALES=block_k > 0,
         SCALE_ROWS=scale_rows, DIRECT=direct, SILU_MUL=direct and silu_mul,
-        HAS_BIAS=direct and bias is not None, EXACT=not x.is_cuda, XQ=x_scales is not None,
-        num_warps=cfg.warps, num_stages=cfg.stages, **pdl.launch_args())
+        HAS_BIAS=direct and bias is not None, EXACT=not x.is_cuda, num_warps=cfg.warps,
+        num_stages=cfg.stages, **pdl.launch_args())
     return y if direct else sum_splits(dest, bias, y, silu_mul)
 
 
@@ -178,18 +164,17 @@ def _group_codes(x_ptrs, k, m_ok, EXACT: tl.constexpr):
 
 
 @triton.jit
-def _w8a8_gemv_kernel(x_ptr, xs_ptr, w_ptr, s_ptr, b_ptr, out_ptr, M, N, stride_xm, stride_wn,
+def _w8a8_gemv_kernel(x_ptr, w_ptr, s_ptr, b_ptr, out_ptr, M, N, stride_xm, stride_wn,
                       stride_sn, stride_out, STEPS, SPLIT_STEPS, BM: tl.constexpr,
                       BN: tl.constexpr, BLOCK_SCALES: tl.constexpr, SCALE_ROWS: tl.constexpr,
                       DIRECT: tl.constexpr, SILU_MUL: tl.constexpr, HAS_BIAS: tl.constexpr,
-                      EXACT: tl.constexpr, XQ: tl.constexpr, PDL: tl.constexpr):
+                      EXACT: tl.constexpr, PDL: tl.constexpr):
     """Program (pid 0: BN of the N output rows; pid 1: SPLIT_STEPS groups of K):
     its rows' sums over its groups for x's M rows (padded to BM for the MMA), into
     out [M, N] in its dtype with the bias (DIRECT: one split), else as fp32 partial
     sums at out + pid 1 * stride_out. SILU_MUL (DIRECT): N is half the weight's
     rows; each output row's up row, N further, is summed alongside and
-    silu(gate) * up stored. XQ: x holds e4m3 codes and xs_ptr their scales [M,
-    STEPS], read as they are."""
+    silu(gate) * up stored."""
     pid_k = tl.program_id(1)
     lo = pid_k * SPLIT_STEPS
     hi = tl.minimum(STEPS, lo + SPLIT_STEPS)
@@ -211,11 +196,7 @@ def _w8a8_gemv_kernel(x_ptr, xs_ptr, w_ptr, s_ptr, b_ptr, out_ptr, M, N, stride_
     for step in range(lo, hi):
         k = step * 128
         w = tl.load(w_ptrs + k)
-        if XQ:
-            xt = tl.trans(tl.load(x_ptrs + k, mask=m_ok, other=0.0))
-            xs = tl.load(xs_ptr + offs_m * STEPS + step, mask=offs_m < M, other=0.0)[None, :]
-        else:
-            xt, xs = _group_codes(x_ptrs, k, m_ok, EXACT)
+        xt, xs = _group_codes(x_ptrs, k, m_ok, EXACT)
         d = tl.dot(w, xt) * xs
         if BLOCK_SCALES:
             d *= tl.load(s_rows + step)[:, None]

@@ -284,13 +284,10 @@ def splits(steps: int, split: int) -> tuple[int, int]:
     return per, triton.cdiv(steps, per)
 
 
-def output(x: torch.Tensor, n_out: int, out: torch.Tensor | None,
-           dtype: torch.dtype | None = None) -> torch.Tensor:
-    """The [M, n_out] result for x's M rows in `dtype` (default x's): `out` viewed
-    so, or a new tensor."""
+def output(x: torch.Tensor, n_out: int, out: torch.Tensor | None) -> torch.Tensor:
+    """The [M, n_out] result for x's M rows: `out` viewed so, or a new tensor."""
     m = x.shape[0]
-    dtype = dtype or x.dtype
     if out is None:
-        return torch.empty((m, n_out), device=x.device, dtype=dtype)
-    assert out.is_contiguous() and out.dtype == dtype and out.numel() == m * n_out
+        return torch.empty((m, n_out), device=x.device, dtype=x.dtype)
+    assert out.is_contiguous() and out.dtype == x.dtype and out.numel() == m * n_out
     return out.view(m, n_out)
