@@ -1,0 +1,120 @@
+"""What a decode step would gain if some of its small kernels cost nothing: each chosen
+kind of kernel is left out of the decode CUDA graphs, then a benchmark runs as usual.
+
+    ABLATE=router python benchmarks/decode_ablation.py benchmarks/moe_decode.py --skip-hf
+    ABLATE=norm,s2 python benchmarks/decode_ablation.py -m radixlm.bench quant \\
+        --quantizations fp8 $M --cuda-graph-max-bs 8 --output-len 128
+    python benchmarks/decode_ablation.py benchmarks/moe_decode.py --skip-hf   # nothing left out
+
+TIMING ONLY: the outputs are wrong, by design. The figure it gives is a ceiling: no
+fusion or rewrite of those kernels can gain more than leaving them out does (the
+bytes the step must read stay; only the launches, their memory round trips and
+their place in the chain of dependent kernels go). Kinds (`ABLATE`, comma-separated):
+
+- `norm`: every RMSNorm kernel (fused residual add included: the residual stream
+  then stops being updated);
+- `s2`: decode attention's second stage (the merge of the splits);
+- `rope`: the RoPE kernel, with the K/V store it carries;
+- `router`: the MoE router, both launches: a fixed table of distinct expert ids
+  (`ABLATE_EXPERTS`, "128,8" by default: experts, top-k) with equal weights, so
+  the experts still read k experts' weights a token;
+- `topk`: the router's top-k launch only (its logits launch stays).
+
+Only calls made while a CUDA graph is being captured are left out (prefill runs
+eagerly and stays whole), so what is timed is the decode step of the graphs.
+"""
+
+from __future__ import annotations
+
+import os
+import runpy
+import sys
+
+import torch
+
+from radixlm.layers import fused_ops
+from radixlm.layers.attention import triton_backend
+from radixlm.layers.attention.triton_ops import decode_attention
+from radixlm.layers.moe.triton_ops import topk as topk_ops
+
+KINDS = ("norm", "s2", "rope", "router", "topk")
+capturing = torch.cuda.is_current_stream_capturing
+
+
+def skip_norms() -> None:
+    real = fused_ops.rms_norm
+
+    def rms_norm(x, weight, eps, residual=None, *, pre_weight=None, use_triton=None):
+        if x.is_cuda and capturing():
+            return x if residual is None else (x, residual)
+        return real(x, weight, eps, residual, pre_weight=pre_weight, use_triton=use_triton)
+    fused_ops.rms_norm = rms_norm
+
+
+def skip_stage2() -> None:
+    real = decode_attention._decode_stage2_kernel
+
+    class Launcher:
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                if not capturing():
+                    real[grid](*args, **kwargs)
+            return launch
+    decode_attention._decode_stage2_kernel = Launcher()
+
+
+def skip_rope() -> None:
+    real = fused_ops.apply_rope_
+
+    def apply_rope_(positions, q, k, *args, **kwargs):
+        if q.is_cuda and capturing():
+            return q, k
+        return real(positions, q, k, *args, **kwargs)
+    fused_ops.apply_rope_ = apply_rope_
+    triton_backend.apply_rope_ = apply_rope_  # imported by name there
+
+
+def fix_routing(keep_logits: bool) -> None:
+    experts, top_k = map(int, os.environ.get("ABLATE_EXPERTS", "128,8").split(","))
+    # Made here, before any capture (a copy to the GPU cannot be captured): distinct
+    # ids a row, a different draw for each row.
+    ids = torch.stack([torch.randperm(experts, generator=torch.Generator().manual_seed(r))[:top_k]
+                       for r in range(512)]).int().cuda()
+    weights = torch.full((512, top_k), 1.0 / top_k, device="cuda")
+    real = topk_ops.fused_topk
+
+    def fused_topk(x, weight, k, renormalize, round_dtype=None):
+        if not (x.is_cuda and capturing()) or (weight.shape[0], k) != (experts, top_k):
+            return real(x, weight, k, renormalize, round_dtype)
+        if keep_logits:
+            topk_ops._logits(x, weight, topk_ops.logits_tiles(weight.shape[0], x.shape[1]))
+        return weights[:x.shape[0]], ids[:x.shape[0]]
+    topk_ops.fused_topk = fused_topk  # router.py imports it at each call
+
+
+def main() -> None:
+    chosen = [k for k in os.environ.get("ABLATE", "").split(",") if k]
+    unknown = set(chosen) - set(KINDS)
+    if unknown or len(sys.argv) < 2:
+        sys.exit(f"ABLATE must name kinds among {KINDS} (got {sorted(unknown)}); "
+                 "usage: decode_ablation.py SCRIPT|-m MODULE [ARGS...]")
+    if "norm" in chosen:
+        skip_norms()
+    if "s2" in chosen:
+        skip_stage2()
+    if "rope" in chosen:
+        skip_rope()
+    if "router" in chosen or "topk" in chosen:
+        fix_routing(keep_logits="router" not in chosen)
+    print(f"decode_ablation: left out of the decode graphs: {chosen or 'nothing'}", flush=True)
+    if sys.argv[1] == "-m":
+        sys.argv = sys.argv[2:]
+        runpy.run_module(sys.argv[0], run_name="__main__", alter_sys=True)
+    else:
+        sys.argv = sys.argv[1:]
+        sys.path.insert(0, os.path.dirname(os.path.abspath(sys.argv[0])))
+        runpy.run_path(sys.argv[0], run_name="__main__")
+
+
+if __name__ == "__main__":
+    main()
