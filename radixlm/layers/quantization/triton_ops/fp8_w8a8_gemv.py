@@ -68,7 +68,7 @@ MIN_ROWS = 17
 # Rows up to which it takes them, all it holds. At 33-64 rows it replaced the W8A8
 # GEMM (64 x 64 tiles): products alone 0.91-1.35x that (qkv loses at 64 rows),
 # FP8 decode of 48 sequences 1.12x, of 64 1.02x (H100, medians of 3, 2026-12-06).
-ROUTE_MAX_ROWS = 64
+ROUTE_MAX_ROWS = MAX_ROWS
 # Programs a product's tiles should not exceed past 32 rows: one wave on an
 # H100's 132 SMs (qkv's 192 programs of 128 rows took 25.2 us at 48 rows, 96 of
 # 256 rows 17.4).
