@@ -117,11 +117,11 @@ def logits_tiles(num_experts: int, hidden: int, *, block_e: int = 16,
 
 def topk_warps(num_experts: int) -> int:
     """Warps of a top-k program (one token's [E rounded up] row): one, whatever E.
-    Its reductions then stay inside the warp: a round of the selection is two
-    `redux.sync` (the 64-bit key's max), where 4 warps took a barrier and a trip
-    through shared memory for each of a round's three reductions (51 barriers at
-    E 128, top-8 in the sm_90 SASS, `benchmarks/pdl_sass.py`). Fixed, as the
-    softmax's sum is a tree over the row whose shape the warps set."""
+    Its reductions then stay inside the warp (a round of the selection is two
+    `redux.sync`), where 4 warps took a barrier and a trip through shared memory
+    for each of a round's reductions (51 barriers at E 128, top-8 in the sm_90
+    SASS, `benchmarks/pdl_sass.py`). Fixed, as the softmax's sum is a tree over
+    the row whose shape the warps set."""
     return 1
 
 
@@ -272,24 +272,27 @@ def _topk_kernel(part_ptr, w_out_ptr, id_out_ptr, T, E,
     logits = tl.where(col_ok, logits, float("-inf"))
     p = _exp(logits - tl.max(logits, axis=1)[:, None], LIBDEVICE_EXP)
     probs = p / tl.sum(p, axis=1)[:, None]
-    # One key a lane: the prob's fp32 bits (order-preserving for probs >= 0; NaN,
-    # which torch.topk ranks above all, mapped above inf) plus one, in the high
-    # word; EP - 1 - id in the low word, so that of equal probs the lower id is the
-    # larger key. A round is then one max reduction, and its key carries the prob
-    # bit for bit and the id. Padded and picked experts hold 0, below every real
-    # key (top_k <= E leaves a real one in every round).
+    # A round picks the largest prob, of equal probs the lowest id, as two 32-bit
+    # max reductions: over rank = the prob's fp32 bits (order-preserving for
+    # probs >= 0; NaN, which torch.topk ranks above all, mapped above inf) plus
+    # one, then over EP - 1 - id among the lanes holding that rank. In a warp
+    # each is one `redux.sync`, where one max over 64-bit keys took five shuffle
+    # pairs (this router alone at one token on an H100: 4.7 -> 4.2 us a call,
+    # BENCHMARKS.md 2026-12-06). Padded and picked experts hold rank 0, below
+    # every real one (top_k <= E leaves a real one in every round); the rank
+    # carries the prob bit for bit.
     bits = tl.where(probs != probs, 0x7FC00000, probs.to(tl.int32, bitcast=True))
-    key = ((bits.to(tl.int64) + 1) << 32) | (EP - 1 - cols[None, :]).to(tl.int64)
-    key = tl.where(col_ok, key, 0)
+    rank = tl.where(col_ok, bits + 1, 0)
+    rev_id = EP - 1 - cols[None, :]
     slots = tl.arange(0, KP)[None, :]
     out_w = tl.zeros([1, KP], dtype=tl.float32)
     out_id = tl.zeros([1, KP], dtype=tl.int32)
     total = tl.zeros([1], dtype=tl.float32)
     for j in range(TOP_K):
-        best = tl.max(key, axis=1)
-        pick = (EP - 1 - (best & 0xFFFFFFFF)).to(tl.int32)
-        w = ((best >> 32) - 1).to(tl.int32).to(tl.float32, bitcast=True)  # the prob, exactly
-        key = tl.where(cols[None, :] == pick[:, None], 0, key)
+        best = tl.max(rank, axis=1)
+        pick = EP - 1 - tl.max(tl.where(rank == best[:, None], rev_id, -1), axis=1)
+        w = (best - 1).to(tl.float32, bitcast=True)  # the prob, exactly
+        rank = tl.where(cols[None, :] == pick[:, None], 0, rank)
         total += w  # in order of j, like the slots
         out_w = tl.where(slots == j, w[:, None], out_w)
         out_id = tl.where(slots == j, pick[:, None], out_id)
