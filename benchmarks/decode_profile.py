@@ -126,10 +126,32 @@ def summarize_trace(path: str, top: int = 8) -> list[str]:
     lines.append("top kernels (us/step, calls/step, us/call):")
     for key, (count, dur) in sorted(by_name.items(), key=lambda kv: -kv[1][1])[:top]:
         lines.append(f"  {dur / n:7.0f} {count / n:5.1f} {dur / count:6.1f}  {key}")
+    lines.append("added to the step past the kernel before (us/step, calls/step, us/call):")
+    for key, (count, dur) in sorted(added_time(window).items(), key=lambda kv: -kv[1][1])[:top]:
+        lines.append(f"  {dur / n:7.0f} {count / n:5.1f} {dur / count:6.1f}  {key}")
     lines.append("top host events (us/step):")
     for key, dur in sorted(host.items(), key=lambda kv: -kv[1])[:10]:
         lines.append(f"  {dur / n:7.0f}  {key}")
     return lines
+
+
+def added_time(window: list[dict]) -> dict[str, list[float]]:
+    """Per kernel name: (calls, time) where each kernel's time is how far its end
+    lies past the latest end before it in the stream (0 if it ended earlier).
+    Under PDL a kernel starts early and waits, so its span includes the kernel
+    before it; this attributes the step's end-to-end time instead: the sum over
+    the window is the busy time, and a kernel whose work hid under its
+    predecessor's adds only what ran after that predecessor ended."""
+    added: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
+    end = None
+    for e in window:  # in start order (one stream: ends in the same order)
+        f = e["ts"] + e["dur"]
+        gain = 0.0 if end is None else max(0.0, f - max(end, e["ts"]))
+        row = added[e["name"][:90]]
+        row[0] += 1
+        row[1] += gain if end is not None else e["dur"]
+        end = f if end is None else max(end, f)
+    return added
 
 
 def main() -> None:
