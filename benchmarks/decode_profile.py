@@ -12,7 +12,9 @@ idle time, kernels by kind and by name, host events).
 `--shape` takes a config of `moe_decode.SHAPES` (dummy bf16 weights). Under PDL
 (the default on Hopper) a kernel starts while the one before it runs and waits
 inside, so the per-kernel spans overlap and add up to more than GPU busy;
-`--disable-pdl` gives each kernel's own time (and a slower step). The
+the summary's "added" column gives each kernel the time its end lies past the
+one before (it sums to GPU busy), and `--disable-pdl` each kernel's own time
+(and a slower step). The
 summary is of rank 0 from the 5th CUDA-graph replay on, so prefill and
 warm-up are out; kernels inside a replayed graph are traced one by one.
 `profile_decode(engine, name)` is the same for a running engine (multi_gpu.py
