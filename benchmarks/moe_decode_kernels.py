@@ -44,9 +44,9 @@ LOGITS_TILES = TK.logits_tiles  # the rule the router candidates vary (patched w
 ROUTER_TILES = [(8, 16, 128, 32, 4), (16, 16, 128, 16, 4), (8, 16, 128, 32, 2), (8, 8, 256, 32, 4),
                 (4, 16, 128, 32, 4), (8, 16, 64, 32, 4), (8, 32, 128, 32, 4)]
 # Down (BN, BK, warps, hoist); the first is `pick_gemv_tiles` today (one block where
-# K <= BK), the second the looped form it replaced.
-DOWN_TILES = [(2, 1024, 4, True), (2, 1024, 4, False), (2, 1024, 8, True), (1, 1024, 4, True),
-              (4, 1024, 8, True), (2, 1024, 2, True), (2, 1024, 1, True)]
+# K <= BK), the second the BN it replaced, the third the looped form before that.
+DOWN_TILES = [(1, 1024, 4, True), (2, 1024, 4, True), (2, 1024, 4, False), (1, 1024, 4, False),
+              (2, 1024, 8, True), (1, 1024, 8, True), (1, 1024, 2, True)]
 # Gate/up (BN, BK, warps); the first is `pick_gemv_tiles` today. BK = H (2048 for
 # Qwen3-30B-A3B) makes the loop one step: every load of a program in flight at once.
 GATE_UP_TILES = [(2, 1024, 4), (1, 2048, 4), (2, 2048, 4), (2, 2048, 8), (4, 2048, 8),
@@ -113,8 +113,8 @@ def bench_down(e: int, h: int, inter: int, k: int, rate: float) -> None:
                 + [("gate/up", h, MG.GemvTiles(bn, bk, w)) for bn, bk, w in GATE_UP_TILES])
     try:
         for name, k_varied, tiles in variants:
-            def pick(p, n, kk, tiles=tiles, k_varied=k_varied):
-                return tiles if kk == k_varied else default(p, n, kk)
+            def pick(p, n, kk, down=False, tiles=tiles, k_varied=k_varied):
+                return tiles if kk == k_varied else default(p, n, kk, down)
             MG.pick_gemv_tiles = pick
             form = (" one-block" if tiles.hoist else " looped   ") if name == "down" else ""
             label = f"{name} BN {tiles.block_n} BK {tiles.block_k} {tiles.num_warps}w{form}"

@@ -58,12 +58,18 @@ class GemvConfig(NamedTuple):
 
 
 def pick_config(m: int, n: int, k: int) -> GemvConfig:
-    """The config measured best on an H200 for the Llama-8B shapes (benchmarks/gemv.py --sweep).
+    """The config measured best on an H200 for the Llama-8B shapes (benchmarks/gemv.py --sweep),
+    and at one row on an H100 for smaller matrices.
 
     Mostly a matter of how many programs the grid gets: enough to fill the 132 SMs
     without a small second wave.
     """
     if m == 1:
+        if n * k < 4096 * 4096 and k >= 2048:
+            # Below Llama-8B's smallest (a MoE model's attention: Qwen3-30B-A3B's qkv
+            # 2048 -> 5120 and o 4096 -> 2048), an H100 sweep (benchmarks/
+            # moe_decode_kernels.py) put these at 7.5 and 6.3 us against 9.2 and 7.2.
+            return GemvConfig("fma", 2, 512, 2, 1) if n > k else GemvConfig("fma", 4, 2048, 4, 1)
         return GemvConfig("fma", 4, 1024, 2 if 3072 < n <= 4096 else 4, 1)
     if n <= 4096:
         return GemvConfig("mma", 64, 128, 4, 6) if k <= 2048 else GemvConfig("mma", 16, 512, 2, 4)

@@ -17,7 +17,8 @@ pytestmark = pytest.mark.gpu
 DEV = torch.device("cuda")
 # (K, N): Llama-3.1-8B linears at tp=1, then per rank at tp=2.
 SHAPES = [(4096, 6144), (4096, 4096), (4096, 28672), (14336, 4096), (4096, 128256),
-          (4096, 3072), (2048, 4096), (4096, 14336), (7168, 4096), (4096, 64128)]
+          (4096, 3072), (2048, 4096), (4096, 14336), (7168, 4096), (4096, 64128),
+          (2048, 5120), (4096, 2048)]  # (K, N); the last two take pick_config's small-matrix tiles
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -60,22 +60,30 @@ class GemvTiles(NamedTuple):
     hoist: bool = True
 
 
-def pick_gemv_tiles(programs_per_row: int, n: int, k: int) -> GemvTiles:
+def pick_gemv_tiles(programs_per_row: int, n: int, k: int, down: bool = False) -> GemvTiles:
     """Tiles for one of the two kernels: `programs_per_row` is the grid's first axis
-    (pairs for gate/up, tokens for down), n the output rows, k the features.
+    (pairs for gate/up, tokens for down), n the output rows, k the features,
+    `down` which kernel.
 
     Like the dense GEMV's M == 1 config: few rows and a long K step, so the grid
     has thousands of programs, each with a [BN, BK] fp32 accumulator and only loads
     and FMAs in its loop. A one-run sweep on an H200 (Qwen3-30B-A3B, Mixtral-8x7B,
     OLMoE-1B-7B at T = 1 and 2; BN 2-16, BK 256-1024, 2 or 4 warps) put BN 2,
     BK 1024, 4 warps at or within noise of the best for both kernels at T = 1;
-    BN 16 with BK 256 ran up to 1.5x slower (2 warps and BN 1-4 too, one-block down).
+    BN 16 with BK 256 ran up to 1.5x slower. Down in one block (K <= BK) takes
+    BN 1: its tile holds all k pairs' rows, and half of it leaves room for twice
+    the programs a SM (an H100, Qwen3-30B-A3B's layer: gate/up + down 30.8 ->
+    29.0 us, decode 317-318 -> 328.5 tok/s; BENCHMARKS.md 2026-12-06).
     K not a multiple of BK is masked."""
     del programs_per_row, n  # kept for tuning by grid size
+    block_k = min(1024, triton.next_power_of_2(max(k, 16)))
     # The interpreter runs programs one after another: wider rows keep the CPU tests
-    # (which thus run BN 16, the GPU tests BN 2) within their budget.
-    block_n = 16 if os.environ.get("TRITON_INTERPRET") == "1" else 2
-    return GemvTiles(block_n, min(1024, triton.next_power_of_2(max(k, 16))), 4)
+    # (which thus run BN 16, the GPU tests BN 1-2) within their budget.
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        block_n = 16
+    else:
+        block_n = 1 if down and k <= block_k else 2
+    return GemvTiles(block_n, block_k, 4)
 
 
 def moe_gemv(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
@@ -113,7 +121,7 @@ def _gate_up(x, w13, w13_scale, topk_ids, act, e, inter, h, top_k, activation) -
 
 def _down(act, w2, w2_scale, topk_ids, topk_weights, out, e, h, inter, top_k) -> None:
     t = topk_ids.shape[0]
-    tiles = pick_gemv_tiles(t, h, inter)
+    tiles = pick_gemv_tiles(t, h, inter, True)
     scale, stride_se, mode = _scale_args(w2_scale, act)
     grid = (t, triton.cdiv(h, tiles.block_n))
     _down_kernel[grid](
