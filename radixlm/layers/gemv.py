@@ -66,9 +66,10 @@ def pick_config(m: int, n: int, k: int) -> GemvConfig:
     """
     if m == 1:
         if n * k < 4096 * 4096 and k >= 2048:
-            # Below Llama-8B's smallest (a MoE model's attention: Qwen3-30B-A3B's qkv
-            # 2048 -> 5120 and o 4096 -> 2048), an H100 sweep (benchmarks/
+            # Below Llama-8B's smallest at tp=1 (a MoE model's attention: Qwen3-30B-A3B's
+            # qkv 2048 -> 5120 and o 4096 -> 2048), an H100 sweep (benchmarks/
             # moe_decode_kernels.py) put these at 7.5 and 6.3 us against 9.2 and 7.2.
+            # Llama-8B's per-rank qkv and o at tp=2 fall here too (not measured).
             return GemvConfig("fma", 2, 512, 2, 1) if n > k else GemvConfig("fma", 4, 2048, 4, 1)
         return GemvConfig("fma", 4, 1024, 2 if 3072 < n <= 4096 else 4, 1)
     if n <= 4096:

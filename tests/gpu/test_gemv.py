@@ -15,10 +15,11 @@ from radixlm.layers import gemv as G  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 DEV = torch.device("cuda")
-# (K, N): Llama-3.1-8B linears at tp=1, then per rank at tp=2.
+# (K, N): Llama-3.1-8B linears at tp=1, then per rank at tp=2, then Qwen3-30B-A3B's
+# qkv and o. Those under 4096 x 4096 take pick_config's small-matrix tiles at one row.
 SHAPES = [(4096, 6144), (4096, 4096), (4096, 28672), (14336, 4096), (4096, 128256),
           (4096, 3072), (2048, 4096), (4096, 14336), (7168, 4096), (4096, 64128),
-          (2048, 5120), (4096, 2048)]  # (K, N); the last two take pick_config's small-matrix tiles
+          (2048, 5120), (4096, 2048)]
 
 
 @pytest.fixture(scope="module", autouse=True)
