@@ -583,10 +583,11 @@ def test_direct_one_block_down(monkeypatch, case):
         tw, ti = make_routing(5, 8, 2, "ep", gen)
         kw = dict(w13_scale=s13.contiguous(), w2_scale=s2.contiguous())
         ref = ref_experts(x, d13, d2, tw, ti)
-    tiles = real(x.shape[0], w2.shape[1], w2.shape[2])
+    tiles = real(x.shape[0], w2.shape[1], w2.shape[2], down=True)
     assert tiles.hoist and tiles.block_k >= w2.shape[2]  # the default takes one block
     hoisted = fused_experts(x, w13, w2, tw, ti, direct=True, **kw)
-    monkeypatch.setattr(moe_gemv, "pick_gemv_tiles", lambda *a: real(*a)._replace(hoist=False))
+    monkeypatch.setattr(moe_gemv, "pick_gemv_tiles",
+                        lambda *a, **kw: real(*a, **kw)._replace(hoist=False))
     looped = fused_experts(x, w13, w2, tw, ti, direct=True, **kw)
     assert torch.isfinite(hoisted).all()
     assert rel_err(hoisted, looped.double()) < TOL[dtype] / 8

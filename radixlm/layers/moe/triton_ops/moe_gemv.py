@@ -121,7 +121,7 @@ def _gate_up(x, w13, w13_scale, topk_ids, act, e, inter, h, top_k, activation) -
 
 def _down(act, w2, w2_scale, topk_ids, topk_weights, out, e, h, inter, top_k) -> None:
     t = topk_ids.shape[0]
-    tiles = pick_gemv_tiles(t, h, inter, True)
+    tiles = pick_gemv_tiles(t, h, inter, down=True)
     scale, stride_se, mode = _scale_args(w2_scale, act)
     grid = (t, triton.cdiv(h, tiles.block_n))
     _down_kernel[grid](
