@@ -103,12 +103,8 @@ def summarize_trace(path: str, top: int = 8) -> list[str]:
     first, last = launches[4], launches[-1]
     n = len(launches) - 5
     window = [e for e in gpu if first <= e["ts"] < last]
-    busy, end = 0.0, first
-    for e in window:  # union of busy intervals
-        s, f = max(e["ts"], end), e["ts"] + e["dur"]
-        if f > s:
-            busy += f - s
-            end = f
+    added = added_time(window, first)
+    busy = sum(dur for _, dur in added.values())  # the union of the busy intervals
     by_kind: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
     by_name: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
     for e in window:
@@ -129,7 +125,7 @@ def summarize_trace(path: str, top: int = 8) -> list[str]:
     for key, (count, dur) in sorted(by_name.items(), key=lambda kv: -kv[1][1])[:top]:
         lines.append(f"  {dur / n:7.0f} {count / n:5.1f} {dur / count:6.1f}  {key}")
     lines.append("added to the step past the kernel before (us/step, calls/step, us/call):")
-    for key, (count, dur) in sorted(added_time(window).items(), key=lambda kv: -kv[1][1])[:top]:
+    for key, (count, dur) in sorted(added.items(), key=lambda kv: -kv[1][1])[:top]:
         lines.append(f"  {dur / n:7.0f} {count / n:5.1f} {dur / count:6.1f}  {key}")
     lines.append("top host events (us/step):")
     for key, dur in sorted(host.items(), key=lambda kv: -kv[1])[:10]:
@@ -137,22 +133,21 @@ def summarize_trace(path: str, top: int = 8) -> list[str]:
     return lines
 
 
-def added_time(window: list[dict]) -> dict[str, list[float]]:
+def added_time(window: list[dict], start: float) -> dict[str, list[float]]:
     """Per kernel name: (calls, time) where each kernel's time is how far its end
-    lies past the latest end before it in the stream (0 if it ended earlier).
-    Under PDL a kernel starts early and waits, so its span includes the kernel
-    before it; this attributes the step's end-to-end time instead: the sum over
-    the window is the busy time, and a kernel whose work hid under its
-    predecessor's adds only what ran after that predecessor ended."""
+    lies past the latest end before it in the stream (from `start`; 0 if it ended
+    earlier). Under PDL a kernel starts early and waits, so its span includes the
+    kernel before it; this attributes the step's end-to-end time instead: the sum
+    over the window is the union of the busy intervals, and a kernel whose work hid
+    under its predecessor's adds only what ran after that predecessor ended."""
     added: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
-    end = None
+    end = start
     for e in window:  # in start order (one stream: ends in the same order)
         f = e["ts"] + e["dur"]
-        gain = 0.0 if end is None else max(0.0, f - max(end, e["ts"]))
         row = added[e["name"][:90]]
         row[0] += 1
-        row[1] += gain if end is not None else e["dur"]
-        end = f if end is None else max(end, f)
+        row[1] += max(0.0, f - max(end, e["ts"]))
+        end = max(end, f)
     return added
 
 
