@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import hashlib
 import json
 import statistics
 import tempfile
@@ -106,10 +107,12 @@ def ours(model_dir: str, prompt: list[int], offline: list[list[int]] | None) -> 
             t0 = time.perf_counter()
             e.generate(input_ids=prompt, sampling_params=first)
             t1 = time.perf_counter()
-            e.generate(input_ids=prompt, sampling_params=full)
+            res = e.generate(input_ids=prompt, sampling_params=full)
             t2 = time.perf_counter()
             rates.append(DECODE / ((t2 - t1) - (t1 - t0)))
         out["decode"] = rates
+        # A digest of the greedy tokens: variants of a kernel must agree on it.
+        out["ids_digest"] = hashlib.sha1(str(res["output_ids"]).encode()).hexdigest()[:12]
         runner = e.scheduler.worker.runner
         out["moe"] = [m.describe() for m in runner.model.modules()
                       if type(m).__name__ == "FusedMoE"][:1]
@@ -196,6 +199,7 @@ def main() -> None:
     print(f"copy rate {rate / 1e12:.2f} TB/s; bytes per decode step {total / 1e9:.2f} GB (" +
           ", ".join(f"{k} {v / 1e9:.2f}" for k, v in parts.items()) +
           f"); roofline {roof:.0f} tok/s")
+    print(f"greedy tokens' digest: {mine['ids_digest']}")
     print("| engine | decode tok/s (min / median / max) | of roofline |")
     print("|---|---|---|")
     med = statistics.median(mine["decode"])

@@ -40,6 +40,10 @@ def kernels():
     yield ("router top-k", TK._topk_kernel, {"part_ptr": f32, "w_out_ptr": f32, "id_out_ptr": i32},
            (), dict(S=16, TOP_K=8, EP=128, KP=8, RENORM=True, ROUND=1, LIBDEVICE_EXP=True,
                     PDL=True), TK.topk_warps(128))
+    yield ("RMSNorm + router logits", TK._norm_logits_kernel,
+           {"x_ptr": b16, "r_ptr": b16, "nw_ptr": b16, "w_ptr": f32, "h_ptr": b16, "ro_ptr": b16,
+            "out_ptr": f32}, ("eps",), dict(BLOCK_H=2048, BLOCK_E=TK.NORM_BLOCK_E, PDL=True),
+           TK.NORM_WARPS)
     moe = {"x_ptr": b16, "act_ptr": b16, "w_ptr": b16, "s_ptr": f32, "ids_ptr": i32,
            "topk_w_ptr": f32, "out_ptr": b16}
     yield ("MoE gate/up", MG._gate_up_kernel, moe, (),

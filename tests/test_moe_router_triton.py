@@ -11,6 +11,10 @@ torch router (`TopKRouter` without `fused_kernel`), on the CPU under Triton's in
 - A token's outputs bit for bit alone and inside a batch of 33; padded experts
   (E = 60) never chosen, ties to the lower id; NaN rows; the refusals; the router's
   switch.
+- `fused_norm_topk` (the post-attention norm in the logits kernel, decode batches)
+  against the Triton norm + `fused_topk`: the residual bit for bit, the normalized
+  row within one rounding, ids equal away from near-ties; where the MoE block takes
+  it and where it falls back.
 
 The interpreter must be on before triton is first imported in a process, and a
 process that imported it otherwise (the full suite: other modules import triton
@@ -255,3 +259,115 @@ def test_router_follows_the_experts_backend() -> None:
     for name in ("torch", "cpu"):
         assert not _experts_on_triton(experts(SimpleNamespace(backend=MOE_BACKENDS[name])))
     assert not _experts_on_triton(experts(SimpleNamespace()))  # GGUF experts: no backend
+
+
+# ---- the post-attention norm folded into the logits kernel ---------------------------
+
+def norm_inputs(t: int, h: int, e: int, seed: int, dtype: torch.dtype = torch.bfloat16):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(t, h, generator=gen).to(dtype)
+    residual = (torch.randn(t, h, generator=gen) * 4).to(dtype)
+    norm_w = (1 + torch.randn(h, generator=gen) * 0.2).to(dtype)
+    weight = torch.randn(e, h, generator=gen) * 0.1
+    return x, residual, norm_w, weight
+
+
+@in_interpreter
+@pytest.mark.parametrize("t,h,e,k", [(1, 2048, 128, 8), (8, 256, 60, 4), (3, 100, 8, 2),
+                                     (5, 4096, 64, 8)])
+def test_norm_fused_matches_two_launches(t: int, h: int, e: int, k: int) -> None:
+    from radixlm.layers import fused_ops
+    from radixlm.layers.moe.triton_ops.topk import fused_norm_topk, fused_topk
+
+    x, residual, norm_w, weight = norm_inputs(t, h, e, seed=t * 100 + e)
+    h_out, res_out, weights, ids = fused_norm_topk(x, residual, norm_w, 1e-6, weight, k,
+                                                   renormalize=True, round_dtype=torch.bfloat16)
+    ref_h, ref_res = fused_ops.rms_norm(x, norm_w, 1e-6, residual, use_triton=True)
+    assert torch.equal(res_out, ref_res)  # (the interpreter's bf16 casts truncate)
+    # Both round s * rstd * w once; only the order of the row's sum of squares may differ.
+    ulp = (ref_h.float().abs() * 2.0 ** -7).clamp_min(2.0 ** -126)
+    assert ((h_out.float() - ref_h.float()).abs() <= ulp).all()
+    ref_w, ref_ids = fused_topk(ref_h, weight, k, True, torch.bfloat16)
+    logits = h_out.double() @ weight.double().T
+    top = logits.sort(dim=-1, descending=True).values[:, :k + 1]
+    clear = (top.diff(dim=-1) < -1e-4).all(dim=-1)
+    assert clear.sum() >= t - 1
+    assert torch.equal(ids[clear], ref_ids[clear])
+    assert_weights_match(weights[clear], ref_w[clear], torch.bfloat16, rel=1e-5)
+
+
+@in_interpreter
+def test_norm_fused_rows_are_independent() -> None:
+    """A token's outputs bit for bit alone and at any row of a batch of 8."""
+    from radixlm.layers.moe.triton_ops.topk import fused_norm_topk
+
+    x, residual, norm_w, weight = norm_inputs(8, 256, 64, seed=21)
+    batch = fused_norm_topk(x, residual, norm_w, 1e-5, weight, 4, False)
+    for row in (0, 3, 7):
+        one = fused_norm_topk(x[row:row + 1], residual[row:row + 1], norm_w, 1e-5, weight, 4,
+                              False)
+        assert all(torch.equal(a[0], b[row]) for a, b in zip(one, batch))
+
+
+@in_interpreter
+def test_norm_fused_refuses_what_it_cannot_take() -> None:
+    from radixlm.layers.moe.triton_ops.topk import (
+        NORM_FUSED_MAX_TOKENS,
+        fused_norm_topk,
+        norm_fusable,
+    )
+
+    x, residual, norm_w, weight = norm_inputs(2, 64, 8, seed=22)
+    assert norm_fusable(x, residual, norm_w, weight)
+    big = torch.zeros(NORM_FUSED_MAX_TOKENS + 1, 64, dtype=torch.bfloat16)
+    for args in [(big, big, norm_w, weight), (x.float(), residual.float(), norm_w.float(), weight),
+                 (x, residual, norm_w, weight.bfloat16()), (x, residual.float(), norm_w, weight),
+                 (x, residual, norm_w.float(), weight), (x[:0], residual[:0], norm_w, weight)]:
+        assert not norm_fusable(*args)
+    with pytest.raises(ValueError, match="outside norm_fusable"):
+        fused_norm_topk(big, big, norm_w, 1e-6, weight, 2, True)
+
+
+@in_interpreter
+@pytest.mark.parametrize("t", [1, 8, 9])
+def test_moe_block_folds_the_norm(t: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """SparseMoeBlock.forward_after_norm: the fused router for a decode batch (t <= 8),
+    norm + forward beyond it, and for norms or tensor parallelism it cannot fold; the
+    block's output and residual as norm + forward give them."""
+    from radixlm import distributed as tp
+    from radixlm.layers.moe import block as block_mod
+    from radixlm.layers.moe.router import TopKRouter
+    from radixlm.layers.norm import GemmaRMSNorm, RMSNorm
+
+    h, e, k = 128, 16, 2
+    x, residual, norm_w, weight = norm_inputs(t, h, e, seed=23)
+    # Eighths in [-4, 4]: x + residual is exact in bf16 (the interpreter's casts
+    # truncate where torch's round).
+    x, residual = ((v.float() * 8).round().clamp(-32, 32) / 8 for v in (x, residual))
+    x, residual = x.bfloat16(), residual.bfloat16()
+    router = TopKRouter(e, h, k, renormalize=True, fused_kernel=True)
+    router.weight.data.copy_(weight)
+    seen = []
+
+    def experts(x, weights, ids):  # stands for FusedMoE: a function of all three
+        seen.append(ids.clone())
+        return x * weights.sum(-1, keepdim=True).to(x.dtype) + ids.sum(-1, keepdim=True)
+
+    block = block_mod.SparseMoeBlock(router, experts)
+    norm = RMSNorm(h, 1e-6, torch.bfloat16)
+    norm.weight.data.copy_(norm_w)
+    calls = []
+    real = router.route_after_norm
+    monkeypatch.setattr(router, "route_after_norm",
+                        lambda *a: calls.append(r := real(*a)) or r)
+    out, res = block.forward_after_norm(x, residual, norm)
+    ref_h, ref_res = norm(x, residual, reduce=True)
+    assert (calls[-1] is not None) == (t <= 8)
+    assert torch.equal(res, ref_res)
+    ref_out = block(ref_h)
+    assert torch.equal(seen[0], seen[1]) and torch.allclose(out, ref_out, rtol=2e-2, atol=2e-2)
+    # A Gemma norm and a second rank: norm, then forward.
+    gemma = GemmaRMSNorm(h, 1e-6, torch.bfloat16)
+    assert router.route_after_norm(x[:1], residual[:1], gemma) is None
+    monkeypatch.setattr(tp, "get_tp_size", lambda: 2)
+    assert router.route_after_norm(x[:1], residual[:1], norm) is None

@@ -346,6 +346,8 @@ class DecoderLayer(nn.Module):
         if self.sandwich:
             hidden, residual = self.pre_feedforward_layernorm(
                 hidden, residual, reduce=True, pre_norm=self.post_attention_layernorm)
+        elif isinstance(self.mlp, SparseMoeBlock):  # may fold the norm into its router
+            return self.mlp.forward_after_norm(hidden, residual, self.post_attention_layernorm)
         else:
             hidden, residual = self.post_attention_layernorm(hidden, residual, reduce=True)
         return self.mlp(hidden), residual

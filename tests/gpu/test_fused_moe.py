@@ -763,6 +763,66 @@ def test_router_on_triton_experts():
     assert_weights_match(weights, ref_w, torch.bfloat16)
 
 
+@needs_cuda
+@pytest.mark.parametrize("e,k,h", ROUTER_SHAPES)
+@pytest.mark.parametrize("t", [1, 8])
+def test_norm_router_matches_two_launches(e, k, h, t):
+    """`fused_norm_topk` against the Triton norm + `fused_topk`: the residual bit for
+    bit, the normalized row within one bf16 rounding (the row's sum of squares in
+    another order), ids equal away from near-ties, weights within 1e-5."""
+    from test_moe_router_triton import assert_weights_match, norm_inputs
+
+    from radixlm.layers import fused_ops
+    from radixlm.layers.moe.triton_ops.topk import fused_norm_topk, fused_topk
+
+    x, residual, norm_w, weight = (v.to(DEV) for v in norm_inputs(t, h, e, seed=t + e))
+    normed, res, weights, ids = fused_norm_topk(x, residual, norm_w, 1e-6, weight, k, True,
+                                                torch.bfloat16)
+    ref_h, ref_res = fused_ops.rms_norm(x, norm_w, 1e-6, residual)
+    assert torch.equal(res, ref_res) and torch.equal(res, x + residual)
+    ulp = (ref_h.float().abs() * 2.0 ** -7).clamp_min(2.0 ** -126)
+    assert ((normed.float() - ref_h.float()).abs() <= ulp).all()
+    ref_w, ref_ids = fused_topk(ref_h, weight, k, True, torch.bfloat16)
+    logits = normed.double() @ weight.double().T
+    top = logits.sort(dim=-1, descending=True).values[:, :k + 1]
+    clear = (top.diff(dim=-1) < -1e-4).all(dim=-1)
+    assert clear.sum() >= t - 1
+    assert torch.equal(ids[clear], ref_ids[clear])
+    assert_weights_match(weights[clear], ref_w[clear], torch.bfloat16, rel=1e-5)
+
+
+@needs_cuda
+def test_norm_router_cuda_graph_replay():
+    """Captured once with PDL on (as the decode graphs run it), replayed on new inputs:
+    each replay equals an eager call bit for bit."""
+    from gpu_models import capture_graph
+
+    from radixlm.layers import pdl
+    from radixlm.layers.moe.triton_ops.topk import fused_norm_topk
+
+    e, k, h, t = 128, 8, 2048, 1
+    gen = torch.Generator(device=DEV).manual_seed(18)
+    x = torch.randn(t, h, generator=gen, device=DEV).bfloat16()
+    residual = torch.randn(t, h, generator=gen, device=DEV).bfloat16()
+    norm_w = torch.rand(h, generator=gen, device=DEV).bfloat16() + 0.5
+    weight = torch.randn(e, h, generator=gen, device=DEV) * 0.03
+    was = pdl.pdl_on()
+    pdl.set_pdl(True)
+    try:
+        def step():
+            return fused_norm_topk(x, residual, norm_w, 1e-6, weight, k, True, torch.bfloat16)
+        graph, outs = capture_graph(step)
+        for _ in range(3):
+            x.copy_(torch.randn(t, h, generator=gen, device=DEV))
+            residual.copy_(torch.randn(t, h, generator=gen, device=DEV))
+            graph.replay()
+            refs = step()
+            torch.cuda.synchronize()
+            assert all(torch.equal(a, b) for a, b in zip(outs, refs))
+    finally:
+        pdl.set_pdl(was)
+
+
 # ---- configs (run anywhere) ---------------------------------------------------------
 
 def test_committed_table_is_valid():

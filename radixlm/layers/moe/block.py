@@ -26,8 +26,25 @@ class SparseMoeBlock(nn.Module):
         self.shared_expert = shared_expert
         self.shared_expert_gate = shared_expert_gate
 
+    def forward_after_norm(self, x: torch.Tensor, residual: torch.Tensor, norm: nn.Module
+                           ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(forward(h), x + residual) with h, x + residual = norm(x, residual,
+        reduce=True): the decoder layer's post-attention norm and this block. Where the
+        router can (`TopKRouter.route_after_norm`), the norm runs in its logits
+        kernel: one launch fewer on a decode step's chain."""
+        fused = self.gate.route_after_norm(x, residual, norm)
+        if fused is None:
+            h, residual = norm(x, residual, reduce=True)
+            return self.forward(h), residual
+        h, residual, weights, ids = fused
+        return self._experts(h, weights, ids), residual
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.gate(x)
+        return self._experts(x, weights, ids)
+
+    def _experts(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
+                 ) -> torch.Tensor:
         routed = self.experts(x, weights, ids)
         if self.shared_expert is None:
             return routed

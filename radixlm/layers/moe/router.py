@@ -8,7 +8,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from radixlm import distributed as tp
 from radixlm.layers.linear import default_weight_loader
+from radixlm.layers.norm import RMSNorm
 
 
 class TopKRouter(nn.Module):
@@ -45,6 +47,21 @@ class TopKRouter(nn.Module):
         self.weight = nn.Parameter(torch.empty(num_experts, hidden_size, dtype=torch.float32),
                                    requires_grad=False)
         self.weight.weight_loader = default_weight_loader
+
+    def route_after_norm(self, x: torch.Tensor, residual: torch.Tensor, norm: nn.Module
+                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """(norm(x + residual), x + residual, weights, ids) from one kernel for the
+        norm and the logits (`triton_ops.topk.fused_norm_topk`) where it applies: the
+        fused router, a plain `RMSNorm` on one rank (no all-reduce to fold in), a
+        decode batch. None elsewhere: the caller norms, then calls forward."""
+        if not self.fused_kernel or type(norm) is not RMSNorm or tp.get_tp_size() > 1:
+            return None
+        from radixlm.layers.moe.triton_ops import topk
+
+        if not topk.norm_fusable(x, residual, norm.scale, self.weight):
+            return None
+        return topk.fused_norm_topk(x, residual, norm.scale, norm.eps, self.weight, self.top_k,
+                                    self.renormalize, x.dtype if self.round_weights else None)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights [T, k] float32, expert ids [T, k] int32) for x [T, hidden]."""
