@@ -18,7 +18,13 @@ their place in the chain of dependent kernels go). Kinds (`ABLATE`, comma-separa
 - `router`: the MoE router, both launches: a fixed table of distinct expert ids
   (`ABLATE_EXPERTS`, "128,8" by default: experts, top-k) with equal weights, so
   the experts still read k experts' weights a token;
-- `topk`: the router's top-k launch only (its logits launch stays).
+- `topk`: the router's top-k launch only (its logits launch stays);
+- `norm2`: the decoder layers' post-attention norm only;
+- `logits`: the router's logits launch only (the top-k sums fixed random logits).
+
+`norm2` and `logits` measure the layout before the norm was folded into the
+router's logits kernel (`fused_norm_topk`): with either, MoE layers run the norm
+and the two-launch router apart, as they did when the fold was chosen.
 
 Only calls made while a CUDA graph is being captured are left out (prefill runs
 eagerly and stays whole), so what is timed is the decode step of the graphs.
@@ -35,9 +41,12 @@ import torch
 from radixlm.layers import fused_ops
 from radixlm.layers.attention import triton_backend
 from radixlm.layers.attention.triton_ops import decode_attention
+from radixlm.layers.moe.router import TopKRouter
 from radixlm.layers.moe.triton_ops import topk as topk_ops
+from radixlm.layers.norm import RMSNorm
+from radixlm.models.decoder import DecoderLayer
 
-KINDS = ("norm", "s2", "rope", "router", "topk")
+KINDS = ("norm", "s2", "rope", "router", "topk", "norm2", "logits")
 capturing = torch.cuda.is_current_stream_capturing
 
 
@@ -92,6 +101,38 @@ def fix_routing(keep_logits: bool) -> None:
     topk_ops.fused_topk = fused_topk  # router.py imports it at each call
 
 
+def unfold_norm() -> None:
+    """MoE layers norm, then route in two launches (no `fused_norm_topk`)."""
+    TopKRouter.route_after_norm = lambda self, x, residual, norm: None
+
+
+def skip_post_attention_norms() -> None:
+    real_init, real_forward = DecoderLayer.__init__, RMSNorm.forward
+
+    def init(self, *args, **kwargs):
+        real_init(self, *args, **kwargs)
+        self.post_attention_layernorm.ablated = True
+
+    def forward(self, x, residual=None, *args, **kwargs):
+        if getattr(self, "ablated", False) and x.is_cuda and capturing():
+            return x if residual is None else (x, residual)
+        return real_forward(self, x, residual, *args, **kwargs)
+    DecoderLayer.__init__, RMSNorm.forward = init, forward
+
+
+def fix_logits() -> None:
+    # Made before any capture: fixed random partial logits, as many rows as a graph has.
+    partials = torch.randn(64, 512, 512, generator=torch.Generator().manual_seed(1)).cuda()
+    real = topk_ops._logits
+
+    def logits(x, weight, tiles):
+        if not (x.is_cuda and capturing()):
+            return real(x, weight, tiles)
+        splits = -(-x.shape[1] // tiles.chunk_k)
+        return partials[:splits, :x.shape[0], :weight.shape[0]]
+    topk_ops._logits = logits
+
+
 def main() -> None:
     chosen = [k for k in os.environ.get("ABLATE", "").split(",") if k]
     unknown = set(chosen) - set(KINDS)
@@ -106,6 +147,12 @@ def main() -> None:
         skip_rope()
     if "router" in chosen or "topk" in chosen:
         fix_routing(keep_logits="router" not in chosen)
+    if "norm2" in chosen or "logits" in chosen:
+        unfold_norm()
+    if "norm2" in chosen:
+        skip_post_attention_norms()
+    if "logits" in chosen:
+        fix_logits()
     print(f"decode_ablation: left out of the decode graphs: {chosen or 'nothing'}", flush=True)
     if sys.argv[1] == "-m":
         sys.argv = sys.argv[2:]
