@@ -21,6 +21,10 @@ their place in the chain of dependent kernels go). Kinds (`ABLATE`, comma-separa
 - `topk`: the router's top-k launch only (its logits launch stays);
 - `norm2`: the decoder layers' post-attention norm only;
 - `logits`: the router's logits launch only (the top-k sums fixed random logits).
+- `ksum`: the split-K sums of the tensor-core GEMVs (`mma_gemv.launch`'s second
+  launch); `ABLATE_KSUM_N` (comma-separated output widths) limits it to those
+  products, e.g. "4096" for Llama-8B's o and down, whose sums an add + RMSNorm
+  could take over.
 
 `norm2` and `logits` measure the layout before the norm was folded into the
 router's logits kernel (`fused_norm_topk`): with either, MoE layers run the norm
@@ -46,7 +50,7 @@ from radixlm.layers.moe.triton_ops import topk as topk_ops
 from radixlm.layers.norm import RMSNorm
 from radixlm.models.decoder import DecoderLayer
 
-KINDS = ("norm", "s2", "rope", "router", "topk", "norm2", "logits")
+KINDS = ("norm", "s2", "rope", "router", "topk", "norm2", "logits", "ksum")
 capturing = torch.cuda.is_current_stream_capturing
 
 
@@ -133,6 +137,18 @@ def fix_logits() -> None:
     topk_ops._logits = logits
 
 
+def skip_split_sums() -> None:
+    from radixlm.layers.quantization.triton_ops import mma_gemv
+    widths = {int(w) for w in os.environ.get("ABLATE_KSUM_N", "").split(",") if w}
+    real = mma_gemv.sum_splits
+
+    def sum_splits(ws, bias, y, silu_mul):
+        if ws.is_cuda and capturing() and (not widths or y.shape[-1] in widths):
+            return y
+        return real(ws, bias, y, silu_mul)
+    mma_gemv.sum_splits = sum_splits  # imported by name there
+
+
 def main() -> None:
     chosen = [k for k in os.environ.get("ABLATE", "").split(",") if k]
     unknown = set(chosen) - set(KINDS)
@@ -153,6 +169,8 @@ def main() -> None:
         skip_post_attention_norms()
     if "logits" in chosen:
         fix_logits()
+    if "ksum" in chosen:
+        skip_split_sums()
     print(f"decode_ablation: left out of the decode graphs: {chosen or 'nothing'}", flush=True)
     if sys.argv[1] == "-m":
         sys.argv = sys.argv[2:]
