@@ -103,6 +103,11 @@ def kernels():
     yield ("FP8 GEMV on the tensor cores", MMA.mma_gemv_kernel,
            {**mma, "a_ptr": f32, "b_ptr": f32}, (),
            dict(PTX=F8M.gemv_ptx(1, True, pdl=True), PTX_WAITS=True, **mma_consts), 4)
+    cta = {**mma, "a_ptr": f32, "b_ptr": f32, "bias_ptr": b16, "y_ptr": b16}
+    yield ("FP8 GEMV on the tensor cores, the split-K sum in the program",
+           MMA.mma_gemv_cta_kernel, cta, (),
+           dict(SPLIT=8, ROWS=1, HAS_BIAS=False, PTX=F8M.gemv_ptx(1, True, pdl=True, plain=True),
+                PDL=True, PTX_WAITS=True), 8)
     yield ("int4 split-K sum", I4._int4_split_sum_kernel,
            {"ws_ptr": f32, "b_ptr": b16, "y_ptr": b16}, (),
            dict(SPLIT=8, BLOCK=256, HAS_BIAS=False, SILU_MUL=False, PDL=True, ROWS=False), 2)

@@ -596,6 +596,65 @@ def test_fp8_gemv_mma(m, cfg):
 
 
 @needs_cuda
+@pytest.mark.parametrize("fmt", ["fp8", "fp8-plain", "fp8-block", "int4"])
+@pytest.mark.parametrize("m", [1, 3, 8, 27])
+@pytest.mark.parametrize("split", [4, 8])
+def test_mma_gemv_sum_in_the_program(fmt, m, split):
+    """`MmaConfig.cta_sum` (the split-K sum after a barrier in the program, not a
+    second launch): the same bits as the two launches, with and without bias, for
+    both formats at 1-27 rows; the fused SiLU keeps two launches; inside a CUDA
+    graph replayed on new inputs the sums follow the new x."""
+    from radixlm.layers.quantization.triton_ops import fp8_mma as FM
+    from radixlm.layers.quantization.triton_ops import int4_mma as MM
+    from radixlm.layers.quantization.triton_ops import mma_gemv as MG
+
+    n, k = 512, 2048
+    x = randn(m, k, seed=62, dtype=torch.bfloat16)
+    bias = randn(n, seed=63, dtype=torch.bfloat16)
+    if fmt == "int4":
+        w = int4_weight(n, k, 128, False, seed=61)
+        words = MM.mma_layout(I.unpack_rows(w.qweight))
+
+        def gemv(x, bias=None, silu=False, cfg=None):
+            return MM.int4_gemv_mma(x, words, w.zeros, w.scales, 128, bias, config=cfg,
+                                    silu_mul=silu)
+    else:
+        q, s = quantize_rows(randn(n, k, seed=61, scale=0.05))
+        scale_rows = 0
+        if fmt == "fp8-block":
+            grid = torch.rand(n // 128, k // 128, device=DEV) * 1e-3 + 1e-4
+            s, scale_rows = block_table(grid, [n], 128)
+        words = FM.mma_layout(q)
+
+        def gemv(x, bias=None, silu=False, cfg=None):
+            if fmt == "fp8":
+                return FM.fp8_gemv_mma(x, words, s, bias, config=cfg, silu_mul=silu,
+                                       scale_rows=scale_rows)
+            return FM.fp8_gemv_mma_plain(x, q, s, bias, config=cfg, silu_mul=silu,
+                                         scale_rows=scale_rows)
+    two = MG.MmaConfig(4, 1, split, prefetch=m <= 32)
+    one = two._replace(cta_sum=True)
+    steps = k // 128  # FP8: 128 features a step; int4: a group of 128
+    assert MG.cta_fits(one, steps, False) and not MG.cta_fits(one, steps, True)
+    assert not MG.cta_fits(one._replace(split=3), steps, False)  # 3 warps: two launches
+    for b in (None, bias):
+        assert torch.equal(gemv(x, b, cfg=one), gemv(x, b, cfg=two)), f"bias {b is not None}"
+    assert torch.equal(gemv(x, silu=True, cfg=one), gemv(x, silu=True, cfg=two))
+    # Captured once, replayed on another x: the sums follow the new x.
+    xs = x.clone()
+    out = gemv(xs, bias, cfg=one)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = gemv(xs, bias, cfg=one)
+    x2 = randn(m, k, seed=64, dtype=torch.bfloat16)
+    xs.copy_(x2)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, gemv(x2, bias, cfg=two))
+
+
+@needs_cuda
 @pytest.mark.parametrize("m", [1, 8, 27])
 @pytest.mark.parametrize("case", ["block", "block-fused-parts"])
 def test_fp8_gemv_mma_block_scales(case, m):

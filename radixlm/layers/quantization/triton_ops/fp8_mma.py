@@ -415,7 +415,7 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, n: int,
     shape = (-(-n // scale_rows), k // block_k) if scale_rows else (n,)
     assert scales.shape == shape and scales.dtype == torch.float32 and scales.is_contiguous()
     m = x.shape[0]
-    runs, cfg = row_runs(m, config or pick_config(n))
+    runs, cfg = row_runs(m, config or pick_config(n, fp8=True))
     ptx = gemv_ptx(cfg.nt, cfg.prefetch, m > 1, pdl.pdl_on(), plain=plain, runs=runs,
                    block_shift=block_shift(block_k, scale_rows))
     return launch(ptx, cfg, x, weight, scales, scales, k // (STEP_CHUNKS * CHUNK), stride,

@@ -15,7 +15,20 @@ Under PDL the wait sits inside the PTX, after the first step's weight loads
 (`loop_ptx`'s `pdl`): on an H100, 1-3 % off three of four Llama-8B shapes
 (`benchmarks/quant_kernels.py --mma-launch --pdl`, BENCHMARKS.md 2026-12-05).
 Adding the split-K sums in the kernel's last program instead of a second
-launch was measured there too and lost 0.7-3.6 us a call, so it is not done.
+launch was measured there too and lost 0.7-3.6 us a call (a counter across
+programs, then one program's serial sum).
+
+The split-K sum in the program (`MmaConfig.cta_sum`, `mma_gemv_cta_kernel`):
+one program holds all `split` warps of one row tile, each warp a run of K, so
+after the same PTX has stored the warps' partial sums a barrier is all the sum
+waits for (no counter, no other program): the program adds them in split order
+with the bias, as the second launch would, so the bits are the same. Only the
+PTX's operands differ: per-thread values (the tile, the run of K, the partial
+sums' row), which the PTX reads from operands anyway. On an H100 at one row
+(`.gpuwork`-style sweep recorded in BENCHMARKS.md 2026-12-06): FP8 qkv 11.6 ->
+11.1 us, o 8.2 -> 7.1, down 23.6 -> 22.3; int4 o 5.2 -> 4.6, down 12.8 -> 12.5,
+but int4 qkv (split 4) 7.1 -> 7.2, so `pick_config` takes it for FP8 and for
+the split-8 layers of int4.
 """
 
 from __future__ import annotations
@@ -42,16 +55,25 @@ class MmaConfig(NamedTuple):
     nt: int = 1  # tiles (16 output rows) a warp
     split: int = 8  # programs along K (whole steps each)
     prefetch: bool = False  # the next step's loads before this step's MMAs
+    # The split-K sum inside the program (module docstring; `cta_fits` says when):
+    # then `warps` is unused, a program has `split` warps a tile.
+    cta_sum: bool = False
 
 
-def pick_config(n: int) -> MmaConfig:
+CTA_SUM = True  # whether pick_config may take the sum in the program (module docstring)
+
+
+def pick_config(n: int, fp8: bool = False) -> MmaConfig:
     """4 warps of one tile each and the prefetching loop (in the sm_90 SASS of the
     plain loop ptxas sinks a step's later loads below its first MMAs: two round
     trips a step). K split in 4 where N >= 6144, else in 8: the best or within
     3 % of it for both formats at Llama-3.1-8B's four shapes on an H100
     (`python benchmarks/quant_kernels.py --sweep`, BENCHMARKS.md 2026-12-05),
-    where split 16 at K 14336 lost 4-30 %."""
-    return MmaConfig(4, 1, 4 if n >= 6144 else 8, prefetch=True)
+    where split 16 at K 14336 lost 4-30 %. `cta_sum` (the split-K sum in the
+    program) for FP8 (`fp8`) and for int4's split-8 layers, where it won on an
+    H100 (module docstring)."""
+    split = 4 if n >= 6144 else 8
+    return MmaConfig(4, 1, split, prefetch=True, cta_sum=CTA_SUM and (fp8 or split == 8))
 
 
 def regs(prefix: str, n: int) -> str:
@@ -234,6 +256,62 @@ def mma_gemv_kernel(x_ptr, w_ptr, a_ptr, b_ptr, ws_ptr, TILES, CHUNKS_PER_ROW, N
         dtype=tl.int32, is_pure=False, pack=1)
 
 
+@triton.jit
+def mma_gemv_cta_kernel(x_ptr, w_ptr, a_ptr, b_ptr, ws_ptr, bias_ptr, y_ptr, TILES,
+                        CHUNKS_PER_ROW, N, STEPS, SPLIT_STEPS, int_a, int_b, stride_ws, M,
+                        stride_y, SPLIT: tl.constexpr, ROWS: tl.constexpr,
+                        HAS_BIAS: tl.constexpr, PTX: tl.constexpr, PDL: tl.constexpr,
+                        PTX_WAITS: tl.constexpr):
+    """`mma_gemv_kernel`'s PTX with the split-K sum in the program: program p owns
+    row tile p with SPLIT warps, warp w taking run w of the steps. The PTX computes
+    its tile as $6 + warp, so $6 is passed as p - warp; its run of steps and its
+    partial sums' row ($5, $7, $8) per thread too (one element a thread: thread i
+    holds element i of a [32 SPLIT] tensor). After the PTX a barrier, then the
+    program adds its [SPLIT, M, 16] partial sums in split order and the bias: the
+    second launch's arithmetic (`int4._int4_split_sum_kernel`), so the same bits.
+    ROWS: a power of two >= M. y: [M, N] rows `stride_y` apart."""
+    pid = tl.program_id(0)
+    warp = tl.arange(0, 32 * SPLIT) // 32
+    lo = warp * SPLIT_STEPS
+    hi = tl.minimum(STEPS, lo + SPLIT_STEPS)
+    ws_rows = ws_ptr.to(tl.int64, bitcast=True) + warp.to(tl.int64) * stride_ws * 4
+    one = tl.zeros([32 * SPLIT], dtype=tl.int32)
+    if not PTX_WAITS:
+        pdl_wait(PDL)
+        pdl_trigger(PDL)
+    tl.inline_asm_elementwise(
+        PTX, "=r,l,l,l,l,l,r,r,r,r,r,r,r,r,r",
+        [x_ptr.to(tl.int64, bitcast=True) + one, w_ptr.to(tl.int64, bitcast=True) + one,
+         a_ptr.to(tl.int64, bitcast=True) + one, b_ptr.to(tl.int64, bitcast=True) + one,
+         ws_rows, pid - warp, lo, hi, TILES + one, CHUNKS_PER_ROW + one, N + one,
+         int_a + one, int_b + one, M + one],
+        dtype=tl.int32, is_pure=False, pack=1)
+    tl.debug_barrier()  # every warp's partial sums stored (CTA-scope ordering)
+    rows = tl.arange(0, ROWS)
+    cols = pid * 16 + tl.arange(0, 16)
+    ok = (rows < M)[:, None]
+    at = ws_ptr + rows[:, None] * N + cols[None, :]
+    # .cg: from L2, where the other warps' stores went (not a stale L1 line)
+    acc = tl.load(at, mask=ok, other=0.0, cache_modifier=".cg")
+    for s in tl.static_range(1, SPLIT):
+        acc += tl.load(at + s * stride_ws, mask=ok, other=0.0, cache_modifier=".cg")
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + cols).to(tl.float32)[None, :]
+    tl.store(y_ptr + rows[:, None] * stride_y + cols[None, :], acc.to(y_ptr.dtype.element_ty),
+             mask=ok)
+
+
+def cta_fits(cfg: MmaConfig, steps: int, silu_mul: bool) -> bool:
+    """Whether `mma_gemv_cta_kernel` takes this launch: `cfg.cta_sum`, one tile a
+    warp, no fused SiLU (gate/up stays on two launches: in the program, with the
+    up tile's warps beside the gate tile's, it was level for FP8 and 18 % slower
+    for int4 on an H100), and K split in a power of two of runs (Triton's warps),
+    at most 16."""
+    split = splits(steps, cfg.split)[1]
+    return (cfg.cta_sum and cfg.nt == 1 and not silu_mul and split & (split - 1) == 0
+            and split <= 16)
+
+
 def row_runs(m: int, cfg: MmaConfig) -> tuple[int, MmaConfig]:
     """The runs of 8 rows that x [m, K] takes, and `cfg` without the prefetching
     loop where that many runs would spill its registers."""
@@ -271,6 +349,13 @@ def launch(ptx: str, cfg: MmaConfig, x: torch.Tensor, words: torch.Tensor, a: to
     per, split = splits(steps, cfg.split)
     ws = torch.empty((split, m, n), device=x.device, dtype=torch.float32)
     y = output(x, n // 2 if silu_mul else n, out)
+    if cta_fits(cfg, steps, silu_mul):
+        mma_gemv_cta_kernel[(tiles,)](
+            x, words, a, b, ws, bias if bias is not None else ws, y, tiles, chunks_per_row, n,
+            steps, per, int_a, int_b, ws.stride(0), m, y.stride(0), SPLIT=split,
+            ROWS=triton.next_power_of_2(m), HAS_BIAS=bias is not None, PTX=ptx,
+            PTX_WAITS=PDL_LINES[0] in ptx, num_warps=split, **pdl.launch_args())
+        return y
     mma_gemv_kernel[(triton.cdiv(tiles, cfg.warps * cfg.nt), split)](
         x, words, a, b, ws, tiles, chunks_per_row, n, steps, per, int_a, int_b,
         ws.stride(0), m, WARPS=cfg.warps, PTX=ptx, PTX_WAITS=PDL_LINES[0] in ptx,
