@@ -239,10 +239,21 @@ def mma_gemv_kernel(x_ptr, w_ptr, a_ptr, b_ptr, ws_ptr, TILES, CHUNKS_PER_ROW, N
     first / past-last step, $9 TILES, $10 CHUNKS_PER_ROW, $11 N, $12 / $13 the
     format's two integers, $14 M (x's rows). PTX_WAITS: the PTX holds the PDL
     wait and trigger (`loop_ptx`'s `pdl`), else they come before it."""
-    one = tl.zeros([32 * WARPS], dtype=tl.int32)
     lo = tl.program_id(1) * SPLIT_STEPS
     hi = tl.minimum(STEPS, lo + SPLIT_STEPS)
     ws_row = ws_ptr + tl.program_id(1).to(tl.int64) * stride_ws
+    _run_ptx(PTX, tl.zeros([32 * WARPS], dtype=tl.int32), x_ptr, w_ptr, a_ptr, b_ptr,
+             ws_row.to(tl.int64, bitcast=True), tl.program_id(0) * WARPS, lo, hi, TILES,
+             CHUNKS_PER_ROW, N, int_a, int_b, M, PDL, PTX_WAITS)
+
+
+@triton.jit
+def _run_ptx(PTX: tl.constexpr, one, x_ptr, w_ptr, a_ptr, b_ptr, ws_row, first_warp, lo, hi,
+             TILES, CHUNKS_PER_ROW, N, int_a, int_b, M, PDL: tl.constexpr,
+             PTX_WAITS: tl.constexpr):
+    """The PTX over `one`'s threads (a [32 warps] tensor of zeros), each operand a
+    scalar or a per-thread tensor (`mma_gemv_kernel` says what $0-$14 are); the PDL
+    wait and trigger before it unless the PTX holds them."""
     if not PTX_WAITS:
         pdl_wait(PDL)
         pdl_trigger(PDL)
@@ -250,9 +261,8 @@ def mma_gemv_kernel(x_ptr, w_ptr, a_ptr, b_ptr, ws_ptr, TILES, CHUNKS_PER_ROW, N
         PTX, "=r,l,l,l,l,l,r,r,r,r,r,r,r,r,r",
         [x_ptr.to(tl.int64, bitcast=True) + one, w_ptr.to(tl.int64, bitcast=True) + one,
          a_ptr.to(tl.int64, bitcast=True) + one, b_ptr.to(tl.int64, bitcast=True) + one,
-         ws_row.to(tl.int64, bitcast=True) + one, tl.program_id(0) * WARPS + one,
-         lo + one, hi + one, TILES + one, CHUNKS_PER_ROW + one, N + one, int_a + one,
-         int_b + one, M + one],
+         ws_row + one, first_warp + one, lo + one, hi + one, TILES + one,
+         CHUNKS_PER_ROW + one, N + one, int_a + one, int_b + one, M + one],
         dtype=tl.int32, is_pure=False, pack=1)
 
 
@@ -275,17 +285,8 @@ def mma_gemv_cta_kernel(x_ptr, w_ptr, a_ptr, b_ptr, ws_ptr, bias_ptr, y_ptr, TIL
     lo = warp * SPLIT_STEPS
     hi = tl.minimum(STEPS, lo + SPLIT_STEPS)
     ws_rows = ws_ptr.to(tl.int64, bitcast=True) + warp.to(tl.int64) * stride_ws * 4
-    one = tl.zeros([32 * SPLIT], dtype=tl.int32)
-    if not PTX_WAITS:
-        pdl_wait(PDL)
-        pdl_trigger(PDL)
-    tl.inline_asm_elementwise(
-        PTX, "=r,l,l,l,l,l,r,r,r,r,r,r,r,r,r",
-        [x_ptr.to(tl.int64, bitcast=True) + one, w_ptr.to(tl.int64, bitcast=True) + one,
-         a_ptr.to(tl.int64, bitcast=True) + one, b_ptr.to(tl.int64, bitcast=True) + one,
-         ws_rows, pid - warp, lo, hi, TILES + one, CHUNKS_PER_ROW + one, N + one,
-         int_a + one, int_b + one, M + one],
-        dtype=tl.int32, is_pure=False, pack=1)
+    _run_ptx(PTX, tl.zeros([32 * SPLIT], dtype=tl.int32), x_ptr, w_ptr, a_ptr, b_ptr, ws_rows,
+             pid - warp, lo, hi, TILES, CHUNKS_PER_ROW, N, int_a, int_b, M, PDL, PTX_WAITS)
     tl.debug_barrier()  # every warp's partial sums stored (CTA-scope ordering)
     rows = tl.arange(0, ROWS)
     cols = pid * 16 + tl.arange(0, 16)
