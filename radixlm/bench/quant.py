@@ -14,6 +14,13 @@ but the input embedding table, of which a step reads a row per token), decode
 tok/s and its share of the HBM roofline (copy bandwidth / those bytes, single
 stream), output tok/s, and both ratios to the first quantization listed (the
 peer, normally `none`).
+
+`--repeats N` (default 3) goes over the list N times, every other round in
+reverse order: on an H100 the engines a process ran before moved a figure by
+up to 7 % (FP8 second in both orders: 275.8 decode tok/s after bf16, 294.3
+after AWQ; BENCHMARKS.md 2026-12-06), so one pass in one order biases the
+ratios. Figures are min / median / max of the rounds; ratios and the
+roofline share are of the medians.
 """
 
 from __future__ import annotations
@@ -21,6 +28,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import gc
+import statistics
 
 import torch
 
@@ -80,21 +88,52 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--input-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=256)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--repeats", type=int, default=3,
+                        help="rounds over the list, every other one in reverse order")
     ServerArgs.add_cli_args(parser)
     args = parser.parse_args(argv)
     server_args = ServerArgs.from_cli_args(args)
     if server_args.tp_size * server_args.dp_size > 1:
         parser.error("one device: the table reads the in-process model runner")
-    rows = [run_one(server_args, q, args) for q in args.quantizations.split(",")]
-    peer = rows[0]
+    if args.repeats < 1:
+        parser.error("--repeats must be >= 1")
+    order = args.quantizations.split(",")
+    runs: dict[str, list[Row]] = {q: [] for q in order}
+    for i in range(args.repeats):
+        for q in order if i % 2 == 0 else order[::-1]:
+            runs[q].append(run_one(server_args, q, args))
+    print_table(order, runs, args, server_args)
+
+
+def spread(values: list[float], fmt: str) -> str:
+    """'median' for one value, else 'min / median / max'."""
+    if len(values) == 1:
+        return format(values[0], fmt)
+    return " / ".join(format(v, fmt) for v in
+                      (min(values), statistics.median(values), max(values)))
+
+
+def print_table(order: list[str], runs: dict[str, list[Row]], args: argparse.Namespace,
+                server_args: ServerArgs) -> None:
+    def median(q: str, field: str) -> float:
+        return statistics.median(getattr(r, field) for r in runs[q])
+
+    peer = order[0]
     print(f"\nworkload: {args.num_prompts} x {args.input_len} in / {args.output_len} out, "
-          f"dtype {server_args.dtype}, load format {server_args.load_format}")
-    print(f"{'quantization':<14}{'GB/step':>9}{'decode tok/s':>14}{'ratio':>8}{'roofline':>10}"
-          f"{'output tok/s':>14}{'ratio':>8}{'prefill s':>11}")
-    for r in rows:
-        share = f"{r.decode_tok_s / r.roofline_tok_s:.0%}" if r.roofline_tok_s else "-"
-        print(f"{r.quantization:<14}{r.step_bytes / 1e9:>9.2f}{r.decode_tok_s:>14.1f}"
-              f"{r.decode_tok_s / peer.decode_tok_s:>7.2f}x{share:>10}{r.output_tok_s:>14.1f}"
-              f"{r.output_tok_s / peer.output_tok_s:>7.2f}x{r.prefill_s:>11.3f}")
+          f"dtype {server_args.dtype}, load format {server_args.load_format}; "
+          f"{args.repeats} round(s), alternate ones in reverse order")
+    print(f"{'quantization':<14}{'GB/step':>9}  {'decode tok/s':<24}{'ratio':>7}{'roofline':>10}"
+          f"  {'output tok/s':<24}{'ratio':>7}{'prefill s':>11}")
+    for q in order:
+        rows = runs[q]
+        decode = median(q, "decode_tok_s")
+        rooflines = [r.roofline_tok_s for r in rows if r.roofline_tok_s]
+        share = f"{decode / statistics.median(rooflines):.0%}" if rooflines else "-"
+        print(f"{q:<14}{rows[0].step_bytes / 1e9:>9.2f}  "
+              f"{spread([r.decode_tok_s for r in rows], '.1f'):<24}"
+              f"{decode / median(peer, 'decode_tok_s'):>6.2f}x{share:>10}  "
+              f"{spread([r.output_tok_s for r in rows], '.1f'):<24}"
+              f"{median(q, 'output_tok_s') / median(peer, 'output_tok_s'):>6.2f}x"
+              f"{median(q, 'prefill_s'):>11.3f}")
     print("roofline: the copy bandwidth over GB/step, times the prompts (decode bound by "
-          "reading the weights once per step)")
+          "reading the weights once per step); ratios of medians")
