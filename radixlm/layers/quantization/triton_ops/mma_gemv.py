@@ -25,10 +25,10 @@ waits for (no counter, no other program): the program adds them in split order
 with the bias, as the second launch would, so the bits are the same. Only the
 PTX's operands differ: per-thread values (the tile, the run of K, the partial
 sums' row), which the PTX reads from operands anyway. On an H100 at one row
-(`.gpuwork`-style sweep recorded in BENCHMARKS.md 2026-12-06): FP8 qkv 11.6 ->
-11.1 us, o 8.2 -> 7.1, down 23.6 -> 22.3; int4 o 5.2 -> 4.6, down 12.8 -> 12.5,
-but int4 qkv (split 4) 7.1 -> 7.2, so `pick_config` takes it for FP8 and for
-the split-8 layers of int4.
+(the kernels alone in CUDA graphs with PDL, BENCHMARKS.md 2026-12-06): FP8 qkv
+11.6 -> 11.1 us, o 8.2 -> 7.1, down 23.6 -> 22.3; int4 o 5.2 -> 4.6, down 12.8
+-> 12.5, but int4 qkv (split 4) 7.1 -> 7.2, so `pick_config` takes it for FP8
+and for the split-8 layers of int4. End to end: FP8 single stream +3 %, AWQ +2 %.
 """
 
 from __future__ import annotations
