@@ -37,7 +37,7 @@ from pdl_sass import case_ops, kernels  # noqa: E402
 import radixlm  # noqa: E402
 
 # Device functions that take PDL and are called from kernels, not launched.
-HELPERS = {"pdl_wait", "pdl_trigger", "_down_one_block"}
+HELPERS = {"pdl_wait", "pdl_trigger", "_down_one_block", "_run_ptx"}
 GLOBAL_WRITES = ("STG", "ATOM", "RED")
 PTXAS = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
 
