@@ -21,10 +21,10 @@ their place in the chain of dependent kernels go). Kinds (`ABLATE`, comma-separa
 - `topk`: the router's top-k launch only (its logits launch stays);
 - `norm2`: the decoder layers' post-attention norm only;
 - `logits`: the router's logits launch only (the top-k sums fixed random logits).
-- `ksum`: the split-K sums of the tensor-core GEMVs (`mma_gemv.launch`'s second
-  launch); `ABLATE_KSUM_N` (comma-separated output widths) limits it to those
-  products, e.g. "4096" for Llama-8B's o and down, whose sums an add + RMSNorm
-  could take over.
+- `ksum`: the split-K sums of the tensor-core GEMVs that still take a second
+  launch (`mma_gemv.launch`: gate/up's with the fused SiLU, int4's split-4
+  layers; the others add theirs in the program, `MmaConfig.cta_sum`);
+  `ABLATE_KSUM_N` (comma-separated output widths) limits it to those products.
 
 `norm2` and `logits` measure the layout before the norm was folded into the
 router's logits kernel (`fused_norm_topk`): with either, MoE layers run the norm
