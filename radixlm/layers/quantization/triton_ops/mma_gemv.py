@@ -60,9 +60,6 @@ class MmaConfig(NamedTuple):
     cta_sum: bool = False
 
 
-CTA_SUM = True  # whether pick_config may take the sum in the program (module docstring)
-
-
 def pick_config(n: int, fp8: bool = False) -> MmaConfig:
     """4 warps of one tile each and the prefetching loop (in the sm_90 SASS of the
     plain loop ptxas sinks a step's later loads below its first MMAs: two round
@@ -73,7 +70,7 @@ def pick_config(n: int, fp8: bool = False) -> MmaConfig:
     program) for FP8 (`fp8`) and for int4's split-8 layers, where it won on an
     H100 (module docstring)."""
     split = 4 if n >= 6144 else 8
-    return MmaConfig(4, 1, split, prefetch=True, cta_sum=CTA_SUM and (fp8 or split == 8))
+    return MmaConfig(4, 1, split, prefetch=True, cta_sum=fp8 or split == 8)
 
 
 def regs(prefix: str, n: int) -> str:
