@@ -9,6 +9,7 @@ Llama-3.1-8B projection shapes (tp 1), at 1, 8, 64 and 4096 rows.
     python benchmarks/quant_kernels.py --mma-launch --pdl   # tensor-core GEMVs' launch forms
     python benchmarks/quant_kernels.py --int4-gemm-sweep  # int4 GEMM tiles, 16-256 rows
     python benchmarks/quant_kernels.py --w8a8-sweep --pdl  # W8A8 GEMV tiles at 1 row
+    python benchmarks/quant_kernels.py --split-sweep --pdl  # tensor-core GEMVs: split, sum form
 
 Each variant runs 64 back-to-back calls in one CUDA graph, replayed 10 times
 (median, time / 64), with weights rotating through copies of >= 256 MiB so
@@ -34,6 +35,7 @@ microseconds per call, weight bytes read / time (TB/s), 2MNK / time (TFLOP/s).
 from __future__ import annotations
 
 import argparse
+import functools
 import math
 import statistics
 from collections.abc import Callable
@@ -222,6 +224,40 @@ def sweep(fp8: bool = True, int4: bool = True) -> None:
             _time_configs(f"int4 {name}", x, lambda n=n, k=k: int4_weights(n, k), n * k // 2,
                           calls, T4.pick_gemv_config(n, k, 128))
         torch.cuda.empty_cache()
+
+
+def split_sweep() -> None:
+    """The tensor-core one-row GEMVs (int4 g128, FP8 plain) as the engine runs them
+    (gate_up with its SiLU), K split in 2-16 with the split-K sum in a second launch
+    or in the program (`MmaConfig.cta_sum`; not with the SiLU): what `pick_config`'s
+    split and sum form should be on this card. "*": the pick."""
+    print(f"{'shape':<9}{'format':<6}{'split':>6}{'sum':>9}{'us':>8}{'TB/s':>7}")
+    for name, k, n in SHAPES:
+        x = torch.randn(1, k, device=DEV).bfloat16()
+        silu = name == "gate_up"
+        for fmt in ("int4", "fp8"):
+            int4 = fmt == "int4"
+            pick = M4.pick_config(n) if int4 else F8M.pick_config(n, fp8=True)
+            nbytes = n * k // 2 + 3 * n * k // 128 if int4 else n * k
+            ws = copies(functools.partial(int4_weights if int4 else fp8_row_weights, n, k),
+                        nbytes)
+            for split in (2, 4, 8, 16):
+                for cta in ((False,) if silu else (False, True)):
+                    cfg = MG.MmaConfig(4, 1, split, True, cta)
+                    t = time_graph(_mma_call(int4, cfg, silu), x, ws)
+                    mark = "*" if (split, cta) == (pick.split, pick.cta_sum) else ""
+                    print(f"{name:<9}{fmt:<6}{split:>6}{'program' if cta else 'launch':>9}"
+                          f"{t * 1e6:>8.2f}{nbytes / t / 1e12:>7.2f} {mark}", flush=True)
+            del ws
+            torch.cuda.empty_cache()
+
+
+def _mma_call(int4: bool, cfg: MG.MmaConfig, silu: bool) -> Call:
+    """The tensor-core GEMV on `int4_weights` / `fp8_row_weights` under `cfg`."""
+    if int4:
+        return lambda x, w: M4.int4_gemv_mma(x, w[3], w[1], w[2], 128, config=cfg,
+                                             silu_mul=silu)
+    return lambda x, w: F8M.fp8_gemv_mma_plain(x, w[0], w[1], config=cfg, silu_mul=silu)
 
 
 def mma_launch() -> None:
@@ -466,12 +502,15 @@ def main() -> None:
     parser.add_argument("--int4-gemm-sweep", action="store_true")
     parser.add_argument("--pdl", action="store_true", help="launch with PDL, as the engine does")
     parser.add_argument("--w8a8-sweep", action="store_true")
+    parser.add_argument("--split-sweep", action="store_true")
     parser.add_argument("--json", default=None, help="--w8a8-sweep: best tiles to this file")
     args = parser.parse_args()
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, "
           f"PDL {pdl.set_pdl(args.pdl, DEV)}")
     if args.mma_launch:
         mma_launch()
+    elif args.split_sweep:
+        split_sweep()
     elif args.w8a8_sweep:
         w8a8_sweep([int(r) for r in (args.rows or "1").split(",")], args.json)
     elif args.sweep:
