@@ -116,6 +116,11 @@ def int4_weights(n: int, k: int) -> tuple[torch.Tensor, ...]:
     return I.pack_rows(q), zeros, scales, M4.mma_layout(q)
 
 
+def int4_bytes(n: int, k: int) -> int:
+    """What an int4 g128 product reads: the nibbles, a zero byte and an fp16 scale a group."""
+    return n * k // 2 + 3 * n * k // 128
+
+
 def variants(m: int, n: int, k: int) -> dict[str, tuple[Call, Callable[[], object], int]]:
     """name -> (call, weight maker, weight bytes read per call)."""
     out: dict[str, tuple[Call, Callable[[], object], int]] = {}
@@ -151,7 +156,7 @@ def variants(m: int, n: int, k: int) -> dict[str, tuple[Call, Callable[[], objec
 
     def int4(x, w):
         return T4.int4_linear(x, w[0], w[1], w[2], 128, None)
-    out["int4 g128"] = (int4, lambda: int4_weights(n, k), n * k // 2 + 3 * n * k // 128)
+    out["int4 g128"] = (int4, lambda: int4_weights(n, k), int4_bytes(n, k))
     if m <= M4.MAX_ROWS:
         out["int4 g128 MMA"] = (lambda x, w: M4.int4_gemv_mma(x, w[3], w[1], w[2], 128),
                                 out["int4 g128"][1], out["int4 g128"][2])
@@ -238,7 +243,7 @@ def split_sweep() -> None:
         for fmt in ("int4", "fp8"):
             int4 = fmt == "int4"
             pick = M4.pick_config(n) if int4 else F8M.pick_config(n, fp8=True)
-            nbytes = n * k // 2 + 3 * n * k // 128 if int4 else n * k
+            nbytes = int4_bytes(n, k) if int4 else n * k
             ws = copies(functools.partial(int4_weights if int4 else fp8_row_weights, n, k),
                         nbytes)
             for split in (2, 4, 8, 16):
