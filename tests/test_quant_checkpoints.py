@@ -493,7 +493,7 @@ def test_our_int4_packers_write_what_the_tools_write():
     assert torch.equal(I.unpack_rows(I.pack_rows(q)), q)
 
 
-def test_bench_quant_prints_each_method_beside_the_first(aligned, capsys):
+def test_bench_quant_prints_each_method_beside_the_first(aligned, capsys, monkeypatch):
     """`bench quant` end to end on the CPU (it runs on the GPU only when a device is
     lent, so a broken attribute there would cost a device call): two rounds, the
     second in reverse order, figures as min / median / max."""
@@ -501,13 +501,11 @@ def test_bench_quant_prints_each_method_beside_the_first(aligned, capsys):
 
     order = []
     real = bench_quant.run_one
-    bench_quant.run_one = lambda sa, q, a: order.append(q) or real(sa, q, a)
-    try:
-        bench_quant.main(["--model-path", aligned[2], "--quantizations", "none,fp8",
-                          "--input-len", "8", "--output-len", "4", "--device", "cpu",
-                          "--dtype", "float32", "--skip-tokenizer-init", "--repeats", "2"])
-    finally:
-        bench_quant.run_one = real
+    monkeypatch.setattr(bench_quant, "run_one",
+                        lambda sa, q, a: order.append(q) or real(sa, q, a))
+    bench_quant.main(["--model-path", aligned[2], "--quantizations", "none,fp8",
+                      "--input-len", "8", "--output-len", "4", "--device", "cpu",
+                      "--dtype", "float32", "--skip-tokenizer-init", "--repeats", "2"])
     assert order == ["none", "fp8", "fp8", "none"]  # every other round reversed
     table = capsys.readouterr().out.split("quantization", 1)[1]
     rows = {line.split()[0]: line for line in table.splitlines()[1:] if line.strip()}
