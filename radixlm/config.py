@@ -27,6 +27,8 @@ REASONING_PARSERS = ("deepseek-r1", "qwen3")
 # same), "none" (float weights; a .gguf file dequantized at load). A weight method adds its
 # name here and in layers/quantization/__init__.py.
 QUANTIZATIONS = ("auto", "none", "gguf", "int8", "fp8", "awq", "gptq", "compressed-tensors")
+# --lm-head-quantization choices (layers/quantization/fp8_head.py).
+LM_HEAD_QUANTIZATIONS = ("none", "fp8")
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 # --speculative-algorithm: who drafts the tokens a verify step checks (radixlm/speculative/).
 SPECULATIVE_ALGORITHMS = ("NGRAM", "STANDALONE", "EAGLE", "EAGLE3")
@@ -60,6 +62,11 @@ class ServerArgs:
         "compressed-tensors: checkpoints in those formats (awq/gptq on a float config: "
         "random int4 weights with --load-format dummy)", QUANTIZATIONS,
         default=None)
+    lm_head_quantization: str = _opt(
+        "model", "The LM head's weights: none (as the checkpoint has them; every format "
+        "leaves the head in bf16/fp16) or fp8 (FP8 codes with a scale per vocabulary row, "
+        "whatever --quantization is: a decode step reads half the head's bytes, the logits "
+        "move by FP8 rounding)", LM_HEAD_QUANTIZATIONS, default="none")
     context_length: int | None = _opt("model", "Override the model's context length", default=None)
     skip_tokenizer_init: bool = _opt(
         "model", "No tokenizer: token ids in and out only (e.g. dummy benchmark models)",

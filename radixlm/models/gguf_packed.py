@@ -180,13 +180,14 @@ KEEP_BLOCKS_BY_DEFAULT = True
 def quant_config(hf_config: PretrainedConfig, gguf_path: Path, quantization: str | None,
                  device: torch.device, dtype: torch.dtype = torch.float32, *,
                  prepack: bool = True, gemv: bool = True,
-                 moe_backend: str = "auto", deterministic: bool = False) -> QuantizationConfig:
+                 moe_backend: str = "auto", deterministic: bool = False,
+                 lm_head: str = "none") -> QuantizationConfig:
     """The config of a model loaded from the .gguf file `gguf_path`: its blocks
     in our kernels (`quantization` 'gguf', or auto where that is the default),
     or floats ('none'; auto on a GPU or in float16). The choice and its reason
     go to the log."""
     floats = UnquantizedConfig(prepack=prepack, gemv=gemv, moe_backend=moe_backend,
-                               deterministic=deterministic)
+                               deterministic=deterministic, lm_head=lm_head)
     if quantization == "int8":
         raise ValueError("quantization='int8' quantizes a float checkpoint; a .gguf file keeps "
                          "its own blocks (--quantization gguf) or is dequantized (none)")

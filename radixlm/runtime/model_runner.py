@@ -26,6 +26,7 @@ from radixlm.layers.attention.base import AttentionBackend, AttentionShape
 from radixlm.layers.attention.radix_attention import RadixAttention
 from radixlm.layers.attention.registry import attention_backend_class
 from radixlm.layers.quantization import QuantizationConfig, get_quantization_config
+from radixlm.layers.quantization.fp8_head import check_head_quantized
 from radixlm.runtime.memory_plan import KVPools, KVRequest
 
 logger = logging.getLogger(__name__)
@@ -91,6 +92,8 @@ class ModelRunner:
         self.vocab_size = config.vocab_size
         self.model = load_model(model_dir, config, args.load_format, self.dtype, self.device,
                                 seed=args.random_seed, quant_config=self._quant_config())
+        if args.lm_head_quantization != "none":
+            check_head_quantized(self.model, args.lm_head_quantization)
         self.layers = sorted((m for m in self.model.modules() if isinstance(m, RadixAttention)),
                              key=lambda m: m.layer_id)
         spec = self.model.kv_spec()
@@ -137,7 +140,8 @@ class ModelRunner:
         args = self.args
         fast = {"prepack": not args.disable_weight_prepack, "gemv": not args.disable_gemv,
                 "moe_backend": args.moe_runner_backend,
-                "deterministic": args.enable_deterministic_inference}
+                "deterministic": args.enable_deterministic_inference,
+                "lm_head": args.lm_head_quantization}
         if (gguf := gguf_file(args)) is not None:
             return quant_config(self.config, gguf, args.quantization, self.device, self.dtype,
                                 **fast)

@@ -25,6 +25,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 if not torch.cuda.is_available():
     pytest.skip("needs CUDA", allow_module_level=True)
@@ -83,9 +84,9 @@ def model(tmp_path_factory):
     return root, config, floats, prompts
 
 
-def _run(path: str, quantization: str | None, prompts: list[list[int]]):
+def _run(path: str, quantization: str | None, prompts: list[list[int]], **kw):
     with radixlm.Engine(path, dtype="bfloat16", skip_tokenizer_init=True,
-                        max_total_tokens=8192, quantization=quantization) as e:
+                        max_total_tokens=8192, quantization=quantization, **kw) as e:
         return e.generate(input_ids=prompts, sampling_params={"max_new_tokens": NEW,
                                                               "temperature": 0,
                                                               "ignore_eos": True},
@@ -202,6 +203,22 @@ def _online_fp8_reference(root, config, floats) -> str:
     deq = {k: fp8_per_channel(w)[2] if k.endswith("proj.weight") else w
            for k, w in floats.items()}
     return write(root / "fp8-online-deq", config, deq, None)
+
+
+@pytest.mark.parametrize("fmt", ["float", "awq-g128"])
+def test_fp8_lm_head_on_cuda_tracks_its_dequantized_model(fmt, model):
+    """--lm-head-quantization fp8 (a float model, an AWQ checkpoint): the head's
+    products on the FP8 GEMV and GEMM against the model whose head holds the
+    dequantized codes."""
+    root, config, floats, prompts = model
+    src, deq = str(root / "float"), dict(floats)
+    if fmt != "float":
+        src, deq_path = write_pair(root, fmt, config, floats, *FORMATS[fmt])
+        deq = load_file(str(Path(deq_path) / "model.safetensors"))
+    deq["lm_head.weight"] = fp8_per_channel(deq["lm_head.weight"])[2]
+    ref = write(root / f"{fmt}-fp8-head-deq", config, deq, None)
+    _compare(_run(src, None, prompts, lm_head_quantization="fp8"), _run(ref, None, prompts),
+             f"{fmt} + fp8 head")
 
 
 def test_dummy_fp8_and_awq_engines_run(model):

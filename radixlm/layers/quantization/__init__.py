@@ -51,7 +51,8 @@ __all__ = ["QUANTIZATION_METHODS", "EmbeddingMethod", "FusedMoEMethod", "LinearM
 def get_quantization_config(hf_config: Any, quantization: str | None = None, *,
                             prepack: bool = True, gemv: bool = True,
                             moe_backend: str = "auto",
-                            deterministic: bool = False) -> QuantizationConfig:
+                            deterministic: bool = False,
+                            lm_head: str = "none") -> QuantizationConfig:
     """The config for a model from a checkpoint directory: `quantization`
     (None or 'auto': what the checkpoint's config.json declares, unquantized
     when it declares nothing; 'none': unquantized). ValueError for a method we
@@ -59,14 +60,15 @@ def get_quantization_config(hf_config: Any, quantization: str | None = None, *,
     unquantized fast paths (--disable-weight-prepack, --disable-gemv);
     `moe_backend`: where float experts run (--moe-runner-backend);
     `deterministic`: batch-invariant float products instead
-    (--enable-deterministic-inference). A .gguf
+    (--enable-deterministic-inference); `lm_head`: the LM head's format
+    (--lm-head-quantization, `fp8_head.py`). A .gguf
     file's config comes from `models/gguf_packed.quant_config`."""
     declared = getattr(hf_config, "quantization_config", None)
     if quantization not in (None, "auto", "none") and quantization not in QUANTIZATION_METHODS:
         known = ", ".join(["auto", "none", *QUANTIZATION_METHODS])
         raise ValueError(f"quantization={quantization!r}: expected one of {known}")
     floats = UnquantizedConfig(prepack=prepack, gemv=gemv, moe_backend=moe_backend,
-                               deterministic=deterministic)
+                               deterministic=deterministic, lm_head=lm_head)
     if declared is None:
         return _for_floats(quantization, floats)
     declared = declared if isinstance(declared, dict) else declared.to_dict()

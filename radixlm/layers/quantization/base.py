@@ -195,6 +195,9 @@ class QuantizationConfig(ABC):
     # The --quantization name, and the quantization_config "quant_method" of
     # checkpoints in this format (None: the unquantized default).
     name: ClassVar[str | None] = None
+    # The config of the layers this format leaves float (the LM head among them),
+    # set by formats that have such layers.
+    fallback: QuantizationConfig | None = None
 
     @classmethod
     def from_hf_config(cls, hf_quant_config: dict[str, Any], **options: Any
@@ -212,7 +215,9 @@ class QuantizationConfig(ABC):
 
     def get_embedding_method(self, layer: Any, prefix: str) -> EmbeddingMethod:
         """The method of an embedding table ('model.embed_tokens', or 'lm_head'
-        for an untied head's table); default: float rows."""
+        for an untied head's table); default: the fallback's, else float rows."""
+        if self.fallback is not None:
+            return self.fallback.get_embedding_method(layer, prefix)
         from radixlm.layers.quantization.unquantized import UnquantizedEmbeddingMethod
 
         return UnquantizedEmbeddingMethod()
