@@ -503,13 +503,14 @@ def test_bench_quant_prints_each_method_beside_the_first(aligned, capsys, monkey
     real = bench_quant.run_one
     monkeypatch.setattr(bench_quant, "run_one",
                         lambda sa, q, a: order.append(q) or real(sa, q, a))
-    bench_quant.main(["--model-path", aligned[2], "--quantizations", "none,fp8",
+    bench_quant.main(["--model-path", aligned[2], "--quantizations", "none,fp8,none:fp8",
                       "--input-len", "8", "--output-len", "4", "--device", "cpu",
                       "--dtype", "float32", "--skip-tokenizer-init", "--repeats", "2"])
-    assert order == ["none", "fp8", "fp8", "none"]  # every other round reversed
+    # every other round reversed
+    assert order == ["none", "fp8", "none:fp8", "none:fp8", "fp8", "none"]
     table = capsys.readouterr().out.split("quantization", 1)[1]
     rows = {line.split()[0]: line for line in table.splitlines()[1:] if line.strip()}
-    assert {"none", "fp8"} <= set(rows)
+    assert {"none", "fp8", "none:fp8"} <= set(rows)
     assert rows["none"].count(" / ") == 4  # min / median / max, decode and output
     assert "1.00x" in rows["none"]
 

@@ -1,6 +1,6 @@
 """Quantized weights beside the unquantized model, in one run.
 
-    python -m radixlm.bench quant --quantizations none,fp8,awq [--num-prompts 1]
+    python -m radixlm.bench quant --quantizations none,fp8,awq,awq:fp8 [--num-prompts 1]
         [--input-len 128 --output-len 256] [SERVER ARGS]
 
 For each quantization in turn (a fresh Engine with the same server
@@ -13,7 +13,8 @@ per quantization: the bytes of weights one decode step reads (every parameter
 but the input embedding table, of which a step reads a row per token), decode
 tok/s and its share of the HBM roofline (copy bandwidth / those bytes, single
 stream), output tok/s, and both ratios to the first quantization listed (the
-peer, normally `none`).
+peer, normally `none`). An entry `Q:HEAD` also sets --lm-head-quantization HEAD
+(`awq:fp8`: AWQ layers, the LM head in FP8).
 
 `--repeats N` (default 3) goes over the list N times, every other round in
 reverse order: on an H100 the engines a process ran before moved a figure by
@@ -47,17 +48,29 @@ class Row:
 
 
 def step_bytes(model: torch.nn.Module) -> int:
-    """Bytes of parameters one decode step reads: all but an untied input embedding."""
+    """Bytes one decode step reads: every parameter but the input embedding table,
+    and the LM head as its products read it (a tied head's FP8 codes, not the
+    shared float table)."""
+    def size(t: torch.Tensor) -> int:
+        return t.numel() * t.element_size()
+
     embed = model.model.embed_tokens.weight
-    tied = getattr(model, "lm_head", None) is not None and model.lm_head.weight is embed
-    return sum(p.numel() * p.element_size() for p in model.parameters()
-               if tied or p is not embed)
+    head = getattr(model, "lm_head", None)
+    nbytes = sum(size(p) for p in model.parameters() if p is not embed)
+    if head is not None and head.weight is embed:  # tied: its codes, else the float table
+        fp8 = getattr(head, "fp8", None)
+        nbytes += size(embed) if fp8 is None else size(fp8.weight) + size(fp8.scales)
+    return nbytes
 
 
-def run_one(server_args: ServerArgs, quantization: str, args: argparse.Namespace) -> Row:
+def run_one(server_args: ServerArgs, entry: str, args: argparse.Namespace) -> Row:
+    """One engine for a `--quantizations` entry: 'QUANTIZATION' or 'QUANTIZATION:HEAD'
+    (HEAD the --lm-head-quantization, e.g. 'awq:fp8')."""
     from radixlm.engine import Engine
 
-    engine = Engine(**{**vars(server_args), "quantization": quantization})
+    quantization, _, head = entry.partition(":")
+    engine = Engine(**{**vars(server_args), "quantization": quantization,
+                       "lm_head_quantization": head or server_args.lm_head_quantization})
     try:
         runner = engine.scheduler.worker.runner
         prompts = random_prompts(args.num_prompts, args.input_len, engine.scheduler.vocab_size,
@@ -70,7 +83,7 @@ def run_one(server_args: ServerArgs, quantization: str, args: argparse.Namespace
         roofline = None
         if device.type == "cuda":
             roofline = measure_copy_bandwidth(device) / nbytes * args.num_prompts
-        return Row(quantization, nbytes, result.decode_tok_s, result.tok_s, ttft, roofline)
+        return Row(entry, nbytes, result.decode_tok_s, result.tok_s, ttft, roofline)
     finally:
         engine.shutdown()
         del engine
@@ -83,7 +96,9 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="radixlm.bench quant",
                                      description=__doc__.split("\n\n")[0])
     parser.add_argument("--quantizations", default="none,fp8,awq",
-                        help="comma-separated --quantization values; the first is the peer")
+                        help="comma-separated --quantization values, each optionally "
+                        "with :HEAD, the --lm-head-quantization (awq:fp8); the first is "
+                        "the peer")
     parser.add_argument("--num-prompts", type=int, default=1)
     parser.add_argument("--input-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=256)

@@ -3,6 +3,7 @@ fixed text and greedy agreement, on real weights (default: the embedded SmolLM2)
 
     python -m radixlm.bench quant-perplexity [--formats none,fp8,awq,gptq]
         [--group-size 64] [--new-tokens 32] [SERVER ARGS]
+    python -m radixlm.bench quant-perplexity --formats none,none:fp8,awq,awq:fp8
 
 `none` is the float model (a .gguf file is first converted, dequantized, to
 an HF directory); `fp8` quantizes it at load (per-channel FP8 weights,
@@ -11,7 +12,8 @@ load int4 checkpoints this script writes from the float weights by
 round-to-nearest in the tools' layouts (AWQ: asymmetric, zero points; GPTQ:
 symmetric, v1), groups of --group-size input features: a baseline of int4
 weights without AWQ's activation-aware scales or GPTQ's error feedback,
-which only lower the perplexity further. Prints, per format, the perplexity
+which only lower the perplexity further. `FORMAT:fp8` (e.g. `none:fp8`,
+`awq:fp8`) adds `--lm-head-quantization fp8`: the LM head in FP8. Prints, per format, the perplexity
 of the text (teacher-forced) and its change against `none`, and how many
 greedy tokens of ten fixed prompts agree with `none` before the first
 divergence (EOS ignored).
@@ -73,7 +75,9 @@ def linear_weight_bytes(engine: Any) -> int:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="radixlm.bench quant-perplexity",
                                      description=__doc__.split("\n\n")[0])
-    parser.add_argument("--formats", default="none,fp8,awq,gptq")
+    parser.add_argument("--formats", default="none,fp8,awq,gptq",
+                        help="comma-separated; FORMAT:HEAD also sets --lm-head-quantization "
+                        "HEAD (none:fp8: float layers, the LM head in FP8)")
     parser.add_argument("--group-size", type=int, default=64,
                         help="int4 group size (SmolLM2's 576 features are not groups of 128)")
     parser.add_argument("--new-tokens", type=int, default=32)
@@ -90,12 +94,14 @@ def main(argv: list[str] | None = None) -> None:
     results = {}
     with tempfile.TemporaryDirectory(prefix="radixlm-int4-") as tmp:
         for fmt in formats:
-            path, quantization = model_dir, ("none" if fmt == "none" else fmt)
-            if fmt in ("awq", "gptq"):
-                path = write_int4(model_dir, Path(tmp) / fmt, fmt, args.group_size)
+            layers, _, head = fmt.partition(":")
+            path, quantization = model_dir, layers
+            if layers in ("awq", "gptq"):
+                path = write_int4(model_dir, Path(tmp) / layers, layers, args.group_size)
                 quantization = "auto"
             kwargs = {**vars(server_args), "model_path": path, "quantization": quantization,
-                      "load_format": "auto"}
+                      "load_format": "auto",
+                      "lm_head_quantization": head or server_args.lm_head_quantization}
             with Engine(**kwargs) as engine:
                 nbytes = linear_weight_bytes(engine)
                 tokens, gaps = greedy(engine, PROMPTS, args.new_tokens)
