@@ -236,6 +236,19 @@ def test_greedy_tokens_equal_and_drafts_are_the_drafters(models: dict[str, str],
         assert drafts == ref.drafts(tokens, len(drafts)), tokens
 
 
+@pytest.mark.parametrize("algo", ["STANDALONE", "EAGLE"])
+def test_an_fp8_lm_head_keeps_speculation_lossless(models: dict[str, str], algo: str) -> None:
+    """--lm-head-quantization fp8 reaches the draft's head too: greedy tokens as
+    the same FP8-head target's without speculation."""
+    head = {"lm_head_quantization": "fp8"}
+    want, _, _ = _serve(models["target"], _prompts(), **head)
+    draft = models["draft"] if algo == "STANDALONE" else models["eagle"]
+    out, sched, _ = _serve(models["target"], _prompts(),
+                           **_spec(algo, draft, speculative_num_steps=3), **head)
+    assert out == want
+    assert sched.stats.num_draft_tokens > 0
+
+
 def test_a_model_drafting_for_itself_has_every_draft_accepted(
         models: dict[str, str], plain: dict[str, list[int]]) -> None:
     """The draft KV is the target's own KV then: any slot or position mixed up in

@@ -85,12 +85,13 @@ def head_method(layer: Any) -> LinearMethod:
 def check_head_quantized(model: Any, lm_head: str) -> None:
     """ValueError where --lm-head-quantization `lm_head` did not reach the model's
     head: a format that quantizes the head itself (a .gguf file's blocks, int8,
-    a compressed-tensors checkpoint listing the head) or a model without one."""
+    a compressed-tensors checkpoint listing the head). A model without a head of
+    its own (an EAGLE draft multiplying by the target's) has nothing to check."""
     head = getattr(model, "lm_head", None)
-    method = getattr(head, "quant_method", None)
-    if isinstance(method, (Fp8OnlineLinearMethod, Fp8TiedHeadMethod)):
+    if head is None:
         return
-    what = (f"the head's weights are {type(method).__name__}'s" if method is not None
-            else f"{type(model).__name__} has no LM head")
-    raise ValueError(f"lm_head_quantization={lm_head!r}: {what} (the weight format "
-                     "quantizes the head itself); use --lm-head-quantization none")
+    method = head.quant_method
+    if not isinstance(method, (Fp8OnlineLinearMethod, Fp8TiedHeadMethod)):
+        raise ValueError(f"lm_head_quantization={lm_head!r}: the weight format holds the LM "
+                         f"head itself ({type(method).__name__}); use "
+                         "--lm-head-quantization none")
