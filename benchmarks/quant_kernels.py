@@ -10,6 +10,7 @@ Llama-3.1-8B projection shapes (tp 1), at 1, 8, 64 and 4096 rows.
     python benchmarks/quant_kernels.py --int4-gemm-sweep  # int4 GEMM tiles, 16-256 rows
     python benchmarks/quant_kernels.py --w8a8-sweep --pdl  # W8A8 GEMV tiles at 1 row
     python benchmarks/quant_kernels.py --split-sweep --pdl  # tensor-core GEMVs: split, sum form
+    python benchmarks/quant_kernels.py --head-sweep --pdl  # the LM head: bf16 GEMV vs FP8 GEMV
 
 Each variant runs 64 back-to-back calls in one CUDA graph, replayed 10 times
 (median, time / 64), with weights rotating through copies of >= 256 MiB so
@@ -255,6 +256,29 @@ def split_sweep() -> None:
                           f"{t * 1e6:>8.2f}{nbytes / t / 1e12:>7.2f} {mark}", flush=True)
             del ws
             torch.cuda.empty_cache()
+
+
+def head_sweep(n: int = 128256, k: int = 4096) -> None:
+    """The LM head at one row (Llama-3.1-8B's: 128256 x 4096): the bf16 GEMV the
+    engine runs for a float head beside the FP8 tensor-core GEMV of
+    `--lm-head-quantization fp8`, K split in 1-8 with the sum in a second launch or
+    in the program. "*": `pick_config`'s."""
+    x = torch.randn(1, k, device=DEV).bfloat16()
+    ws = copies(lambda: torch.randn(n, k, device=DEV).bfloat16() * 0.02, 2 * n * k)
+    t = time_graph(lambda x, w: gemv(x, w), x, ws)
+    print(f"bf16 GEMV: {t * 1e6:.1f} us, {2 * n * k / t / 1e12:.2f} TB/s")
+    del ws
+    torch.cuda.empty_cache()
+    pick = F8M.pick_config(n, fp8=True)
+    ws = copies(functools.partial(fp8_row_weights, n, k), n * k)
+    print(f"{'split':>6}{'sum':>9}{'us':>8}{'TB/s':>7}")
+    for split in (1, 2, 4, 8):
+        for cta in (False, True):
+            cfg = MG.MmaConfig(4, 1, split, True, cta)
+            t = time_graph(_mma_call(False, cfg, False), x, ws)
+            mark = "*" if (split, cta) == (pick.split, pick.cta_sum) else ""
+            print(f"{split:>6}{'program' if cta else 'launch':>9}{t * 1e6:>8.2f}"
+                  f"{n * k / t / 1e12:>7.2f} {mark}", flush=True)
 
 
 def _mma_call(int4: bool, cfg: MG.MmaConfig, silu: bool) -> Call:
@@ -508,6 +532,8 @@ def main() -> None:
     parser.add_argument("--pdl", action="store_true", help="launch with PDL, as the engine does")
     parser.add_argument("--w8a8-sweep", action="store_true")
     parser.add_argument("--split-sweep", action="store_true")
+    parser.add_argument("--head-sweep", action="store_true",
+                        help="the LM head at one row: bf16 GEMV vs the FP8 GEMV's forms")
     parser.add_argument("--json", default=None, help="--w8a8-sweep: best tiles to this file")
     args = parser.parse_args()
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, "
@@ -516,6 +542,8 @@ def main() -> None:
         mma_launch()
     elif args.split_sweep:
         split_sweep()
+    elif args.head_sweep:
+        head_sweep()
     elif args.w8a8_sweep:
         w8a8_sweep([int(r) for r in (args.rows or "1").split(",")], args.json)
     elif args.sweep:
