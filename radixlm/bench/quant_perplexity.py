@@ -13,10 +13,10 @@ round-to-nearest in the tools' layouts (AWQ: asymmetric, zero points; GPTQ:
 symmetric, v1), groups of --group-size input features: a baseline of int4
 weights without AWQ's activation-aware scales or GPTQ's error feedback,
 which only lower the perplexity further. `FORMAT:fp8` (e.g. `none:fp8`,
-`awq:fp8`) adds `--lm-head-quantization fp8`: the LM head in FP8. Prints, per format, the perplexity
-of the text (teacher-forced) and its change against `none`, and how many
-greedy tokens of ten fixed prompts agree with `none` before the first
-divergence (EOS ignored).
+`awq:fp8`) adds `--lm-head-quantization fp8`: the LM head in FP8. Prints,
+per format, the perplexity of the text (teacher-forced) and its change
+against `none`, and how many greedy tokens of ten fixed prompts agree with
+`none` before the first divergence (EOS ignored).
 """
 
 from __future__ import annotations

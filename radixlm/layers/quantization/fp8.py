@@ -112,7 +112,8 @@ def kernels_run(x: torch.Tensor) -> bool:
 @dataclass(frozen=True)
 class Fp8Weight:
     """What the products read, derived after loading (views of the parameters
-    and small scale tables; never a copy of the weight).
+    and small scale tables; never a copy of the weight, but for a tied LM
+    head's codes: `fp8_head.py`).
 
     `weight` [N, K] FP8 (rows may be strided). `scales`: with `block_k` 0 one
     fp32 per row [N]; else [N / scale_rows, cdiv(K, block_k)], row i the
@@ -178,7 +179,7 @@ def fp8_product(layer: LinearBase, x: torch.Tensor, bias: torch.Tensor | None,
     return plain_linear(x, w.dequantize().to(x.dtype), bias, out)
 
 
-class _Fp8Method(LinearMethod):
+class Fp8ProductMethod(LinearMethod):
     """Products on the layer's derived `fp8` (an `Fp8Weight`), which each method's
     `process_weights_after_loading` sets from the freshly loaded parameters."""
 
@@ -262,7 +263,7 @@ def online_scales(rows: torch.Tensor) -> torch.Tensor:
     return rows.view(torch.uint8)[:, -4:].contiguous().view(torch.float32).view(-1)
 
 
-class Fp8OnlineLinearMethod(_Fp8Method):
+class Fp8OnlineLinearMethod(Fp8ProductMethod):
     """A float checkpoint's weight quantized to FP8 per output row at load."""
 
     def create_weights(self, layer: LinearBase, input_size_per_partition: int,
@@ -304,7 +305,7 @@ class Fp8Scheme:
         return f"{kind} weight scales, {acts} activation scales"
 
 
-class Fp8LinearMethod(_Fp8Method):
+class Fp8LinearMethod(Fp8ProductMethod):
     """An FP8 checkpoint's weight [out, in], its scales as `scheme` says."""
 
     def __init__(self, scheme: Fp8Scheme) -> None:

@@ -2,7 +2,7 @@
 
 Checkpoints in every format keep the head in bf16/fp16 (AWQ, GPTQ and FP8
 tools leave `lm_head` out), yet at one row a decode step reads the whole head:
-Llama-3.1-8B's is 1.05 GB in bf16, 12 % of an FP8 step's bytes and 37 % of an
+Llama-3.1-8B's is 1.05 GB in bf16, 13 % of an FP8 step's bytes and 22 % of an
 AWQ step's. This option holds it as FP8 codes with one scale per vocabulary
 row (the online FP8 scheme of `fp8.py`: max |row| / 448) whatever the other
 layers are, so the step reads half of it; its products are those of every
@@ -17,8 +17,8 @@ at matmul time on the CPU). Logits move by FP8's rounding of the head, which
   (`Fp8TiedHeadMethod`): one byte a weight more memory, the step still reads
   only the codes.
 
-GGUF files choose their output tensor's type themselves and refuse the option
-(`models/gguf_packed.py`).
+A format that holds the head itself (a .gguf file's blocks, CPU int8) is
+refused at load (`check_head_quantized`).
 """
 
 from __future__ import annotations
@@ -33,8 +33,8 @@ from radixlm.layers.quantization.fp8 import (
     FP8,
     Fp8OnlineLinearMethod,
     Fp8OnlineSpec,
+    Fp8ProductMethod,
     Fp8Weight,
-    _Fp8Method,
     quantize_rows,
     row_stride,
     with_tensor_cores,
@@ -57,7 +57,7 @@ class Fp8HeadTableMethod(EmbeddingMethod):
         raise TypeError(f"{layer.prefix} holds an FP8 LM head, which is not looked up")
 
 
-class Fp8TiedHeadMethod(_Fp8Method):
+class Fp8TiedHeadMethod(Fp8ProductMethod):
     """A tied head's products on FP8 codes derived from the shared float table."""
 
     def create_weights(self, layer: Any, input_size_per_partition: int,
