@@ -79,6 +79,9 @@ def head_method(layer: Any) -> LinearMethod:
                 "%.1f MB a step instead of %.1f MB%s", rows * dim / 1e6,
                 rows * dim * layer.params_dtype.itemsize / 1e6,
                 " (codes derived from the tied input embedding)" if tied else "")
+    if torch.get_default_device().type == "cpu":
+        logger.warning("--lm-head-quantization fp8 on the CPU: the head is dequantized at "
+                       "every product (no FP8 kernels there), slower than a float head")
     return Fp8TiedHeadMethod() if tied else Fp8OnlineLinearMethod()
 
 
