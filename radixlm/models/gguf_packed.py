@@ -28,7 +28,7 @@ import torch
 from transformers import PretrainedConfig
 
 from radixlm.layers.cpu_ops import qgemm, qpack
-from radixlm.layers.quantization import QuantizationConfig, UnquantizedConfig
+from radixlm.layers.quantization import QuantizationConfig, float_config
 from radixlm.layers.quantization.gguf import GGUFConfig, GGUFTensors
 from radixlm.layers.quantization.packed import PackedLayout, packed_bytes
 from radixlm.models.decoder import num_experts
@@ -186,8 +186,8 @@ def quant_config(hf_config: PretrainedConfig, gguf_path: Path, quantization: str
     in our kernels (`quantization` 'gguf', or auto where that is the default),
     or floats ('none'; auto on a GPU or in float16). The choice and its reason
     go to the log."""
-    floats = UnquantizedConfig(prepack=prepack, gemv=gemv, moe_backend=moe_backend,
-                               deterministic=deterministic, lm_head=lm_head)
+    floats = float_config(lm_head, prepack=prepack, gemv=gemv, moe_backend=moe_backend,
+                          deterministic=deterministic)
     if quantization == "int8":
         raise ValueError("quantization='int8' quantizes a float checkpoint; a .gguf file keeps "
                          "its own blocks (--quantization gguf) or is dequantized (none)")

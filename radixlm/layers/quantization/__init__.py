@@ -14,6 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from radixlm.config import LM_HEAD_QUANTIZATIONS
 from radixlm.layers.quantization.base import (
     EmbeddingMethod,
     FusedMoEMethod,
@@ -22,6 +23,7 @@ from radixlm.layers.quantization.base import (
 )
 from radixlm.layers.quantization.compressed_tensors import CompressedTensorsConfig
 from radixlm.layers.quantization.fp8 import Fp8Config
+from radixlm.layers.quantization.fp8_head import Fp8HeadConfig
 from radixlm.layers.quantization.gguf import GGUFConfig
 from radixlm.layers.quantization.int4 import AWQConfig, GPTQConfig, default_format
 from radixlm.layers.quantization.int8 import Int8Config
@@ -45,7 +47,8 @@ _CONFIRMS = {"compressed-tensors": {"fp8"}}
 __all__ = ["QUANTIZATION_METHODS", "EmbeddingMethod", "FusedMoEMethod", "LinearMethod",
            "QuantizationConfig",
            "UnquantizedConfig",
-           "drop_derived_weights", "get_quantization_config", "process_weights_after_loading"]
+           "drop_derived_weights", "float_config", "get_quantization_config",
+           "process_weights_after_loading"]
 
 
 def get_quantization_config(hf_config: Any, quantization: str | None = None, *,
@@ -67,8 +70,8 @@ def get_quantization_config(hf_config: Any, quantization: str | None = None, *,
     if quantization not in (None, "auto", "none") and quantization not in QUANTIZATION_METHODS:
         known = ", ".join(["auto", "none", *QUANTIZATION_METHODS])
         raise ValueError(f"quantization={quantization!r}: expected one of {known}")
-    floats = UnquantizedConfig(prepack=prepack, gemv=gemv, moe_backend=moe_backend,
-                               deterministic=deterministic, lm_head=lm_head)
+    floats = float_config(lm_head, prepack=prepack, gemv=gemv, moe_backend=moe_backend,
+                          deterministic=deterministic)
     if declared is None:
         return _for_floats(quantization, floats)
     declared = declared if isinstance(declared, dict) else declared.to_dict()
@@ -84,6 +87,16 @@ def get_quantization_config(hf_config: Any, quantization: str | None = None, *,
                          f"only confirm what the checkpoint is (auto or {method!r})")
     return QUANTIZATION_METHODS[method].from_hf_config(
         declared, fused=fused_projections(hf_config), fallback=floats)
+
+
+def float_config(lm_head: str = "none", **fast: Any) -> UnquantizedConfig:
+    """The config of float layers, the fallback of every format: `fast` the
+    unquantized fast paths (`UnquantizedConfig`'s arguments); `lm_head` the LM
+    head's format (--lm-head-quantization: "fp8" holds it in FP8, `fp8_head.py`)."""
+    if lm_head not in LM_HEAD_QUANTIZATIONS:
+        raise ValueError(f"lm_head_quantization={lm_head!r}: expected one of "
+                         f"{', '.join(LM_HEAD_QUANTIZATIONS)}")
+    return (Fp8HeadConfig if lm_head == "fp8" else UnquantizedConfig)(**fast)
 
 
 def _for_floats(quantization: str | None, floats: UnquantizedConfig) -> QuantizationConfig:

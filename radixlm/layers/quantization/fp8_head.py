@@ -39,6 +39,7 @@ from radixlm.layers.quantization.fp8 import (
     row_stride,
     with_tensor_cores,
 )
+from radixlm.layers.quantization.unquantized import UnquantizedConfig
 
 logger = logging.getLogger(__name__)
 
@@ -67,6 +68,21 @@ class Fp8TiedHeadMethod(Fp8ProductMethod):
     def process_weights_after_loading(self, layer: Any) -> None:
         codes, scales = quantize_rows(layer.weight.data)
         layer.fp8 = with_tensor_cores(Fp8Weight(codes, scales))
+
+
+class Fp8HeadConfig(UnquantizedConfig):
+    """Float layers with the LM head in FP8: the fallback that every format hands
+    its float layers to, the head among them, under --lm-head-quantization fp8."""
+
+    def get_linear_method(self, layer: Any, prefix: str) -> LinearMethod:
+        if prefix == "lm_head":
+            return head_method(layer)
+        return super().get_linear_method(layer, prefix)
+
+    def get_embedding_method(self, layer: Any, prefix: str) -> EmbeddingMethod:
+        if prefix == "lm_head":
+            return Fp8HeadTableMethod()
+        return super().get_embedding_method(layer, prefix)
 
 
 def head_method(layer: Any) -> LinearMethod:

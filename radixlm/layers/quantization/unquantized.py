@@ -25,7 +25,7 @@ what dtype the layer's weight lives:
 from __future__ import annotations
 
 import functools
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -195,19 +195,11 @@ class UnquantizedConfig(QuantizationConfig):
     the model under `with torch.device(...)` and the model's default dtype)."""
 
     def __init__(self, prepack: bool = True, gemv: bool = True, moe_backend: str = "auto",
-                 deterministic: bool = False, lm_head: str = "none") -> None:
-        from radixlm.config import LM_HEAD_QUANTIZATIONS
-
-        if lm_head not in LM_HEAD_QUANTIZATIONS:
-            raise ValueError(f"lm_head_quantization={lm_head!r}: expected one of "
-                             f"{', '.join(LM_HEAD_QUANTIZATIONS)}")
+                 deterministic: bool = False) -> None:
         self.prepack = prepack
         self.gemv = gemv
         self.moe_backend = moe_backend  # --moe-runner-backend (layers/moe/backends.py)
         self.deterministic = deterministic
-        # --lm-head-quantization: the head in FP8 (`fp8_head.py`), whatever the
-        # format of the other layers (each format leaves the head to this config).
-        self.lm_head = lm_head
 
     def get_moe_method(self, layer: FusedMoE, prefix: str) -> FusedMoEMethod:
         from radixlm.layers.moe.method import UnquantizedFusedMoEMethod
@@ -215,10 +207,6 @@ class UnquantizedConfig(QuantizationConfig):
         return UnquantizedFusedMoEMethod(self.moe_backend)
 
     def get_linear_method(self, layer: LinearBase, prefix: str) -> LinearMethod:
-        if prefix == "lm_head" and self.lm_head == "fp8":
-            from radixlm.layers.quantization.fp8_head import head_method
-
-            return head_method(layer)
         device, dtype = torch.get_default_device(), layer.params_dtype
         if self.deterministic and device.type in ("cpu", "cuda"):
             if device.type == "cpu" and not cpu_ops.load():
@@ -232,10 +220,3 @@ class UnquantizedConfig(QuantizationConfig):
                 and dtype in (torch.bfloat16, torch.float16)):
             return GemvLinearMethod()
         return UnquantizedLinearMethod()
-
-    def get_embedding_method(self, layer: Any, prefix: str) -> EmbeddingMethod:
-        if prefix == "lm_head" and self.lm_head == "fp8":
-            from radixlm.layers.quantization.fp8_head import Fp8HeadTableMethod
-
-            return Fp8HeadTableMethod()
-        return UnquantizedEmbeddingMethod()
