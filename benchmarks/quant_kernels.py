@@ -249,11 +249,8 @@ def split_sweep() -> None:
                         nbytes)
             for split in (2, 4, 8, 16):
                 for cta in ((False,) if silu else (False, True)):
-                    cfg = MG.MmaConfig(4, 1, split, True, cta)
-                    t = time_graph(_mma_call(int4, cfg, silu), x, ws)
-                    mark = "*" if (split, cta) == (pick.split, pick.cta_sum) else ""
-                    print(f"{name:<9}{fmt:<6}{split:>6}{'program' if cta else 'launch':>9}"
-                          f"{t * 1e6:>8.2f}{nbytes / t / 1e12:>7.2f} {mark}", flush=True)
+                    row = _split_row(int4, split, cta, silu, pick, x, ws, nbytes)
+                    print(f"{name:<9}{fmt:<6}{row}", flush=True)
             del ws
             torch.cuda.empty_cache()
 
@@ -274,11 +271,17 @@ def head_sweep(n: int = 128256, k: int = 4096) -> None:
     print(f"{'split':>6}{'sum':>9}{'us':>8}{'TB/s':>7}")
     for split in (1, 2, 4, 8):
         for cta in (False, True):
-            cfg = MG.MmaConfig(4, 1, split, True, cta)
-            t = time_graph(_mma_call(False, cfg, False), x, ws)
-            mark = "*" if (split, cta) == (pick.split, pick.cta_sum) else ""
-            print(f"{split:>6}{'program' if cta else 'launch':>9}{t * 1e6:>8.2f}"
-                  f"{n * k / t / 1e12:>7.2f} {mark}", flush=True)
+            print(_split_row(False, split, cta, False, pick, x, ws, n * k), flush=True)
+
+
+def _split_row(int4: bool, split: int, cta: bool, silu: bool, pick: MG.MmaConfig,
+               x: torch.Tensor, ws: list[object], nbytes: int) -> str:
+    """One form of the tensor-core GEMV timed: split, where the sum runs, us, TB/s,
+    and "*" where it is `pick`'s."""
+    t = time_graph(_mma_call(int4, MG.MmaConfig(4, 1, split, True, cta), silu), x, ws)
+    mark = "*" if (split, cta) == (pick.split, pick.cta_sum) else ""
+    return (f"{split:>6}{'program' if cta else 'launch':>9}{t * 1e6:>8.2f}"
+            f"{nbytes / t / 1e12:>7.2f} {mark}")
 
 
 def _mma_call(int4: bool, cfg: MG.MmaConfig, silu: bool) -> Call:
