@@ -63,14 +63,20 @@ def step_bytes(model: torch.nn.Module) -> int:
     return nbytes
 
 
+def split_entry(entry: str, server_args: ServerArgs) -> tuple[str, str]:
+    """(weight format, --lm-head-quantization) of a benchmark's list entry:
+    'FORMAT' or 'FORMAT:HEAD' (e.g. 'awq:fp8'); without HEAD, the server's."""
+    layers, _, head = entry.partition(":")
+    return layers, head or server_args.lm_head_quantization
+
+
 def run_one(server_args: ServerArgs, entry: str, args: argparse.Namespace) -> Row:
-    """One engine for a `--quantizations` entry: 'QUANTIZATION' or 'QUANTIZATION:HEAD'
-    (HEAD the --lm-head-quantization, e.g. 'awq:fp8')."""
+    """One engine for a `--quantizations` entry (`split_entry`)."""
     from radixlm.engine import Engine
 
-    quantization, _, head = entry.partition(":")
+    quantization, head = split_entry(entry, server_args)
     engine = Engine(**{**vars(server_args), "quantization": quantization,
-                       "lm_head_quantization": head or server_args.lm_head_quantization})
+                       "lm_head_quantization": head})
     try:
         runner = engine.scheduler.worker.runner
         prompts = random_prompts(args.num_prompts, args.input_len, engine.scheduler.vocab_size,

@@ -31,6 +31,7 @@ from typing import Any
 import torch
 
 from radixlm.bench.gguf_agreement import PROMPTS, TEXT, first_divergence, greedy, perplexity
+from radixlm.bench.quant import split_entry
 from radixlm.config import ServerArgs
 
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -94,14 +95,14 @@ def main(argv: list[str] | None = None) -> None:
     results = {}
     with tempfile.TemporaryDirectory(prefix="radixlm-int4-") as tmp:
         for fmt in formats:
-            layers, _, head = fmt.partition(":")
+            layers, head = split_entry(fmt, server_args)
             path, quantization = model_dir, layers
             if layers in ("awq", "gptq"):
                 path = write_int4(model_dir, Path(tmp) / layers, layers, args.group_size)
                 quantization = "auto"
             kwargs = {**vars(server_args), "model_path": path, "quantization": quantization,
                       "load_format": "auto",
-                      "lm_head_quantization": head or server_args.lm_head_quantization}
+                      "lm_head_quantization": head}
             with Engine(**kwargs) as engine:
                 nbytes = linear_weight_bytes(engine)
                 tokens, gaps = greedy(engine, PROMPTS, args.new_tokens)
