@@ -19,6 +19,7 @@ from torch import nn
 
 from radixlm import distributed as tp
 from radixlm.layers.activation import SiluAndMul
+from radixlm.layers.norm_fold import FoldedNorm, NormTarget
 from radixlm.layers.quantization import QuantizationConfig, UnquantizedConfig
 from radixlm.layers.sharding import (
     AxisSpec,
@@ -114,6 +115,12 @@ class ColumnParallelLinear(LinearBase):
         out = self.quant_method.apply(self, x, self.bias)
         return tp.tensor_model_parallel_all_gather(out, -1) if self.gather_output else out
 
+    def forward_normed(self, x: FoldedNorm) -> torch.Tensor:
+        """`forward` of the norm's output that `x` holds unscaled (`layers/norm_fold.py`;
+        one rank)."""
+        assert self.tp_size == 1
+        return self.quant_method.apply_normed(self, x)
+
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
     """Several column-parallel projections of one input stored as one weight
@@ -152,6 +159,14 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
             if out is not None:
                 return out
         return self.act_fn(self.quant_method.apply(self, x, self.bias))
+
+    def forward_normed(self, x: FoldedNorm) -> torch.Tensor:
+        if not self.fused_silu_mul:
+            return super().forward_normed(x)
+        assert self.tp_size == 1
+        if self.bias is None:
+            return self.quant_method.apply_normed(self, x, silu_mul=True)
+        return self.act_fn(self.quant_method.apply_normed(self, x))
 
 
 class QKVParallelLinear(ColumnParallelLinear):
@@ -225,3 +240,9 @@ class RowParallelLinear(LinearBase):
         # every rank writes in the same order): only rank 0 adds the bias, in place.
         buf = tp.partial_sum_buffer((*x.shape[:-1], self.output_size), x.dtype, x.device)
         return method.apply(self, x, self.bias if self.tp_rank == 0 else None, out=buf)
+
+    def forward_into_norm(self, x: torch.Tensor, target: NormTarget) -> FoldedNorm:
+        """`forward` added to `target`'s residual and held as its norm's input
+        (`layers/norm_fold.py`; one rank)."""
+        assert self.tp_size == 1
+        return self.quant_method.apply_into_norm(self, x, target)

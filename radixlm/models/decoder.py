@@ -49,6 +49,7 @@ from radixlm.layers.moe.block import SparseMoeBlock
 from radixlm.layers.moe.fused_moe import FusedMoE
 from radixlm.layers.moe.router import SharedExpertGate, TopKRouter
 from radixlm.layers.norm import RMSNorm
+from radixlm.layers.norm_fold import FoldedNorm, NormTarget
 from radixlm.layers.quantization import QuantizationConfig
 from radixlm.layers.rotary import QKNormRotary, RotaryEmbedding, get_rope
 from radixlm.layers.sharding import ShardId
@@ -209,6 +210,16 @@ class GatedMLP(nn.Module):
         x = self.gate_up_proj(x)
         return self.down_proj(x if self.act_fn is None else self.act_fn(x))
 
+    def forward_folded(self, x: FoldedNorm, target: NormTarget | None
+                       ) -> FoldedNorm | torch.Tensor:
+        """`forward` with the norms folded (`layers/norm_fold.py`): x holds this
+        MLP's input norm unscaled; the output goes into `target` (None: returned
+        as `forward` returns it)."""
+        h = self.gate_up_proj.forward_normed(x)
+        if self.act_fn is not None:
+            h = self.act_fn(h)
+        return self.down_proj(h) if target is None else self.down_proj.forward_into_norm(h, target)
+
 
 def dense_mlp(spec: DecoderSpec, layer_id: int, quant_config: QuantizationConfig | None,
               prefix: str) -> GatedMLP:
@@ -301,6 +312,14 @@ class DecoderAttention(nn.Module):
         out = self.attn(q, k, v, fb, rope=(self.rope, positions))
         return self.o_proj(out if rows is None else out[rows])
 
+    def forward_folded(self, positions: torch.Tensor, x: FoldedNorm, fb: ForwardBatch,
+                       target: NormTarget) -> FoldedNorm:
+        """`forward` with the norms folded (`layers/norm_fold.py`): x holds the
+        input norm unscaled; the output goes into `target`."""
+        q, k, v = self.qkv_proj.forward_normed(x).split(self.split_sizes, dim=-1)
+        out = self.attn(q, k, v, fb, rope=(self.rope, positions))
+        return self.o_proj.forward_into_norm(out, target)
+
 
 class DecoderLayer(nn.Module):
     def __init__(self, spec: DecoderSpec, layer_id: int, rotary_emb: RotaryEmbedding,
@@ -352,6 +371,37 @@ class DecoderLayer(nn.Module):
             hidden, residual = self.post_attention_layernorm(hidden, residual, reduce=True)
         return self.mlp(hidden), residual
 
+    def norm_fold_rows(self) -> int:
+        """The most rows at which `forward_folded` runs on kernels that fold the
+        norms (0: this layer cannot fold them): a dense Llama-style layer on one
+        rank whose four projections' methods fold (`LinearMethod.norm_fold_rows`)."""
+        attn, mlp = self.self_attn, self.mlp
+        plain = (type(attn) is DecoderAttention and type(mlp) is GatedMLP and not self.sandwich
+                 and type(self.input_layernorm) is RMSNorm
+                 and type(self.post_attention_layernorm) is RMSNorm)
+        if not plain or tp.get_tp_size() > 1:
+            return 0
+        return min(p.quant_method.norm_fold_rows(p, output) for p, output in
+                   ((attn.qkv_proj, False), (attn.o_proj, True), (mlp.gate_up_proj, False),
+                    (mlp.down_proj, True)))
+
+    def forward_folded(self, positions: torch.Tensor, x: FoldedNorm, fb: ForwardBatch,
+                       next_norm: RMSNorm | None
+                       ) -> FoldedNorm | tuple[torch.Tensor, torch.Tensor]:
+        """`forward` with the norms folded into the projections around them
+        (`layers/norm_fold.py`): x holds this layer's input norm unscaled; returns
+        the same for `next_norm` (the next layer's input norm), or where it is
+        None (the last layer), (output, residual) as `forward` does."""
+        mid = self.self_attn.forward_folded(positions, x, fb, _target(
+            self.post_attention_layernorm, x.residual))
+        if next_norm is None:
+            return self.mlp.forward_folded(mid, None), mid.residual
+        return self.mlp.forward_folded(mid, _target(next_norm, mid.residual))
+
+
+def _target(norm: RMSNorm, residual: torch.Tensor) -> NormTarget:
+    return NormTarget(residual, norm.scale, norm.eps)
+
 
 class DecoderModel(nn.Module):
     def __init__(self, spec: DecoderSpec, quant_config: QuantizationConfig | None = None,
@@ -376,6 +426,14 @@ class DecoderModel(nn.Module):
                          prefix=f"{prefix}.layers.{i}")
             for i in range(spec.num_layers))
         self.norm = spec.norm(spec.hidden_size, spec.rms_norm_eps)
+        self.fold_rows = 0  # `enable_norm_fold`
+
+    def enable_norm_fold(self) -> int:
+        """Fold the norms into the projections in decode steps of up to as many
+        rows as every layer's kernels take (`layers/norm_fold.py`); returns that
+        number (0: the norms stay kernels of their own)."""
+        self.fold_rows = min(layer.norm_fold_rows() for layer in self.layers)
+        return self.fold_rows
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Token embeddings as the first layer takes them (scaled where the family
@@ -391,6 +449,9 @@ class DecoderModel(nn.Module):
         returned. `input_embeds` [num_tokens, hidden] replaces the embedding
         of `input_ids` (then unused)."""
         hidden = self.embed(input_ids) if input_embeds is None else input_embeds
+        if (1 <= hidden.shape[0] <= self.fold_rows and last_rows is None
+                and fb.capture is None):
+            return self.forward_folded(positions, hidden, fb)
         residual = None
         last = len(self.layers) - 1
         pending = None
@@ -404,6 +465,20 @@ class DecoderModel(nn.Module):
         # Under tensor parallelism this norm all-reduces the last MLP's partial
         # sums in place (in the buffer the MLP wrote), so rows are picked after it.
         return self.norm(hidden, residual, reduce=True, pre_norm=pending)[0]
+
+
+    def forward_folded(self, positions: torch.Tensor, hidden: torch.Tensor,
+                       fb: ForwardBatch) -> torch.Tensor:
+        """`forward` with each norm between two layers' projections folded into
+        them (`layers/norm_fold.py`): the first layer's input norm and the last
+        norm stay kernels of their own."""
+        first = self.layers[0].input_layernorm
+        x: Any = FoldedNorm(first(hidden), None, hidden, first.eps)
+        for i, layer in enumerate(self.layers):
+            following = self.layers[i + 1].input_layernorm if i + 1 < len(self.layers) else None
+            x = layer.forward_folded(positions, x, fb, following)
+        hidden, residual = x
+        return self.norm(hidden, residual)[0]
 
 
 def _layer_output(hidden: torch.Tensor, residual: torch.Tensor,
@@ -442,6 +517,10 @@ class DecoderForCausalLM(nn.Module):
         self.lm_head = ParallelLMHead(spec.vocab_size, spec.hidden_size, tied_to=tied_to,
                                       quant_config=quant_config, prefix="lm_head")
         self.final_logit_softcap = spec.final_logit_softcap
+
+    def enable_norm_fold(self) -> int:
+        """`DecoderModel.enable_norm_fold`."""
+        return self.model.enable_norm_fold()
 
     def kv_spec(self) -> KVSpec:
         """What this rank's attention layers keep per token (their share of the

@@ -94,6 +94,7 @@ class ModelRunner:
                                 seed=args.random_seed, quant_config=self._quant_config())
         if args.lm_head_quantization != "none":
             check_head_quantized(self.model, args.lm_head_quantization)
+        self._fold_norms()
         self.layers = sorted((m for m in self.model.modules() if isinstance(m, RadixAttention)),
                              key=lambda m: m.layer_id)
         spec = self.model.kv_spec()
@@ -122,6 +123,20 @@ class ModelRunner:
                 raise ValueError(f"enable_deterministic_inference: layer {name} multiplies "
                                  f"through {type(method).__name__}, whose rows depend on the "
                                  "batch")
+
+    def _fold_norms(self) -> None:
+        """On CUDA, fold each norm between two projections into them where every
+        layer's kernels can (`layers/norm_fold.py`; a deterministic run keeps
+        the norm kernels, whose rows are batch-invariant)."""
+        enable = getattr(self.model, "enable_norm_fold", None)
+        args = self.args
+        if (enable is None or self.device.type != "cuda" or args.disable_norm_fold
+                or args.enable_deterministic_inference):
+            return
+        rows = enable()
+        if rows:
+            logger.info("RMSNorm folded into the projections around it in decode steps of up "
+                        "to %d rows", rows)
 
     def _set_cpu_threads(self) -> None:
         if self.args.num_threads:

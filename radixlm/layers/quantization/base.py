@@ -83,6 +83,8 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
+from radixlm.layers.norm_fold import FoldedNorm, NormTarget, fold_into
+
 if TYPE_CHECKING:
     from radixlm.layers.linear import LinearBase
     from radixlm.layers.moe.fused_moe import FusedMoE
@@ -114,6 +116,35 @@ class LinearMethod(ABC):
         """silu(x G^T) * (x U^T) for the merged weight [G; U] of a bias-free
         layer, or None when this method has no fused path for `x`."""
         return None
+
+    # A residual RMSNorm folded into the products around it (`layers/norm_fold.py`).
+    # The defaults compute it with torch around `apply`, so any method gives the
+    # folded forward its numbers; a method whose kernels do it says up to how many
+    # rows in `norm_fold_rows`.
+    def norm_fold_rows(self, layer: LinearBase, output: bool) -> int:
+        """The most rows at which this method's kernels take a folded norm as the
+        input of `layer`'s product (`apply_normed`), or with `output` give one as
+        its output (`apply_into_norm`), at no launch of their own: 0, none."""
+        return 0
+
+    def apply_normed(self, layer: LinearBase, x: FoldedNorm, silu_mul: bool = False
+                     ) -> torch.Tensor:
+        """`apply` (or `apply_silu_mul` where `silu_mul`, bias-free) on the norm's
+        output that `x` holds unscaled."""
+        rows = x.normalized()
+        if silu_mul:
+            out = self.apply_silu_mul(layer, rows)
+            if out is not None:
+                return out
+            gate, up = self.apply(layer, rows).float().chunk(2, dim=-1)
+            return (torch.nn.functional.silu(gate) * up).to(rows.dtype)
+        return self.apply(layer, rows, layer.bias)
+
+    def apply_into_norm(self, layer: LinearBase, x: torch.Tensor,
+                        target: NormTarget) -> FoldedNorm:
+        """`apply` (with the layer's bias), added to `target`'s residual and held
+        as the input of `target`'s norm."""
+        return fold_into(self.apply(layer, x, layer.bias), target)
 
     def process_weights_after_loading(self, layer: LinearBase) -> None:  # noqa: B027 (optional)
         """Derive from the freshly written parameters what `apply` reads (by
