@@ -103,17 +103,23 @@ def kernels():
     yield ("FP8 GEMV on the tensor cores", MMA.mma_gemv_kernel,
            {**mma, "a_ptr": f32, "b_ptr": f32}, (),
            dict(PTX=F8M.gemv_ptx(1, True, pdl=True), PTX_WAITS=True, **mma_consts), 4)
-    cta = {**mma, "a_ptr": f32, "b_ptr": f32, "bias_ptr": b16, "y_ptr": b16}
+    cta = {**mma, "a_ptr": f32, "b_ptr": f32, "bias_ptr": b16, "y_ptr": b16, "sq_in_ptr": f32,
+           "res_ptr": b16, "gamma_ptr": b16, "res_out_ptr": b16, "sq_out_ptr": f32}
+    fp8_plain = F8M.gemv_ptx(1, True, pdl=True, plain=True)
     yield ("FP8 GEMV on the tensor cores, the split-K sum in the program",
-           MMA.mma_gemv_cta_kernel, cta, (),
-           dict(SPLIT=8, ROWS=1, HAS_BIAS=False, PTX=F8M.gemv_ptx(1, True, pdl=True, plain=True),
-                PDL=True, PTX_WAITS=True), 8)
-    yield ("int4 split-K sum", I4._int4_split_sum_kernel,
-           {"ws_ptr": f32, "b_ptr": b16, "y_ptr": b16}, (),
-           dict(SPLIT=8, BLOCK=256, HAS_BIAS=False, SILU_MUL=False, PDL=True, ROWS=False), 2)
-    yield ("int4 split-K sum, all rows", I4._int4_split_sum_kernel,
-           {"ws_ptr": f32, "b_ptr": b16, "y_ptr": b16}, (),
-           dict(SPLIT=4, BLOCK=256, HAS_BIAS=True, SILU_MUL=True, PDL=True, ROWS=True), 2)
+           MMA.mma_gemv_cta_kernel, cta, ("eps_in",),
+           dict(SPLIT=8, ROWS=1, HAS_BIAS=False, NORM_IN=False, P_BLOCK=1, NORM_OUT=False,
+                PTX=fp8_plain, PDL=True, PTX_WAITS=True), 8)
+    yield ("the same, a folded norm in and out", MMA.mma_gemv_cta_kernel, cta, ("eps_in",),
+           dict(SPLIT=8, ROWS=1, HAS_BIAS=False, NORM_IN=True, P_BLOCK=256, NORM_OUT=True,
+                PTX=fp8_plain, PDL=True, PTX_WAITS=True), 8)
+    sums = {"ws_ptr": f32, "b_ptr": b16, "y_ptr": b16, "sq_ptr": f32}
+    yield ("int4 split-K sum", I4._int4_split_sum_kernel, sums, ("eps",),
+           dict(SPLIT=8, BLOCK=256, HAS_BIAS=False, SILU_MUL=False, NORM_IN=False, P_BLOCK=1,
+                PDL=True, ROWS=False), 2)
+    yield ("int4 split-K sum, all rows, a folded norm in", I4._int4_split_sum_kernel, sums,
+           ("eps",), dict(SPLIT=4, BLOCK=256, HAS_BIAS=True, SILU_MUL=True, NORM_IN=True,
+                          P_BLOCK=256, PDL=True, ROWS=True), 2)
     yield ("all-reduce + RMSNorm (2 ranks)", allreduce_norm._allreduce_add_rms_norm_kernel,
            {"BufPtrs": i64, "PadPtrs": i64, "R": b16, "W": b16, "Y": b16, "RO": b16}, ("eps",),
            dict(RANK=0, WORLD=2, BLOCK=4096, PDL=True), 8)

@@ -407,6 +407,97 @@ def test_split_sums_of_every_row_in_one_launch(silu_mul):
     torch.testing.assert_close(y.double(), total, rtol=2 ** -7, atol=1e-5)
 
 
+@pytest.mark.parametrize("silu_mul", [False, True])
+def test_split_sums_scale_by_a_folded_norm(silu_mul):
+    """The second launch of a product whose x holds a folded norm unscaled
+    (`layers/norm_fold.py`): each row's sums times rsqrt(mean + eps) of its
+    partial sums of squares, before the bias and the SiLU-and-mul."""
+    from radixlm.layers.norm_fold import FoldedNorm
+    from radixlm.layers.quantization.triton_ops import mma_gemv as MG
+
+    n_out, m, split, features, parts = 300, 5, 3, 96, 6
+    dtype = DTYPES[0]
+    ws = randn(split, m, 2 * n_out if silu_mul else n_out, seed=83)
+    bias = None if silu_mul else randn(n_out, seed=84, dtype=dtype)
+    squares = randn(m, parts, seed=85).abs() * 20
+    x = torch.empty(m, features, device=DEV, dtype=dtype)
+    folded = FoldedNorm(x, squares, x, 1e-5)
+    y = MG.sum_splits(ws, bias, torch.empty(m, n_out, device=DEV, dtype=dtype), silu_mul,
+                      folded)
+    total = ws.double().sum(0) * folded.rstd().double()
+    if silu_mul:
+        gate, up = (h.to(dtype).double() for h in (total[:, :n_out], total[:, n_out:]))
+        total = torch.nn.functional.silu(gate) * up
+    else:
+        total = total + bias.double()
+    torch.testing.assert_close(y.double(), total, rtol=2 ** -7, atol=1e-5)
+
+
+def folding_gemv(fmt: str, n: int, k: int, seed: int):
+    """A tensor-core GEMV of an [n, k] weight that folds norms: (product(x, bias,
+    **kw), the weight in float64, bound(x): its rounding beyond the output's,
+    whether it can give a folded norm)."""
+    from radixlm.layers.quantization.triton_ops import fp8_mma as FM
+    from radixlm.layers.quantization.triton_ops import int4_mma as MM
+
+    if fmt == "int4":
+        w = int4_weight(n, k, 128, False, seed=seed)
+        words = MM.mma_layout(I.unpack_rows(w.qweight))
+        scale = w.scales.double().repeat_interleave(128, 0)  # [K, N]
+        return (lambda x, bias, **kw: MM.int4_gemv_mma(x, words, w.zeros, w.scales, 128, bias,
+                                                       **kw),
+                w.dequantize().double(), lambda x: (x.double().abs() @ scale) * 144 * 2.0 ** -18,
+                MM.norm_fold_rows(words, 128, output=True) == MM.MAX_ROWS)
+    q, s = quantize_rows(randn(n, k, seed=seed, scale=0.05))
+    wd = q.double() * s.double()[:, None]
+    return (lambda x, bias, **kw: FM.fp8_gemv_mma_plain(x, q, s, bias, **kw), wd,
+            lambda x: (x.double().abs() @ wd.abs().T) * 2.0 ** -18, FM.folds_out(n, k))
+
+
+@needs_cuda
+@pytest.mark.parametrize("fmt", ["int4", "fp8"])
+@pytest.mark.parametrize("m", [1, 3, 12])
+def test_gemv_mma_folds_a_norm_in_and_out(fmt, m):
+    """A residual RMSNorm folded into the tensor-core GEMVs around it: the product
+    before it (its split-K sum in the program) adds the residual, rounded as the
+    norm kernel rounds it, and gives x' = (h + r) * w and each tile's sum of
+    squares; the products after it (qkv-like, gate/up with the SiLU) take x' and
+    scale their sums by rstd before the bias and the SiLU: within the GEMV's
+    bound of the float64 product, times rstd."""
+    from radixlm.layers.norm_fold import NormTarget
+
+    dtype, n, k = torch.bfloat16, 512, 1024
+    product, _, _, folds = folding_gemv(fmt, n, k, seed=91)
+    assert folds
+    x = randn(m, k, seed=92, dtype=dtype)
+    bias, res = randn(n, seed=93, dtype=dtype), randn(m, n, seed=94, dtype=dtype)
+    gamma = (1 + 0.1 * randn(n, seed=95)).to(dtype)
+    folded = product(x, bias, norm_out=NormTarget(res, gamma, 1e-5))
+    s = (product(x, bias).float() + res.float()).to(dtype)
+    assert torch.equal(folded.residual, s)
+    assert torch.equal(folded.x, (s.float() * gamma.float()).to(dtype))
+    assert folded.squares.shape == (m, n // 16)
+    torch.testing.assert_close(folded.squares.sum(-1), (s.float() ** 2).sum(-1), rtol=1e-5,
+                               atol=0)
+    rstd = folded.rstd().double()
+    # 256 columns: the sum in the program (int4) or not (FP8 picks it for any N);
+    # 7168: int4's second launch; gate/up: the SiLU in the second launch.
+    for n2, silu_mul in ((256, False), (7168, False), (512, True)):
+        product2, w2, bound, _ = folding_gemv(fmt, n2, n, seed=96 + n2)
+        bias2 = None if silu_mul else randn(n2, seed=97, dtype=dtype)
+        out = product2(folded.x, bias2, silu_mul=silu_mul, norm_in=folded)
+        sums = (folded.x.double() @ w2.T) * rstd
+        if silu_mul:  # silu(gate) * up of the scaled sums, each rounded first
+            gate, up = sums.split(n2 // 2, -1)
+            want = torch.nn.functional.silu(gate.to(dtype).double()) * up.to(dtype).double()
+            torch.testing.assert_close(out.double(), want, rtol=2 ** -6, atol=1e-3)
+            continue
+        ref = sums + bias2.double()
+        err = (out.double() - ref).abs()
+        assert (err <= 2.0 ** -8 * ref.abs() + bound(folded.x) * rstd
+                + 1e-6 * ref.abs()).all(), (n2, err.max())
+
+
 @pytest.mark.parametrize("n,group", [(80, 64), (48, 128)])
 def test_int4_frag_dequantized_gemm(n, group):
     """Above `int4_mma.GEMV_ROWS` rows the fragment-order words are dequantized

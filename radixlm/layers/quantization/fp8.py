@@ -42,6 +42,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from radixlm.layers.norm_fold import FoldedNorm, NormTarget
 from radixlm.layers.quantization.base import FusedMoEMethod, LinearMethod, QuantizationConfig
 from radixlm.layers.quantization.selection import LayerFilter, refuse_unknown
 from radixlm.layers.quantization.specs import BlockScaleSpec, PartScalarSpec, cdiv
@@ -66,6 +67,7 @@ F32 = torch.float32
 FP8_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
 _ops = lazy_import("radixlm.layers.quantization.triton_ops.fp8")  # Triton: CUDA only
 _mma = lazy_import("radixlm.layers.quantization.triton_ops.fp8_mma")
+_mma_gemv = lazy_import("radixlm.layers.quantization.triton_ops.mma_gemv")
 _w8a8 = lazy_import("radixlm.layers.quantization.triton_ops.fp8_w8a8_gemv")
 # The GEMV of few rows: on the tensor cores "mma-plain" (the default) reading the
 # weight where it lies, "mma" from a second copy in MMA fragment order (on an H100
@@ -194,6 +196,42 @@ class Fp8ProductMethod(LinearMethod):
 
     def drop_derived(self, layer: LinearBase) -> None:
         layer.fp8 = None
+
+    # A folded norm (`layers/norm_fold.py`) in the tensor-core GEMV's epilogues, at
+    # the rows that GEMV takes (below the W8A8 GEMV's).
+    def norm_fold_rows(self, layer: LinearBase, output: bool) -> int:
+        w: Fp8Weight | None = getattr(layer, "fp8", None)
+        if w is None or w.mma is None or not w.weight.is_cuda:
+            return 0
+        if output and not _mma.folds_out(*w.weight.shape):
+            return 0
+        return min(_mma.GEMV_ROWS, w.w8a8_from - 1) if w.w8a8_from else _mma.GEMV_ROWS
+
+    def _folding_gemv(self, layer: LinearBase, x: torch.Tensor) -> Any:
+        """The GEMV that folds a norm into x's product, or None (not this layer, not
+        these rows: the defaults' torch then)."""
+        w: Fp8Weight | None = getattr(layer, "fp8", None)
+        if (w is None or w.mma is None or not (x.is_cuda and x.dtype == torch.bfloat16)
+                or not 1 <= x.shape[0] <= self.norm_fold_rows(layer, False)
+                or not _mma_gemv.rows_fit(x, _mma.GEMV_ROWS)):
+            return None
+        gemv = _mma.fp8_gemv_mma_plain if w.mma is w.weight else _mma.fp8_gemv_mma
+        return functools.partial(gemv, x, w.mma, w.scales,
+                                 scale_rows=w.scale_rows if w.block_k else 0)
+
+    def apply_normed(self, layer: LinearBase, x: FoldedNorm, silu_mul: bool = False
+                     ) -> torch.Tensor:
+        gemv = self._folding_gemv(layer, x.x)
+        if gemv is None:
+            return super().apply_normed(layer, x, silu_mul)
+        return gemv(layer.bias, silu_mul=silu_mul, norm_in=x)
+
+    def apply_into_norm(self, layer: LinearBase, x: torch.Tensor,
+                        target: NormTarget) -> FoldedNorm:
+        gemv = self._folding_gemv(layer, x)
+        if gemv is None or not self.norm_fold_rows(layer, True):
+            return super().apply_into_norm(layer, x, target)
+        return gemv(layer.bias, norm_out=target)
 
 
 # ---- a float checkpoint quantized at load ------------------------------------------------

@@ -48,6 +48,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from radixlm.layers.norm_fold import FoldedNorm, NormTarget
 from radixlm.layers.quantization.base import LinearMethod, QuantizationConfig
 from radixlm.layers.quantization.fp8 import kernels_run
 from radixlm.layers.quantization.selection import LayerFilter
@@ -472,6 +473,32 @@ class Int4LinearMethod(LinearMethod):
             return None
         return _ops.int4_linear(x, w.qweight, w.zeros, w.scales, w.group, w.g_idx,
                                 silu_mul=True, mma=w.mma)
+
+    # A folded norm (`layers/norm_fold.py`): the tensor-core GEMV scales its sums by
+    # the norm's rstd, or adds the residual and prepares the next norm, in the
+    # epilogue it runs anyway.
+    def norm_fold_rows(self, layer: LinearBase, output: bool) -> int:
+        w: Int4Weight | None = getattr(layer, "int4", None)
+        if w is None or w.mma is None or not w.mma.is_cuda:
+            return 0
+        return _mma.norm_fold_rows(w.mma, w.group, output)
+
+    def apply_normed(self, layer: LinearBase, x: FoldedNorm, silu_mul: bool = False
+                     ) -> torch.Tensor:
+        w: Int4Weight | None = getattr(layer, "int4", None)
+        if w is None or w.mma is None or not _mma.takes_rows(x.x, w.mma):
+            return super().apply_normed(layer, x, silu_mul)
+        return _mma.int4_gemv_mma(x.x, w.mma, w.zeros, w.scales, w.group, layer.bias,
+                                  silu_mul=silu_mul, norm_in=x)
+
+    def apply_into_norm(self, layer: LinearBase, x: torch.Tensor,
+                        target: NormTarget) -> FoldedNorm:
+        w: Int4Weight | None = getattr(layer, "int4", None)
+        if (w is None or w.mma is None or not _mma.takes_rows(x, w.mma)
+                or not _mma.norm_fold_rows(w.mma, w.group, output=True)):
+            return super().apply_into_norm(layer, x, target)
+        return _mma.int4_gemv_mma(x, w.mma, w.zeros, w.scales, w.group, layer.bias,
+                                  norm_out=target)
 
 
 # ---- the configs -----------------------------------------------------------------------------

@@ -50,6 +50,7 @@ import triton.language as tl
 
 from radixlm.layers import pdl
 from radixlm.layers.gemv import _silu_mul
+from radixlm.layers.norm_fold import FoldedNorm
 from radixlm.layers.pdl import pdl_trigger, pdl_wait
 from radixlm.layers.tiles import grouped_tile
 from radixlm.utils import lazy_import
@@ -212,16 +213,24 @@ def int4_gemv(x: torch.Tensor, qweight: torch.Tensor, zeros: torch.Tensor,
 
 
 def sum_splits(ws: torch.Tensor, bias: torch.Tensor | None, y: torch.Tensor,
-               silu_mul: bool) -> torch.Tensor:
+               silu_mul: bool, norm_in: FoldedNorm | None = None) -> torch.Tensor:
     """y [M, n_out] = the partial sums [split, M, N] added in split order (+ bias;
     silu(gate) * up with `silu_mul`): the second launch of every split-K GEMV
     (`int4_gemv` and the tensor-core ones of `mma_gemv`), one program per row and
-    block of columns, so a row's sum is the same at any M; one launch for all rows."""
-    n_out = y.shape[-1]
-    _int4_split_sum_kernel[(triton.cdiv(n_out, 256), ws.shape[1])](
+    block of columns, so a row's sum is the same at any M; one launch for all rows.
+    `norm_in`: the product's x held that folded norm unscaled (`layers/norm_fold.py`):
+    the sums are multiplied by its rstd before the bias."""
+    n_out, m = y.shape[-1], ws.shape[1]
+    sq, p = ws, 1
+    if norm_in is not None and norm_in.squares is not None:
+        sq, p = norm_in.squares, norm_in.squares.shape[-1]
+        assert sq.shape == (m, p) and sq.is_contiguous()
+    _int4_split_sum_kernel[(triton.cdiv(n_out, 256), m)](
         ws, bias if bias is not None else ws, y, n_out, ws.stride(0), ws.stride(1), y.stride(0),
-        SPLIT=ws.shape[0], BLOCK=256, HAS_BIAS=bias is not None, SILU_MUL=silu_mul,
-        ROWS=ws.shape[1] > 1, num_warps=2, **pdl.launch_args())
+        sq, p, norm_in.x.shape[-1] if sq is not ws else 1,
+        norm_in.eps if sq is not ws else 0.0, SPLIT=ws.shape[0], BLOCK=256,
+        HAS_BIAS=bias is not None, SILU_MUL=silu_mul, NORM_IN=sq is not ws,
+        P_BLOCK=triton.next_power_of_2(p), ROWS=m > 1, num_warps=2, **pdl.launch_args())
     return y
 
 
@@ -290,8 +299,8 @@ def split_sum(ws: torch.Tensor, y: torch.Tensor) -> None:
     """y [M, N] = the GEMM's fp32 partial sums ws [split, M, N] added in split order."""
     split, m, n = ws.shape
     _int4_split_sum_kernel[(triton.cdiv(m * n, 1024),)](
-        ws, ws, y, m * n, m * n, 0, 0, SPLIT=split, BLOCK=1024, HAS_BIAS=False,
-        SILU_MUL=False, PDL=False, ROWS=False, num_warps=4)
+        ws, ws, y, m * n, m * n, 0, 0, ws, 1, 1, 0.0, SPLIT=split, BLOCK=1024, HAS_BIAS=False,
+        SILU_MUL=False, NORM_IN=False, P_BLOCK=1, PDL=False, ROWS=False, num_warps=4)
 
 
 def int4_dequantize(qweight: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor,
@@ -630,15 +639,29 @@ def _int4_gemv_kernel(x_ptr, qw_ptr, z_ptr, s_ptr, g_ptr, b_ptr, y_ptr, ws_ptr, 
 
 
 @triton.jit
+def rstd_of(sq_ptr, rows, P, features, eps, P_BLOCK: tl.constexpr):
+    """rsqrt(mean + eps) of a folded norm's `rows` (a [R] tensor; `layers/norm_fold.py`):
+    each row's P partial sums of squares at `sq_ptr` + row * P, over `features`
+    features, added in one fixed order."""
+    p = tl.arange(0, P_BLOCK)
+    sq = tl.load(sq_ptr + rows[:, None] * P + p[None, :], mask=p[None, :] < P, other=0.0)
+    return tl.rsqrt(tl.sum(sq, 1) / features + eps)
+
+
+@triton.jit
 def _int4_split_sum_kernel(ws_ptr, b_ptr, y_ptr, N, stride_ws, stride_wr, stride_yr,
+                           sq_ptr, P, features, eps,
                            SPLIT: tl.constexpr, BLOCK: tl.constexpr, HAS_BIAS: tl.constexpr,
-                           SILU_MUL: tl.constexpr, PDL: tl.constexpr, ROWS: tl.constexpr):
+                           SILU_MUL: tl.constexpr, NORM_IN: tl.constexpr,
+                           P_BLOCK: tl.constexpr, PDL: tl.constexpr, ROWS: tl.constexpr):
     """y = the split-K partial sums added in split order (+ bias; SiLU-and-mul).
     ROWS: program (block, r) does row r of [M, ...] partial sums and outputs
     (row strides `stride_wr`, `stride_yr`), so one launch takes every row; a
-    row's sum is the same however many there are."""
+    row's sum is the same however many there are. NORM_IN: the sums times the
+    row's rstd (`rstd_of` the P partial sums of squares at sq_ptr) first."""
     pdl_wait(PDL)
     pdl_trigger(PDL)
+    row = tl.program_id(1) if ROWS else 0
     if ROWS:
         ws_ptr += tl.program_id(1).to(tl.int64) * stride_wr
         y_ptr += tl.program_id(1).to(tl.int64) * stride_yr
@@ -652,6 +675,10 @@ def _int4_split_sum_kernel(ws_ptr, b_ptr, y_ptr, N, stride_ws, stride_wr, stride
         acc += tl.load(ws_ptr + s * stride_ws + offs, mask=ok, other=0.0)
         if SILU_MUL:
             acc_up += tl.load(ws_ptr + s * stride_ws + N + offs, mask=ok, other=0.0)
+    if NORM_IN:
+        rstd = rstd_of(sq_ptr, row + tl.arange(0, 1), P, features, eps, P_BLOCK)
+        acc *= rstd
+        acc_up *= rstd
     if HAS_BIAS:
         acc += tl.load(b_ptr + offs, mask=ok, other=0.0).to(tl.float32)
     if SILU_MUL:

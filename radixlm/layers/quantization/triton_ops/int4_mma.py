@@ -64,12 +64,14 @@ import triton
 import triton.language as tl
 
 from radixlm.layers import pdl
+from radixlm.layers.norm_fold import FoldedNorm, NormTarget
 from radixlm.layers.quantization.triton_ops import int4 as _int4
 from radixlm.layers.quantization.triton_ops.mma_gemv import (
     CHUNK,
     MAX_ROWS,
     MmaConfig,
     check_rows,
+    folds_out,
     lane_lines,
     later_run_declarations,
     later_run_lines,
@@ -79,6 +81,7 @@ from radixlm.layers.quantization.triton_ops.mma_gemv import (
     pick_config,
     regs,
     row_runs,
+    rows_fit,
     run_suffixes,
     x_advance_lines,
     x_load_lines,
@@ -326,13 +329,15 @@ class _PtxGroup:
 def int4_gemv_mma(x: torch.Tensor, words: torch.Tensor, zeros: torch.Tensor,
                   scales: torch.Tensor, group: int, bias: torch.Tensor | None = None,
                   config: MmaConfig | None = None, out: torch.Tensor | None = None,
-                  silu_mul: bool = False) -> torch.Tensor:
+                  silu_mul: bool = False, norm_in: FoldedNorm | None = None,
+                  norm_out: NormTarget | None = None) -> torch.Tensor | FoldedNorm:
     """x [M, K] (1 <= M <= MAX_ROWS contiguous rows, bf16 / fp16, 16-byte aligned)
     times the int4 weight in `mma_layout` `words`, [M, N] (`silu_mul`: silu(gate) *
     up, [M, N / 2]). One row runs the one-row PTX; more, the rows PTX (`_PtxGroup`,
     a run of 8 rows per B operand),
     whose split-K sums the epilogue adds per row in split order, so a row's sums
-    are added in the same order whatever M is."""
+    are added in the same order whatever M is. `norm_in`, `norm_out`: a folded
+    norm (`mma_gemv.launch`; x is then `norm_in.x`)."""
     m, n, k = check_rows(x, words)
     assert x.dtype in (torch.bfloat16, torch.float16)
     assert group in GROUPS and k % group == 0 and zeros.stride(1) == scales.stride(1) == 1
@@ -341,7 +346,23 @@ def int4_gemv_mma(x: torch.Tensor, words: torch.Tensor, zeros: torch.Tensor,
                    pdl.pdl_on(), runs)
     # A step is a group; the zero points' and scales' rows are their strides apart.
     return launch(ptx, cfg, x, words, zeros, scales, k // group, zeros.stride(0),
-                  scales.stride(0), bias, out, silu_mul)
+                  scales.stride(0), bias, out, silu_mul, norm_in=norm_in, norm_out=norm_out)
+
+
+def norm_fold_rows(words: torch.Tensor, group: int, output: bool) -> int:
+    """The rows up to which `int4_gemv_mma` takes a folded norm in one launch: as
+    its input at any, as its output (`output`) where its split-K sum is in the
+    program (`mma_gemv.folds_out`)."""
+    tiles, chunks_per_row = words.shape[:2]
+    if output and not folds_out(16 * tiles, chunks_per_row * CHUNK // group):
+        return 0
+    return MAX_ROWS
+
+
+def takes_rows(x: torch.Tensor, words: torch.Tensor) -> bool:
+    """Whether `int4_gemv_mma` reads x as it is, in one launch."""
+    return x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and rows_fit(x) \
+        and x.shape[1] == words.shape[1] * CHUNK
 
 
 def int4_gemv_mma_rows(x: torch.Tensor, words: torch.Tensor, zeros: torch.Tensor,

@@ -41,8 +41,9 @@ import triton
 import triton.language as tl
 
 from radixlm.layers import pdl
+from radixlm.layers.norm_fold import FoldedNorm, NormTarget
 from radixlm.layers.pdl import pdl_trigger, pdl_wait
-from radixlm.layers.quantization.triton_ops.int4 import sum_splits
+from radixlm.layers.quantization.triton_ops.int4 import rstd_of, sum_splits
 
 CHUNK = 64  # features a lane's words of one tile cover: 4 MMA blocks of 16
 MAX_RUNS = 8  # runs of 8 rows of x (B's 8 columns), each its own B operand
@@ -266,8 +267,10 @@ def _run_ptx(PTX: tl.constexpr, one, x_ptr, w_ptr, a_ptr, b_ptr, ws_row, first_w
 @triton.jit
 def mma_gemv_cta_kernel(x_ptr, w_ptr, a_ptr, b_ptr, ws_ptr, bias_ptr, y_ptr, TILES,
                         CHUNKS_PER_ROW, N, STEPS, SPLIT_STEPS, int_a, int_b, stride_ws, M,
-                        stride_y, SPLIT: tl.constexpr, ROWS: tl.constexpr,
-                        HAS_BIAS: tl.constexpr, PTX: tl.constexpr, PDL: tl.constexpr,
+                        stride_y, sq_in_ptr, P_IN, features, eps_in, res_ptr, gamma_ptr,
+                        res_out_ptr, sq_out_ptr, SPLIT: tl.constexpr, ROWS: tl.constexpr,
+                        HAS_BIAS: tl.constexpr, NORM_IN: tl.constexpr, P_BLOCK: tl.constexpr,
+                        NORM_OUT: tl.constexpr, PTX: tl.constexpr, PDL: tl.constexpr,
                         PTX_WAITS: tl.constexpr):
     """`mma_gemv_kernel`'s PTX with the split-K sum in the program: program p owns
     row tile p with SPLIT warps, warp w taking run w of the steps. The PTX computes
@@ -276,7 +279,14 @@ def mma_gemv_cta_kernel(x_ptr, w_ptr, a_ptr, b_ptr, ws_ptr, bias_ptr, y_ptr, TIL
     holds element i of a [32 SPLIT] tensor). After the PTX a barrier, then the
     program adds its [SPLIT, M, 16] partial sums in split order and the bias: the
     second launch's arithmetic (`int4._int4_split_sum_kernel`), so the same bits.
-    ROWS: a power of two >= M. y: [M, N] rows `stride_y` apart."""
+    ROWS: a power of two >= M. y: [M, N] rows `stride_y` apart.
+
+    A folded norm (`layers/norm_fold.py`). NORM_IN: x holds the norm unscaled,
+    so the sums are multiplied by each row's rstd (`rstd_of` its P_IN partial
+    sums of squares at sq_in, over `features`) before the bias. NORM_OUT: the
+    rounded product is added to the residual [M, N] (contiguous) into res_out;
+    y gets the sum times the norm's weight `gamma`, and sq_out [M, TILES] at
+    column p the sum of the tile's squares."""
     pid = tl.program_id(0)
     warp = tl.arange(0, 32 * SPLIT) // 32
     lo = warp * SPLIT_STEPS
@@ -293,10 +303,27 @@ def mma_gemv_cta_kernel(x_ptr, w_ptr, a_ptr, b_ptr, ws_ptr, bias_ptr, y_ptr, TIL
     acc = tl.load(at, mask=ok, other=0.0, cache_modifier=".cg")
     for s in tl.static_range(1, SPLIT):
         acc += tl.load(at + s * stride_ws, mask=ok, other=0.0, cache_modifier=".cg")
+    if NORM_IN:
+        acc *= rstd_of(sq_in_ptr, tl.minimum(rows, M - 1), P_IN, features, eps_in,
+                       P_BLOCK)[:, None]
     if HAS_BIAS:
         acc += tl.load(bias_ptr + cols).to(tl.float32)[None, :]
-    tl.store(y_ptr + rows[:, None] * stride_y + cols[None, :], acc.to(y_ptr.dtype.element_ty),
-             mask=ok)
+    dtype = y_ptr.dtype.element_ty
+    if NORM_OUT:  # the norm kernel's rounding: the product, then the residual stream
+        at = rows[:, None] * N + cols[None, :]
+        s = (acc.to(dtype).to(tl.float32) + tl.load(res_ptr + at, mask=ok).to(tl.float32))
+        s = s.to(dtype)
+        tl.store(res_out_ptr + at, s, mask=ok)
+        acc = s.to(tl.float32)
+        tl.store(sq_out_ptr + rows * TILES + pid, tl.sum(acc * acc, 1), mask=rows < M)
+        acc *= tl.load(gamma_ptr + cols).to(tl.float32)[None, :]
+    tl.store(y_ptr + rows[:, None] * stride_y + cols[None, :], acc.to(dtype), mask=ok)
+
+
+def folds_out(n: int, steps: int, fp8: bool = False) -> bool:
+    """Whether an [N]-column product of `steps` steps can give a folded norm
+    (`launch`'s `norm_out`): its split-K sum is in the program."""
+    return cta_fits(pick_config(n, fp8), steps, False)
 
 
 def cta_fits(cfg: MmaConfig, steps: int, silu_mul: bool) -> bool:
@@ -336,29 +363,60 @@ def check_rows(x: torch.Tensor, words: torch.Tensor,
 def launch(ptx: str, cfg: MmaConfig, x: torch.Tensor, words: torch.Tensor, a: torch.Tensor,
            b: torch.Tensor, steps: int, int_a: int, int_b: int, bias: torch.Tensor | None,
            out: torch.Tensor | None, silu_mul: bool,
-           grid_shape: tuple[int, int] | None = None) -> torch.Tensor:
+           grid_shape: tuple[int, int] | None = None, norm_in: FoldedNorm | None = None,
+           norm_out: NormTarget | None = None) -> torch.Tensor | FoldedNorm:
     """Both launches of a tensor-core GEMV: `ptx` (holding the PDL wait where PDL is
     on: `loop_ptx`'s `pdl`) over `steps` loop steps of K split by `cfg` (the
     format's addresses `a`, `b` and integers `int_a`, `int_b`), then the split-K
     sum into [M, N] (`silu_mul`: [M, N / 2]). `grid_shape`: (tiles, chunks a row)
-    where `words` is not the fragment-order [tiles, chunks, ...] tensor."""
+    where `words` is not the fragment-order [tiles, chunks, ...] tensor.
+
+    A folded norm (`layers/norm_fold.py`): `norm_in`, x is its unscaled `x` (the
+    sums are scaled by its rstd); `norm_out` (the sum in the program: `folds_out`),
+    returns the FoldedNorm the product added to its residual makes."""
     tiles, chunks_per_row = grid_shape or words.shape[:2]
     m, n = x.shape[0], tiles * 16
     per, split = splits(steps, cfg.split)
     ws = torch.empty((split, m, n), device=x.device, dtype=torch.float32)
     y = output(x, n // 2 if silu_mul else n, out)
+    if norm_in is not None and norm_in.squares is None:
+        norm_in = None  # x is the norm's output already
+    sq_in, p_in = ws, 1
+    if norm_in is not None:
+        sq_in, p_in = norm_in.squares, norm_in.squares.shape[-1]
+        assert sq_in.shape == (m, p_in) and sq_in.is_contiguous()
     if cta_fits(cfg, steps, silu_mul):
+        fold = _fold_out(norm_out, y, tiles)
         mma_gemv_cta_kernel[(tiles,)](
             x, words, a, b, ws, bias if bias is not None else ws, y, tiles, chunks_per_row, n,
-            steps, per, int_a, int_b, ws.stride(0), m, y.stride(0), SPLIT=split,
-            ROWS=triton.next_power_of_2(m), HAS_BIAS=bias is not None, PTX=ptx,
-            PTX_WAITS=PDL_LINES[0] in ptx, num_warps=split, **pdl.launch_args())
-        return y
+            steps, per, int_a, int_b, ws.stride(0), m, y.stride(0), sq_in, p_in,
+            x.shape[1], norm_in.eps if norm_in is not None else 0.0,
+            *(fold[1:] if fold is not None else (ws,) * 4), SPLIT=split,
+            ROWS=triton.next_power_of_2(m), HAS_BIAS=bias is not None,
+            NORM_IN=norm_in is not None, P_BLOCK=triton.next_power_of_2(p_in),
+            NORM_OUT=fold is not None, PTX=ptx, PTX_WAITS=PDL_LINES[0] in ptx,
+            num_warps=split, **pdl.launch_args())
+        return y if fold is None else fold[0]
+    assert norm_out is None, "a folded norm's output needs the split-K sum in the program"
     mma_gemv_kernel[(triton.cdiv(tiles, cfg.warps * cfg.nt), split)](
         x, words, a, b, ws, tiles, chunks_per_row, n, steps, per, int_a, int_b,
         ws.stride(0), m, WARPS=cfg.warps, PTX=ptx, PTX_WAITS=PDL_LINES[0] in ptx,
         num_warps=cfg.warps, **pdl.launch_args())
-    return sum_splits(ws, bias, y, silu_mul)
+    return sum_splits(ws, bias, y, silu_mul, norm_in)
+
+
+def _fold_out(target: NormTarget | None, y: torch.Tensor, tiles: int
+              ) -> tuple[FoldedNorm, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor
+                         ] | None:
+    """The FoldedNorm a product y [M, N] into `target` makes, and the kernel's
+    operands for it: residual, gamma, new residual, squares [M, tiles]."""
+    if target is None:
+        return None
+    res = target.residual
+    assert res.shape == y.shape and res.is_contiguous() and target.weight.is_contiguous()
+    new_res = torch.empty_like(y, memory_format=torch.contiguous_format)
+    squares = torch.empty((y.shape[0], tiles), device=y.device, dtype=torch.float32)
+    return (FoldedNorm(y, squares, new_res, target.eps), res, target.weight, new_res, squares)
 
 
 def splits(steps: int, split: int) -> tuple[int, int]:
