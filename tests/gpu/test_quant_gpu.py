@@ -235,8 +235,18 @@ def test_folded_norms_track_the_norm_kernels(fmt, model):
     ref = _run(src, quantization, prompts, disable_norm_fold=True)
     _compare(ours, ref, f"{fmt}, norms folded")
     # The prompts' logprobs come from prefills (not folded): the decode steps are
-    # the greedy tokens after the first.
-    assert agreement(ours, ref).same >= 0.9 * NEW * len(prompts)
+    # the tokens after the first. Where the two runs agree, their logprobs must.
+    diffs = []
+    for o, r in zip(ours, ref, strict=True):
+        assert o["output_ids"][:2] == r["output_ids"][:2], fmt
+        for a, b in zip(o["meta_info"]["output_token_logprobs"][1:],
+                        r["meta_info"]["output_token_logprobs"][1:], strict=True):
+            if a[1] != b[1]:
+                break
+            diffs.append(abs(a[0] - b[0]))
+    print(f"{fmt}: decode logprobs of agreeing tokens, mean |diff| "
+          f"{sum(diffs) / len(diffs):.4f} over {len(diffs)}, max {max(diffs):.3f}")
+    assert sum(diffs) / len(diffs) < 0.1, fmt
 
 
 def test_dummy_fp8_and_awq_engines_run(model):

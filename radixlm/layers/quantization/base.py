@@ -77,6 +77,7 @@ method and the table's embedding method then agree on the layout.
 
 from __future__ import annotations
 
+import logging
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -84,6 +85,8 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import torch
 
 from radixlm.layers.norm_fold import FoldedNorm, NormTarget, fold_into
+
+logger = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     from radixlm.layers.linear import LinearBase
@@ -131,6 +134,7 @@ class LinearMethod(ABC):
                      ) -> torch.Tensor:
         """`apply` (or `apply_silu_mul` where `silu_mul`, bias-free) on the norm's
         output that `x` holds unscaled."""
+        _warn_torch_fold(layer, x.x)
         rows = x.normalized()
         if silu_mul:
             out = self.apply_silu_mul(layer, rows)
@@ -144,6 +148,7 @@ class LinearMethod(ABC):
                         target: NormTarget) -> FoldedNorm:
         """`apply` (with the layer's bias), added to `target`'s residual and held
         as the input of `target`'s norm."""
+        _warn_torch_fold(layer, x)
         return fold_into(self.apply(layer, x, layer.bias), target)
 
     def process_weights_after_loading(self, layer: LinearBase) -> None:  # noqa: B027 (optional)
@@ -152,6 +157,20 @@ class LinearMethod(ABC):
 
     def drop_derived(self, layer: LinearBase) -> None:  # noqa: B027 (optional)
         """Forget what `process_weights_after_loading` derived."""
+
+
+def _warn_torch_fold(layer: LinearBase, x: torch.Tensor) -> None:
+    """On CUDA the decoder folds only where the kernels say they take the fold, so
+    the torch defaults running there mean a layer's kernels turned these rows
+    down: several launches where the norm was one. Said once per method."""
+    method = type(layer.quant_method).__name__
+    if x.is_cuda and method not in _WARNED:
+        _WARNED.add(method)
+        logger.warning("%s: a folded norm around %s (x %s) runs in torch, not in the kernels",
+                       method, layer.prefix, tuple(x.shape))
+
+
+_WARNED: set[str] = set()
 
 
 class FusedMoEMethod(ABC):

@@ -43,7 +43,7 @@ import triton.language as tl
 from radixlm.layers import pdl
 from radixlm.layers.norm_fold import FoldedNorm, NormTarget
 from radixlm.layers.pdl import pdl_trigger, pdl_wait
-from radixlm.layers.quantization.triton_ops.int4 import rstd_of, sum_splits
+from radixlm.layers.quantization.triton_ops.int4 import rstd_rows, sum_splits
 
 CHUNK = 64  # features a lane's words of one tile cover: 4 MMA blocks of 16
 MAX_RUNS = 8  # runs of 8 rows of x (B's 8 columns), each its own B operand
@@ -292,31 +292,33 @@ def mma_gemv_cta_kernel(x_ptr, w_ptr, a_ptr, b_ptr, ws_ptr, bias_ptr, y_ptr, TIL
     lo = warp * SPLIT_STEPS
     hi = tl.minimum(STEPS, lo + SPLIT_STEPS)
     ws_rows = ws_ptr.to(tl.int64, bitcast=True) + warp.to(tl.int64) * stride_ws * 4
-    _run_ptx(PTX, tl.zeros([32 * SPLIT], dtype=tl.int32), x_ptr, w_ptr, a_ptr, b_ptr, ws_rows,
-             pid - warp, lo, hi, TILES, CHUNKS_PER_ROW, N, int_a, int_b, M, PDL, PTX_WAITS)
-    tl.debug_barrier()  # every warp's partial sums stored (CTA-scope ordering)
     rows = tl.arange(0, ROWS)
     cols = pid * 16 + tl.arange(0, 16)
     ok = (rows < M)[:, None]
+    if NORM_OUT:  # the norm's weights: a constant, read before the wait in the PTX
+        gamma = tl.load(gamma_ptr + cols).to(tl.float32)[None, :]
+    _run_ptx(PTX, tl.zeros([32 * SPLIT], dtype=tl.int32), x_ptr, w_ptr, a_ptr, b_ptr, ws_rows,
+             pid - warp, lo, hi, TILES, CHUNKS_PER_ROW, N, int_a, int_b, M, PDL, PTX_WAITS)
+    tl.debug_barrier()  # every warp's partial sums stored (CTA-scope ordering)
+    if NORM_OUT:  # in flight with the partial sums' loads
+        res = tl.load(res_ptr + rows[:, None] * N + cols[None, :], mask=ok, other=0.0)
     at = ws_ptr + rows[:, None] * N + cols[None, :]
     # .cg: from L2, where the other warps' stores went (not a stale L1 line)
     acc = tl.load(at, mask=ok, other=0.0, cache_modifier=".cg")
     for s in tl.static_range(1, SPLIT):
         acc += tl.load(at + s * stride_ws, mask=ok, other=0.0, cache_modifier=".cg")
     if NORM_IN:
-        acc *= rstd_of(sq_in_ptr, tl.minimum(rows, M - 1), P_IN, features, eps_in,
-                       P_BLOCK)[:, None]
+        acc *= rstd_rows(sq_in_ptr, tl.minimum(rows, M - 1), P_IN, features, eps_in,
+                         P_BLOCK)[:, None]
     if HAS_BIAS:
         acc += tl.load(bias_ptr + cols).to(tl.float32)[None, :]
     dtype = y_ptr.dtype.element_ty
     if NORM_OUT:  # the norm kernel's rounding: the product, then the residual stream
-        at = rows[:, None] * N + cols[None, :]
-        s = (acc.to(dtype).to(tl.float32) + tl.load(res_ptr + at, mask=ok).to(tl.float32))
-        s = s.to(dtype)
-        tl.store(res_out_ptr + at, s, mask=ok)
+        s = (acc.to(dtype).to(tl.float32) + res.to(tl.float32)).to(dtype)
+        tl.store(res_out_ptr + rows[:, None] * N + cols[None, :], s, mask=ok)
         acc = s.to(tl.float32)
         tl.store(sq_out_ptr + rows * TILES + pid, tl.sum(acc * acc, 1), mask=rows < M)
-        acc *= tl.load(gamma_ptr + cols).to(tl.float32)[None, :]
+        acc *= gamma
     tl.store(y_ptr + rows[:, None] * stride_y + cols[None, :], acc.to(dtype), mask=ok)
 
 
