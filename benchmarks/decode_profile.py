@@ -163,8 +163,8 @@ def main() -> None:
     p.add_argument("--disable-pdl", action="store_true",
                    help="each kernel's own time: under PDL a kernel's span includes its wait "
                         "for the one before it")
-    p.add_argument("--disable-norm-fold", action="store_true",
-                   help="each RMSNorm a kernel of its own (layers/norm_fold.py)")
+    p.add_argument("--enable-norm-fold", action="store_true",
+                   help="fold the RMSNorms into the projections (layers/norm_fold.py)")
     p.add_argument("--replay-draft", default=None, metavar="K,L",
                    help="profile verify steps of k replayed drafts keeping L - 1 each "
                         "(SIMULATED acceptance)")
@@ -186,7 +186,7 @@ def main() -> None:
                       skip_tokenizer_init=True, context_length=4096,
                       kv_cache_dtype=args.kv_cache_dtype,
                       enable_deterministic_inference=args.enable_deterministic_inference,
-                      disable_pdl=args.disable_pdl, disable_norm_fold=args.disable_norm_fold)
+                      disable_pdl=args.disable_pdl, enable_norm_fold=args.enable_norm_fold)
         if args.quantization:
             kwargs["quantization"] = args.quantization
         with radixlm.Engine(**kwargs) as engine:

@@ -145,10 +145,11 @@ class ServerArgs:
         "runtime", "On Hopper and newer GPUs, launch the decode kernels one after another "
         "instead of with programmatic dependent launch (which lets each start during "
         "the previous one's tail)", default=False)
-    disable_norm_fold: bool = _opt(
-        "runtime", "On CUDA, in small-batch decode of a model whose weight kernels fold the "
-        "RMSNorm between two projections into them (AWQ, GPTQ, FP8), run each norm as a "
-        "kernel of its own instead", default=False)
+    enable_norm_fold: bool = _opt(
+        "runtime", "On CUDA, in small-batch decode of a model whose weight kernels can fold "
+        "it (AWQ, GPTQ, FP8 on the tensor-core GEMVs), fold the RMSNorm between two "
+        "projections into their epilogues instead of launching it (experimental: not yet "
+        "measured faster)", default=False)
     num_threads: int | None = _opt("runtime", "torch CPU threads (default: all cores)",
                                    default=None)
     moe_runner_backend: str = _opt(

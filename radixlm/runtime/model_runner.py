@@ -125,12 +125,12 @@ class ModelRunner:
                                  "batch")
 
     def _fold_norms(self) -> None:
-        """On CUDA, fold each norm between two projections into them where every
-        layer's kernels can (`layers/norm_fold.py`; a deterministic run keeps
-        the norm kernels, whose rows are batch-invariant)."""
+        """Under --enable-norm-fold on CUDA, fold each norm between two projections
+        into them where every layer's kernels can (`layers/norm_fold.py`; a
+        deterministic run keeps the norm kernels, whose rows are batch-invariant)."""
         enable = getattr(self.model, "enable_norm_fold", None)
         args = self.args
-        if (enable is None or self.device.type != "cuda" or args.disable_norm_fold
+        if (enable is None or self.device.type != "cuda" or not args.enable_norm_fold
                 or args.enable_deterministic_inference):
             return
         rows = enable()

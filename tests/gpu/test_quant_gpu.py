@@ -223,16 +223,16 @@ def test_fp8_lm_head_on_cuda_tracks_its_dequantized_model(fmt, model):
 
 @pytest.mark.parametrize("fmt", ["awq-g128", "online-fp8"])
 def test_folded_norms_track_the_norm_kernels(fmt, model):
-    """Decode with each RMSNorm folded into the GEMVs around it (the default on
-    CUDA: `layers/norm_fold.py`) against the same checkpoint under
-    --disable-norm-fold: only the norm's rounding moves."""
+    """Decode with each RMSNorm folded into the GEMVs around it (--enable-norm-fold:
+    `layers/norm_fold.py`) against the same checkpoint with the norm kernels:
+    only the norm's rounding moves."""
     root, config, floats, prompts = model
     if fmt == "online-fp8":
         src, quantization = str(root / "float"), "fp8"
     else:
         src, quantization = write_pair(root, fmt, config, floats, *FORMATS[fmt])[0], None
-    ours = _run(src, quantization, prompts)
-    ref = _run(src, quantization, prompts, disable_norm_fold=True)
+    ours = _run(src, quantization, prompts, enable_norm_fold=True)
+    ref = _run(src, quantization, prompts)
     _compare(ours, ref, f"{fmt}, norms folded")
     # The prompts' logprobs come from prefills (not folded): the decode steps are
     # the tokens after the first. Where the two runs agree, their logprobs must.

@@ -292,14 +292,14 @@ def mma_gemv_cta_kernel(x_ptr, w_ptr, a_ptr, b_ptr, ws_ptr, bias_ptr, y_ptr, TIL
     lo = warp * SPLIT_STEPS
     hi = tl.minimum(STEPS, lo + SPLIT_STEPS)
     ws_rows = ws_ptr.to(tl.int64, bitcast=True) + warp.to(tl.int64) * stride_ws * 4
-    rows = tl.arange(0, ROWS)
-    cols = pid * 16 + tl.arange(0, 16)
-    ok = (rows < M)[:, None]
     if NORM_OUT:  # the norm's weights: a constant, read before the wait in the PTX
-        gamma = tl.load(gamma_ptr + cols).to(tl.float32)[None, :]
+        gamma = tl.load(gamma_ptr + pid * 16 + tl.arange(0, 16)).to(tl.float32)[None, :]
     _run_ptx(PTX, tl.zeros([32 * SPLIT], dtype=tl.int32), x_ptr, w_ptr, a_ptr, b_ptr, ws_rows,
              pid - warp, lo, hi, TILES, CHUNKS_PER_ROW, N, int_a, int_b, M, PDL, PTX_WAITS)
     tl.debug_barrier()  # every warp's partial sums stored (CTA-scope ordering)
+    rows = tl.arange(0, ROWS)
+    cols = pid * 16 + tl.arange(0, 16)
+    ok = (rows < M)[:, None]
     if NORM_OUT:  # in flight with the partial sums' loads
         res = tl.load(res_ptr + rows[:, None] * N + cols[None, :], mask=ok, other=0.0)
     at = ws_ptr + rows[:, None] * N + cols[None, :]
