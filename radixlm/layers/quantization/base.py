@@ -140,8 +140,7 @@ class LinearMethod(ABC):
             out = self.apply_silu_mul(layer, rows)
             if out is not None:
                 return out
-            gate, up = self.apply(layer, rows).float().chunk(2, dim=-1)
-            return (torch.nn.functional.silu(gate) * up).to(rows.dtype)
+            return layer.act_fn(self.apply(layer, rows))  # the layer's SiluAndMul
         return self.apply(layer, rows, layer.bias)
 
     def apply_into_norm(self, layer: LinearBase, x: torch.Tensor,
