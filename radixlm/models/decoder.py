@@ -466,7 +466,6 @@ class DecoderModel(nn.Module):
         # sums in place (in the buffer the MLP wrote), so rows are picked after it.
         return self.norm(hidden, residual, reduce=True, pre_norm=pending)[0]
 
-
     def forward_folded(self, positions: torch.Tensor, hidden: torch.Tensor,
                        fb: ForwardBatch) -> torch.Tensor:
         """`forward` with each norm between two layers' projections folded into
