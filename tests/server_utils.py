@@ -117,7 +117,11 @@ class ServerProcess:
         while True:
             info = self.server_info()
             idle = info["num_running_requests"] == 0 and info["num_queued_requests"] == 0
-            if (idle and info["kv_tokens_in_use"] == 0) or time.monotonic() > deadline:
+            # The API process forgets a request when its finish arrives, after the
+            # scheduler has.
+            forgotten = info.get("api_live_seqs", 0) == 0 and info.get("api_tracked_ids", 0) == 0
+            if (idle and forgotten and info["kv_tokens_in_use"] == 0) or \
+                    time.monotonic() > deadline:
                 return info
             time.sleep(0.1)
 

@@ -34,11 +34,14 @@ pytestmark = pytest.mark.timeout(900)
 MODEL = "SmolLM2-135M-Instruct"
 PROMPTS = [f"Tell me one fact about {w}." for w in (
     "Paris", "the sea", "owls", "copper", "Mars", "tea", "glaciers", "chess", "bees", "rain")]
-# RSS settles during the first round of a load shape (glibc arenas of the
-# server's threads grew by 110 MB there once on this 2-core machine), so the
-# first round is the baseline; growth beyond this from one later round to the
-# next is a leak.
-RSS_SLACK_MB = 64.0
+# Finished requests' bookkeeping is checked exactly (assert_idle); RSS is the
+# coarse guard for leaks outside it. It is noisy here: glibc's per-thread arenas
+# move by 60-130 MB between rounds of the same load on this 2-core machine, up
+# or down (CI saw 1673, 1611, 1741 MB). So the last round is held against the
+# highest earlier round, not the one before: a leak pushes every round higher,
+# noise does not. 128 MB over 80 requests is 1.6 MB a request (the slow
+# variant, 500 x 4: 256 KB).
+RSS_SLACK_MB = 128.0
 
 
 @pytest.fixture(scope="module")
@@ -103,6 +106,8 @@ def server_rss_mb(server: ServerProcess) -> float:
 def assert_idle(server: ServerProcess) -> dict[str, Any]:
     info = server.wait_idle()
     assert info["kv_tokens_in_use"] == 0, info
+    # The API process forgets a request and its sequences once they finish.
+    assert info["api_live_seqs"] == 0 and info["api_tracked_ids"] == 0, info
     assert info["num_running_requests"] == 0 and info["num_queued_requests"] == 0, info
     return info
 
@@ -171,9 +176,8 @@ def run_load(server: ServerProcess, capsys: Any, num_requests: int, rounds: int)
                   f"kv_tokens_in_use={info['kv_tokens_in_use']}; "
                   f"server RSS {rss[-1]:.0f} MB")
         assert tally["completed"] == num_requests
-    assert rounds >= 3, "the first round only settles the allocator"
-    for k in range(2, rounds):
-        assert rss[k] <= rss[k - 1] + RSS_SLACK_MB, f"RSS grew across rounds: {rss}"
+    assert rounds >= 3, "noise needs two earlier rounds to show its range"
+    assert rss[-1] <= max(rss[:-1]) + RSS_SLACK_MB, f"RSS grew across rounds: {rss}"
 
 
 def test_load_rounds(server: ServerProcess, capsys: Any) -> None:

@@ -396,7 +396,9 @@ def _add_info_routes(app: FastAPI, state: ServerState) -> None:
         if args.get("api_key"):
             args["api_key"] = "<redacted>"
         return {**reply.result, "server_args": args, "version": __version__,
-                "served_model_name": state.served_name, "process_pids": state.tm.child_pids}
+                "served_model_name": state.served_name, "process_pids": state.tm.child_pids,
+                "api_live_seqs": state.tm.num_live_seqs,
+                "api_tracked_ids": state.tm.num_tracked_ids}
 
     @app.post("/flush_cache")
     async def flush_cache() -> dict[str, Any]:

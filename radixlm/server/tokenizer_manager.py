@@ -160,6 +160,12 @@ class TokenizerManager:
         return len(self.seq_owner)
 
     @property
+    def num_tracked_ids(self) -> int:
+        """Request ids (groups and their aliases) still mapped: 0 when idle, or
+        finished requests are leaking here."""
+        return len(self.aliases)
+
+    @property
     def child_pids(self) -> dict[str, int]:
         return {name: msg.pid for name, msg in self.ready_msgs.items()}
 
