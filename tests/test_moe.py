@@ -102,6 +102,38 @@ def test_cpu_backend_matches_the_reference(dtype, tol, tokens):
     torch.testing.assert_close(out.float(), ref.float(), rtol=tol, atol=tol)
 
 
+def test_a_lone_token_routed_only_to_other_ranks_gets_zeros():
+    x = torch.randn(1, 64, generator=torch.Generator().manual_seed(2))
+    w13, w2 = _experts(4, 64, 32)
+    ids = torch.full((1, 2), -1, dtype=torch.int32)
+    out = moe_cpu.fused_experts(x, w13, w2, torch.ones(1, 2), ids)
+    assert torch.equal(out, torch.zeros_like(x))
+
+
+def test_olmoe_projection_norm_takes_the_cpu_kernel_in_bf16(monkeypatch):
+    """OLMoE's q/k norm over a whole projection, on one rank in bf16: the fused
+    CPU kernel on the strided q slice of a qkv output, agreeing with HF's
+    OlmoeRMSNorm arithmetic (bf16 rounding before the weight)."""
+    from radixlm.layers import cpu_ops
+    from radixlm.models.olmoe import ProjectionRMSNorm
+
+    if not cpu_ops.load():
+        pytest.skip("no C++ compiler: the CPU kernels are unavailable")
+    g = torch.Generator().manual_seed(3)
+    norm = ProjectionRMSNorm(256, 0, 256, 1e-5)
+    norm.weight.data = torch.randn(256, generator=g).bfloat16()
+    q = torch.randn(5, 256 + 128, generator=g).bfloat16()[:, :256]  # a split's view
+    calls = []
+    kernel = cpu_ops.rms_norm
+    monkeypatch.setattr(cpu_ops, "rms_norm", lambda *a: calls.append(1) or kernel(*a))
+    out = norm(q)
+    assert calls, "bf16 on one rank takes the kernel"
+    qf = q.float()
+    ref = norm.weight * (qf * torch.rsqrt(qf.pow(2).mean(-1, keepdim=True) + 1e-5)).bfloat16()
+    torch.testing.assert_close(out, ref)
+    assert (out == ref).float().mean().item() > 0.99
+
+
 def test_reference_refuses_mismatched_shapes():
     x = torch.randn(3, 32)
     w13, w2 = _experts(4, 32, 16)

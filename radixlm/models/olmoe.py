@@ -17,6 +17,7 @@ from torch import nn
 from transformers import PretrainedConfig
 
 from radixlm import distributed as tp
+from radixlm.layers import cpu_ops
 from radixlm.layers.rotary import RotaryEmbedding
 from radixlm.layers.sharding import AxisSpec, Piece, ShardId, register_weight, weight_spec
 from radixlm.models import hf_config
@@ -64,6 +65,8 @@ class ProjectionRMSNorm(nn.Module):
         weight_spec(param).load(self, param, loaded, shard_id)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.size == self.total and cpu_ops.use_fused(x) and self.weight.dtype == x.dtype:
+            return cpu_ops.rms_norm(x, self.weight, self.eps)  # one kernel for ~8 ops
         xf = x.float()
         if self.size == self.total:
             mean_square = xf.pow(2).mean(-1, keepdim=True)
