@@ -62,24 +62,15 @@ struct Request {
   }
 };
 
-// Scratch of one thread: packed keys/values of one split (every KV head), query
-// rows. Kept from call to call, as the prefill kernel's is: a fresh one per call
-// allocated ~1 MB per layer, whose page faults cost more than the attention
-// (OLMoE's 16 heads of 128 at 160 tokens, bf16, in the engine: 614 us a call,
-// 192 us with the buffers kept). A unit spans at most kSplit positions, so
-// what a thread keeps is bounded (2 MB at 8 KV heads of 128 in fp32).
+// Scratch of one thread (`thread_scratch`): packed keys/values of one split
+// (every KV head), query rows. A unit spans at most kSplit positions, so what
+// a thread keeps is bounded (2 MB at 8 KV heads of 128 in fp32).
 template <typename T>
 struct Scratch {
   std::vector<float> kf, vf, qf;
   std::vector<uint32_t> kp, vp, qp;
   std::vector<int64_t> slots;
 };
-
-template <typename T>
-Scratch<T>& scratch() {
-  thread_local Scratch<T> w;
-  return w;
-}
 
 // One (request, split): the split's keys and values of every KV head are packed
 // (one pass over the pool rows), then each group's heads, R at a time, write
@@ -158,7 +149,7 @@ void run(const Args<T>& a, int64_t bs, T* out, int64_t o_sb, int64_t o_sh) {
   }
   const int64_t units = unit_start[bs];
   at::parallel_for(0, units, 1, [&](int64_t begin, int64_t end) {
-    Scratch<T>& w = scratch<T>();
+    Scratch<T>& w = thread_scratch<Scratch<T>>();
     int64_t b = std::upper_bound(unit_start.begin(), unit_start.end(), begin) -
                 unit_start.begin() - 1;
     for (int64_t u = begin; u < end; ++u) {

@@ -62,8 +62,8 @@ struct Unit {
   int64_t work;                               // its cost (for the order)
 };
 
-// One thread's buffers, kept from call to call (no allocation, no page faults
-// per layer): the unit's packed keys and values (one KV head, P: the flavour's
+// One thread's buffers (`thread_scratch`: no allocation, no page faults per
+// layer): the unit's packed keys and values (one KV head, P: the flavour's
 // element), query rows padded to the compiled width, the splits' results.
 template <typename P>
 struct Scratch {
@@ -71,12 +71,6 @@ struct Scratch {
   std::vector<float> acc, part;
   std::vector<int64_t> slots;
 };
-
-template <typename P>
-Scratch<P>& scratch() {
-  thread_local Scratch<P> w;
-  return w;
-}
 
 // Rows [p0, p0 + rows) of head h: every split they see, folded in order, then
 // normalized into out. The first split is written straight into the
@@ -244,7 +238,7 @@ void run_flavour(const Args<T>& a, int64_t count) {
   if (workers <= 0) return;
   // Units pulled by idle threads, in order.
   at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
-    Scratch<P>& w = scratch<P>();
+    Scratch<P>& w = thread_scratch<Scratch<P>>();
     for (int64_t j = next++; j < jobs; j = next++) attend_unit<DV>(a, units[j], w);
     // A long prompt's buffers are not kept for the rest of the process.
     constexpr size_t kKeep = size_t{4} << 20;
