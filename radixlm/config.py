@@ -148,8 +148,8 @@ class ServerArgs:
     enable_norm_fold: bool = _opt(
         "runtime", "On CUDA, in small-batch decode of a model whose weight kernels can fold "
         "it (AWQ, GPTQ, FP8 on the tensor-core GEMVs), fold the RMSNorm between two "
-        "projections into their epilogues instead of launching it (experimental: not yet "
-        "measured faster)", default=False)
+        "projections into their epilogues instead of launching it (experimental: measured "
+        "no faster than the norm kernels)", default=False)
     num_threads: int | None = _opt("runtime", "torch CPU threads (default: all cores)",
                                    default=None)
     moe_runner_backend: str = _opt(
