@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import os
+import sys
 from typing import TYPE_CHECKING, Any
 
 # OpenMP's default busy-waiting makes torch 7-10x slower on the CPU whenever
 # another process (tokenizer, detokenizer, HTTP server) wants a core. Must be
-# set before torch loads its OpenMP runtime; an explicit setting wins.
+# set before torch loads its OpenMP runtime; an explicit setting wins. Where
+# torch came first, the runtime already busy-waits: OMP_BUSY_WAIT says so, and
+# a CPU engine warns (model_runner.py).
+OMP_BUSY_WAIT = "torch" in sys.modules and "OMP_WAIT_POLICY" not in os.environ
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 __version__ = "0.1.0"

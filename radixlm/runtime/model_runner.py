@@ -16,6 +16,7 @@ from pathlib import Path
 import psutil
 import torch
 
+import radixlm
 from radixlm import distributed as tp
 from radixlm.cache.fp8_pool import FP8_DTYPES, FP8TokenToKVPool, kv_scales
 from radixlm.cache.kv_spec import KVSpec
@@ -139,6 +140,15 @@ class ModelRunner:
                         "to %d rows", rows)
 
     def _set_cpu_threads(self) -> None:
+        if radixlm.OMP_BUSY_WAIT:
+            # After each of torch's parallel ops its OpenMP threads spin on the
+            # cores our product pool needs: a GGUF MoE decoded 67 tok/s this way
+            # against 76 with the passive policy (2 cores, BENCHMARKS.md 2026-12-07).
+            logger.warning("torch was imported before radixlm, so its OpenMP threads "
+                           "busy-wait (OMP_WAIT_POLICY was unset when torch loaded it): CPU "
+                           "decode can run ~10%% slower. Import radixlm first, or set "
+                           "OMP_WAIT_POLICY=PASSIVE (or ACTIVE, to keep spinning) before "
+                           "starting Python")
         if self.args.num_threads:
             torch.set_num_threads(self.args.num_threads)
             return
