@@ -18,7 +18,7 @@ from radixlm.runtime.model_runner import ModelRunner
 REPORT = "import os, radixlm; print(radixlm.OMP_BUSY_WAIT, os.environ['OMP_WAIT_POLICY'])"
 
 
-def _run(first_import: str, policy: str | None) -> str:
+def _run(first_import: str, policy: str | None) -> list[str]:
     env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
     if policy is not None:
         env["OMP_WAIT_POLICY"] = policy

@@ -79,7 +79,10 @@ def _default_pool_rows() -> int:
     pool vs OpenMP at M = 8 18.5 vs 10.2, 32: 42.2 vs 25.8, 256: 309 vs 208;
     below 8 rows the pool vs the calling thread alone was faster in one run
     (M = 1 7.9 vs 9.1, 2: 9.4 vs 11.5) and slower in the next (M = 2 10.7 vs
-    7.9, 4: 10.6 vs 9.6): no gain to count on."""
+    7.9, 4: 10.6 vs 9.6): no gain to count on. Where torch was imported before
+    radixlm the variable reads PASSIVE but OpenMP spins (`radixlm.OMP_BUSY_WAIT`);
+    the pool stays on there, as decode measured it faster (GGUF MoE, 3
+    processes each: 67-75 tok/s against 58-62 with RADIXLM_QGEMM_POOL_ROWS=0)."""
     if POOL_ROWS_ENV in os.environ:
         return int(os.environ[POOL_ROWS_ENV])
     return -1 if os.environ.get("OMP_WAIT_POLICY", "").upper() == "PASSIVE" else 0
