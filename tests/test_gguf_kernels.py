@@ -26,7 +26,9 @@ from radixlm.layers.cpu_ops import qgemm, qpack
 FP32_SLACK = 4 * 2.0**-24
 # (n, k): odd row counts (partial tiles, a single row), several blocks; K-quants
 # need k in multiples of 256.
-SHAPES = [(1, 256), (17, 512), (37, 768), (64, 256)]
+# n = 355: 23 tiles of 16; on 2 threads a one-row product's chunks are 4 tiles
+# and a last 3, which the AVX-512 kernel runs 4 at a time, then 2 + 1.
+SHAPES = [(1, 256), (17, 512), (37, 768), (64, 256), (355, 256)]
 ROWS = [1, 3, 4, 9, 130]  # every remainder of the 4-row micro-kernel; > 128 splits rows
 
 
