@@ -58,7 +58,7 @@ class RMSNorm(nn.Module):
             x = pre_norm(x)
         if x.is_cuda:  # one fused Triton pass instead of ~6 elementwise kernels
             return fused_ops.rms_norm(x, self.scale, self.eps, residual)
-        if cpu_ops.use_fused(x) and self.scale.dtype == x.dtype:  # the same on the CPU
+        if cpu_ops.use_fused(x, self.scale):  # the same on the CPU
             return cpu_ops.rms_norm(x, self.scale, self.eps, residual)
         if residual is None:
             return self._norm(x)

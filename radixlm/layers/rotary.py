@@ -241,8 +241,7 @@ class RotaryEmbedding(nn.Module):
         returns rotated tensors of the same shapes (in place on CUDA)."""
         if q.is_cuda:
             return fused_ops.apply_rope_(positions, q, k, self.head_dim, self.cos_sin_cache)
-        if (cpu_ops.use_fused(q) and self.cos_sin_cache.dtype == q.dtype
-                and q.stride(-1) == 1 and k.stride(-1) == 1):
+        if cpu_ops.use_fused(q, self.cos_sin_cache) and q.stride(-1) == 1 and k.stride(-1) == 1:
             cpu_ops.rope_(positions, q, self.cos_sin_cache, self.head_dim, self.rotary_dim)
             cpu_ops.rope_(positions, k, self.cos_sin_cache, self.head_dim, self.rotary_dim)
             return q, k

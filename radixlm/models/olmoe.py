@@ -65,7 +65,7 @@ class ProjectionRMSNorm(nn.Module):
         weight_spec(param).load(self, param, loaded, shard_id)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.size == self.total and cpu_ops.use_fused(x) and self.weight.dtype == x.dtype:
+        if self.size == self.total and cpu_ops.use_fused(x, self.weight):
             return cpu_ops.rms_norm(x, self.weight, self.eps)  # one kernel for ~8 ops
         xf = x.float()
         if self.size == self.total:

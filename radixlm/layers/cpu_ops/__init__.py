@@ -116,11 +116,13 @@ def build_extension(name: str, sources: list[Path], headers: list[Path], cflags:
     return True
 
 
-def use_fused(x: torch.Tensor) -> bool:
+def use_fused(x: torch.Tensor, *operands: torch.Tensor) -> bool:
     """Whether the fused elementwise kernels serve `x`: half-precision CPU tensors
-    (fp32 keeps torch's op chain, which HF's reference shares bit for bit)."""
+    (fp32 keeps torch's op chain, which HF's reference shares bit for bit), with
+    the `operands` the kernel reads beside x (a norm's weight, a rotary cache)
+    in x's dtype."""
     return (x.device.type == "cpu" and x.dtype in (torch.bfloat16, torch.float16)
-            and load())
+            and all(o.dtype == x.dtype for o in operands) and load())
 
 
 def decode_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor,
