@@ -182,3 +182,98 @@ def test_rows_do_not_depend_on_the_batch(fmt, dtype):
         assert torch.equal(qgemm.linear(x[:m].contiguous(), w), full[:m]), m
     for i in range(0, 300, 37):
         assert torch.equal(qgemm.linear(x[i:i + 1].contiguous(), w), full[i:i + 1]), i
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="no /proc")
+def test_torch_ops_on_one_thread_keeps_the_pool():
+    """Inside the decode scope torch runs its ops on one thread while products
+    keep the pool at torch's former count, bit for bit; both come back after."""
+    w, x = packed("q4_0", 1001), torch.randn(1, K)
+    torch.set_num_threads(2)
+    expected = qgemm.linear(x, w)
+    with qgemm.torch_ops_on_one_thread():
+        assert torch.get_num_threads() == 1
+        assert torch.equal(qgemm.linear(x, w), expected)
+        assert pool_threads() == 1  # one worker beside the caller: two threads
+    assert torch.get_num_threads() == 2
+    with pytest.raises(KeyError), qgemm.torch_ops_on_one_thread():
+        raise KeyError("a failing step")
+    assert torch.get_num_threads() == 2
+    assert torch.ops.radixlm_q.pin_pool_threads(0) == 0  # the pin is released
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="no /proc")
+def test_decode_attention_units_run_on_the_pool_bit_for_bit():
+    """Once the products' kernels load, decode attention's (request, split, KV
+    head) units run on the same pool (qgemm.pool_entry, handed over at load):
+    the bits are those of OpenMP's threads and of one thread."""
+    from radixlm.layers import cpu_ops
+
+    gen = torch.Generator().manual_seed(7)
+    bs, heads, kv_heads, dim = 3, 8, 4, 64
+    lens = torch.tensor([300, 37, 600])
+    pool = int(lens.sum()) + 1
+    k_buf, v_buf = (torch.randn(pool, kv_heads, dim, generator=gen).bfloat16() for _ in "kv")
+    r2t = torch.zeros(bs, 600, dtype=torch.int32)
+    slots = torch.randperm(pool - 1, generator=gen) + 1
+    for b, start in enumerate([0, 300, 337]):
+        r2t[b, :lens[b]] = slots[start:start + lens[b]].int()
+    q = torch.randn(bs, heads, dim, generator=gen).bfloat16()
+
+    def attend() -> torch.Tensor:
+        out = torch.empty_like(q)
+        cpu_ops.decode_attention(q, k_buf, v_buf, out, r2t, torch.arange(bs), lens, 0.125)
+        return out
+
+    torch.set_num_threads(2)
+    qgemm.linear(torch.randn(1, K), packed("q4_0"))  # the pool at one worker
+    torch.set_num_threads(3)
+    on_pool = attend()
+    assert pool_threads() == 2  # the attention remade the pool at its thread count
+    torch.ops.radixlm_cpu.set_pool(0)  # no pool: OpenMP's threads
+    try:
+        assert torch.equal(attend(), on_pool)
+        torch.set_num_threads(1)
+        assert torch.equal(attend(), on_pool)
+    finally:
+        torch.ops.radixlm_cpu.set_pool(torch.ops.radixlm_q.pool_entry())
+
+
+def test_decode_steps_take_one_thread_where_the_products_are_pooled():
+    """ModelRunner: a CPU model whose linear/expert weight bytes sit >= 90 % in
+    pooled methods runs steps of <= ONE_THREAD_TOKENS tokens in the scope."""
+    from types import SimpleNamespace
+
+    from radixlm.layers.quantization.base import LinearMethod
+    from radixlm.runtime import model_runner as MR
+
+    class Method(LinearMethod):
+        def __init__(self, pooled: bool) -> None:
+            self.on_product_pool = pooled
+
+        def create_weights(self, *args) -> None:
+            pass
+
+        def apply(self, *args) -> None:
+            pass
+
+    def layer(numel: int, pooled: bool) -> torch.nn.Module:
+        m = torch.nn.Module()
+        m.weight = torch.nn.Parameter(torch.zeros(numel, dtype=torch.uint8), requires_grad=False)
+        m.quant_method = Method(pooled)
+        return m
+
+    model = torch.nn.Sequential(layer(950, True), layer(50, False))
+    assert MR.products_on_pool(model)
+    model.append(layer(100, False))  # 950 of 1100 bytes: under 90 %
+    assert not MR.products_on_pool(model)
+    assert not MR.products_on_pool(torch.nn.Linear(4, 4))
+
+    runner = SimpleNamespace(one_thread_tokens=MR.ONE_THREAD_TOKENS)
+    torch.set_num_threads(2)
+    with MR.ModelRunner.cpu_threads(runner, MR.ONE_THREAD_TOKENS):
+        assert torch.get_num_threads() == 1
+    with MR.ModelRunner.cpu_threads(runner, MR.ONE_THREAD_TOKENS + 1):
+        assert torch.get_num_threads() == 2
+    with MR.ModelRunner.cpu_threads(SimpleNamespace(one_thread_tokens=0), 1):
+        assert torch.get_num_threads() == 2

@@ -10,6 +10,7 @@ read a window pool); it never sizes or builds a pool itself.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from pathlib import Path
 
@@ -27,6 +28,7 @@ from radixlm.layers.attention.base import AttentionBackend, AttentionShape
 from radixlm.layers.attention.radix_attention import RadixAttention
 from radixlm.layers.attention.registry import attention_backend_class
 from radixlm.layers.quantization import QuantizationConfig, get_quantization_config
+from radixlm.layers.quantization.base import FusedMoEMethod, LinearMethod
 from radixlm.layers.quantization.fp8_head import check_head_quantized
 from radixlm.runtime.memory_plan import KVPools, KVRequest
 
@@ -34,6 +36,10 @@ logger = logging.getLogger(__name__)
 
 _KV_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
               "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
+# CPU steps of up to this many tokens run torch's own ops on one thread where the
+# products run on our pool (`ModelRunner.cpu_threads`): their ops are then a few
+# microseconds of work each, less than waking a sleeping OpenMP thread.
+ONE_THREAD_TOKENS = 16
 
 
 def resolve_device(name: str, gpu_id: int | None = None) -> torch.device:
@@ -96,6 +102,10 @@ class ModelRunner:
         if args.lm_head_quantization != "none":
             check_head_quantized(self.model, args.lm_head_quantization)
         self._fold_norms()
+        # Decode-sized CPU steps run torch's own ops on one thread where the
+        # products run on our pool (`cpu_threads`).
+        self.one_thread_tokens = (ONE_THREAD_TOKENS if self.device.type == "cpu"
+                                  and products_on_pool(self.model) else 0)
         self.layers = sorted((m for m in self.model.modules() if isinstance(m, RadixAttention)),
                              key=lambda m: m.layer_id)
         spec = self.model.kv_spec()
@@ -232,6 +242,16 @@ class ModelRunner:
         for ordinary tokens)."""
         return self.model.model.embed(input_ids)
 
+    def cpu_threads(self, num_tokens: int) -> contextlib.AbstractContextManager:
+        """The threading a step of `num_tokens` runs under: where this CPU model's
+        products run on our pool, a decode-sized step runs torch's own ops on one
+        thread (`qgemm.torch_ops_on_one_thread`); otherwise as it is."""
+        if 0 < num_tokens <= self.one_thread_tokens:
+            from radixlm.layers.cpu_ops import qgemm
+
+            return qgemm.torch_ops_on_one_thread()
+        return contextlib.nullcontext()
+
     @torch.inference_mode()
     def forward(self, fb: ForwardBatch) -> torch.Tensor:
         """Logits [len(fb.logit_rows), vocab] in float32. From a CUDA graph they live
@@ -247,3 +267,17 @@ class ModelRunner:
         fb.attn_backend.begin_forward(fb)
         return self.model.forward_hidden(fb.input_ids, fb.positions, fb,
                                          input_embeds=fb.input_embeds)
+
+
+def products_on_pool(model: torch.nn.Module) -> bool:
+    """Whether >= 90 % of the model's linear and expert weight bytes sit in layers
+    whose products run on our CPU kernels' pool (`on_product_pool` methods)."""
+    pooled = total = 0
+    for module in model.modules():
+        method = getattr(module, "quant_method", None)
+        if not isinstance(method, (LinearMethod, FusedMoEMethod)):
+            continue
+        nbytes = sum(p.numel() * p.element_size() for p in module.parameters(recurse=False))
+        total += nbytes
+        pooled += nbytes if method.on_product_pool else 0
+    return total > 0 and pooled >= 0.9 * total

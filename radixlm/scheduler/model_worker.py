@@ -259,6 +259,10 @@ class ModelWorker:
 
     # ---- generation ------------------------------------------------------------------
     def forward(self, batch: ScheduleBatch) -> PendingResult:
+        with self.runner.cpu_threads(batch.num_tokens):
+            return self._forward(batch)
+
+    def _forward(self, batch: ScheduleBatch) -> PendingResult:
         draft_probs = None
         if self.model_drafter is not None and batch.mode.is_verify():
             draft_probs = self.model_drafter.draft(batch)  # writes batch.drafts

@@ -8,8 +8,8 @@
 // read once from the pool into a small per-split buffer in the layout the
 // products want (attention.h) and consumed there.
 //
-// Work unit (request b, split s): the split's keys of every KV head are packed,
-// then the GROUP = heads / kv_heads query heads of that KV head attend to them
+// Work unit (request b, split s, KV head g): the split's keys of head g are
+// packed, then the GROUP = heads / kv_heads query heads of g attend to them
 // together (GQA: one read of each key for the group). Splits are kSplit
 // positions wide and aligned to absolute positions, so a long request spreads
 // over the threads and a row's arithmetic is the same as in the prefill kernel
@@ -25,6 +25,7 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include <atomic>
 #include <type_traits>
 #include <vector>
 
@@ -62,9 +63,9 @@ struct Request {
   }
 };
 
-// Scratch of one thread (`thread_scratch`): packed keys/values of one split
-// (every KV head), query rows. A unit spans at most kSplit positions, so what
-// a thread keeps is bounded (2 MB at 8 KV heads of 128 in fp32).
+// Scratch of one thread (`thread_scratch`): packed keys/values of one split of
+// one KV head, its group's query rows. A unit spans at most kSplit positions,
+// so what a thread keeps is bounded (256 KB at a head of 128 in fp32).
 template <typename T>
 struct Scratch {
   std::vector<float> kf, vf, qf;
@@ -72,11 +73,13 @@ struct Scratch {
   std::vector<int64_t> slots;
 };
 
-// One (request, split): the split's keys and values of every KV head are packed
-// (one pass over the pool rows), then each group's heads, R at a time, write
-// their partial results.
+// One (request, split, KV head): the split's keys and values of that KV head
+// are packed (one pass over its part of the pool rows), then the group's heads,
+// R at a time, write their partial results. A unit per KV head, not per split
+// alone: a short context is one split, and its heads are what the threads share.
 template <int DV, typename T>
-void attend_unit(const Args<T>& a, int64_t b, const Request& rq, int64_t s, Scratch<T>& w) {
+void attend_unit(const Args<T>& a, int64_t b, const Request& rq, int64_t s, int g,
+                 Scratch<T>& w) {
   constexpr int D = DV * kLanes;
   constexpr int R = rows_per_tile<DV>();
   const int group = a.heads / a.kv_heads;
@@ -92,52 +95,53 @@ void attend_unit(const Args<T>& a, int64_t b, const Request& rq, int64_t s, Scra
                      std::max<int64_t>(0, rq.lo - first)};
 #if defined(__AVX512BF16__)
   if constexpr (std::is_same_v<T, c10::BFloat16>) {
-    const int64_t kh = static_cast<int64_t>(D / 2) * n, vh = (n / 2) * D;
-    w.kp.resize(kh * a.kv_heads);
-    w.vp.resize(vh * a.kv_heads);
-    for (int g = 0; g < a.kv_heads; ++g)
-      pack_range(kv, g, count, 0, n, a.dim, D, n, w.kp.data() + g * kh, w.vp.data() + g * vh);
-    w.qp.assign(static_cast<size_t>(a.heads) * D / 2, 0u);
-    for (int h = 0; h < a.heads; ++h)
-      std::memcpy(w.qp.data() + h * D / 2, a.q + b * a.q_sb + h * a.q_sh, a.dim * sizeof(T));
-    for (int g = 0; g < a.kv_heads; ++g) {
-      for (int h0 = 0; h0 < group; h0 += R) {
-        const int rows = std::min(R, group - h0);
-        const uint32_t* q[R];
-        for (int r = 0; r < R; ++r)
-          q[r] = w.qp.data() + (g * group + h0 + std::min(r, rows - 1)) * D / 2;
-        const int64_t at = (b * a.heads + g * group + h0) * a.max_splits + slot;
-        split_bf16<DV, R>(q, pos, lo, rows, w.kp.data() + g * kh, w.vp.data() + g * vh, n,
-                          first, sb, a.scale, a.softcap,
-                          {a.part_m + at, a.part_l + at, a.part_o + at * D, a.max_splits});
-      }
+    w.kp.resize(static_cast<size_t>(D / 2) * n);
+    w.vp.resize(static_cast<size_t>(n / 2) * D);
+    pack_range(kv, g, count, 0, n, a.dim, D, n, w.kp.data(), w.vp.data());
+    w.qp.assign(static_cast<size_t>(group) * D / 2, 0u);
+    for (int h = 0; h < group; ++h)
+      std::memcpy(w.qp.data() + h * D / 2, a.q + b * a.q_sb + (g * group + h) * a.q_sh,
+                  a.dim * sizeof(T));
+    for (int h0 = 0; h0 < group; h0 += R) {
+      const int rows = std::min(R, group - h0);
+      const uint32_t* q[R];
+      for (int r = 0; r < R; ++r) q[r] = w.qp.data() + (h0 + std::min(r, rows - 1)) * D / 2;
+      const int64_t at = (b * a.heads + g * group + h0) * a.max_splits + slot;
+      split_bf16<DV, R>(q, pos, lo, rows, w.kp.data(), w.vp.data(), n, first, sb, a.scale,
+                        a.softcap, {a.part_m + at, a.part_l + at, a.part_o + at * D, a.max_splits});
     }
     return;
   }
 #endif
-  const int64_t kh = static_cast<int64_t>(D) * n, vh = n * D;
-  w.kf.resize(kh * a.kv_heads);
-  w.vf.resize(vh * a.kv_heads);
-  for (int g = 0; g < a.kv_heads; ++g)
-    pack_range(kv, g, count, 0, n, a.dim, D, n, w.kf.data() + g * kh, w.vf.data() + g * vh);
-  w.qf.resize(static_cast<size_t>(a.heads) * D);
-  for (int h = 0; h < a.heads; ++h) {
-    const T* src = a.q + b * a.q_sb + h * a.q_sh;
+  w.kf.resize(static_cast<size_t>(D) * n);
+  w.vf.resize(static_cast<size_t>(n) * D);
+  pack_range(kv, g, count, 0, n, a.dim, D, n, w.kf.data(), w.vf.data());
+  w.qf.resize(static_cast<size_t>(group) * D);
+  for (int h = 0; h < group; ++h) {
+    const T* src = a.q + b * a.q_sb + (g * group + h) * a.q_sh;
     for (int c = 0; c < D; c += kLanes)
       store_vec(w.qf.data() + h * D + c, load_widened(src, c, a.dim));
   }
-  for (int g = 0; g < a.kv_heads; ++g) {
-    for (int h0 = 0; h0 < group; h0 += R) {
-      const int rows = std::min(R, group - h0);
-      const float* q[R];
-      for (int r = 0; r < R; ++r) q[r] = w.qf.data() + (g * group + h0 + std::min(r, rows - 1)) * D;
-      const int64_t at = (b * a.heads + g * group + h0) * a.max_splits + slot;
-      split_f32<DV, R>(q, pos, lo, rows, w.kf.data() + g * kh, w.vf.data() + g * vh, n, first,
-                       sb, a.scale, a.softcap,
-                       {a.part_m + at, a.part_l + at, a.part_o + at * D, a.max_splits});
-    }
+  for (int h0 = 0; h0 < group; h0 += R) {
+    const int rows = std::min(R, group - h0);
+    const float* q[R];
+    for (int r = 0; r < R; ++r) q[r] = w.qf.data() + (h0 + std::min(r, rows - 1)) * D;
+    const int64_t at = (b * a.heads + g * group + h0) * a.max_splits + slot;
+    split_f32<DV, R>(q, pos, lo, rows, w.kf.data(), w.vf.data(), n, first, sb, a.scale,
+                     a.softcap, {a.part_m + at, a.part_l + at, a.part_o + at * D, a.max_splits});
   }
 }
+
+// The quantized products' worker pool where its extension handed it over
+// (qgemm.cpp's pool_run: rows, fn, ctx, chunks; false when it did not take
+// the job), else null: the units then go to at::parallel_for. A short
+// context's units take ~10-20 us each, where waking a sleeping OpenMP thread
+// costs more than the second core gains; the pool's workers are spinning
+// between the products around the attention.
+using PoolRun = bool (*)(int64_t, void (*)(const void*, int64_t), const void*, int64_t);
+std::atomic<PoolRun> g_pool_run{nullptr};
+
+void set_pool(int64_t entry) { g_pool_run.store(reinterpret_cast<PoolRun>(entry)); }
 
 template <int DV, typename T>
 void run(const Args<T>& a, int64_t bs, T* out, int64_t o_sb, int64_t o_sh) {
@@ -147,16 +151,27 @@ void run(const Args<T>& a, int64_t bs, T* out, int64_t o_sb, int64_t o_sh) {
     reqs[b] = Request::of(a, b);
     unit_start[b + 1] = unit_start[b] + reqs[b].num_splits;
   }
-  const int64_t units = unit_start[bs];
-  at::parallel_for(0, units, 1, [&](int64_t begin, int64_t end) {
+  // Units: (request, split) pairs times the KV heads, each pair's heads adjacent.
+  const int64_t units = unit_start[bs] * a.kv_heads;
+  const auto unit_range = [&](int64_t begin, int64_t end) {
     Scratch<T>& w = thread_scratch<Scratch<T>>();
-    int64_t b = std::upper_bound(unit_start.begin(), unit_start.end(), begin) -
+    const int64_t first_pair = begin / a.kv_heads;
+    int64_t b = std::upper_bound(unit_start.begin(), unit_start.end(), first_pair) -
                 unit_start.begin() - 1;
     for (int64_t u = begin; u < end; ++u) {
-      while (unit_start[b + 1] <= u) ++b;
-      attend_unit<DV>(a, b, reqs[b], reqs[b].first_split + (u - unit_start[b]), w);
+      const int64_t pair = u / a.kv_heads;
+      while (unit_start[b + 1] <= pair) ++b;
+      attend_unit<DV>(a, b, reqs[b], reqs[b].first_split + (pair - unit_start[b]),
+                      static_cast<int>(u % a.kv_heads), w);
     }
-  });
+  };
+  const auto one_unit = [&](int64_t u) { unit_range(u, u + 1); };
+  using OneUnit = decltype(one_unit);
+  const PoolRun pool = g_pool_run.load();
+  if (pool == nullptr ||
+      !pool(bs, [](const void* ctx, int64_t u) { (*static_cast<const OneUnit*>(ctx))(u); },
+            &one_unit, units))
+    at::parallel_for(0, units, 1, unit_range);
   constexpr int D = DV * kLanes;
   const int64_t merge_grain = std::max<int64_t>(16, (int64_t{1} << 16) / (a.max_splits * D));
   at::parallel_for(0, bs * a.heads, merge_grain, [&](int64_t begin, int64_t end) {
@@ -245,6 +260,7 @@ TORCH_LIBRARY(radixlm_cpu, m) {
   m.def("decode_attention(Tensor q, Tensor k_buf, Tensor v_buf, Tensor(a!) out, "
         "Tensor req_to_token, Tensor req_pool_indices, Tensor seq_lens, float scale, "
         "int window, float softcap) -> ()");
+  m.def("set_pool(int entry) -> ()", &set_pool);
 }
 
 TORCH_LIBRARY_IMPL(radixlm_cpu, CPU, m) { m.impl("decode_attention", &decode_attention); }

@@ -118,7 +118,7 @@ void check_rows(const at::Tensor& x, const char* what) {
 }
 
 // Threading. Products and activation quantizations run on the pool of
-// qgemm_pool.h: the caller and at::get_num_threads() - 1 workers that spin
+// qgemm_pool.h: the caller and pool_threads() - 1 workers that spin
 // (yielding) between the products of a forward pass, then sleep. Not on
 // at::parallel_for: under the engine's passive OpenMP wait policy every
 // product paid a sleeping thread's wake-up. bench.cpu_qgemm's model pass (121
@@ -163,22 +163,48 @@ Pool* pool_of(int workers) {  // under g_pool_mu
   return g_pool;
 }
 
-// body(c) for c in [0, count) on the pool; false (nothing run) when the pool
+// The threads the pool works with: torch's count, or the count pinned while a
+// decode-sized step runs torch's own ops on one thread (qgemm.py,
+// torch_ops_on_one_thread), so that the products keep both cores.
+std::atomic<int> g_pinned_threads{0};
+
+int pool_threads() {
+  const int pinned = g_pinned_threads.load(std::memory_order_relaxed);
+  return pinned > 0 ? pinned : at::get_num_threads();
+}
+
+// Pins the pool's thread count (0: torch's again); returns the previous pin.
+int64_t pin_pool_threads(int64_t threads) {
+  return g_pinned_threads.exchange(static_cast<int>(std::max<int64_t>(0, threads)));
+}
+
+// fn(ctx, c) for c in [0, count) on the pool; false (nothing run) when the pool
 // does not take it: rows >= pool_rows, one thread, inside a parallel region,
 // fewer than 2 chunks, or the pool held by another thread.
-template <typename Body>
-bool on_pool(int64_t rows, int64_t count, const Body& body) {
+bool pool_run(int64_t rows, Pool::Fn fn, const void* ctx, int64_t count) {
   if (rows >= g_pool_rows.load(std::memory_order_relaxed) || count < 2 ||
       count > Pool::kMaxChunks)
     return false;
-  const int threads = at::get_num_threads();
+  const int threads = pool_threads();
   if (threads < 2 || at::in_parallel_region()) return false;
   std::unique_lock<std::mutex> lock(g_pool_mu, std::try_to_lock);
   if (!lock.owns_lock()) return false;
-  pool_of(threads - 1)->run(
-      [](const void* ctx, int64_t c) { (*static_cast<const Body*>(ctx))(c); }, &body, count);
+  pool_of(threads - 1)->run(fn, ctx, count);
   return true;
 }
+
+template <typename Body>
+bool on_pool(int64_t rows, int64_t count, const Body& body) {
+  return pool_run(
+      rows, [](const void* ctx, int64_t c) { (*static_cast<const Body*>(ctx))(c); }, &body,
+      count);
+}
+
+// pool_run's address, for the other extension (radixlm_cpu: decode attention's
+// units) to run its work on the same workers: two pools would spin against
+// each other on the same cores, and OpenMP's sleeping threads wake too slowly
+// for work of ~100 us (cpu_ops.share_pool hands it over).
+int64_t pool_entry() { return reinterpret_cast<int64_t>(&pool_run); }
 
 // Pool chunks of a product: tile_step tiles x up to kRowsPerItem rows (the
 // rows the kernel passes over each group of 4 tiles while it is in L1/L2).
@@ -201,7 +227,7 @@ constexpr int64_t kTilesPerItem = 4, kRowsPerItem = 128;
 constexpr int64_t kSerialRows = 8;
 
 void run_gemm(const Kernels* kernels, const PackedWeight& w, const QuantAct& a, const Out& out) {
-  const int64_t step = tile_step(w.tiles, at::get_num_threads());
+  const int64_t step = tile_step(w.tiles, pool_threads());
   const int64_t row_chunks = (a.m + kRowsPerItem - 1) / kRowsPerItem;
   const auto chunk = [&](int64_t c) {
     const int64_t tg = c / row_chunks, rb = c % row_chunks;
@@ -389,7 +415,7 @@ void grouped_linear(const at::Tensor& x, at::TensorList qweights, at::TensorList
     return QuantAct{1, k, all.q + r * k, all.d + r * blocks, all.sum16 + r * (k / 16),
                     all.dsum + r * blocks};
   };
-  const int64_t step = tile_step(w[0].tiles * experts, at::get_num_threads());
+  const int64_t step = tile_step(w[0].tiles * experts, pool_threads());
   const int64_t per_expert = (w[0].tiles + step - 1) / step;
   const auto chunk = [&](int64_t c) {
     const int64_t e = c / per_expert, t0 = (c % per_expert) * step;
@@ -427,6 +453,8 @@ TORCH_LIBRARY(radixlm_q, m) {
   m.def("isa_supported(int isa) -> bool", &isa_supported);
   m.def("isa_name(int isa) -> str", &isa_name);
   m.def("set_threading(int pool_rows, int spin_us) -> (int, int)", &set_threading);
+  m.def("pool_entry() -> int", &pool_entry);
+  m.def("pin_pool_threads(int threads) -> int", &pin_pool_threads);
   m.def("quantize_act(Tensor x, int isa) -> (Tensor, Tensor, Tensor, Tensor)");
   m.def("gemm(Tensor xq, Tensor xd, Tensor xsum16, Tensor xdsum, Tensor qweight, Tensor scales, "
         "Tensor mins, int format, int n, Tensor(a!) out, int isa) -> ()");

@@ -21,10 +21,12 @@ changes that, for A/B runs. The thread count never changes a result's bits.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import os
 import threading
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -66,8 +68,19 @@ def load() -> bool:
                 if loaded:
                     torch.ops.radixlm_q.set_threading(_default_pool_rows(),
                                                       int(os.environ.get(SPIN_US_ENV, -1)))
+                    _share_pool()
                 _loaded = loaded
     return _loaded
+
+
+def _share_pool() -> None:
+    """Decode attention (the other extension, `cpu_ops`) runs its units on this
+    pool's workers from now on: they spin between the products around it, where
+    torch's OpenMP threads sleep and wake too slowly for ~100 us of work."""
+    from radixlm.layers import cpu_ops
+
+    if cpu_ops.load():
+        torch.ops.radixlm_cpu.set_pool(torch.ops.radixlm_q.pool_entry())
 
 
 def _default_pool_rows() -> int:
@@ -97,6 +110,30 @@ def set_threading(pool_rows: int | None = None, spin_us: int | None = None) -> t
     keeps a value; returns (pool_rows, spin_us) now."""
     return tuple(_ops().set_threading(-1 if pool_rows is None else pool_rows,
                                       -1 if spin_us is None else spin_us))
+
+
+@contextlib.contextmanager
+def torch_ops_on_one_thread() -> Iterator[None]:
+    """Inside: torch's own ops (and our other kernels' at::parallel_for) on the
+    calling thread alone, while the products (and decode attention's units) keep
+    the pool with the threads torch had. For decode-sized steps under the
+    passive OpenMP policy, where a parallel op of a few microseconds' work waits
+    for a sleeping OpenMP thread to wake: alone, 2 threads against one, a [1,
+    49152] bf16 -> fp32 copy took 57 against 10 us and a [1, 2048] x [2048, 64]
+    bf16 product 162 against 44 us. Not re-entrant across threads: the
+    scheduler's one forward at a time."""
+    threads = torch.get_num_threads()
+    if threads < 2 or not load():
+        yield
+        return
+    ops = torch.ops.radixlm_q
+    ops.pin_pool_threads(threads)
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+        ops.pin_pool_threads(0)
 
 
 def _ops() -> object:

@@ -101,6 +101,10 @@ class LinearMethod(ABC):
     every layer's method)."""
 
     batch_invariant = False
+    # Its products run on our CPU kernels' worker pool (`cpu_ops/qgemm_pool.h`),
+    # not on torch's threads: a model whose weights are mostly such layers runs
+    # its decode steps' other ops on one thread (`ModelRunner.cpu_threads`).
+    on_product_pool = False
 
     @abstractmethod
     def create_weights(self, layer: LinearBase, input_size_per_partition: int,
@@ -188,6 +192,7 @@ class FusedMoEMethod(ABC):
     # grouping by expert changes with the batch): --enable-deterministic-inference
     # refuses these layers.
     batch_invariant = False
+    on_product_pool = False  # as LinearMethod's
 
     @abstractmethod
     def create_weights(self, layer: FusedMoE, params_dtype: torch.dtype) -> None:

@@ -91,6 +91,8 @@ class GGUFFusedMoEMethod(FusedMoEMethod):
     tokens grouped by expert, gate/up, silu * up and down in our kernels,
     weighted sums in float32."""
 
+    on_product_pool = True
+
     def __init__(self, formats: dict[str, list[str]]) -> None:
         self.formats = formats  # stacked weight -> its parts' formats
 

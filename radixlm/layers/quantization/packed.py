@@ -287,6 +287,7 @@ class PackedLinearMethod(LinearMethod):
 
     spec_class: type[PackedSpec] = PackedSpec
     batch_invariant = True  # every output of qgemm is one row's own chain (test_qgemm_threads)
+    on_product_pool = True
 
     def __init__(self, formats: list[str]) -> None:
         self.formats = formats
