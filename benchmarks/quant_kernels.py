@@ -6,6 +6,7 @@ Llama-3.1-8B projection shapes (tp 1), at 1, 8, 64 and 4096 rows.
     python benchmarks/quant_kernels.py --sweep         # GEMV configs at one row (~2 min)
     python benchmarks/quant_kernels.py --sweep --int4-only   # (--fp8-only) one format
     python benchmarks/quant_kernels.py --gemm-sweep    # W8A8 GEMM tiles, 256 and 4096 rows
+    python benchmarks/quant_kernels.py --accum-sweep   # FP8 sums promoted vs fast, 4096 rows
     python benchmarks/quant_kernels.py --mma-launch --pdl   # tensor-core GEMVs' launch forms
     python benchmarks/quant_kernels.py --int4-gemm-sweep  # int4 GEMM tiles, 16-256 rows
     python benchmarks/quant_kernels.py --w8a8-sweep --pdl  # W8A8 GEMV tiles at 1 row
@@ -407,6 +408,61 @@ def gemm_sweep(rows: list[int]) -> None:
                 torch.cuda.empty_cache()
 
 
+ACCUM_TILES = [F8.GemmConfig(*c) for c in
+               [(256, 128, 128, 8, 3, 8, True, True), (128, 256, 128, 8, 3, 8, True, True),
+                (128, 256, 128, 8, 4, 8, True, True), (128, 128, 128, 8, 4, 8, True, True),
+                (128, 128, 128, 4, 4, 8, True, True), (128, 256, 128, 8, 3, 8, True)]]
+
+
+def accum_sweep(rows: list[int]) -> None:
+    """Per-channel W8A8: the FP8 MMA's sums promoted every 128 terms (ours today)
+    against Hopper's fast accumulation (one accumulator over the whole K), each
+    tile both ways, beside torch._scaled_mm with use_fast_accum off and on:
+    TFLOP/s and the error against a float64 product of the same FP8 operands
+    (max |err| / max |ref| and rms err / rms ref)."""
+    def err(y: torch.Tensor, ref: torch.Tensor) -> str:
+        d = y.double() - ref
+        return (f"{(d.abs().max() / ref.abs().max()).item():.1e}/"
+                f"{(d.pow(2).mean().sqrt() / ref.pow(2).mean().sqrt()).item():.1e}")
+
+    for name, k, n in SHAPES:
+        for m in rows:
+            x16 = torch.randn(m, k, device=DEV).bfloat16()
+            xq, xs = F8.quantize_activations(x16, 0)
+            ws = copies(lambda n=n, k=k: fp8_weights(n, k, False), n * k)
+            w = ws[0]
+            ref = (xq.double() * xs.double().view(-1, 1)) @ (
+                w[0].double() * w[1].double().view(-1, 1)).t()
+            flop = 2 * m * n * k
+            cells = []
+            for fast in (False, True):
+                def mm(x, w, fast=fast):
+                    return torch._scaled_mm(x[0], w[0].t(), scale_a=x[1],
+                                            scale_b=w[1].view(1, -1),
+                                            out_dtype=torch.bfloat16, use_fast_accum=fast)
+                t = time_graph(mm, (xq, xs), ws, calls=16)
+                cells.append(f"scaled_mm{'-fast' if fast else ''} {flop / t / 1e12:.0f} "
+                             f"({err(mm((xq, xs), w), ref)})")
+            for c in ACCUM_TILES:
+                for promote in (True, False):
+                    cfg = c._replace(promote=promote)
+
+                    def ours(x, w, cfg=cfg):
+                        return F8.fp8_gemm(x[0], x[1], w[0], w[1], w[2], w[3], None,
+                                           torch.bfloat16, config=cfg)
+                    try:
+                        t = time_graph(ours, (xq, xs), ws, calls=16)
+                        cells.append(f"{cfg.label()} {flop / t / 1e12:.0f} "
+                                     f"({err(ours((xq, xs), w), ref)})")
+                    except Exception as e:  # a tile that does not compile: say so, go on
+                        cells.append(f"{cfg.label()} failed ({type(e).__name__})")
+                        torch.cuda.synchronize()
+            print(f"{name:<8}{m:>6} TFLOP/s (err max/rms):\n    " + "\n    ".join(cells),
+                  flush=True)
+            del ws, ref
+            torch.cuda.empty_cache()
+
+
 INT4_GEMM_CANDIDATES = [T4.Int4Config(bm, bn, 128, w, 3, sp) for bm, bn, w, sp in
                         [(16, 64, 4, 1), (16, 64, 4, 4), (16, 128, 4, 4), (32, 64, 4, 2),
                          (32, 64, 4, 4), (64, 64, 4, 1), (64, 64, 4, 2), (64, 64, 4, 4),
@@ -530,6 +586,8 @@ def main() -> None:
     parser.add_argument("--fp8-only", action="store_true", help="--sweep: no int4 tiles")
     parser.add_argument("--int4-only", action="store_true", help="--sweep: no FP8 tiles")
     parser.add_argument("--gemm-sweep", action="store_true")
+    parser.add_argument("--accum-sweep", action="store_true",
+                        help="per-channel W8A8: promoted vs fast accumulation, time and error")
     parser.add_argument("--mma-launch", action="store_true")
     parser.add_argument("--int4-gemm-sweep", action="store_true")
     parser.add_argument("--pdl", action="store_true", help="launch with PDL, as the engine does")
@@ -553,6 +611,8 @@ def main() -> None:
         sweep(fp8=not args.int4_only, int4=not args.fp8_only)
     elif args.int4_gemm_sweep:
         int4_gemm_sweep([int(r) for r in (args.rows or "16,32,64,128,256").split(",")])
+    elif args.accum_sweep:
+        accum_sweep([int(r) for r in (args.rows or "4096").split(",")])
     elif args.gemm_sweep:
         gemm_sweep([int(r) for r in (args.rows or "256,4096").split(",")])
     else:

@@ -49,14 +49,15 @@ FP8_MMA_BITS, FP8_MMA_TERMS = 14, 128
 
 
 def check(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype, k: int,
-          fp8_mma: bool = False) -> None:
+          fp8_mma: bool = False, mma_terms: int = FP8_MMA_TERMS) -> None:
     """Within one rounding to `dtype` of the output plus fp32 summation over k terms
-    (and, for W8A8 products on FP8 tensor cores, their narrower sums per K block)."""
+    (and, for W8A8 products on FP8 tensor cores, their narrower sums over
+    `mma_terms` terms between promotions: a K block, or all of K unpromoted)."""
     assert out.dtype == dtype and out.shape == ref.shape and torch.isfinite(out).all()
     eps = 2.0 ** -8 if dtype == torch.bfloat16 else 2.0 ** -11
     acc = k * 2.0 ** -23
     if fp8_mma and HAS_CUDA:
-        acc += min(k, FP8_MMA_TERMS) * 2.0 ** -FP8_MMA_BITS
+        acc += min(k, mma_terms) * 2.0 ** -FP8_MMA_BITS
     bound = eps * ref.abs() + (acc + 1e-3 * eps) * ref.abs().max()
     err = (out.double() - ref).abs()
     assert (err <= bound).all(), f"max excess {(err - bound).max().item():.3g}"
@@ -217,7 +218,8 @@ def check_tile(cfg: F.GemmConfig, case: str, seed: int) -> None:
                      config=cfg)
     rq, rs = fp8_ref_quant(x, w.block_k or None)
     xd = rq.double() * rs.double().repeat_interleave(w.block_k or k, 1)[:, :k]
-    check(out, xd @ w.dequantize().double().T, dtype, k, fp8_mma=True)
+    terms = FP8_MMA_TERMS if cfg.promote or w.block_k else k
+    check(out, xd @ w.dequantize().double().T, dtype, k, fp8_mma=True, mma_terms=terms)
 
 
 @pytest.mark.parametrize("cfg", GEMM_TILES, ids=F.GemmConfig.label)
@@ -232,7 +234,10 @@ TMA_TILES = [F.GemmConfig(*c) for c in [(64, 128, 128, 4, 4, 8, True),
                                         (256, 128, 128, 8, 3, 8, True),
                                         (128, 256, 128, 8, 3, 8, True),
                                         (128, 128, 128, 8, 4, 8, True, True),
-                                        (256, 128, 128, 8, 3, 8, True, True)]]
+                                        (256, 128, 128, 8, 3, 8, True, True),
+                                        (64, 128, 128, 4, 4, 8, False, False, False),
+                                        (128, 256, 128, 8, 3, 8, True, True, False),
+                                        (256, 128, 128, 8, 3, 8, True, True, False)]]
 
 
 @pytest.mark.parametrize("cfg", TMA_TILES, ids=F.GemmConfig.label)
@@ -245,10 +250,10 @@ def test_fp8_gemm_tma_tiles(cfg, case):
 
 
 def test_fp8_gemm_picks_the_wide_tile_only_where_it_fills_the_gpu():
-    wide = F.GemmConfig(256, 128, 128, 8, 3, tma=True, persistent=True)
+    wide = F.GemmConfig(128, 256, 128, 8, 3, tma=True, persistent=True, promote=False)
     assert F.pick_gemm_config(4096, 4096, 0) == wide
     assert F.pick_gemm_config(256, 28672, 0) == wide  # 224 tiles
-    assert F.pick_gemm_config(256, 6144, 0).bm == 64  # 48 tiles of 256 rows: too few
+    assert F.pick_gemm_config(256, 6144, 0).bm == 64  # 48 tiles of 128 x 256: too few
     assert F.pick_gemm_config(4096, 4096, 128) == F.GemmConfig(64, 128, 128, 4, 4, tma=True)
     assert F.pick_gemm_config(4096, 28672, 0, a_fp8=False).bm == 128  # shared memory
 

@@ -24,11 +24,14 @@ scale `scales[r // scale_rows, j]`). w_true = w * scale.
   row), per token and group of `block_k` features, or by a given static
   scale; scale = max |x| / 448 over the group.
 - `fp8_gemm` (any rows): the quantized activations times the weight on the
-  FP8 tensor cores, promoted to fp32 every K block (Hopper's FP8 MMA itself
-  sums in less): per-row scales applied once at the end, block scales per K
-  block (DeepSeek-V3's recipe). Where rows are 16-byte aligned the operand
-  tiles come through TMA descriptors (`_fp8_gemm_tma_kernel`), the largest
-  per-channel tile with one persistent program per SM (`pick_gemm_config`).
+  FP8 tensor cores. Block scales are applied per K block, which promotes each
+  block's sum to fp32 (DeepSeek-V3's recipe); per-row scales once at the end,
+  the sums either promoted every K block (`GemmConfig.promote`) or, in the
+  tiles `pick_gemm_config` picks above 64 rows, kept in the MMA's own
+  accumulator over the whole K (fast accumulation: ~1.4x the rate). Where
+  rows are 16-byte aligned the operand tiles come through TMA descriptors
+  (`_fp8_gemm_tma_kernel`), the largest per-channel tile with one persistent
+  program per SM (`pick_gemm_config`).
 No host sync and no allocation but the outputs (CUDA graphs capture these);
 configs come from fixed heuristics, so the only warm-up is Triton's compile.
 """
@@ -79,11 +82,14 @@ class GemmConfig(NamedTuple):
     # loads issued under this one's epilogue.
     tma: bool = False
     persistent: bool = False
+    # Per channel: the FP8 MMA's sums promoted to fp32 every BK terms (False: over
+    # the whole K, Hopper's "fast accumulation"). Block scales promote per block.
+    promote: bool = True
 
     def label(self) -> str:
-        """bm x bn x bk x warps x stages, -tma / -p (sweeps, test ids)."""
+        """bm x bn x bk x warps x stages, -tma / -p / -fast (sweeps, test ids)."""
         return ("x".join(map(str, self[:5])) + ("-tma" if self.tma else "")
-                + ("-p" if self.persistent else ""))
+                + ("-p" if self.persistent else "") + ("" if self.promote else "-fast"))
 
 
 def pick_gemv_config(m: int, n: int, k: int, block_k: int) -> GemvConfig:
@@ -105,15 +111,19 @@ def pick_gemv_config(m: int, n: int, k: int, block_k: int) -> GemvConfig:
 
 
 def pick_gemm_config(m: int, n: int, block_k: int, a_fp8: bool = True) -> GemmConfig:
-    """From the H200 sweep (benchmarks/quant_kernels.py --gemm-sweep, Llama-8B's
-    four projections at 256 and 4096 rows):
-    - per channel: a persistent 256 x 128 tile over TMA descriptors wherever it
-      gives >= 128 tiles for the 132 SMs (934-990 TFLOP/s at 4096 rows, against
-      809-848 for 128 x 128); where it would not, 64 x 128 (725 against 635 for
-      qkv at 256 rows).
-    - 128 x 128 block scales: 64 x 128 through TMA above 64 rows (563-711,
-      against 418-582 for 128 x 128); a 256-row tile holds two accumulators and
-      spills (97-263), and a persistent one is slower still.
+    """From the sweeps (benchmarks/quant_kernels.py --gemm-sweep, --accum-sweep;
+    Llama-8B's four projections at 256 and 4096 rows):
+    - per channel: a persistent 128 x 256 tile over TMA descriptors wherever it
+      gives >= 128 tiles for the 132 SMs, else 64 x 128; both sum over the whole
+      K in the FP8 MMA's accumulator (Hopper's "fast accumulation", as vLLM's
+      CUTLASS FP8 kernels and torch._scaled_mm(use_fast_accum=True) do): on an
+      H100 at 4096 rows 1,217-1,525 TFLOP/s against 879-1,092 promoted every
+      128 terms (the best tile each way; _scaled_mm 1,182-1,305 promoted,
+      1,305-1,445 fast), for an error of 2.1-3.3e-3 rms of the output's rms
+      against 1.7e-3 (the bf16 output's own rounding).
+    - 128 x 128 block scales: 64 x 128 through TMA above 64 rows (563-711 on
+      an H200, against 418-582 for 128 x 128); a block's scales promote its sum
+      by construction; a 256-row tile holds two accumulators and spills.
     - bf16 activations (weight-only): no TMA (its rows are FP8 here) and no
       256-row tile (240 KB of shared memory)."""
     bk = block_k or 128
@@ -125,9 +135,9 @@ def pick_gemm_config(m: int, n: int, block_k: int, a_fp8: bool = True) -> GemmCo
         return GemmConfig(128, 128, bk, 8, 4)
     if block_k:
         return GemmConfig(64, 128, bk, 4, 4, tma=True)
-    if triton.cdiv(m, 256) * triton.cdiv(n, 128) >= 128:
-        return GemmConfig(256, 128, bk, 8, 3, tma=True, persistent=True)
-    return GemmConfig(64, 128, bk, 4, 4)
+    if triton.cdiv(m, 128) * triton.cdiv(n, 256) >= 128:
+        return GemmConfig(128, 256, bk, 8, 3, tma=True, persistent=True, promote=False)
+    return GemmConfig(64, 128, bk, 4, 4, promote=False)
 
 
 def _pow2_divisor(n: int, cap: int) -> int:
@@ -292,7 +302,7 @@ def fp8_gemm(xq: torch.Tensor, xs: torch.Tensor, weight: torch.Tensor, scales: t
             xs.stride(1) if xs.dim() == 2 else 0, scales.stride(0) if block_k else 0,
             y.stride(0), BM=cfg.bm, BN=cfg.bn, BK=cfg.bk, GROUP_M=cfg.group_m,
             BLOCK_K=block_k, SCALE_ROWS=scale_rows, HAS_BIAS=bias is not None,
-            FLATTEN=persistent, num_warps=cfg.warps, num_stages=cfg.stages)
+            FLATTEN=persistent, PROMOTE=cfg.promote, num_warps=cfg.warps, num_stages=cfg.stages)
         return y
     grid = (n_tiles,)
     _fp8_gemm_kernel[grid](xq, xs, weight, scales, b, y, m, n, k, xq.stride(0), xs.stride(0),
@@ -300,7 +310,8 @@ def fp8_gemm(xq: torch.Tensor, xs: torch.Tensor, weight: torch.Tensor, scales: t
                            scales.stride(0) if block_k else 0, y.stride(0),
                            BM=cfg.bm, BN=cfg.bn, BK=cfg.bk, GROUP_M=cfg.group_m,
                            BLOCK_K=block_k, SCALE_ROWS=scale_rows, HAS_BIAS=bias is not None,
-                           EVEN_K=k % cfg.bk == 0, A_FP8=xq.dtype == FP8, num_warps=cfg.warps,
+                           EVEN_K=k % cfg.bk == 0, A_FP8=xq.dtype == FP8, PROMOTE=cfg.promote,
+                           num_warps=cfg.warps,
                            num_stages=cfg.stages)
     return y
 
@@ -311,7 +322,7 @@ def _fp8_gemm_tma_kernel(a_desc, b_desc, as_ptr, bs_ptr, bias_ptr, c_ptr, M, N, 
                          BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                          GROUP_M: tl.constexpr, BLOCK_K: tl.constexpr,
                          SCALE_ROWS: tl.constexpr, HAS_BIAS: tl.constexpr,
-                         FLATTEN: tl.constexpr):
+                         FLATTEN: tl.constexpr, PROMOTE: tl.constexpr):
     """`_fp8_gemm_kernel` (FP8 activations) with its operand tiles through TMA:
     edges read as zeros, no masks or address arithmetic in the loop. Programs
     walk the tiles with a stride of the grid (one tile each unless persistent)."""
@@ -330,8 +341,10 @@ def _fp8_gemm_tma_kernel(a_desc, b_desc, as_ptr, bs_ptr, bias_ptr, c_ptr, M, N, 
                 b_s = tl.load(bs_ptr + (rn // SCALE_ROWS) * stride_bsn + k // BLOCK_K)
                 a_s = tl.load(as_ptr + rm * stride_asm + (k // BLOCK_K) * stride_ask)
                 acc += tl.dot(a, b.T) * a_s[:, None] * b_s[None, :]
-            else:  # promoted every BK terms, as in `_fp8_gemm_kernel`
+            elif PROMOTE:  # promoted every BK terms, as in `_fp8_gemm_kernel`
                 acc = tl.dot(a, b.T, acc, max_num_imprecise_acc=BK)
+            else:
+                acc = tl.dot(a, b.T, acc)
         _gemm_store(acc, as_ptr, bs_ptr, bias_ptr, c_ptr, M, N, stride_asm, stride_cm,
                     offs_m, offs_n, rm, rn, BLOCK_K, HAS_BIAS, True)
 
@@ -522,7 +535,8 @@ def _fp8_gemm_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, bias_ptr, c_ptr, M, N, K,
                      stride_am, stride_asm, stride_ask, stride_bn, stride_bsn, stride_cm,
                      BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                      GROUP_M: tl.constexpr, BLOCK_K: tl.constexpr, SCALE_ROWS: tl.constexpr,
-                     HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, A_FP8: tl.constexpr):
+                     HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, A_FP8: tl.constexpr,
+                     PROMOTE: tl.constexpr):
     pid_m, pid_n = grouped_tile(tl.program_id(0), M, N, BM, BN, GROUP_M)
     offs_m = pid_m * BM + tl.arange(0, BM)
     offs_n = pid_n * BN + tl.arange(0, BN)
@@ -549,7 +563,7 @@ def _fp8_gemm_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, bias_ptr, c_ptr, M, N, K,
                 acc += tl.dot(a, b) * a_s[:, None] * b_s[None, :]
             else:
                 acc += tl.dot(a, b) * b_s[None, :]
-        elif A_FP8:
+        elif A_FP8 and PROMOTE:
             # Hopper's FP8 MMA sums in less than fp32 (Triton's default lets it
             # run the whole K): promote into the fp32 accumulator every BK terms,
             # as the block path does by construction (DeepSeek-V3's recipe).
