@@ -203,7 +203,7 @@ bool on_pool(int64_t rows, int64_t count, const Body& body) {
 // pool_run's address, for the other extension (radixlm_cpu: decode attention's
 // units) to run its work on the same workers: two pools would spin against
 // each other on the same cores, and OpenMP's sleeping threads wake too slowly
-// for work of ~100 us (cpu_ops.share_pool hands it over).
+// for work of ~100 us (qgemm.py hands it over at load: _share_pool).
 int64_t pool_entry() { return reinterpret_cast<int64_t>(&pool_run); }
 
 // Pool chunks of a product: tile_step tiles x up to kRowsPerItem rows (the

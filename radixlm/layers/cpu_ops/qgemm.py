@@ -12,7 +12,9 @@ CPU reports, which is what lets a test force each one (`isa=`) and the
 `RADIXLM_QGEMM_ISA` environment variable pin one for a process.
 
 Threads: products run on a small pool of our own (`qgemm_pool.h`: torch's
-thread count, spinning for the next product up to 1 ms, then asleep), not on
+thread count, or the count `torch_ops_on_one_thread` pins while torch's own
+ops run on one thread; spinning for the next product up to 1 ms, then asleep;
+decode attention's units run there too), not on
 torch's OpenMP threads, where those sleep when idle (OMP_WAIT_POLICY=PASSIVE,
 radixlm's default; with spinning OpenMP threads, the threading before it);
 `set_threading` (or `RADIXLM_QGEMM_POOL_ROWS` / `RADIXLM_QGEMM_SPIN_US`)
