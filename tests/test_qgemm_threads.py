@@ -277,3 +277,17 @@ def test_decode_steps_take_one_thread_where_the_products_are_pooled():
         assert torch.get_num_threads() == 2
     with MR.ModelRunner.cpu_threads(SimpleNamespace(one_thread_tokens=0), 1):
         assert torch.get_num_threads() == 2
+
+
+def test_the_pooled_methods_say_so():
+    """The methods whose products run on the pool carry the flag the model
+    runner weighs (GGUF blocks and int8 through PackedLinearMethod, GGUF
+    experts); float weights do not."""
+    from radixlm.layers.quantization.gguf import GGUFFusedMoEMethod
+    from radixlm.layers.quantization.int8 import Int8LinearMethod
+    from radixlm.layers.quantization.packed import PackedLinearMethod
+    from radixlm.layers.quantization.unquantized import UnquantizedLinearMethod
+
+    assert PackedLinearMethod.on_product_pool and Int8LinearMethod.on_product_pool
+    assert GGUFFusedMoEMethod.on_product_pool
+    assert not UnquantizedLinearMethod.on_product_pool
