@@ -311,8 +311,7 @@ def fp8_gemm(xq: torch.Tensor, xs: torch.Tensor, weight: torch.Tensor, scales: t
                            BM=cfg.bm, BN=cfg.bn, BK=cfg.bk, GROUP_M=cfg.group_m,
                            BLOCK_K=block_k, SCALE_ROWS=scale_rows, HAS_BIAS=bias is not None,
                            EVEN_K=k % cfg.bk == 0, A_FP8=xq.dtype == FP8, PROMOTE=cfg.promote,
-                           num_warps=cfg.warps,
-                           num_stages=cfg.stages)
+                           num_warps=cfg.warps, num_stages=cfg.stages)
     return y
 
 
