@@ -12,6 +12,7 @@ Llama-3.1-8B projection shapes (tp 1), at 1, 8, 64 and 4096 rows.
     python benchmarks/quant_kernels.py --w8a8-sweep --pdl  # W8A8 GEMV tiles at 1 row
     python benchmarks/quant_kernels.py --split-sweep --pdl  # tensor-core GEMVs: split, sum form
     python benchmarks/quant_kernels.py --head-sweep --pdl  # the LM head: bf16 GEMV vs FP8 GEMV
+    python benchmarks/quant_kernels.py --act-quant     # per-token activation quantization
 
 Each variant runs 64 back-to-back calls in one CUDA graph, replayed 10 times
 (median, time / 64), with weights rotating through copies of >= 256 MiB so
@@ -578,6 +579,29 @@ def w8a8_sweep(rows: list[int], out_json: str | None) -> None:
                     json.dump(best, f)
 
 
+def act_quant(rows: list[int]) -> None:
+    """Per-token FP8 activation quantization (what the W8A8 GEMM's input goes
+    through) at the projections' input widths, beside torch's quantization
+    (amax, divide, cast) and torch's bare cast to FP8 (the same bytes read and
+    written, no scale: the floor an elementwise kernel reaches). The input
+    stays in L2 between calls, as the norm's output does in a step. us a call."""
+    def torch_quant(x, _):
+        s = x.abs().amax(1, keepdim=True).float().clamp(min=1e-12) / 448.0
+        return (x.float() / s).clamp(-448, 448).to(FP8), s
+
+    forms: dict[str, Call] = {
+        "ours": lambda x, _: F8.quantize_activations(x),
+        "torch": torch_quant,
+        "torch cast": lambda x, _: x.to(FP8),
+    }
+    print(f"{'K':>6}{'rows':>6} | " + " | ".join(f"{f:>12}" for f in forms))
+    for k in (4096, 14336):
+        for m in rows:
+            x = torch.randn(m, k, device=DEV).bfloat16()
+            cells = [f"{time_graph(fn, x, [None]) * 1e6:12.2f}" for fn in forms.values()]
+            print(f"{k:>6}{m:>6} | " + " | ".join(cells), flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rows", default=None,
@@ -596,11 +620,15 @@ def main() -> None:
     parser.add_argument("--head-sweep", action="store_true",
                         help="the LM head at one row: bf16 GEMV vs the FP8 GEMV's forms")
     parser.add_argument("--json", default=None, help="--w8a8-sweep: best tiles to this file")
+    parser.add_argument("--act-quant", action="store_true",
+                        help="per-token activation quantization: ours, torch, the bare cast")
     args = parser.parse_args()
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, "
           f"PDL {pdl.set_pdl(args.pdl, DEV)}")
     if args.mma_launch:
         mma_launch()
+    elif args.act_quant:
+        act_quant([int(r) for r in (args.rows or "64,256,1024,4096").split(",")])
     elif args.split_sweep:
         split_sweep()
     elif args.head_sweep:
