@@ -62,8 +62,9 @@ DECODE_CASES = [
 ]
 
 
+@pytest.mark.parametrize("heads", [1, 2])  # KV heads a program reads together
 @pytest.mark.parametrize("group,d,dtype,seq_lens,splits", DECODE_CASES)
-def test_decode_attention(group, d, dtype, seq_lens, splits):
+def test_decode_attention(group, d, dtype, seq_lens, splits, heads):
     gen = torch.Generator(device=DEV).manual_seed(1000 * group + d + len(seq_lens))
     kvh = 2
     h = kvh * group
@@ -78,7 +79,8 @@ def test_decode_attention(group, d, dtype, seq_lens, splits):
     mid_lse.fill_(float("nan"))
     o = torch.full_like(q, float("nan"))
     scale = d ** -0.5
-    decode_attention_fwd(q, k_buf, v_buf, o, r2t, rows, seq, mid_o, mid_lse, splits, scale)
+    decode_attention_fwd(q, k_buf, v_buf, o, r2t, rows, seq, mid_o, mid_lse, splits, scale,
+                         kv_heads_per_program=heads)
     torch.cuda.synchronize()
     assert torch.isfinite(o).all()
     for i, n in enumerate(seq_lens):
