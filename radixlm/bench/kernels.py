@@ -104,20 +104,16 @@ class DecodeCase:
     """One decode batch; small cases get several "layers" (distinct K/V buffers)
     so one graph replay reads >= 1 GB and L2 cannot serve repeats."""
 
-    def __init__(self, bs: int, seq: int, kv_dtype: torch.dtype = DT) -> None:
-        """`kv_dtype` FP8: an FP8 pool (codes of the same random values, scales 1)."""
+    def __init__(self, bs: int, seq: int) -> None:
         self.bs, self.seq = bs, seq
         n = bs * seq
-        self.bytes = 2 * n * KVH * D * kv_dtype.itemsize + 4 * n + 2 * bs * H * D * DT.itemsize
+        self.bytes = 2 * n * KVH * D * DT.itemsize + 4 * n + 2 * bs * H * D * DT.itemsize
         self.layers = max(1, min(64, -(-(256 << 20) // self.bytes)))
         self.reps = max(1, -(-(1 << 30) // (self.layers * self.bytes)))
-        self.k_bufs = [torch.randn((n + 1, KVH, D), device=DEV, dtype=DT).to(kv_dtype)
+        self.k_bufs = [torch.randn((n + 1, KVH, D), device=DEV, dtype=DT)
                        for _ in range(self.layers)]
-        self.v_bufs = [torch.randn((n + 1, KVH, D), device=DEV, dtype=DT).to(kv_dtype)
+        self.v_bufs = [torch.randn((n + 1, KVH, D), device=DEV, dtype=DT)
                        for _ in range(self.layers)]
-        fp8 = kv_dtype.itemsize == 1
-        one = torch.ones(1, device=DEV)
-        self.kv_scales = (one, one) if fp8 else None
         # Shuffled slots: the radix cache hands out scattered tokens.
         self.r2t = (torch.randperm(n, device=DEV) + 1).int().view(bs, seq)
         self.rows = torch.arange(bs, device=DEV)
@@ -133,7 +129,7 @@ class DecodeCase:
             i = next(it) % self.layers
             decode_attention_fwd(self.q, self.k_bufs[i], self.v_bufs[i], self.o, self.r2t,
                                  self.rows, self.seq_lens, mid_o, mid_lse, splits, D ** -0.5,
-                                 kv_scales=self.kv_scales, **cfg)
+                                 **cfg)
         return fn
 
     def eager_ms(self, splits: int, **cfg: int) -> float:
@@ -170,30 +166,6 @@ class DecodeCase:
         with _sdpa([name]):
             gms = graph_ms(fn, self.layers * self.reps)
         return name, ms, gms
-
-
-def decode_heads_sweep() -> None:
-    """Decode attention's stage 1 reading 1, 2 or 4 KV heads a program (a token's
-    row of them one contiguous read), bf16 and FP8 pools, at the offline
-    benchmark's batch (256 x 512) and a long one (64 x 8k), over tiles."""
-    backend = TritonAttentionBackend(H, KVH, D, DEV)
-    fp8 = torch.float8_e4m3fn
-    for kv_dtype, bs, seq in ((DT, 256, 512), (fp8, 256, 512), (fp8, 64, 8192)):
-        case = DecodeCase(bs, seq, kv_dtype)
-        splits = backend.num_kv_splits(bs)
-        for heads in (1, 2, 4):
-            for bn, nw, ns in ((32, 2, 3), (16, 2, 3), (32, 4, 3), (64, 4, 3)):
-                label = (f"{str(kv_dtype)[6:]:<14} {bs:>3} x {seq:<5} heads {heads} block_n "
-                         f"{bn:<2} warps {nw} stages {ns}:")
-                try:
-                    t = case.graph_ms(splits, block_n=bn, num_warps=nw, num_stages=ns,
-                                      kv_heads_per_program=heads)
-                except triton.runtime.errors.OutOfResources:
-                    print(f"{label} out of shared memory", flush=True)
-                    continue
-                print(f"{label} {t * 1e3:7.1f} us {case.bytes / t / 1e9:.2f} TB/s", flush=True)
-        del case
-        torch.cuda.empty_cache()
 
 
 # ---------------------------------------------------------------- extend
@@ -337,12 +309,7 @@ def _sweep_extend(case: ExtendCase, cfgs: list[tuple[int, int, int, int]]) -> No
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--sweep", action="store_true", help="also sweep tile configs and splits")
-    ap.add_argument("--decode-heads", action="store_true",
-                    help="only: decode attention with 1, 2, 4 KV heads a program, bf16 and FP8")
     args = ap.parse_args()
-    if args.decode_heads:
-        decode_heads_sweep()
-        return
     torch.manual_seed(0)
     props = torch.cuda.get_device_properties(DEV)
     print(f"device: {props.name}, {props.multi_processor_count} SMs; torch {torch.__version__}, "

@@ -131,10 +131,9 @@ DECODE_CASES = [
 ]
 
 
-@pytest.mark.parametrize("heads", [1, 2])  # KV heads a program reads together
 @pytest.mark.parametrize("fp8", FP8)
 @pytest.mark.parametrize("group,d,seq_lens,splits", DECODE_CASES)
-def test_decode_over_fp8_pool(fp8, group, d, seq_lens, splits, heads):
+def test_decode_over_fp8_pool(fp8, group, d, seq_lens, splits):
     kvh = 2
     h, bs = kvh * group, len(seq_lens)
     k, v, kd, vd, r2t, rows = fp8_pool(seq_lens, kvh, d, fp8, 100 * group + d + bs)
@@ -146,7 +145,7 @@ def test_decode_over_fp8_pool(fp8, group, d, seq_lens, splits, heads):
     o = torch.full_like(q, float("nan"))
     scale = d ** -0.5
     decode_attention_fwd(q, k, v, o, r2t, rows, seq, mid_o, mid_lse, splits, scale,
-                         kv_scales=scales(), kv_heads_per_program=heads)
+                         kv_scales=scales())
     assert torch.isfinite(o).all()
     for i, n in enumerate(seq_lens):
         sl = r2t[rows[i], :n].long()

@@ -62,9 +62,8 @@ DECODE_CASES = [
 ]
 
 
-@pytest.mark.parametrize("heads", [1, 2])  # KV heads a program reads together
 @pytest.mark.parametrize("group,d,dtype,seq_lens,splits", DECODE_CASES)
-def test_decode_attention(group, d, dtype, seq_lens, splits, heads):
+def test_decode_attention(group, d, dtype, seq_lens, splits):
     gen = torch.Generator(device=DEV).manual_seed(1000 * group + d + len(seq_lens))
     kvh = 2
     h = kvh * group
@@ -79,8 +78,7 @@ def test_decode_attention(group, d, dtype, seq_lens, splits, heads):
     mid_lse.fill_(float("nan"))
     o = torch.full_like(q, float("nan"))
     scale = d ** -0.5
-    decode_attention_fwd(q, k_buf, v_buf, o, r2t, rows, seq, mid_o, mid_lse, splits, scale,
-                         kv_heads_per_program=heads)
+    decode_attention_fwd(q, k_buf, v_buf, o, r2t, rows, seq, mid_o, mid_lse, splits, scale)
     torch.cuda.synchronize()
     assert torch.isfinite(o).all()
     for i, n in enumerate(seq_lens):

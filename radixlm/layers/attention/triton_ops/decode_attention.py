@@ -95,10 +95,10 @@ def _decode_stage1_kernel(
     GROUP: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
     HEAD_DIM: tl.constexpr, DOT_PREC: tl.constexpr, HAS_PREFIX: tl.constexpr,
     HAS_WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, TRANSLATE: tl.constexpr,
-    PDL: tl.constexpr, KV_FP8: tl.constexpr, HEADS: tl.constexpr,
+    PDL: tl.constexpr, KV_FP8: tl.constexpr,
 ):
     b = tl.program_id(0)
-    g = tl.program_id(1)  # KV heads g * HEADS .. g * HEADS + HEADS - 1
+    g = tl.program_id(1)
     s = tl.program_id(2)
     # Before the wait, the step's inputs (lengths, the token table, the window's slot
     # map: set by the host, `radixlm.layers.pdl`) down to the first block's slots,
@@ -122,28 +122,19 @@ def _decode_stage1_kernel(
     if start >= end:  # beyond this request's length: nothing to do (stage 2 knows)
         return
 
-    # Rows: the HEADS * GROUP query heads of the program's KV heads. Columns: the
-    # KV heads' features side by side (HEADS * HEAD_DIM, one contiguous run of a
-    # token's K/V row); a query row holds its head's q in its KV head's columns and
-    # zeros in the others, so one dot gives every row its own head's scores, and
-    # row r's output is acc's columns of its KV head (the others hold other heads'
-    # values, not stored).
     offs_h = tl.arange(0, BLOCK_H)
-    hmask = offs_h < HEADS * GROUP
-    heads = g * HEADS * GROUP + offs_h
-    offs_c = tl.arange(0, HEADS * HEAD_DIM)
-    offs_d = offs_c % HEAD_DIM
-    own = hmask[:, None] & ((offs_h // GROUP)[:, None] == (offs_c // HEAD_DIM)[None, :])
+    hmask = offs_h < GROUP
+    heads = g * GROUP + offs_h
+    offs_d = tl.arange(0, HEAD_DIM)
     q = tl.load(Q + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
-                mask=own, other=0.0)
-    kv_head = g * HEADS + offs_c // HEAD_DIM
-    k_base = K + (kv_head * stride_kh + offs_d)[None, :]
-    v_base = V + (kv_head * stride_vh + offs_d)[None, :]
+                mask=hmask[:, None], other=0.0)
+    k_base = K + g * stride_kh + offs_d[None, :]
+    v_base = V + g * stride_vh + offs_d[None, :]
 
     qk_scale = fp8_score_scale(qk_scale, KScale, KV_FP8)
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
-    acc = tl.zeros([BLOCK_H, HEADS * HEAD_DIM], tl.float32)
+    acc = tl.zeros([BLOCK_H, HEAD_DIM], tl.float32)
     # The first block with the slots loaded before the wait, the rest in the loop
     # (software-pipelined over num_stages blocks, as before the peel). Every block
     # has >= 1 valid token, so m_i is finite and no NaN appears (a window only
@@ -162,7 +153,7 @@ def _decode_stage1_kernel(
                                      EMPTY_ROWS=False, KV_FP8=KV_FP8)
 
     mo = MidO + b * stride_mob + heads[:, None] * stride_moh + s * stride_mos + offs_d[None, :]
-    tl.store(mo, fp8_value_scale(acc / l_i[:, None], VScale, KV_FP8), mask=own)
+    tl.store(mo, fp8_value_scale(acc / l_i[:, None], VScale, KV_FP8), mask=hmask[:, None])
     # log2-domain LSE of this split's scores.
     tl.store(MidLse + b * stride_mlb + heads * stride_mlh + s, m_i + tl.log2(l_i), mask=hmask)
 
@@ -265,7 +256,6 @@ def decode_attention_fwd(
     softcap: float | None = None,
     slot_map: torch.Tensor | None = None,
     kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None,
-    kv_heads_per_program: int = 1,
 ) -> torch.Tensor:
     """Decode attention; writes and returns `o`.
 
@@ -285,8 +275,6 @@ def decode_attention_fwd(
     compile-time branch: None costs nothing.
     kv_scales: (k_scale, v_scale) one-element fp32 device tensors, needed when
     the buffers are FP8 (`FP8TokenToKVPool`; see `flash_block.kv_fp8_args`).
-    kv_heads_per_program: KV heads a stage-1 program reads together (a divisor
-    of num_kv_heads): each token's row of them is one contiguous read.
     """
     bs, num_heads, head_dim = q.shape
     num_kv_heads = k_buffer.shape[1]
@@ -297,8 +285,6 @@ def decode_attention_fwd(
     if bs == 0:
         return o
     group = num_heads // num_kv_heads
-    heads = kv_heads_per_program
-    assert num_kv_heads % heads == 0, "kv_heads_per_program must divide num_kv_heads"
     block_n = block_n or default_block_n(head_dim, q.dtype)
     has_prefix = prefix is not None
     # Without a prefix the pointer arguments are unused: any tensor will do.
@@ -306,7 +292,7 @@ def decode_attention_fwd(
     qk_scale, cap_log2 = score_scales(sm_scale, softcap)
     translate = slot_map is not None
     k_scale, v_scale, kv_fp8 = kv_fp8_args(k_buffer, q, kv_scales)
-    _decode_stage1_kernel[(bs, num_kv_heads // heads, num_splits)](
+    _decode_stage1_kernel[(bs, num_kv_heads, num_splits)](
         q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, pl,
         slot_map if translate else seq_lens, mid_o, mid_lse, k_scale, v_scale,
         qk_scale, cap_log2, window or 0, num_splits,
@@ -315,10 +301,10 @@ def decode_attention_fwd(
         req_to_token.stride(0),
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2),
         mid_lse.stride(0), mid_lse.stride(1),
-        GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group * heads)), BLOCK_N=block_n,
+        GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n,
         HEAD_DIM=head_dim, DOT_PREC=dot_precision(q.dtype), HAS_PREFIX=has_prefix,
         HAS_WINDOW=window is not None, SOFTCAP=softcap is not None, TRANSLATE=translate,
-        KV_FP8=kv_fp8, HEADS=heads,
+        KV_FP8=kv_fp8,
         num_warps=num_warps or DECODE_NUM_WARPS, num_stages=num_stages or DECODE_NUM_STAGES,
         **pdl.launch_args(),
     )
