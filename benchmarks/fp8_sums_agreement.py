@@ -1,0 +1,107 @@
+"""Does Hopper's fast FP8 accumulation change a model's answers? Online FP8
+(per-channel weights, W8A8 prefill) with the GEMM's per-channel sums promoted
+to fp32 every 128 terms (the default) and kept in the MMA's accumulator over
+the whole K (`GemmConfig.promote=False`), each against the model holding the
+dequantized FP8 weights, on many prompts (CUDA).
+
+    python benchmarks/fp8_sums_agreement.py [--prompts 200] [--tame 0.05]
+
+The model is tests/gpu/test_quant_gpu.py's random Llama (hidden 1024, 4
+layers, projections scaled by --tame); each prompt decodes one token. Per
+form: mean / max |prompt logprob difference| against the reference, first
+tokens equal, and at each first token that differs, by how much the
+reference preferred its own token to ours (its top-2 margin, in nats; "not
+2nd" where ours was not even its second choice): flips at margins of a few
+hundredths are near-ties that any rounding may turn, larger ones are the
+sums' doing. The reference's own margins are summarized for scale.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from quant_checkpoints import fp8_per_channel, save_float_model, tiny_llama, write  # noqa: E402
+
+import radixlm  # noqa: E402
+from radixlm.layers.quantization.triton_ops import fp8 as F  # noqa: E402
+
+SIZES = dict(vocab_size=4096, hidden_size=1024, intermediate_size=2816, num_hidden_layers=4,
+             num_attention_heads=8, num_key_value_heads=2, head_dim=128,
+             max_position_embeddings=4096)
+
+
+def models(root: Path, tame: float) -> tuple[str, str]:
+    """(the float model, the same with each projection's online-FP8 dequantized weight)."""
+    config = tiny_llama(**SIZES)
+    floats = save_float_model(config, root / "float")
+    floats = {k: v * tame if k.endswith("proj.weight") else v for k, v in floats.items()}
+    deq = {k: fp8_per_channel(w)[2] if k.endswith("proj.weight") else w
+           for k, w in floats.items()}
+    return (write(root / "float", config, floats, None),
+            write(root / "deq", config, deq, None))
+
+
+def run(path: str, quantization: str | None, prompts: list[list[int]]) -> list[dict]:
+    with radixlm.Engine(path, dtype="bfloat16", skip_tokenizer_init=True,
+                        max_total_tokens=1 << 17, quantization=quantization) as e:
+        return e.generate(input_ids=prompts, sampling_params={"max_new_tokens": 1,
+                                                              "temperature": 0,
+                                                              "ignore_eos": True},
+                          return_logprob=True, logprob_start_len=0, top_logprobs_num=2)
+
+
+def ref_margin(r: dict) -> float:
+    first, second = r["meta_info"]["output_top_logprobs"][0][:2]  # (logprob, id, ...)
+    return first[0] - second[0]
+
+
+def report(label: str, ours: list[dict], ref: list[dict]) -> None:
+    diffs = [abs(a[0] - b[0]) for o, r in zip(ours, ref, strict=True)
+             for a, b in zip(o["meta_info"]["input_token_logprobs"][1:],
+                             r["meta_info"]["input_token_logprobs"][1:], strict=True)]
+    flips = []
+    for o, r in zip(ours, ref, strict=True):
+        if o["output_ids"][0] != r["output_ids"][0]:
+            second_id = r["meta_info"]["output_top_logprobs"][0][1][1]
+            flips.append(f"{ref_margin(r):.3f}" if o["output_ids"][0] == second_id
+                         else "not 2nd")
+    print(f"{label:<9} mean / max |prompt logprob diff| {sum(diffs) / len(diffs):.4f} / "
+          f"{max(diffs):.3f}; first tokens equal {len(ours) - len(flips)}/{len(ours)}; "
+          f"the reference's margins where not: {', '.join(flips) or '-'}", flush=True)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--prompts", type=int, default=200)
+    ap.add_argument("--tame", type=float, default=0.05, help="the projections' scale")
+    args = ap.parse_args()
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}")
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(10, SIZES["vocab_size"], (int(n),), generator=g).tolist()
+               for n in torch.randint(5, 300, (args.prompts,), generator=g)]
+    with tempfile.TemporaryDirectory() as tmp:
+        float_path, ref_path = models(Path(tmp), args.tame)
+        ref = run(ref_path, None, prompts)
+        margins = sorted(ref_margin(r) for r in ref)
+        print(f"reference: top-2 margins < 0.05 nats {sum(m < 0.05 for m in margins)}, "
+              f"< 0.1 {sum(m < 0.1 for m in margins)}, < 0.2 {sum(m < 0.2 for m in margins)} "
+              f"of {len(margins)}; median {margins[len(margins) // 2]:.3f}")
+        pick = F.pick_gemm_config
+        for label, promote in (("promoted", True), ("fast", False)):
+            # The engine runs in this process at tp 1: its GEMMs take the patched picks.
+            F.pick_gemm_config = lambda *a, promote=promote, **k: pick(*a, **k)._replace(
+                promote=promote)
+            try:
+                report(label, run(float_path, "fp8", prompts), ref)
+            finally:
+                F.pick_gemm_config = pick
+
+
+if __name__ == "__main__":
+    main()
