@@ -122,7 +122,8 @@ def pick_gemm_config(m: int, n: int, block_k: int, a_fp8: bool = True) -> GemmCo
       of the output's, max up to 1.0e-2 at K = 14,336, against 1.7e-3 / 2.4e-3)
       flipped 2 of 20 first tokens of the engine test's random model where the
       promoted sums flip none (tests/gpu/test_quant_gpu.py, BENCHMARKS
-      2026-12-07): not the default until a wider comparison says it is harmless.
+      2026-12-07): not the default until a wider comparison
+      (benchmarks/fp8_sums_agreement.py) says those flips are near-ties.
     - 128 x 128 block scales: 64 x 128 through TMA above 64 rows (563-711 on
       an H200, against 418-582 for 128 x 128); a block's scales promote its sum
       by construction; a 256-row tile holds two accumulators and spills.
