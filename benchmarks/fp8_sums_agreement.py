@@ -25,26 +25,29 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from quant_checkpoints import fp8_per_channel, save_float_model, tiny_llama, write  # noqa: E402
+TESTS = Path(__file__).resolve().parents[1] / "tests"
+sys.path[:0] = [str(TESTS), str(TESTS / "gpu")]
+from gpu_models import agreement  # noqa: E402
+from quant_checkpoints import (  # noqa: E402
+    GPU_LLAMA,
+    GPU_TAME,
+    save_float_model,
+    tiny_llama,
+    write,
+    write_online_fp8_dequantized,
+)
 
 import radixlm  # noqa: E402
 from radixlm.layers.quantization.triton_ops import fp8 as F  # noqa: E402
 
-SIZES = dict(vocab_size=4096, hidden_size=1024, intermediate_size=2816, num_hidden_layers=4,
-             num_attention_heads=8, num_key_value_heads=2, head_dim=128,
-             max_position_embeddings=4096)
-
 
 def models(root: Path, tame: float) -> tuple[str, str]:
     """(the float model, the same with each projection's online-FP8 dequantized weight)."""
-    config = tiny_llama(**SIZES)
+    config = tiny_llama(**GPU_LLAMA)
     floats = save_float_model(config, root / "float")
     floats = {k: v * tame if k.endswith("proj.weight") else v for k, v in floats.items()}
-    deq = {k: fp8_per_channel(w)[2] if k.endswith("proj.weight") else w
-           for k, w in floats.items()}
     return (write(root / "float", config, floats, None),
-            write(root / "deq", config, deq, None))
+            write_online_fp8_dequantized(root, config, floats))
 
 
 def run(path: str, quantization: str | None, prompts: list[list[int]]) -> list[dict]:
@@ -62,28 +65,26 @@ def ref_margin(r: dict) -> float:
 
 
 def report(label: str, ours: list[dict], ref: list[dict]) -> None:
-    diffs = [abs(a[0] - b[0]) for o, r in zip(ours, ref, strict=True)
-             for a, b in zip(o["meta_info"]["input_token_logprobs"][1:],
-                             r["meta_info"]["input_token_logprobs"][1:], strict=True)]
+    a = agreement(ours, ref)
     flips = []
     for o, r in zip(ours, ref, strict=True):
         if o["output_ids"][0] != r["output_ids"][0]:
             second_id = r["meta_info"]["output_top_logprobs"][0][1][1]
             flips.append(f"{ref_margin(r):.3f}" if o["output_ids"][0] == second_id
                          else "not 2nd")
-    print(f"{label:<9} mean / max |prompt logprob diff| {sum(diffs) / len(diffs):.4f} / "
-          f"{max(diffs):.3f}; first tokens equal {len(ours) - len(flips)}/{len(ours)}; "
+    print(f"{label:<9} mean / max |prompt logprob diff| {a.mean:.4f} / {a.max:.3f}; "
+          f"first tokens equal {a.first}/{len(ours)}; "
           f"the reference's margins where not: {', '.join(flips) or '-'}", flush=True)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--prompts", type=int, default=200)
-    ap.add_argument("--tame", type=float, default=0.05, help="the projections' scale")
+    ap.add_argument("--tame", type=float, default=GPU_TAME, help="the projections' scale")
     args = ap.parse_args()
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}")
     g = torch.Generator().manual_seed(5)
-    prompts = [torch.randint(10, SIZES["vocab_size"], (int(n),), generator=g).tolist()
+    prompts = [torch.randint(10, GPU_LLAMA["vocab_size"], (int(n),), generator=g).tolist()
                for n in torch.randint(5, 300, (args.prompts,), generator=g)]
     with tempfile.TemporaryDirectory() as tmp:
         float_path, ref_path = models(Path(tmp), args.tame)

@@ -39,6 +39,15 @@ def tiny_llama(**kw: Any) -> LlamaConfig:
     return LlamaConfig(**{**base, **kw})
 
 
+# The GPU-sized random Llama of tests/gpu/test_quant_gpu.py (and
+# benchmarks/fp8_sums_agreement.py), its projections scaled by GPU_TAME (that
+# test's docstring says why).
+GPU_LLAMA = dict(vocab_size=4096, hidden_size=1024, intermediate_size=2816, num_hidden_layers=4,
+                 num_attention_heads=8, num_key_value_heads=2, head_dim=128,
+                 max_position_embeddings=4096)
+GPU_TAME = 0.05
+
+
 # hidden 200 (a block of 128 and a ragged 72), q 5 x 40 rows, one KV head of 40 rows,
 # intermediate 320 (2.5 blocks): every 128 x 128 grid has ragged edges.
 RAGGED = dict(hidden_size=200, intermediate_size=320, num_attention_heads=5,
@@ -123,6 +132,15 @@ def fp8_per_channel(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.
     s = w.abs().amax(1, keepdim=True) / 448.0
     q = fp8_codes(w, s)
     return q, s, q.float() * s
+
+
+def write_online_fp8_dequantized(root: Path, config: LlamaConfig,
+                                 floats: dict[str, torch.Tensor]) -> str:
+    """The float model with each projection replaced by what `--quantization fp8`
+    makes of it (per-channel codes times their scales), saved: its path."""
+    deq = {k: fp8_per_channel(w)[2] if k.endswith("proj.weight") else w
+           for k, w in floats.items()}
+    return write(root / "fp8-online-deq", config, deq, None)
 
 
 def fp8_per_tensor(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

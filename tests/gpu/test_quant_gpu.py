@@ -36,6 +36,8 @@ pytestmark = pytest.mark.gpu
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from gpu_models import agreement  # noqa: E402
 from quant_checkpoints import (  # noqa: E402
+    GPU_LLAMA,
+    GPU_TAME,
     HF_FP8_BLOCK_CONFIG,
     awq,
     awq_config,
@@ -49,6 +51,7 @@ from quant_checkpoints import (  # noqa: E402
     save_float_model,
     tiny_llama,
     write,
+    write_online_fp8_dequantized,
     write_pair,
 )
 
@@ -57,11 +60,9 @@ from radixlm.layers.linear import MergedColumnParallelLinear  # noqa: E402
 from radixlm.layers.quantization import get_quantization_config  # noqa: E402
 from radixlm.layers.quantization.triton_ops import fp8 as F  # noqa: E402
 
-SIZES = dict(vocab_size=4096, hidden_size=1024, intermediate_size=2816, num_hidden_layers=4,
-             num_attention_heads=8, num_key_value_heads=2, head_dim=128,
-             max_position_embeddings=4096)
+SIZES = GPU_LLAMA
 NEW = 16
-TAME = 0.05  # the projections' scale: see the module docstring
+TAME = GPU_TAME  # the projections' scale: see the module docstring
 FORMATS = {
     "fp8-block": (hf_fp8_block(), HF_FP8_BLOCK_CONFIG),
     "ct-fp8-channel": (compressed_tensors("channel"),
@@ -187,22 +188,14 @@ def test_online_fp8_in_a_batch_of_twenty_tracks_its_dequantized_model(model):
     g = torch.Generator().manual_seed(2)
     batch = [torch.randint(10, SIZES["vocab_size"], (5 + 7 * i,), generator=g).tolist()
              for i in range(20)]
-    ref = _online_fp8_reference(root, config, floats)
+    ref = write_online_fp8_dequantized(root, config, floats)
     _compare(_run(str(root / "float"), "fp8", batch), _run(ref, None, batch), "fp8 online, 20")
 
 
 def test_online_fp8_on_cuda_tracks_its_dequantized_model(model):
     root, config, floats, prompts = model
-    ref = _online_fp8_reference(root, config, floats)
+    ref = write_online_fp8_dequantized(root, config, floats)
     _compare(_run(str(root / "float"), "fp8", prompts), _run(ref, None, prompts), "fp8 online")
-
-
-def _online_fp8_reference(root, config, floats) -> str:
-    """The float model with each projection replaced by what `--quantization fp8`
-    makes of it (per-channel codes times their scales), saved: its path."""
-    deq = {k: fp8_per_channel(w)[2] if k.endswith("proj.weight") else w
-           for k, w in floats.items()}
-    return write(root / "fp8-online-deq", config, deq, None)
 
 
 @pytest.mark.parametrize("fmt", ["float", "awq-g128"])
