@@ -28,8 +28,8 @@ scale `scales[r // scale_rows, j]`). w_true = w * scale.
   block's sum to fp32 (DeepSeek-V3's recipe); per-row scales once at the end,
   the sums promoted every K block or, with `GemmConfig.promote` False (sweeps;
   not picked: `pick_gemm_config` says why), kept in the MMA's own accumulator
-  over the whole K (fast accumulation: ~1.4x the rate). Where
-  rows are 16-byte aligned the operand tiles come through TMA descriptors
+  over the whole K (fast accumulation: ~1.4x the rate). Where rows are 16-byte
+  aligned the operand tiles come through TMA descriptors
   (`_fp8_gemm_tma_kernel`), the largest per-channel tile with one persistent
   program per SM (`pick_gemm_config`).
 No host sync and no allocation but the outputs (CUDA graphs capture these);
