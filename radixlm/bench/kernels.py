@@ -1,4 +1,4 @@
-"""Kernel benchmark: `python -m radixlm.bench.kernels [--sweep]` (CUDA).
+"""Kernel benchmark: `python -m radixlm.bench.kernels [--sweep | --fused-ops]` (CUDA).
 
 Measures, in one run, the device's two ceilings (device-to-device copy
 bandwidth, counting bytes read + written; bf16 8192^3 matmul rate on random
@@ -10,7 +10,8 @@ data) and then:
 - extend attention (causal, ragged): achieved TFLOP/s of the useful FLOPs
   (4 * head_dim per visible (query, key, head)), against matmul TFLOP/s and SDPA;
 - K/V store (one Triton launch vs two index_put);
-- the fused ops against their torch paths.
+- the fused ops against their torch paths (the norm and SiLU-and-mul writing
+  FP8 rows against the op and then the activation quantization).
 `--sweep` adds tile-config and split-count sweeps (how the defaults were chosen).
 Timings are medians of `triton.testing.do_bench`, which flushes L2 between
 repetitions (every layer's decode reads a different KV buffer, so cold L2 is
@@ -40,6 +41,7 @@ from radixlm.layers.attention.triton_ops.extend_attention import (
     extend_config,
 )
 from radixlm.layers.attention.triton_ops.kv_store import store_kv
+from radixlm.layers.quantization.triton_ops import fp8 as fp8_ops
 
 H, KVH, D = 32, 8, 128
 DT = torch.bfloat16
@@ -275,18 +277,26 @@ def bench_fused_ops() -> list[str]:
         q, kk = qkv[:, :H * D], qkv[:, H * D:(H + KVH) * D]
         pos = torch.randint(0, 8192, (n,), device=DEV)
         cache = fused_ops.rope_cos_sin_cache(D, 8192, 500000.0, device=DEV)
-        for label, tri, ref in [
+        for label, tri, ref, peer in [
             ("add+rmsnorm 4096", part(fused_ops.rms_norm, x, w, 1e-5, r),
-             part(fused_ops.rms_norm, x, w, 1e-5, r, use_triton=False)),
+             part(fused_ops.rms_norm, x, w, 1e-5, r, use_triton=False), "torch"),
             ("silu_and_mul 14336", part(fused_ops.silu_and_mul, gu),
-             part(fused_ops.silu_and_mul, gu, use_triton=False)),
+             part(fused_ops.silu_and_mul, gu, use_triton=False), "torch"),
             ("rope 32q+8k heads", part(fused_ops.apply_rope_, pos, q, kk, D, cache),
-             part(fused_ops.apply_rope_, pos, q, kk, D, cache, use_triton=False)),
+             part(fused_ops.apply_rope_, pos, q, kk, D, cache, use_triton=False), "torch"),
+            # The FP8 rows for a W8A8 product written by the op itself (`Fp8Rows`)
+            # against the op and then `quantize_activations`.
+            ("add+rmsnorm->fp8", part(fused_ops.rms_norm, x, w, 1e-5, r, fp8_out=True),
+             lambda x=x, w=w, r=r: fp8_ops.quantize_activations(
+                 fused_ops.rms_norm(x, w, 1e-5, r)[0]), "2 launches"),
+            ("silu_and_mul->fp8", part(fused_ops.silu_and_mul, gu, fp8_out=True),
+             lambda gu=gu: fp8_ops.quantize_activations(fused_ops.silu_and_mul(gu)),
+             "2 launches"),
         ]:
             t_tr, t_ref = bench_ms(tri), bench_ms(ref)
             g_tr, g_ref = graph_ms(tri, 20), graph_ms(ref, 20)
             line = (f"{label:<20} n={n:<5} triton {t_tr * 1e3:6.1f} us (graph {g_tr * 1e3:6.1f})"
-                    f" | torch {t_ref * 1e3:6.1f} us (graph {g_ref * 1e3:6.1f}) | speed "
+                    f" | {peer} {t_ref * 1e3:6.1f} us (graph {g_ref * 1e3:6.1f}) | speed "
                     f"{t_ref / t_tr:5.2f}x (graph {g_ref / g_tr:5.2f}x)")
             print(line, flush=True)
             rows.append(line)
@@ -309,7 +319,11 @@ def _sweep_extend(case: ExtendCase, cfgs: list[tuple[int, int, int, int]]) -> No
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--sweep", action="store_true", help="also sweep tile configs and splits")
+    ap.add_argument("--fused-ops", action="store_true", help="only the fused ops")
     args = ap.parse_args()
+    if args.fused_ops:
+        bench_fused_ops()
+        return
     torch.manual_seed(0)
     props = torch.cuda.get_device_properties(DEV)
     print(f"device: {props.name}, {props.multi_processor_count} SMs; torch {torch.__version__}, "

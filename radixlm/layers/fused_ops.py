@@ -22,14 +22,21 @@ Semantics (both paths):
 - `silu_and_mul(x)`: x = [..., 2 * d] -> silu(x[..., :d]) * x[..., d:].
 - `gelu_tanh_and_mul(x)`: gelu_tanh(x[..., :d]), rounded, times x[..., d:]
   (GeGLU as the unfused `F.gelu(gate, approximate="tanh") * up` rounds it).
+- `fp8_out` (`rms_norm`, `silu_and_mul`): the output, rounded to x's dtype,
+  then quantized per row to FP8 in the same pass: (codes, scales [rows, 1]),
+  what `quantize_activations` makes of the unfused output, bit for bit
+  (`layers/fp8_rows.py` says who asks for it).
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
 from radixlm.layers import pdl
+from radixlm.layers.fp8_rows import FP8, quantize_rows_torch
 
 try:  # CPU-only installs may lack Triton; the torch paths cover them.
     import triton
@@ -111,11 +118,23 @@ def rope_cos_sin_cache(rotary_dim: int, max_position: int, base: float = 10000.0
 
 if HAS_TRITON:
     from radixlm.layers.pdl import pdl_trigger, pdl_wait
+    from radixlm.layers.quantization.triton_ops.e4m3 import round_e4m3
 
     @triton.jit
-    def _rms_norm_kernel(X, R, W, Y, RO, PW, stride_x, stride_r, stride_y, stride_ro, N, eps,
+    def _store_row(Y, S, row, stride_y, offs, mask, y, QUANT: tl.constexpr):
+        """A row's output y (fp32, already rounded to the activation dtype): as it
+        is, or with QUANT as FP8 codes and the row's scale (`Fp8Rows`; the
+        arithmetic of `quantize_activations`)."""
+        if QUANT:
+            s = tl.div_rn(tl.maximum(tl.max(tl.abs(y), 0), 1e-12), 448.0)
+            tl.store(S + row, s)
+            y = round_e4m3(tl.clamp(tl.div_rn(y, s), -448.0, 448.0))
+        tl.store(Y + row * stride_y + offs, y.to(Y.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def _rms_norm_kernel(X, R, W, Y, RO, PW, S, stride_x, stride_r, stride_y, stride_ro, N, eps,
                          HAS_RES: tl.constexpr, HAS_PRE: tl.constexpr, BLOCK: tl.constexpr,
-                         PDL: tl.constexpr):
+                         QUANT: tl.constexpr, PDL: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
         offs = tl.arange(0, BLOCK)
         mask = offs < N
@@ -128,7 +147,7 @@ if HAS_TRITON:
         x = tl.load(X + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
         if HAS_PRE:  # normalize x first, rounded as a separate norm's output would be
             pre = tl.rsqrt(tl.sum(x * x, 0) / N + eps)
-            x = (x * pre * pw).to(Y.dtype.element_ty).to(tl.float32)
+            x = (x * pre * pw).to(X.dtype.element_ty).to(tl.float32)
         if HAS_RES:
             r = tl.load(R + row * stride_r + offs, mask=mask, other=0.0).to(tl.float32)
             # Round the sum to the activation dtype before normalizing, as the
@@ -137,7 +156,8 @@ if HAS_TRITON:
             tl.store(RO + row * stride_ro + offs, s, mask=mask)
             x = s.to(tl.float32)
         rstd = tl.rsqrt(tl.sum(x * x, 0) / N + eps)
-        tl.store(Y + row * stride_y + offs, (x * rstd * w).to(Y.dtype.element_ty), mask=mask)
+        y = (x * rstd * w).to(X.dtype.element_ty).to(tl.float32)
+        _store_row(Y, S, row, stride_y, offs, mask, y, QUANT)
 
     @triton.jit
     def _norm_weights(W, offs, dmask, HALF: tl.constexpr):
@@ -232,34 +252,76 @@ if HAS_TRITON:
         tl.store(Y + row * stride_y + cols, y.to(Y.dtype.element_ty), mask=mask)
 
 
+    @triton.jit
+    def _silu_mul_row(X, row, stride_x, cols, mask, D, dtype: tl.constexpr):
+        """silu(gate) * up of a row's columns `cols`, rounded to `dtype`, in fp32."""
+        a = tl.load(X + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+        b = tl.load(X + row * stride_x + D + cols, mask=mask, other=0.0).to(tl.float32)
+        return (a / (1.0 + tl.exp(-a)) * b).to(dtype).to(tl.float32)
+
+    @triton.jit
+    def _silu_mul_fp8_kernel(X, Q, S, stride_x, stride_q, D, BLOCK: tl.constexpr,
+                             STEPS: tl.constexpr, PDL: tl.constexpr):
+        """Program per row: silu(gate) * up rounded to x's dtype, then quantized per
+        row to FP8 (`Fp8Rows`): the row's scale, its codes."""
+        pdl_wait(PDL)
+        pdl_trigger(PDL)
+        row = tl.program_id(0).to(tl.int64)
+        offs = tl.arange(0, BLOCK)
+        if STEPS == 1:
+            y = _silu_mul_row(X, row, stride_x, offs, offs < D, D, X.dtype.element_ty)
+            _store_row(Q, S, row, stride_q, offs, offs < D, y, QUANT=True)
+        else:
+            amax = tl.zeros([BLOCK], dtype=tl.float32)
+            for i in range(STEPS):
+                cols = i * BLOCK + offs
+                y = _silu_mul_row(X, row, stride_x, cols, cols < D, D, X.dtype.element_ty)
+                amax = tl.maximum(amax, tl.abs(y))
+            s = tl.div_rn(tl.maximum(tl.max(amax, 0), 1e-12), 448.0)
+            tl.store(S + row, s)
+            for i in range(STEPS):
+                cols = i * BLOCK + offs
+                y = _silu_mul_row(X, row, stride_x, cols, cols < D, D, X.dtype.element_ty)
+                q = round_e4m3(tl.clamp(tl.div_rn(y, s), -448.0, 448.0))
+                tl.store(Q + row * stride_q + cols, q.to(Q.dtype.element_ty), mask=cols < D)
+
+
 # ---------------------------------------------------------------- public ops
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
              residual: torch.Tensor | None = None, *, pre_weight: torch.Tensor | None = None,
-             use_triton: bool | None = None
-             ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+             use_triton: bool | None = None, fp8_out: bool = False) -> Any:
     """RMSNorm over the last dim; with `residual`, returns (normed, x + residual);
-    `pre_weight` (needs `residual`): x is RMS-normalized with it first."""
+    `pre_weight` (needs `residual`): x is RMS-normalized with it first. `fp8_out`:
+    normed is the output quantized per row to FP8, a (codes, scales [rows, 1])
+    pair (`Fp8Rows`; the codes `quantize_activations` makes of the output)."""
     assert pre_weight is None or residual is not None
     if not _use_triton(x, use_triton):
         if pre_weight is not None:
             x = rms_norm_torch(x, pre_weight, eps)
-        return rms_norm_torch(x, weight, eps, residual)
+        out = rms_norm_torch(x, weight, eps, residual)
+        if not fp8_out:
+            return out
+        if residual is None:
+            return quantize_rows_torch(out.reshape(-1, out.shape[-1]))
+        return quantize_rows_torch(out[0].reshape(-1, out[0].shape[-1])), out[1]
     n = x.shape[-1]
     x2 = x.reshape(-1, n)
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
-    y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    y2 = y.view(-1, n)
     rows = x2.shape[0]
+    y2 = torch.empty((rows, n), dtype=FP8 if fp8_out else x.dtype, device=x.device)
+    scales = torch.empty((rows, 1) if fp8_out else (1, 1), dtype=torch.float32, device=x.device)
+    y = (y2, scales) if fp8_out else y2.view(x.shape)
     block = triton.next_power_of_2(n)
     # Enough warps that each thread holds <= 16 fp32 of the row.
     warps = max(1, min(16, block // 512))
     if residual is None:
         if rows:
-            _rms_norm_kernel[(rows,)](x2, x2, weight, y2, y2, weight, x2.stride(0), 0,
+            _rms_norm_kernel[(rows,)](x2, x2, weight, y2, y2, weight, scales, x2.stride(0), 0,
                                       y2.stride(0), 0, n, eps, HAS_RES=False, HAS_PRE=False,
-                                      BLOCK=block, num_warps=warps, **pdl.launch_args())
+                                      BLOCK=block, QUANT=fp8_out, num_warps=warps,
+                                      **pdl.launch_args())
         return y
     r2 = residual.reshape(-1, n)
     if r2.stride(-1) != 1:
@@ -268,10 +330,11 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     ro2 = new_res.view(-1, n)
     if rows:
         _rms_norm_kernel[(rows,)](x2, r2, weight, y2, ro2,
-                                  weight if pre_weight is None else pre_weight,
+                                  weight if pre_weight is None else pre_weight, scales,
                                   x2.stride(0), r2.stride(0), y2.stride(0), ro2.stride(0), n,
                                   eps, HAS_RES=True, HAS_PRE=pre_weight is not None,
-                                  BLOCK=block, num_warps=warps, **pdl.launch_args())
+                                  BLOCK=block, QUANT=fp8_out, num_warps=warps,
+                                  **pdl.launch_args())
     return y, new_res
 
 
@@ -334,10 +397,15 @@ def apply_rope_(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, head_
     return q, k
 
 
-def silu_and_mul(x: torch.Tensor, *, use_triton: bool | None = None) -> torch.Tensor:
-    """[..., 2 * d] -> [..., d]: silu(gate) * up."""
+def silu_and_mul(x: torch.Tensor, *, use_triton: bool | None = None,
+                 fp8_out: bool = False) -> Any:
+    """[..., 2 * d] -> [..., d]: silu(gate) * up. `fp8_out`: quantized per row to
+    FP8, a (codes [rows, d], scales [rows, 1]) pair (`Fp8Rows`)."""
     if not _use_triton(x, use_triton):
-        return silu_and_mul_torch(x)
+        y = silu_and_mul_torch(x)
+        return quantize_rows_torch(y.reshape(-1, y.shape[-1])) if fp8_out else y
+    if fp8_out:
+        return _silu_and_mul_fp8(x)
     return _act_and_mul(x, gelu_tanh=False)
 
 
@@ -346,6 +414,26 @@ def gelu_tanh_and_mul(x: torch.Tensor, *, use_triton: bool | None = None) -> tor
     if not _use_triton(x, use_triton):
         return gelu_tanh_and_mul_torch(x)
     return _act_and_mul(x, gelu_tanh=True)
+
+
+def _silu_and_mul_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    d = x.shape[-1] // 2
+    x2 = x.reshape(-1, 2 * d)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    rows = x2.shape[0]
+    q = torch.empty((rows, d), dtype=FP8, device=x.device)
+    s = torch.empty((rows, 1), dtype=torch.float32, device=x.device)
+    if rows:
+        # A row of up to 16384 features in registers (its scale and codes from one
+        # read); longer rows read twice, 4096 features a step.
+        block, steps = triton.next_power_of_2(d), 1
+        if block > 16384:
+            block, steps = 4096, triton.cdiv(d, 4096)
+        _silu_mul_fp8_kernel[(rows,)](x2, q, s, x2.stride(0), q.stride(0), d, BLOCK=block,
+                                      STEPS=steps, num_warps=max(4, min(16, block // 1024)),
+                                      **pdl.launch_args())
+    return q, s
 
 
 def _act_and_mul(x: torch.Tensor, gelu_tanh: bool) -> torch.Tensor:

@@ -19,6 +19,7 @@ from torch import nn
 
 from radixlm import distributed as tp
 from radixlm.layers.activation import SiluAndMul
+from radixlm.layers.fp8_rows import Fp8Rows, to_fp8_rows
 from radixlm.layers.norm_fold import FoldedNorm, NormTarget
 from radixlm.layers.quantization import QuantizationConfig, UnquantizedConfig
 from radixlm.layers.sharding import (
@@ -67,6 +68,11 @@ class LinearBase(nn.Module):
                             AxisSpec(output_dim=0, input_dim=None))
         else:
             self.register_parameter("bias", None)
+
+    def takes_fp8_rows(self, rows: int) -> bool:
+        """Whether `forward` on `rows` rows takes its input as `Fp8Rows` (quantized
+        by the op that made it; `LinearMethod.takes_fp8_rows`)."""
+        return self.quant_method.takes_fp8_rows(self, rows)
 
     def add_weight(self, name: str, data: torch.Tensor, spec: WeightSpec) -> nn.Parameter:
         """Register `data` as parameter `name`, mapped to the checkpoint by `spec`."""
@@ -151,14 +157,17 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         return Piece(self.output_sizes[shard_id], self.tp_rank * size, size,
                      sum(self.output_partition_sizes[:shard_id]))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor | Fp8Rows, fp8_out: bool = False
+                ) -> torch.Tensor | Fp8Rows:
+        """`fp8_out` (with `fused_silu_mul`): silu(gate) * up quantized per row to
+        FP8 for the next projection (`LinearBase.takes_fp8_rows`)."""
         if not self.fused_silu_mul:
             return super().forward(x)
         if self.bias is None:
             out = self.quant_method.apply_silu_mul(self, x)
             if out is not None:
-                return out
-        return self.act_fn(self.quant_method.apply(self, x, self.bias))
+                return to_fp8_rows(out) if fp8_out else out
+        return self.act_fn(self.quant_method.apply(self, x, self.bias), fp8_out=fp8_out)
 
     def forward_normed(self, x: FoldedNorm) -> torch.Tensor:
         if not self.fused_silu_mul:
@@ -226,6 +235,9 @@ class RowParallelLinear(LinearBase):
 
     def input_piece(self) -> Piece:
         return Piece(self.input_size, self.input_start, self.input_size_per_partition)
+
+    def takes_fp8_rows(self, rows: int) -> bool:
+        return self.input_is_parallel and super().takes_fp8_rows(rows)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         method = self.quant_method

@@ -3,11 +3,14 @@ Gemma's variant, which scales by (1 + weight)."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 
 from radixlm import distributed as tp
 from radixlm.layers import cpu_ops
+from radixlm.layers.fp8_rows import Fp8Rows, to_fp8_rows
 from radixlm.layers.linear import default_weight_loader
 from radixlm.utils import lazy_import
 
@@ -34,15 +37,31 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor,
                 residual: torch.Tensor | None = None, *, reduce: bool = False,
-                pre_norm: RMSNorm | None = None
-                ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+                pre_norm: RMSNorm | None = None, fp8_out: bool = False) -> Any:
         """Without `residual`: norm(x). With it: (norm(x + residual), x + residual),
         the second being the next layer's residual stream. `reduce`: x is this
         tensor-parallel rank's partial sum (a row-parallel layer built with
         reduce_results=False); it is all-reduced first, in the same kernel as the
         add and the norm where `distributed.all_reduce_add_rms_norm` can.
         `pre_norm` (with `residual`): x is first normalized by that norm (a
-        sandwich layer's post-norm), on CUDA in the same kernel."""
+        sandwich layer's post-norm), on CUDA in the same kernel. `fp8_out`:
+        norm(...) quantized per row to FP8 for the next projection (`Fp8Rows`,
+        `LinearBase.takes_fp8_rows`), on CUDA in the same kernel."""
+        if fp8_out and x.is_cuda and not (reduce and tp.get_tp_size() > 1):
+            assert pre_norm is None or (residual is not None and pre_norm.eps == self.eps)
+            out = fused_ops.rms_norm(x, self.scale, self.eps, residual, fp8_out=True,
+                                     pre_weight=None if pre_norm is None else pre_norm.scale)
+            if residual is None:
+                return Fp8Rows(*out, x.dtype)
+            return Fp8Rows(*out[0], x.dtype), out[1]
+        out = self._forward(x, residual, reduce=reduce, pre_norm=pre_norm)
+        if not fp8_out:
+            return out
+        return to_fp8_rows(out) if residual is None else (to_fp8_rows(out[0]), out[1])
+
+    def _forward(self, x: torch.Tensor, residual: torch.Tensor | None, *, reduce: bool,
+                 pre_norm: RMSNorm | None
+                 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         if reduce and tp.get_tp_size() > 1:
             fused = None
             if residual is not None and pre_norm is None:

@@ -40,6 +40,7 @@ from radixlm.cache.kv_spec import MHA, KVSpec
 from radixlm.layers.activation import GATED_ACTIVATIONS
 from radixlm.layers.attention.radix_attention import RadixAttention
 from radixlm.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from radixlm.layers.fp8_rows import Fp8Rows
 from radixlm.layers.linear import (
     MergedColumnParallelLinear,
     QKVParallelLinear,
@@ -206,9 +207,15 @@ class GatedMLP(nn.Module):
                                            quant_config=quant_config,
                                            prefix=f"{prefix}.down_proj")
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = self.gate_up_proj(x)
-        return self.down_proj(x if self.act_fn is None else self.act_fn(x))
+    def takes_fp8_input(self, rows: int) -> bool:
+        """Whether `forward` takes `rows` rows as `Fp8Rows` (its first projection's)."""
+        return self.gate_up_proj.takes_fp8_rows(rows)
+
+    def forward(self, x: torch.Tensor | Fp8Rows) -> torch.Tensor:
+        if self.act_fn is None:  # SiLU in gate_up, quantized for down where down takes it
+            fp8 = self.down_proj.takes_fp8_rows(x.shape[0])
+            return self.down_proj(self.gate_up_proj(x, fp8_out=fp8))
+        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
 
     def forward_folded(self, x: FoldedNorm, target: NormTarget | None
                        ) -> FoldedNorm | torch.Tensor:
@@ -304,8 +311,13 @@ class DecoderAttention(nn.Module):
                                    sliding_window=spec.window(layer_id),
                                    logit_softcap=spec.attn_logit_softcap)
 
-    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, fb: ForwardBatch,
-                rows: torch.Tensor | None = None) -> torch.Tensor:
+    def takes_fp8_input(self, rows: int) -> bool:
+        """Whether `forward` takes `rows` rows of `hidden` as `Fp8Rows` (qkv_proj's
+        input: a subclass whose forward reads `hidden` otherwise says False)."""
+        return self.qkv_proj.takes_fp8_rows(rows)
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor | Fp8Rows,
+                fb: ForwardBatch, rows: torch.Tensor | None = None) -> torch.Tensor:
         """`rows`: project only these rows of the attention output (every token's
         K/V is still computed and stored)."""
         q, k, v = self.qkv_proj(hidden).split(self.split_sizes, dim=-1)
@@ -354,11 +366,14 @@ class DecoderLayer(nn.Module):
         next norm to reduce). `pending_norm`: the previous layer's output_norm.
         `rows`: return only these token rows (the last layer in prefill, where
         only the rows that get logits go on)."""
+        # Where the next projection would quantize its input rows to FP8, the norm
+        # writes them so (`Fp8Rows`).
+        fp8 = _takes_fp8(self.self_attn, hidden)
         if residual is None:
-            residual, hidden = hidden, self.input_layernorm(hidden)
+            residual, hidden = hidden, self.input_layernorm(hidden, fp8_out=fp8)
         else:
             hidden, residual = self.input_layernorm(hidden, residual, reduce=True,
-                                                    pre_norm=pending_norm)
+                                                    pre_norm=pending_norm, fp8_out=fp8)
         hidden = self.self_attn(positions, hidden, fb, rows)
         if rows is not None:
             residual = residual[rows]
@@ -368,7 +383,8 @@ class DecoderLayer(nn.Module):
         elif isinstance(self.mlp, SparseMoeBlock):  # may fold the norm into its router
             return self.mlp.forward_after_norm(hidden, residual, self.post_attention_layernorm)
         else:
-            hidden, residual = self.post_attention_layernorm(hidden, residual, reduce=True)
+            hidden, residual = self.post_attention_layernorm(
+                hidden, residual, reduce=True, fp8_out=_takes_fp8(self.mlp, hidden))
         return self.mlp(hidden), residual
 
     def norm_fold_rows(self) -> int:
@@ -397,6 +413,13 @@ class DecoderLayer(nn.Module):
         if next_norm is None:
             return self.mlp.forward_folded(mid, None), mid.residual
         return self.mlp.forward_folded(mid, _target(next_norm, mid.residual))
+
+
+def _takes_fp8(block: nn.Module, x: torch.Tensor) -> bool:
+    """Whether an attention or MLP block takes its normed input, x's rows, as
+    `Fp8Rows` (CUDA only; blocks that say nothing take tensors)."""
+    takes = getattr(block, "takes_fp8_input", None)
+    return x.is_cuda and takes is not None and takes(x.shape[0])
 
 
 def _target(norm: RMSNorm, residual: torch.Tensor) -> NormTarget:

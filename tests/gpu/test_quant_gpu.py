@@ -58,6 +58,7 @@ from quant_checkpoints import (  # noqa: E402
 import radixlm  # noqa: E402
 from radixlm.layers.linear import MergedColumnParallelLinear  # noqa: E402
 from radixlm.layers.quantization import get_quantization_config  # noqa: E402
+from radixlm.layers.quantization.fp8 import Fp8ProductMethod  # noqa: E402
 from radixlm.layers.quantization.triton_ops import fp8 as F  # noqa: E402
 
 SIZES = GPU_LLAMA
@@ -268,3 +269,26 @@ def test_layer_methods_run_our_kernels(monkeypatch):
     f = layer.fp8
     want = F.fp8_linear(x, f.weight, f.scales, 0, 1, None, silu_mul=True)
     assert torch.equal(layer(x), want)
+
+
+def test_fp8_rows_handed_over_change_nothing(model, monkeypatch):
+    """Online FP8 where the norms and SiLU-and-mul write the W8A8 GEMM's FP8 rows
+    themselves (`Fp8Rows`, the default) against every projection quantizing its
+    own input: the same tokens and logprobs, bit for bit (the codes are the same),
+    and the hand-over did happen (prefill's 250 rows take the GEMM)."""
+    root, config, floats, prompts = model
+    taken = []
+    takes = Fp8ProductMethod.takes_fp8_rows
+
+    def spy(self, layer, rows):
+        taken.append(takes(self, layer, rows))
+        return taken[-1]
+    monkeypatch.setattr(Fp8ProductMethod, "takes_fp8_rows", spy)
+    handed = _run(str(root / "float"), "fp8", prompts)
+    assert any(taken)
+    monkeypatch.setattr(Fp8ProductMethod, "takes_fp8_rows", lambda self, layer, rows: False)
+    own = _run(str(root / "float"), "fp8", prompts)
+    for a, b in zip(handed, own, strict=True):
+        assert a["output_ids"] == b["output_ids"]
+        assert a["meta_info"]["input_token_logprobs"] == b["meta_info"]["input_token_logprobs"]
+        assert a["meta_info"]["output_token_logprobs"] == b["meta_info"]["output_token_logprobs"]

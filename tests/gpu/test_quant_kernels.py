@@ -12,6 +12,7 @@ capture run on CUDA only.
 
 from __future__ import annotations
 
+import functools
 import os
 
 import pytest
@@ -24,6 +25,8 @@ if not (HAS_CUDA or INTERPRET):
     pytest.skip("needs CUDA (or TRITON_INTERPRET=1)", allow_module_level=True)
 pytest.importorskip("triton")
 
+from radixlm.layers.fp8_rows import to_fp8_rows  # noqa: E402
+from radixlm.layers.fused_ops import rms_norm, silu_and_mul  # noqa: E402
 from radixlm.layers.quantization import int4 as I  # noqa: E402
 from radixlm.layers.quantization.fp8 import Fp8Weight, block_table, quantize_rows  # noqa: E402
 from radixlm.layers.quantization.triton_ops import fp8 as F  # noqa: E402
@@ -100,6 +103,59 @@ def test_static_activation_scale_and_saturation(k):
     want = (x.float() / 0.005).clamp(-448, 448).to(FP8)
     assert torch.equal(q.view(torch.uint8), want.view(torch.uint8))
     assert q.float().abs().max() == 448  # the static scale saturates
+
+
+@pytest.mark.parametrize("n", [200, 4096])
+@pytest.mark.parametrize("residual,pre", [(False, False), (True, False), (True, True)])
+def test_fp8_out_of_the_norm_is_its_output_quantized(n, residual, pre):
+    """`rms_norm(fp8_out=True)` (the norm before a W8A8 product: `Fp8Rows`): the
+    codes and scales `quantize_activations` makes of the unfused norm's output,
+    bit for bit, and the same residual."""
+    dtype = DTYPES[0]
+    x, r = randn(5, n, seed=n, scale=3, dtype=dtype), randn(5, n, seed=n + 1, dtype=dtype)
+    w, pw = ((1 + 0.1 * randn(n, seed=s)).to(dtype) for s in (2, 3))
+    args = (x, w, 1e-6, r if residual else None)
+    kw = {"pre_weight": pw} if pre else {}
+    ref, got = rms_norm(*args, **kw), rms_norm(*args, **kw, fp8_out=True, use_triton=True)
+    if residual:
+        assert torch.equal(got[1], ref[1])
+        ref, got = ref[0], got[0]
+    codes, scales = got
+    want_q, want_s = F.quantize_activations(ref)
+    assert torch.equal(codes.view(torch.uint8), want_q.view(torch.uint8))
+    assert torch.equal(scales, want_s)
+
+
+@pytest.mark.parametrize("d", [100, 14336, 20000])  # down_proj's input; a row read twice
+def test_fp8_out_of_silu_and_mul_is_its_output_quantized(d):
+    x = randn(3, 2 * d, seed=d, scale=2, dtype=DTYPES[0])
+    q, s = silu_and_mul(x, fp8_out=True, use_triton=True)
+    want_q, want_s = F.quantize_activations(silu_and_mul(x, use_triton=True))
+    assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8))
+    assert torch.equal(s, want_s)
+
+
+def test_fp8_rows_where_the_gemm_quantizes_per_token():
+    """`takes_fp8_rows`: only rows `fp8_linear` would quantize per token for the
+    W8A8 GEMM (above the GEMVs, per-channel, dynamic, FP8 activations); and
+    `fp8_linear` on those rows given as `Fp8Rows` computes what it does on x."""
+    mma = torch.empty(1)
+    takes = functools.partial(F.takes_fp8_rows, block_k=0, scale_rows=1, input_scale=None,
+                              weight_only=False)
+    assert not any(takes(m, mma=mma, w8a8_from=17) for m in range(1, 65))
+    assert takes(65, mma=mma, w8a8_from=17)
+    assert not any(takes(m, mma=None, w8a8_from=0) for m in range(1, 9))
+    assert takes(9, mma=None, w8a8_from=0)
+    assert not takes(300, mma=None, w8a8_from=0, block_k=128)
+    assert not takes(300, mma=None, w8a8_from=0, input_scale=torch.ones(1))
+    assert not takes(300, mma=None, w8a8_from=0, weight_only=True)
+    n, k, block, parts = CASES["channel-ragged"]
+    w = fp8_weight(n, k, block, parts, seed=4)
+    x = randn(70, k, seed=5, dtype=DTYPES[0])
+    want = F.fp8_linear(x, w.weight, w.scales, 0, 1, None)
+    got = F.fp8_linear(to_fp8_rows(x), w.weight, w.scales, 0, 1, None)
+    assert torch.equal(got, want)
+    assert F.fp8_linear(to_fp8_rows(x), w.weight, w.scales, 0, 1, None, silu_mul=True) is None
 
 
 # ---- FP8 products -----------------------------------------------------------------------------

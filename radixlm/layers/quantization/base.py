@@ -119,6 +119,13 @@ class LinearMethod(ABC):
               out: torch.Tensor | None = None) -> torch.Tensor:
         """x W^T + bias (into `out` when given)."""
 
+    def takes_fp8_rows(self, layer: LinearBase, rows: int) -> bool:
+        """Whether `apply` on `rows` rows would first quantize them per token to FP8
+        (one fp32 scale a row): then the op that makes the input may hand it over
+        quantized, as `Fp8Rows` (`fp8_rows.py`), which `apply` (and
+        `apply_silu_mul`, which may return None for it) must then take."""
+        return False
+
     def apply_silu_mul(self, layer: LinearBase, x: torch.Tensor) -> torch.Tensor | None:
         """silu(x G^T) * (x U^T) for the merged weight [G; U] of a bias-free
         layer, or None when this method has no fused path for `x`."""

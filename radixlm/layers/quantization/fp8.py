@@ -42,6 +42,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from radixlm.layers.fp8_rows import Fp8Rows
 from radixlm.layers.norm_fold import FoldedNorm, NormTarget
 from radixlm.layers.quantization.base import FusedMoEMethod, LinearMethod, QuantizationConfig
 from radixlm.layers.quantization.selection import LayerFilter, refuse_unknown
@@ -168,10 +169,12 @@ def with_tensor_cores(w: Fp8Weight) -> Fp8Weight:
     return dataclasses.replace(w, mma=_mma.mma_layout(w.weight))
 
 
-def fp8_product(layer: LinearBase, x: torch.Tensor, bias: torch.Tensor | None,
+def fp8_product(layer: LinearBase, x: torch.Tensor | Fp8Rows, bias: torch.Tensor | None,
                 out: torch.Tensor | None, silu_mul: bool = False) -> torch.Tensor | None:
     w: Fp8Weight | None = getattr(layer, "fp8", None)
     assert w is not None, "process_weights_after_loading has not run on this layer"
+    if isinstance(x, Fp8Rows) and not kernels_run(x):
+        x = x.dequantize()
     if kernels_run(x):
         return _ops.fp8_linear(x, w.weight, w.scales, w.block_k, w.scale_rows, w.input_scale,
                                bias, out=out, silu_mul=silu_mul, weight_only=w.weight_only,
@@ -184,6 +187,13 @@ def fp8_product(layer: LinearBase, x: torch.Tensor, bias: torch.Tensor | None,
 class Fp8ProductMethod(LinearMethod):
     """Products on the layer's derived `fp8` (an `Fp8Weight`), which each method's
     `process_weights_after_loading` sets from the freshly loaded parameters."""
+
+    def takes_fp8_rows(self, layer: LinearBase, rows: int) -> bool:
+        w: Fp8Weight | None = getattr(layer, "fp8", None)
+        return (w is not None and w.weight.is_cuda and _triton()
+                and layer.params_dtype in (torch.bfloat16, torch.float16)
+                and _ops.takes_fp8_rows(rows, w.block_k, w.scale_rows, w.input_scale,
+                                        w.weight_only, w.mma, w.w8a8_from))
 
     def apply(self, layer: LinearBase, x: torch.Tensor, bias: torch.Tensor | None = None,
               out: torch.Tensor | None = None) -> torch.Tensor:

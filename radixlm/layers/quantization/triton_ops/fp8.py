@@ -46,6 +46,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from radixlm.layers import pdl, tiles
+from radixlm.layers.fp8_rows import Fp8Rows
 from radixlm.layers.gemv import _load_w, _load_x, _silu_mul
 from radixlm.layers.pdl import pdl_trigger, pdl_wait
 from radixlm.layers.quantization.triton_ops import fp8_mma, fp8_w8a8_gemv
@@ -158,8 +159,22 @@ def gemv_fits(m: int, block_k: int, scale_rows: int) -> bool:
     return not block_k or scale_rows % (4 if m == 1 else 16) == 0
 
 
-def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, block_k: int,
-               scale_rows: int, input_scale: torch.Tensor | None,
+def takes_fp8_rows(m: int, block_k: int, scale_rows: int, input_scale: torch.Tensor | None,
+                   weight_only: bool, mma: torch.Tensor | None, w8a8_from: int) -> bool:
+    """Whether `fp8_linear` with these arguments quantizes m rows per token (one
+    scale a row) for the W8A8 GEMM: rows a producer may hand over as `Fp8Rows`.
+    The GEMV routes are taken as `fp8_linear` takes them for contiguous bf16 rows."""
+    if block_k or input_scale is not None or weight_only:
+        return False
+    if 0 < w8a8_from <= m <= fp8_w8a8_gemv.ROUTE_MAX_ROWS:
+        return False
+    if mma is not None and m <= fp8_mma.GEMV_ROWS:
+        return False
+    return not gemv_fits(m, block_k, scale_rows)
+
+
+def fp8_linear(x: torch.Tensor | Fp8Rows, weight: torch.Tensor, scales: torch.Tensor,
+               block_k: int, scale_rows: int, input_scale: torch.Tensor | None,
                bias: torch.Tensor | None = None, *, out: torch.Tensor | None = None,
                silu_mul: bool = False, weight_only: bool = False,
                mma: torch.Tensor | None = None, w8a8_from: int = 0) -> torch.Tensor | None:
@@ -171,8 +186,16 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, bloc
     `fp8_gemv_mma_plain`), for the tensor-core GEMV at 1 to `fp8_mma.GEMV_ROWS`
     contiguous, bf16, 16-byte aligned rows (its scales as `fp8_mma.takes` says).
     `w8a8_from`: from that many rows (0: never) to `fp8_w8a8_gemv.ROUTE_MAX_ROWS`
-    through that GEMV (FP8 activations, dynamic scales: `fp8_w8a8_gemv.takes`)."""
+    through that GEMV (FP8 activations, dynamic scales: `fp8_w8a8_gemv.takes`).
+    x may be `Fp8Rows` where `takes_fp8_rows` says so: its codes go to the GEMM as
+    they are (None with `silu_mul`)."""
     n, k = weight.shape
+    if isinstance(x, Fp8Rows):
+        if silu_mul:
+            return None
+        assert x.q.shape[-1] == k and x.q.dim() == 2
+        return fp8_gemm(x.q, x.scales, weight, scales, block_k, scale_rows, bias, x.dtype,
+                        out=out)
     x2 = x.reshape(-1, k)
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
