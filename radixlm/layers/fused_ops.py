@@ -251,7 +251,6 @@ if HAS_TRITON:
             y = a / (1.0 + tl.exp(-a)) * b
         tl.store(Y + row * stride_y + cols, y.to(Y.dtype.element_ty), mask=mask)
 
-
     @triton.jit
     def _silu_mul_row(X, row, stride_x, cols, mask, D, dtype: tl.constexpr):
         """silu(gate) * up of a row's columns `cols`, rounded to `dtype`, in fp32."""
@@ -311,14 +310,15 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
         x2 = x2.contiguous()
     rows = x2.shape[0]
     y2 = torch.empty((rows, n), dtype=FP8 if fp8_out else x.dtype, device=x.device)
-    scales = torch.empty((rows, 1) if fp8_out else (1, 1), dtype=torch.float32, device=x.device)
+    scales = torch.empty((rows, 1), dtype=torch.float32, device=x.device) if fp8_out else None
     y = (y2, scales) if fp8_out else y2.view(x.shape)
+    s_arg = scales if fp8_out else weight  # (unused without fp8_out)
     block = triton.next_power_of_2(n)
     # Enough warps that each thread holds <= 16 fp32 of the row.
     warps = max(1, min(16, block // 512))
     if residual is None:
         if rows:
-            _rms_norm_kernel[(rows,)](x2, x2, weight, y2, y2, weight, scales, x2.stride(0), 0,
+            _rms_norm_kernel[(rows,)](x2, x2, weight, y2, y2, weight, s_arg, x2.stride(0), 0,
                                       y2.stride(0), 0, n, eps, HAS_RES=False, HAS_PRE=False,
                                       BLOCK=block, QUANT=fp8_out, num_warps=warps,
                                       **pdl.launch_args())
@@ -330,7 +330,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     ro2 = new_res.view(-1, n)
     if rows:
         _rms_norm_kernel[(rows,)](x2, r2, weight, y2, ro2,
-                                  weight if pre_weight is None else pre_weight, scales,
+                                  weight if pre_weight is None else pre_weight, s_arg,
                                   x2.stride(0), r2.stride(0), y2.stride(0), ro2.stride(0), n,
                                   eps, HAS_RES=True, HAS_PRE=pre_weight is not None,
                                   BLOCK=block, QUANT=fp8_out, num_warps=warps,
