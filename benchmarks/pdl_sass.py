@@ -51,8 +51,8 @@ def kernels():
     yield ("MoE down (one block)", MG._down_kernel, moe, (),
            dict(TOP_K=8, SCALE=0, EVEN_K=False, BN=2, BK=1024, HOIST=True, PDL=True), 4)
     yield ("RMSNorm + residual", fused_ops._rms_norm_kernel,
-           {k: b16 for k in ("X", "R", "W", "Y", "RO", "PW")}, ("eps",),
-           dict(HAS_RES=True, HAS_PRE=False, BLOCK=2048, PDL=True), 4)
+           {**{k: b16 for k in ("X", "R", "W", "Y", "RO", "PW")}, "S": f32}, ("eps",),
+           dict(HAS_RES=True, HAS_PRE=False, BLOCK=2048, QUANT=False, PDL=True), 4)
     yield ("QK-norm + RoPE + KV store", fused_ops._rope_kernel,
            {"Q": b16, "K": b16, "CosSin": f32, "Pos": i64, "V": b16, "KBuf": b16, "VBuf": b16,
             "Loc": i64, "WQ": b16, "WK": b16}, ("eps",),
@@ -72,6 +72,8 @@ def kernels():
                 HAS_WINDOW=False, PDL=True), 4)
     yield ("SiLU-and-mul", fused_ops._act_and_mul_kernel, {"X": b16, "Y": b16}, (),
            dict(BLOCK=1024, GELU_TANH=False, PDL=True), 4)
+    yield ("SiLU-and-mul to FP8 rows", fused_ops._silu_mul_fp8_kernel,
+           {"X": b16, "Q": "*fp8e4nv", "S": f32}, (), dict(BLOCK=16384, STEPS=1, PDL=True), 16)
     gemv_ptrs = {"x_ptr": b16, "w_ptr": b16, "b_ptr": b16, "y_ptr": b16}
     yield ("bf16 GEMV, one row", gemv._gemv_fma_kernel, gemv_ptrs, (),
            dict(BN=4, BK=1024, HAS_BIAS=True, EVEN_K=True, SILU_MUL=False, PDL=True), 4)

@@ -368,12 +368,12 @@ class DecoderLayer(nn.Module):
         only the rows that get logits go on)."""
         # Where the next projection would quantize its input rows to FP8, the norm
         # writes them so (`Fp8Rows`).
-        fp8 = _takes_fp8(self.self_attn, hidden)
+        norm = self.input_layernorm
+        fp8 = _fp8_norm_out(norm, self.self_attn, hidden)
         if residual is None:
-            residual, hidden = hidden, self.input_layernorm(hidden, fp8_out=fp8)
+            residual, hidden = hidden, norm(hidden, **fp8)
         else:
-            hidden, residual = self.input_layernorm(hidden, residual, reduce=True,
-                                                    pre_norm=pending_norm, fp8_out=fp8)
+            hidden, residual = norm(hidden, residual, reduce=True, pre_norm=pending_norm, **fp8)
         hidden = self.self_attn(positions, hidden, fb, rows)
         if rows is not None:
             residual = residual[rows]
@@ -383,8 +383,9 @@ class DecoderLayer(nn.Module):
         elif isinstance(self.mlp, SparseMoeBlock):  # may fold the norm into its router
             return self.mlp.forward_after_norm(hidden, residual, self.post_attention_layernorm)
         else:
-            hidden, residual = self.post_attention_layernorm(
-                hidden, residual, reduce=True, fp8_out=_takes_fp8(self.mlp, hidden))
+            norm = self.post_attention_layernorm
+            hidden, residual = norm(hidden, residual, reduce=True,
+                                    **_fp8_norm_out(norm, self.mlp, hidden))
         return self.mlp(hidden), residual
 
     def norm_fold_rows(self) -> int:
@@ -415,11 +416,15 @@ class DecoderLayer(nn.Module):
         return self.mlp.forward_folded(mid, _target(next_norm, mid.residual))
 
 
-def _takes_fp8(block: nn.Module, x: torch.Tensor) -> bool:
-    """Whether an attention or MLP block takes its normed input, x's rows, as
-    `Fp8Rows` (CUDA only; blocks that say nothing take tensors)."""
+def _fp8_norm_out(norm: nn.Module, block: nn.Module, x: torch.Tensor) -> dict[str, bool]:
+    """The norm's keyword asking for `Fp8Rows` where the attention or MLP block after
+    it takes its normed input, x's rows, so (CUDA only; blocks that say nothing
+    take tensors, and a norm that is no RMSNorm, such as EAGLE's identity, is
+    called as it was)."""
     takes = getattr(block, "takes_fp8_input", None)
-    return x.is_cuda and takes is not None and takes(x.shape[0])
+    if isinstance(norm, RMSNorm) and x.is_cuda and takes is not None and takes(x.shape[0]):
+        return {"fp8_out": True}
+    return {}
 
 
 def _target(norm: RMSNorm, residual: torch.Tensor) -> NormTarget:
