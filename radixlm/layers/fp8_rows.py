@@ -53,8 +53,7 @@ def quantize_rows_torch(y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     s = s / torch.full_like(s, 448.0)
     q = (yf / s).clamp(-448.0, 448.0).to(FP8)
     bits = q.view(torch.uint8)
-    bits[bits == 0x80] = 0  # -0 -> +0
-    return q, s
+    return torch.where(bits == 0x80, 0, bits).view(FP8), s  # -0 -> +0
 
 
 def to_fp8_rows(y: torch.Tensor) -> Fp8Rows:

@@ -42,7 +42,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from radixlm.layers.fp8_rows import Fp8Rows
+from radixlm.layers.fp8_rows import Fp8Rows, quantize_rows_torch
 from radixlm.layers.norm_fold import FoldedNorm, NormTarget
 from radixlm.layers.quantization.base import FusedMoEMethod, LinearMethod, QuantizationConfig
 from radixlm.layers.quantization.selection import LayerFilter, refuse_unknown
@@ -92,10 +92,10 @@ def mma_mode() -> str:
 
 
 def quantize_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(FP8 codes, fp32 scale per row) of a float matrix: scale = max |row| / 448."""
-    w = w.float()
-    scales = w.abs().amax(dim=1).clamp(min=1e-12) / FP8_MAX
-    return (w / scales[:, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8), scales
+    """(FP8 codes, fp32 scale per row) of a float matrix: scale = max |row| / 448,
+    the codes those our activation kernels make (`fp8_rows.quantize_rows_torch`)."""
+    codes, scales = quantize_rows_torch(w)
+    return codes, scales[:, 0]
 
 
 @functools.cache
