@@ -92,17 +92,39 @@ def _run(path: str, quantization: str | None, prompts: list[list[int]], **kw):
         return e.generate(input_ids=prompts, sampling_params={"max_new_tokens": NEW,
                                                               "temperature": 0,
                                                               "ignore_eos": True},
-                          return_logprob=True, logprob_start_len=0)
+                          return_logprob=True, logprob_start_len=0, top_logprobs_num=8)
+
+
+# A first token the reference prefers to ours by less than this is a near-tie that
+# the quantized model's noise (~0.07 nats a prompt token here) may turn; the bf16
+# reference has exact ties too (margin 0: which of them argmax picks is arbitrary),
+# and changes of a scale's last bit flipped such first tokens (BENCHMARKS 2026-12-07).
+NEAR_TIE = 0.1
+
+
+def _first_token_margins(ours, ref) -> list[float]:
+    """For each request whose first greedy token differs from the reference's: by
+    how much the reference prefers its token to ours (inf: ours is not in its top 8)."""
+    margins = []
+    for o, r in zip(ours, ref, strict=True):
+        top = r["meta_info"]["output_top_logprobs"][0]
+        if o["output_ids"][0] != r["output_ids"][0]:
+            ours_lp = [t[0] for t in top if t[1] == o["output_ids"][0]]
+            margins.append(top[0][0] - ours_lp[0] if ours_lp else float("inf"))
+    return margins
 
 
 def _compare(ours, ref, label: str) -> None:
     a = agreement(ours, ref)
+    margins = _first_token_margins(ours, ref)
     print(f"\n{label}: prompt logprobs vs the dequantized model: mean |diff| {a.mean:.4f}, "
-          f"max {a.max:.3f}; first tokens equal {a.first}/{len(ours)}, greedy tokens "
-          f"equal {a.same}/{NEW * len(ours)}")
+          f"max {a.max:.3f}; first tokens equal {a.first}/{len(ours)} (the reference's "
+          f"margins where not: {[round(m, 3) for m in margins]}), greedy tokens equal "
+          f"{a.same}/{NEW * len(ours)}")
     # A misread layout gives noise (errors of several nats); W8A8 prefill and bf16
-    # rounding of dequantized tiles stay well under these.
-    assert a.mean < 0.2 and a.first >= len(ours) - 1, label
+    # rounding of dequantized tiles stay well under these. First tokens: at most one
+    # differs beyond a near-tie of the reference.
+    assert a.mean < 0.2 and sum(m >= NEAR_TIE for m in margins) <= 1, label
 
 
 @pytest.mark.parametrize("fmt", sorted(FORMATS))
