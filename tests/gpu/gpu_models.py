@@ -108,3 +108,21 @@ def agreement(ours: list[dict], ref: list[dict]) -> Agreement:
     same = sum(a == b for o, r in pairs
                for a, b in zip(o["output_ids"], r["output_ids"], strict=True))
     return Agreement(sum(errors) / len(errors), max(errors), first, same)
+
+
+# How many of the reference's top logprobs at the first output token
+# `first_token_margins` needs: its requests ask for them (`top_logprobs_num`).
+MARGIN_TOP = 8
+
+
+def first_token_margins(ours: list[dict], ref: list[dict]) -> list[float]:
+    """For each request whose first greedy token differs from the reference's: by
+    how much the reference preferred its token to ours, in nats (inf: ours is not
+    among its top `MARGIN_TOP`). Margin 0 is an exact tie of the reference."""
+    margins = []
+    for o, r in zip(ours, ref, strict=True):
+        top = r["meta_info"]["output_top_logprobs"][0]  # (logprob, id, ...) best first
+        if o["output_ids"][0] != r["output_ids"][0]:
+            mine = [t[0] for t in top if t[1] == o["output_ids"][0]]
+            margins.append(top[0][0] - mine[0] if mine else float("inf"))
+    return margins

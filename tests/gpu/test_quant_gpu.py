@@ -34,7 +34,7 @@ pytest.importorskip("triton")
 pytestmark = pytest.mark.gpu
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from gpu_models import agreement  # noqa: E402
+from gpu_models import MARGIN_TOP, agreement, first_token_margins  # noqa: E402
 from quant_checkpoints import (  # noqa: E402
     GPU_LLAMA,
     GPU_TAME,
@@ -92,7 +92,8 @@ def _run(path: str, quantization: str | None, prompts: list[list[int]], **kw):
         return e.generate(input_ids=prompts, sampling_params={"max_new_tokens": NEW,
                                                               "temperature": 0,
                                                               "ignore_eos": True},
-                          return_logprob=True, logprob_start_len=0, top_logprobs_num=8)
+                          return_logprob=True, logprob_start_len=0,
+                          top_logprobs_num=MARGIN_TOP)
 
 
 # A first token the reference prefers to ours by less than this is a near-tie that
@@ -102,21 +103,9 @@ def _run(path: str, quantization: str | None, prompts: list[list[int]], **kw):
 NEAR_TIE = 0.1
 
 
-def _first_token_margins(ours, ref) -> list[float]:
-    """For each request whose first greedy token differs from the reference's: by
-    how much the reference prefers its token to ours (inf: ours is not in its top 8)."""
-    margins = []
-    for o, r in zip(ours, ref, strict=True):
-        top = r["meta_info"]["output_top_logprobs"][0]
-        if o["output_ids"][0] != r["output_ids"][0]:
-            ours_lp = [t[0] for t in top if t[1] == o["output_ids"][0]]
-            margins.append(top[0][0] - ours_lp[0] if ours_lp else float("inf"))
-    return margins
-
-
 def _compare(ours, ref, label: str) -> None:
     a = agreement(ours, ref)
-    margins = _first_token_margins(ours, ref)
+    margins = first_token_margins(ours, ref)
     print(f"\n{label}: prompt logprobs vs the dequantized model: mean |diff| {a.mean:.4f}, "
           f"max {a.max:.3f}; first tokens equal {a.first}/{len(ours)} (the reference's "
           f"margins where not: {[round(m, 3) for m in margins]}), greedy tokens equal "
