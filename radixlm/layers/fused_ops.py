@@ -118,7 +118,7 @@ def rope_cos_sin_cache(rotary_dim: int, max_position: int, base: float = 10000.0
 
 if HAS_TRITON:
     from radixlm.layers.pdl import pdl_trigger, pdl_wait
-    from radixlm.layers.quantization.triton_ops.e4m3 import round_e4m3
+    from radixlm.layers.quantization.triton_ops.e4m3 import e4m3_codes, e4m3_scale
 
     @triton.jit
     def _store_row(Y, S, row, stride_y, offs, mask, y, QUANT: tl.constexpr):
@@ -126,9 +126,9 @@ if HAS_TRITON:
         is, or with QUANT as FP8 codes and the row's scale (`Fp8Rows`; the
         arithmetic of `quantize_activations`)."""
         if QUANT:
-            s = tl.div_rn(tl.maximum(tl.max(tl.abs(y), 0), 1e-12), 448.0)
+            s = e4m3_scale(tl.max(tl.abs(y), 0))
             tl.store(S + row, s)
-            y = round_e4m3(tl.clamp(tl.div_rn(y, s), -448.0, 448.0))
+            y = e4m3_codes(y, s)
         tl.store(Y + row * stride_y + offs, y.to(Y.dtype.element_ty), mask=mask)
 
     @triton.jit
@@ -276,12 +276,12 @@ if HAS_TRITON:
                 cols = i * BLOCK + offs
                 y = _silu_mul_row(X, row, stride_x, cols, cols < D, D, X.dtype.element_ty)
                 amax = tl.maximum(amax, tl.abs(y))
-            s = tl.div_rn(tl.maximum(tl.max(amax, 0), 1e-12), 448.0)
+            s = e4m3_scale(tl.max(amax, 0))
             tl.store(S + row, s)
             for i in range(STEPS):
                 cols = i * BLOCK + offs
                 y = _silu_mul_row(X, row, stride_x, cols, cols < D, D, X.dtype.element_ty)
-                q = round_e4m3(tl.clamp(tl.div_rn(y, s), -448.0, 448.0))
+                q = e4m3_codes(y, s)
                 tl.store(Q + row * stride_q + cols, q.to(Q.dtype.element_ty), mask=cols < D)
 
 

@@ -24,3 +24,18 @@ def round_e4m3(v):
     normal = ((bits + 0x7FFFF + ((bits >> 20) & 1)) & -0x100000).to(tl.float32, bitcast=True)
     subnormal = (v + 24576.0) - 24576.0  # fp32's step in [2^14, 2^15) is 2^-9
     return tl.where(tl.abs(v) < 0.015625, subnormal, normal)
+
+
+@triton.jit
+def e4m3_scale(amax):
+    """The scale that maps values of largest magnitude amax (fp32) onto e4m3's
+    range: amax / 448 correctly rounded, 1e-12 / 448 for an all-zero row. Every
+    quantizer whose codes must match `fp8.quantize_rows` bit for bit uses it."""
+    return tl.div_rn(tl.maximum(amax, 1e-12), 448.0)
+
+
+@triton.jit
+def e4m3_codes(v, s):
+    """v / s (fp32, correctly rounded) clamped to +-448 and rounded to e4m3, still
+    in fp32: the codes that go with `e4m3_scale`'s s."""
+    return round_e4m3(tl.clamp(tl.div_rn(v, s), -448.0, 448.0))

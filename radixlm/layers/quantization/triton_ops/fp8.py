@@ -50,7 +50,7 @@ from radixlm.layers.fp8_rows import Fp8Rows
 from radixlm.layers.gemv import _load_w, _load_x, _silu_mul
 from radixlm.layers.pdl import pdl_trigger, pdl_wait
 from radixlm.layers.quantization.triton_ops import fp8_mma, fp8_w8a8_gemv
-from radixlm.layers.quantization.triton_ops.e4m3 import round_e4m3
+from radixlm.layers.quantization.triton_ops.e4m3 import e4m3_codes, e4m3_scale
 from radixlm.layers.quantization.triton_ops.mma_gemv import rows_fit
 from radixlm.layers.tiles import grouped_tile
 
@@ -163,18 +163,30 @@ def gemv_fits(m: int, block_k: int, scale_rows: int) -> bool:
     return not block_k or scale_rows % (4 if m == 1 else 16) == 0
 
 
+def route(m: int, block_k: int, scale_rows: int, w8a8_from: int, mma_fits: bool) -> str:
+    """Which product `fp8_linear` runs for m rows of x: "w8a8_gemv" (from
+    `w8a8_from` rows, 0: never, to `fp8_w8a8_gemv.ROUTE_MAX_ROWS`), "mma_gemv"
+    (`mma_fits`: a tensor-core layout exists and x's rows suit it), "gemv"
+    (`gemv_fits`) or "gemm"."""
+    if 0 < w8a8_from <= m <= fp8_w8a8_gemv.ROUTE_MAX_ROWS:
+        return "w8a8_gemv"
+    if mma_fits:
+        return "mma_gemv"
+    if gemv_fits(m, block_k, scale_rows):
+        return "gemv"
+    return "gemm"
+
+
 def takes_fp8_rows(m: int, block_k: int, scale_rows: int, input_scale: torch.Tensor | None,
                    weight_only: bool, mma: torch.Tensor | None, w8a8_from: int) -> bool:
     """Whether `fp8_linear` with these arguments quantizes m rows per token (one
     scale a row) for the W8A8 GEMM: rows a producer may hand over as `Fp8Rows`.
-    The GEMV routes are taken as `fp8_linear` takes them for contiguous bf16 rows."""
+    The tensor-core GEMV is assumed to take any m rows it could (bf16, aligned):
+    where it would not, the producer writes bf16 rows, which is merely slower."""
     if block_k or input_scale is not None or weight_only:
         return False
-    if 0 < w8a8_from <= m <= fp8_w8a8_gemv.ROUTE_MAX_ROWS:
-        return False
-    if mma is not None and m <= fp8_mma.GEMV_ROWS:
-        return False
-    return not gemv_fits(m, block_k, scale_rows)
+    mma_fits = mma is not None and m <= fp8_mma.GEMV_ROWS
+    return route(m, block_k, scale_rows, w8a8_from, mma_fits) == "gemm"
 
 
 def fp8_linear(x: torch.Tensor | Fp8Rows, weight: torch.Tensor, scales: torch.Tensor,
@@ -203,17 +215,19 @@ def fp8_linear(x: torch.Tensor | Fp8Rows, weight: torch.Tensor, scales: torch.Te
     x2 = x.reshape(-1, k)
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
-    m = x2.shape[0]
-    if 0 < w8a8_from <= m <= fp8_w8a8_gemv.ROUTE_MAX_ROWS:
+    mma_fits = (mma is not None and x2.dtype == torch.bfloat16
+                and rows_fit(x2, fp8_mma.GEMV_ROWS))
+    way = route(x2.shape[0], block_k, scale_rows, w8a8_from, mma_fits)
+    if way == "w8a8_gemv":
         y = fp8_w8a8_gemv.fp8_gemv_w8a8(x2, weight, scales, block_k, scale_rows, bias,
                                         out=out, silu_mul=silu_mul)
         return y.view(*x.shape[:-1], y.shape[-1])
-    if mma is not None and x2.dtype == torch.bfloat16 and rows_fit(x2, fp8_mma.GEMV_ROWS):
+    if way == "mma_gemv":
         gemv_mma = fp8_mma.fp8_gemv_mma_plain if mma is weight else fp8_mma.fp8_gemv_mma
         y = gemv_mma(x2, mma, scales, bias, out=out, silu_mul=silu_mul,
                      scale_rows=scale_rows if block_k else 0)
         return y.view(*x.shape[:-1], y.shape[-1])
-    if gemv_fits(m, block_k, scale_rows):
+    if way == "gemv":
         y = fp8_gemv(x2, weight, scales, block_k, scale_rows, bias, out=out, silu_mul=silu_mul)
         return y.view(*x.shape[:-1], y.shape[-1])
     if silu_mul:
@@ -394,12 +408,12 @@ def _quant_rows_kernel(x_ptr, q_ptr, s_ptr, K, stride_xm, stride_qm, stride_sm,
             k = i * BLOCK + offs
             v = tl.load(x_row + k, mask=k < K, other=0.0).to(tl.float32)
             amax = tl.maximum(amax, tl.abs(v))
-        s = tl.div_rn(tl.maximum(tl.max(amax, 0), 1e-12), 448.0)
+        s = e4m3_scale(tl.max(amax, 0))
         tl.store(s_ptr + m * stride_sm, s)
     for i in range(STEPS):
         k = i * BLOCK + offs
         v = tl.load(x_row + k, mask=k < K, other=0.0).to(tl.float32)
-        q = round_e4m3(tl.clamp(tl.div_rn(v, s), -448.0, 448.0))
+        q = e4m3_codes(v, s)
         tl.store(q_ptr + m * stride_qm + k, q.to(q_ptr.dtype.element_ty), mask=k < K)
 
 
@@ -412,9 +426,9 @@ def _quant_groups_kernel(x_ptr, q_ptr, s_ptr, K, NUM_GROUPS, stride_xm, stride_q
     k = g[:, None] * GROUP + tl.arange(0, GROUP)[None, :]
     ok = k < K
     v = tl.load(x_ptr + m * stride_xm + k, mask=ok, other=0.0).to(tl.float32)
-    s = tl.div_rn(tl.maximum(tl.max(tl.abs(v), 1), 1e-12), 448.0)
+    s = e4m3_scale(tl.max(tl.abs(v), 1))
     tl.store(s_ptr + m * stride_sm + g, s, mask=g < NUM_GROUPS)
-    q = round_e4m3(tl.clamp(tl.div_rn(v, s[:, None]), -448.0, 448.0))
+    q = e4m3_codes(v, s[:, None])
     tl.store(q_ptr + m * stride_qm + k, q.to(q_ptr.dtype.element_ty), mask=ok)
 
 
