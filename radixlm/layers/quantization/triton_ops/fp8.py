@@ -26,9 +26,9 @@ scale `scales[r // scale_rows, j]`). w_true = w * scale.
 - `fp8_gemm` (any rows): the quantized activations times the weight on the
   FP8 tensor cores. Block scales are applied per K block, which promotes each
   block's sum to fp32 (DeepSeek-V3's recipe); per-row scales once at the end,
-  the sums promoted every K block or, with `GemmConfig.promote` False (sweeps;
-  not picked: `pick_gemm_config` says why), kept in the MMA's own accumulator
-  over the whole K (fast accumulation: ~1.4x the rate). Where rows are 16-byte
+  the sums kept in the MMA's own accumulator over the whole K (fast
+  accumulation, the default: ~1.4x the rate; `pick_gemm_config` says why) or,
+  with `GemmConfig.promote`, promoted to fp32 every K block. Where rows are 16-byte
   aligned the operand tiles come through TMA descriptors
   (`_fp8_gemm_tma_kernel`), the largest per-channel tile with one persistent
   program per SM (`pick_gemm_config`).
@@ -114,21 +114,20 @@ def pick_gemv_config(m: int, n: int, k: int, block_k: int) -> GemvConfig:
 def pick_gemm_config(m: int, n: int, block_k: int, a_fp8: bool = True) -> GemmConfig:
     """From the sweeps (benchmarks/quant_kernels.py --gemm-sweep, --accum-sweep;
     Llama-8B's four projections at 256 and 4096 rows):
-    - per channel: a persistent 256 x 128 tile over TMA descriptors wherever it
-      gives >= 128 tiles for the 132 SMs (934-990 TFLOP/s at 4096 rows on an
-      H200, against 809-848 for 128 x 128), else 64 x 128; both promote the FP8
-      MMA's sums to fp32 every 128 terms. Hopper's "fast accumulation" (one
-      accumulator over the whole K, `promote=False`; vLLM's CUTLASS kernels)
-      ran 1,217-1,525 against 879-1,092 on an H100, but its error (rms 2.1-3.3e-3
-      of the output's, max up to 1.0e-2 at K = 14,336, against 1.7e-3 / 2.4e-3)
-      flipped 2 of 20 first tokens of the engine test's random model
-      (tests/gpu/test_quant_gpu.py), one of them not the reference's second.
-      Over 200 prompts (benchmarks/fp8_sums_agreement.py) both forms flip the
-      same one, and a last-bit change of the weight scales alone flips two of
-      the twenty (one an exact tie): the fast sums' 7 % more offline
-      throughput waits for that test's margins read from the reference's top
-      8 (BENCHMARKS 2026-12-07). Promoting by hand every 2 or 4 blocks (a
-      second accumulator, flushed under a branch) ran slower than both.
+    - per channel: Hopper's "fast accumulation" (the FP8 MMA's own accumulator
+      over the whole K, `promote=False`, as vLLM's CUTLASS kernels and
+      `_scaled_mm(use_fast_accum=True)` do), in a persistent 128 x 256 tile
+      over TMA descriptors wherever it gives >= 128 tiles for the 132 SMs, else
+      64 x 128. It ran 1,217-1,525 TFLOP/s on an H100 against 879-1,092 with the
+      sums promoted to fp32 every 128 terms (the best promoted tile, 256 x 128,
+      934-990 on an H200). Its error is larger (rms 2.1-3.3e-3 of the output's,
+      max up to 1.0e-2 at K = 14,336, against 1.7e-3 / 2.4e-3) and the answers
+      the same: over 200 prompts (benchmarks/fp8_sums_agreement.py) both forms
+      flip the same first token (the reference's margin 0.125 nats), and in the
+      engine test's twenty (tests/gpu/test_quant_gpu.py) the fast sums flip
+      that one alone. Offline FP8 + FP8 KV 1.34-1.35x bf16 against 1.22-1.23x
+      promoted (BENCHMARKS 2026-12-07, 09:15). Promoting by hand every 2 or 4
+      blocks (a second accumulator, flushed under a branch) ran slower than both.
     - 128 x 128 block scales: 64 x 128 through TMA above 64 rows (563-711 on
       an H200, against 418-582 for 128 x 128); a block's scales promote its sum
       by construction; a 256-row tile holds two accumulators and spills.
@@ -143,9 +142,9 @@ def pick_gemm_config(m: int, n: int, block_k: int, a_fp8: bool = True) -> GemmCo
         return GemmConfig(128, 128, bk, 8, 4)
     if block_k:
         return GemmConfig(64, 128, bk, 4, 4, tma=True)
-    if triton.cdiv(m, 256) * triton.cdiv(n, 128) >= 128:
-        return GemmConfig(256, 128, bk, 8, 3, tma=True, persistent=True)
-    return GemmConfig(64, 128, bk, 4, 4)
+    if triton.cdiv(m, 128) * triton.cdiv(n, 256) >= 128:
+        return GemmConfig(128, 256, bk, 8, 3, tma=True, persistent=True, promote=False)
+    return GemmConfig(64, 128, bk, 4, 4, promote=False)
 
 
 def _pow2_divisor(n: int, cap: int) -> int:
