@@ -18,8 +18,9 @@ top-k in a fourth kernel; here each pair is its own row of work instead:
 
 Numerics match the aligned path's rounding points (`grouped_gemm.py`,
 `moe_sum.py`): fp32 sums (FMA into [BN, BK] tiles, reduced once after K); a
-weight tile is converted to hidden's dtype before it multiplies (FP8 weights),
-the per-channel scale multiplies the row's sum; gate and up are rounded to
+weight tile is converted to hidden's dtype before it multiplies (FP8 weights
+widen straight to fp32: that step is exact for them, `_widen`), the
+per-channel scale multiplies the row's sum; gate and up are rounded to
 hidden's dtype before act-and-mul and the product rounded again; each pair's
 row times its routing weight is rounded to hidden's dtype, and those rounded rows
 are added in fp32 in pair order and rounded once. Only the order of the
@@ -132,6 +133,16 @@ def _down(act, w2, w2_scale, topk_ids, topk_weights, out, e, h, inter, top_k) ->
 
 
 @triton.jit
+def _widen(w, dtype: tl.constexpr):
+    """A weight tile in fp32 as it multiplies: through hidden's dtype, as the aligned
+    path's tl.dot operands are, except FP8 tiles, whose every value bf16 and fp16
+    hold exactly: they widen straight to fp32 (half the conversions a weight)."""
+    if w.dtype.is_fp8():
+        return w.to(tl.float32)
+    return w.to(dtype).to(tl.float32)
+
+
+@triton.jit
 def _load_k(ptrs, k0, k_in, EVEN_K: tl.constexpr):
     """The tile at ptrs + k0; with a ragged K the lanes past it load zeros."""
     if EVEN_K:
@@ -167,8 +178,8 @@ def _gate_up_kernel(x_ptr, w_ptr, s_ptr, ids_ptr, act_ptr, E, N, K,
         k_in = k0 + offs_k < K
         xk = _load_k(x_ptrs, k0, k_in, EVEN_K).to(tl.float32)[None, :]
         # Converted to x's dtype first, as the aligned path's tl.dot operands are.
-        gate += _load_k(gate_ptrs, k0, k_in[None, :], EVEN_K).to(dtype).to(tl.float32) * xk
-        up += _load_k(up_ptrs, k0, k_in[None, :], EVEN_K).to(dtype).to(tl.float32) * xk
+        gate += _widen(_load_k(gate_ptrs, k0, k_in[None, :], EVEN_K), dtype) * xk
+        up += _widen(_load_k(up_ptrs, k0, k_in[None, :], EVEN_K), dtype) * xk
     gate = tl.sum(gate, axis=1)
     up = tl.sum(up, axis=1)
     if SCALE == 1:
@@ -208,7 +219,7 @@ def _down_kernel(act_ptr, w_ptr, s_ptr, ids_ptr, topk_w_ptr, out_ptr, E, N, K,
                 for k0 in range(0, K, BK):
                     k_in = k0 + offs_k < K
                     a = _load_k(a_ptrs, k0, k_in, EVEN_K).to(tl.float32)[None, :]
-                    part += _load_k(w_ptrs, k0, k_in[None, :], EVEN_K).to(dtype).to(tl.float32) * a
+                    part += _widen(_load_k(w_ptrs, k0, k_in[None, :], EVEN_K), dtype) * a
                 y = tl.sum(part, axis=1)
                 if SCALE == 1:
                     y = y * tl.load(s_ptr + expert.to(tl.int64) * stride_se + rows)
@@ -253,7 +264,7 @@ def _down_one_block(act_ptr, w_ptr, s_ptr, ids_ptr, topk_w_ptr, E, K, stride_we,
     pdl_trigger(PDL)
     a = tl.load(act_ptr + pairs[:, None] * K + offs_k[None, :], mask=ok[:, None] & k_in[None, :],
                 other=0.0)
-    y = tl.sum(w.to(dtype).to(tl.float32) * a.to(tl.float32)[:, None, :], axis=2)  # [KP, BN]
+    y = tl.sum(_widen(w, dtype) * a.to(tl.float32)[:, None, :], axis=2)  # [KP, BN]
     if SCALE == 1:
         y = y * scale
     y = tl.where(ok[:, None], (y * weight[:, None]).to(dtype).to(tl.float32), 0.0)
