@@ -4,6 +4,7 @@ roofline of the bytes a decode step reads, in one run.
     python benchmarks/moe_decode.py                      # Qwen3-30B-A3B's shape
     python benchmarks/moe_decode.py --shape mixtral-8x7b
     python benchmarks/moe_decode.py --offline            # + 256 x 512/256 throughput
+    python benchmarks/moe_decode.py --quantization fp8   # + ours in online FP8
 
 Dummy bf16 weights of the real model's shape (`--load-format dummy`: N(0, 0.02),
 from config.json alone). Ours: the offline Engine (CUDA graphs, the default
@@ -17,6 +18,9 @@ attention weights, the k selected experts' gate/up/down, the router, the LM
 head, one embedding row, and the KV of the context so far at its mean length),
 at the rate a device-to-device copy moves bytes on this GPU (read + write of
 2 GiB, measured here). Our tok/s as a fraction of that is the headline.
+`--quantization fp8`: ours again with online FP8 weights (per-channel scales,
+every linear layer and expert; the LM head stays bf16), its roofline from one
+byte a weight plus the fp32 scales, beside ours in bf16 from the same run.
 `--offline`: 256 prompts of 512 random tokens, 256 output tokens each, ours
 (all at once) and HF `generate` (one padded batch), output tok/s.
 """
@@ -58,16 +62,22 @@ DECODE = 256
 BF16 = 2
 
 
-def step_bytes(c: dict, context: int) -> dict[str, float]:
-    """Bytes one decode step at batch 1 reads, by part, at `context` tokens of KV."""
+def step_bytes(c: dict, context: int, fp8: bool = False) -> dict[str, float]:
+    """Bytes one decode step at batch 1 reads, by part, at `context` tokens of KV;
+    `fp8`: the linear layers' and experts' weights one byte each plus an fp32
+    scale per output channel."""
     h, layers = c["hidden_size"], c["num_hidden_layers"]
     d = c.get("head_dim") or h // c["num_attention_heads"]
     q, kv = c["num_attention_heads"] * d, c["num_key_value_heads"] * d
     experts = c.get("num_experts") or c["num_local_experts"]
     inter = c.get("moe_intermediate_size") or c["intermediate_size"]
+    k = c["num_experts_per_tok"]
+    w = 1 if fp8 else BF16
+    scales = 4 if fp8 else 0  # per output channel
     return {
-        "attention weights": layers * (h * (q + 2 * kv) + q * h) * BF16,
-        "selected experts": layers * c["num_experts_per_tok"] * 3 * h * inter * BF16,
+        "attention weights": layers * ((h * (q + 2 * kv) + q * h) * w
+                                       + (q + 2 * kv + h) * scales),
+        "selected experts": layers * k * (3 * h * inter * w + (2 * inter + h) * scales),
         "routers (fp32)": layers * experts * h * 4,
         "LM head + embedding row": (c["vocab_size"] + 1) * h * BF16,
         "KV": layers * 2 * kv * context * BF16,
@@ -93,12 +103,14 @@ def spread(xs: list[float]) -> str:
     return f"{min(xs):.1f} / {statistics.median(xs):.1f} / {max(xs):.1f}"
 
 
-def ours(model_dir: str, prompt: list[int], offline: list[list[int]] | None) -> dict:
+def ours(model_dir: str, prompt: list[int], offline: list[list[int]] | None,
+         quantization: str | None = None) -> dict:
     import radixlm
 
     out: dict = {}
     with radixlm.Engine(model_path=model_dir, load_format="dummy", dtype="bfloat16",
-                        skip_tokenizer_init=True, context_length=4096) as e:
+                        skip_tokenizer_init=True, context_length=4096,
+                        quantization=quantization) as e:
         first = {"max_new_tokens": 1, "temperature": 0.0, "ignore_eos": True}
         full = {"max_new_tokens": DECODE + 1, "temperature": 0.0, "ignore_eos": True}
         e.generate(input_ids=prompt, sampling_params=full)  # warm-up
@@ -175,6 +187,8 @@ def main() -> None:
     p.add_argument("--layers", type=int, default=None, help="fewer layers (a quick check)")
     p.add_argument("--offline", action="store_true")
     p.add_argument("--skip-hf", action="store_true")
+    p.add_argument("--quantization", choices=["fp8"], default=None,
+                   help="also ours with these weights, beside ours in bf16")
     p.add_argument("--output-json", default=None)
     args = p.parse_args()
     config = dict(SHAPES[args.shape])
@@ -191,6 +205,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as d:
         Path(d, "config.json").write_text(json.dumps(config))
         mine = ours(d, prompt, offline)
+        quant = ours(d, prompt, offline, args.quantization) if args.quantization else None
         peer = None if args.skip_hf else hf(d, prompt, offline)
     roof = rate / total
     name = f"{args.shape} ({config['num_hidden_layers']} layers), {torch.cuda.get_device_name()}"
@@ -204,19 +219,30 @@ def main() -> None:
     print("|---|---|---|")
     med = statistics.median(mine["decode"])
     print(f"| radixlm | {spread(mine['decode'])} | {med / roof:.0%} |")
+    if quant is not None:
+        qparts = step_bytes(config, PROMPT + DECODE // 2, fp8=True)
+        qroof = rate / sum(qparts.values())
+        qmed = statistics.median(quant["decode"])
+        print(f"| radixlm, {args.quantization} | {spread(quant['decode'])} | {qmed / qroof:.0%} "
+              f"of its {qroof:.0f} tok/s ({sum(qparts.values()) / 1e9:.2f} GB a step) |")
+        print(f"radixlm {args.quantization} / bf16: {qmed / med:.2f}x; its greedy tokens' "
+              f"digest {quant['ids_digest']}")
     if peer is not None:
         pmed = statistics.median(peer["decode"])
         print(f"| HF generate | {spread(peer['decode'])} | {pmed / roof:.0%} |")
         print(f"radixlm / HF: {med / pmed:.1f}x")
     if offline is not None:
         line = f"offline 256 x 512/256: radixlm {mine['offline']:.0f} output tok/s"
+        if quant is not None:
+            line += (f", {args.quantization} {quant['offline']:.0f} "
+                     f"({quant['offline'] / mine['offline']:.2f}x)")
         if peer is not None:
             line += f", HF {peer['offline']:.0f}: {mine['offline'] / peer['offline']:.1f}x"
         print(line)
     if args.output_json:
         Path(args.output_json).write_text(json.dumps(
             {"shape": args.shape, "config": config, "copy_rate": rate, "step_bytes": parts,
-             "roofline": roof, "ours": mine, "hf": peer}, indent=1))
+             "roofline": roof, "ours": mine, "quantized": quant, "hf": peer}, indent=1))
 
 
 if __name__ == "__main__":

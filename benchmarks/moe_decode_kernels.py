@@ -7,6 +7,7 @@ on the layer's attention projections. Batch 1, dummy bf16 weights of a
     python benchmarks/moe_decode_kernels.py                  # Qwen3-30B-A3B's shape
     python benchmarks/moe_decode_kernels.py --shape mixtral-8x7b   # K > BK: no one-block down
     python benchmarks/moe_decode_kernels.py --pdl            # launched as the engine does
+    python benchmarks/moe_decode_kernels.py --pdl --fp8      # the direct path on FP8 experts
 
 Why: a single-stream profile of Qwen3-30B-A3B's shape (`decode_profile.py
 --disable-pdl`, 2026-12-03) put the router's logits kernel at 11.3 us a call for
@@ -51,6 +52,12 @@ DOWN_TILES = [(1, 1024, 4, True), (2, 1024, 4, True), (2, 1024, 4, False), (1, 1
 # Qwen3-30B-A3B) makes the loop one step: every load of a program in flight at once.
 GATE_UP_TILES = [(2, 1024, 4), (1, 2048, 4), (2, 2048, 4), (2, 2048, 8), (4, 2048, 8),
                  (1, 2048, 2), (1, 1024, 2), (4, 1024, 4)]
+# With FP8 experts (per-channel scales: online FP8) a tile holds half the bytes of
+# bf16's: the candidates double BN or BK against the bf16 defaults (first).
+FP8_DOWN_TILES = [(1, 1024, 4, True), (2, 1024, 4, True), (4, 1024, 4, True),
+                  (2, 1024, 8, True), (4, 1024, 8, True), (8, 1024, 8, True)]
+FP8_GATE_UP_TILES = [(2, 1024, 4), (2, 2048, 4), (4, 2048, 4), (4, 2048, 8), (4, 1024, 4),
+                     (8, 1024, 8), (1, 2048, 4), (8, 2048, 8)]
 GEMV_TILES = [(4, 1024, 4), (2, 1024, 4), (2, 2048, 4), (8, 512, 4), (4, 512, 4), (2, 512, 2),
               (1, 2048, 4), (4, 2048, 4), (8, 1024, 4), (2, 1024, 2)]
 
@@ -97,20 +104,26 @@ def bench_router(e: int, h: int, k: int, rate: float) -> None:
               f"  invariant {ok[0]}, ids same {ok[1]:.4f}, max |dw| {ok[2]:.1e}")
 
 
-def bench_down(e: int, h: int, inter: int, k: int, rate: float) -> None:
-    print(f"\ndirect path, E {e}, H {h}, I {inter}, top-{k}, 1 token: gate/up + down, "
+def bench_down(e: int, h: int, inter: int, k: int, rate: float, fp8: bool = False) -> None:
+    kind = "FP8 experts, per-channel scales" if fp8 else "bf16 experts"
+    print(f"\ndirect path, E {e}, H {h}, I {inter}, top-{k}, 1 token, {kind}: gate/up + down, "
           f"one kernel's tiles varied, the other's the default")
     x = torch.randn(1, h, device=DEV).to(DT)
-    layers = [(torch.randn(e, 2 * inter, h, device=DEV).to(DT) * 0.02,
-               torch.randn(e, h, inter, device=DEV).to(DT) * 0.02) for _ in range(2)]
+    wdt = torch.float8_e4m3fn if fp8 else DT
+    layers = [(torch.randn(e, 2 * inter, h, device=DEV).mul(0.02 if not fp8 else 1).to(wdt),
+               torch.randn(e, h, inter, device=DEV).mul(0.02 if not fp8 else 1).to(wdt))
+              for _ in range(2)]
+    scales = ((torch.full((e, 2 * inter), 0.02, device=DEV), torch.full((e, h), 0.02, device=DEV))
+              if fp8 else (None, None))
     gen = torch.Generator(device=DEV).manual_seed(0)
     ids = [torch.randperm(e, device=DEV, generator=gen)[:k].view(1, k).int() for _ in range(GROUP)]
     tw = torch.softmax(torch.randn(1, k, device=DEV), -1)
     out = torch.empty(1, h, device=DEV, dtype=DT)
     default, ref = MG.pick_gemv_tiles, None
-    nbytes = k * 3 * h * inter * 2
-    variants = ([("down", inter, MG.GemvTiles(bn, bk, w, hoist)) for bn, bk, w, hoist in DOWN_TILES]
-                + [("gate/up", h, MG.GemvTiles(bn, bk, w)) for bn, bk, w in GATE_UP_TILES])
+    nbytes = k * (3 * h * inter * wdt.itemsize + (4 * (2 * inter + h) if fp8 else 0))
+    down, gate_up = (FP8_DOWN_TILES, FP8_GATE_UP_TILES) if fp8 else (DOWN_TILES, GATE_UP_TILES)
+    variants = ([("down", inter, MG.GemvTiles(bn, bk, w, hoist)) for bn, bk, w, hoist in down]
+                + [("gate/up", h, MG.GemvTiles(bn, bk, w)) for bn, bk, w in gate_up])
     try:
         for name, k_varied, tiles in variants:
             def pick(p, n, kk, down=False, tiles=tiles, k_varied=k_varied):
@@ -120,8 +133,8 @@ def bench_down(e: int, h: int, inter: int, k: int, rate: float) -> None:
             label = f"{name} BN {tiles.block_n} BK {tiles.block_k} {tiles.num_warps}w{form}"
             try:
                 ts = time_graph([lambda i=i: MG.moe_gemv(x, *layers[i % 2], tw, ids[i], out, "silu",
-                                                         None, None) for i in range(GROUP)])
-                y = MG.moe_gemv(x, *layers[0], tw, ids[0], out.clone(), "silu", None, None)
+                                                         *scales) for i in range(GROUP)])
+                y = MG.moe_gemv(x, *layers[0], tw, ids[0], out.clone(), "silu", *scales)
             except Exception as err:  # noqa: BLE001
                 print(f"  {label}: failed: {str(err).splitlines()[0][:100]}")
                 continue
@@ -153,6 +166,8 @@ def main() -> None:
                     choices=sorted(set(SHAPES) & set(MODEL_SHAPES)))
     ap.add_argument("--pdl", action="store_true",
                     help="launch with programmatic dependent launch, as the engine does")
+    ap.add_argument("--fp8", action="store_true",
+                    help="only the direct path's tiles, bf16 then FP8 experts")
     args = ap.parse_args()
     pdl.set_pdl(args.pdl)
     e, h, inter, k = SHAPES[args.shape]
@@ -162,6 +177,10 @@ def main() -> None:
     rate = copy_rate()
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__};"
           f" {args.shape}; copy rate {rate / 1e12:.2f} TB/s; PDL {pdl.pdl_on()}")
+    if args.fp8:
+        bench_down(e, h, inter, k, rate)
+        bench_down(e, h, inter, k, rate, fp8=True)
+        return
     bench_router(e, h, k, rate)
     bench_down(e, h, inter, k, rate)
     bench_gemv([("qkv", q + 2 * kv, h), ("o", h, q)], rate)
