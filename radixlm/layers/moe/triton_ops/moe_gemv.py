@@ -177,7 +177,7 @@ def _gate_up_kernel(x_ptr, w_ptr, s_ptr, ids_ptr, act_ptr, E, N, K,
     for k0 in range(0, K, BK):
         k_in = k0 + offs_k < K
         xk = _load_k(x_ptrs, k0, k_in, EVEN_K).to(tl.float32)[None, :]
-        # Converted to x's dtype first, as the aligned path's tl.dot operands are.
+        # Widened through x's dtype, as the aligned path's tl.dot operands are (`_widen`).
         gate += _widen(_load_k(gate_ptrs, k0, k_in[None, :], EVEN_K), dtype) * xk
         up += _widen(_load_k(up_ptrs, k0, k_in[None, :], EVEN_K), dtype) * xk
     gate = tl.sum(gate, axis=1)
