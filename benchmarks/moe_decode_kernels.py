@@ -53,11 +53,13 @@ DOWN_TILES = [(1, 1024, 4, True), (2, 1024, 4, True), (2, 1024, 4, False), (1, 1
 GATE_UP_TILES = [(2, 1024, 4), (1, 2048, 4), (2, 2048, 4), (2, 2048, 8), (4, 2048, 8),
                  (1, 2048, 2), (1, 1024, 2), (4, 1024, 4)]
 # With FP8 experts (per-channel scales: online FP8) a tile holds half the bytes of
-# bf16's: the candidates double BN or BK against the bf16 defaults (first).
-FP8_DOWN_TILES = [(1, 1024, 4, True), (2, 1024, 4, True), (4, 1024, 4, True),
-                  (2, 1024, 8, True), (4, 1024, 8, True), (8, 1024, 8, True)]
-FP8_GATE_UP_TILES = [(2, 1024, 4), (2, 2048, 4), (4, 2048, 4), (4, 2048, 8), (4, 1024, 4),
-                     (8, 1024, 8), (1, 2048, 4), (8, 2048, 8)]
+# bf16's: the candidates double BN or BK against the bf16 tiles; the first is
+# `pick_gemv_tiles` today for FP8.
+FP8_DOWN_TILES = [(8, 1024, 8, True), (1, 1024, 4, True), (2, 1024, 4, True),
+                  (4, 1024, 4, True), (4, 1024, 8, True), (8, 1024, 4, True),
+                  (16, 1024, 8, True)]
+FP8_GATE_UP_TILES = [(4, 1024, 4), (2, 1024, 4), (2, 2048, 4), (4, 2048, 8), (8, 1024, 8),
+                     (4, 1024, 8), (8, 1024, 4)]
 GEMV_TILES = [(4, 1024, 4), (2, 1024, 4), (2, 2048, 4), (8, 512, 4), (4, 512, 4), (2, 512, 2),
               (1, 2048, 4), (4, 2048, 4), (8, 1024, 4), (2, 1024, 2)]
 
@@ -132,8 +134,8 @@ def bench_down(e: int, h: int, inter: int, k: int, rate: float, fp8: bool = Fals
     time_graph(calls)
     try:
         for name, k_varied, tiles in variants:
-            def pick(p, n, kk, down=False, tiles=tiles, k_varied=k_varied):
-                return tiles if kk == k_varied else default(p, n, kk, down)
+            def pick(p, n, kk, down=False, fp8=False, tiles=tiles, k_varied=k_varied):
+                return tiles if kk == k_varied else default(p, n, kk, down, fp8)
             MG.pick_gemv_tiles = pick
             form = (" one-block" if tiles.hoist else " looped   ") if name == "down" else ""
             label = f"{name} BN {tiles.block_n} BK {tiles.block_k} {tiles.num_warps}w{form}"

@@ -596,6 +596,41 @@ def test_direct_one_block_down(monkeypatch, case):
         assert torch.equal(hoisted[2], torch.zeros_like(hoisted[2]))
 
 
+@needs_kernels
+def test_direct_tiles_follow_the_weights_bytes(monkeypatch):
+    """FP8 experts take tiles of more rows than bf16 ones (`pick_gemv_tiles`'s
+    `fp8`, from the weights' element size) in both kernels, and still match the
+    dequantized float64 loop."""
+    from radixlm.layers.moe.triton_ops import moe_gemv
+    from radixlm.layers.moe.triton_ops.fused_moe import fused_experts
+
+    real, asked = moe_gemv.pick_gemv_tiles, []
+
+    def pick(*a, **kw):
+        asked.append((kw.get("down", False), kw.get("fp8", False)))
+        return real(*a, **kw)
+
+    monkeypatch.setattr(moe_gemv, "pick_gemv_tiles", pick)
+    gen = torch.Generator().manual_seed(9)
+    adt = torch.bfloat16 if HAS_CUDA else torch.float16
+    for wdt in (torch.float8_e4m3fn, adt):
+        w13, w2, s13, s2, d13, d2 = _fp8_case(None, wdt, adt, gen)
+        x = torch.randn(1, w13.shape[2], generator=gen).to(adt).to(DEV)
+        tw, ti = make_routing(1, 8, 2, "ep", gen)
+        asked.clear()
+        out = fused_experts(x, w13, w2, tw, ti, w13_scale=s13.contiguous(),
+                            w2_scale=s2.contiguous(), direct=True)
+        fp8 = wdt == torch.float8_e4m3fn
+        assert asked == [(False, fp8), (True, fp8)]
+        assert rel_err(out, ref_experts(x, d13, d2, tw, ti)) < 1.5e-2
+    if not INTERPRET:
+        monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+        assert real(8, 768, 2048) == moe_gemv.GemvTiles(2, 1024, 4)
+        assert real(1, 2048, 768, down=True) == moe_gemv.GemvTiles(1, 1024, 4)
+        assert real(8, 768, 2048, fp8=True) == moe_gemv.GemvTiles(4, 1024, 4)
+        assert real(1, 2048, 768, down=True, fp8=True) == moe_gemv.GemvTiles(8, 1024, 8)
+
+
 @needs_cuda
 def test_direct_cuda_graph_replay():
     """The direct path captured at decode size (Qwen3-30B-A3B's layer shape),

@@ -61,10 +61,11 @@ class GemvTiles(NamedTuple):
     hoist: bool = True
 
 
-def pick_gemv_tiles(programs_per_row: int, n: int, k: int, down: bool = False) -> GemvTiles:
+def pick_gemv_tiles(programs_per_row: int, n: int, k: int, down: bool = False,
+                    fp8: bool = False) -> GemvTiles:
     """Tiles for one of the two kernels: `programs_per_row` is the grid's first axis
     (pairs for gate/up, tokens for down), n the output rows, k the features,
-    `down` which kernel.
+    `down` which kernel, `fp8` one-byte weights.
 
     Like the dense GEMV's M == 1 config: few rows and a long K step, so the grid
     has thousands of programs, each with a [BN, BK] fp32 accumulator and only loads
@@ -75,16 +76,22 @@ def pick_gemv_tiles(programs_per_row: int, n: int, k: int, down: bool = False) -
     BN 1: its tile holds all k pairs' rows, and half of it leaves room for twice
     the programs a SM (an H100, Qwen3-30B-A3B's layer: gate/up + down 30.8 ->
     29.0 us, decode 317-318 -> 328.5 tok/s; BENCHMARKS.md 2026-12-06).
-    K not a multiple of BK is masked."""
+    FP8 weights: a tile of the same shape holds half the bytes, and more rows
+    won (an H100, Qwen3-30B-A3B's layer at one token with the other kernel's
+    defaults, `moe_decode_kernels.py --pdl --fp8`): gate/up BN 4 23.2 us against
+    24.3, down in one block BN 8 on 8 warps 21.7 against 24.3; together, FP8
+    decode 406.6-410.2 tok/s against 385.4-386.9 (BENCHMARKS.md 2026-12-07,
+    09:42 and 10:32). K not a multiple of BK is masked."""
     del programs_per_row, n  # kept for tuning by grid size
     block_k = min(1024, triton.next_power_of_2(max(k, 16)))
+    one_block = down and k <= block_k
     # The interpreter runs programs one after another: wider rows keep the CPU tests
-    # (which thus run BN 16, the GPU tests BN 1-2) within their budget.
+    # (which thus run BN 16, the GPU tests BN 1-8) within their budget.
     if os.environ.get("TRITON_INTERPRET") == "1":
-        block_n = 16
-    else:
-        block_n = 1 if down and k <= block_k else 2
-    return GemvTiles(block_n, block_k, 4)
+        return GemvTiles(16, block_k, 4)
+    if fp8:
+        return GemvTiles(8, block_k, 8) if one_block else GemvTiles(4, block_k, 4)
+    return GemvTiles(1 if one_block else 2, block_k, 4)
 
 
 def moe_gemv(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
@@ -111,7 +118,7 @@ def _scale_args(scale: torch.Tensor | None, dummy: torch.Tensor) -> tuple:
 
 
 def _gate_up(x, w13, w13_scale, topk_ids, act, e, inter, h, top_k, activation) -> None:
-    tiles = pick_gemv_tiles(topk_ids.numel(), inter, h)
+    tiles = pick_gemv_tiles(topk_ids.numel(), inter, h, fp8=w13.element_size() == 1)
     scale, stride_se, mode = _scale_args(w13_scale, x)
     grid = (topk_ids.numel(), triton.cdiv(inter, tiles.block_n))
     _gate_up_kernel[grid](
@@ -122,7 +129,7 @@ def _gate_up(x, w13, w13_scale, topk_ids, act, e, inter, h, top_k, activation) -
 
 def _down(act, w2, w2_scale, topk_ids, topk_weights, out, e, h, inter, top_k) -> None:
     t = topk_ids.shape[0]
-    tiles = pick_gemv_tiles(t, h, inter, down=True)
+    tiles = pick_gemv_tiles(t, h, inter, down=True, fp8=w2.element_size() == 1)
     scale, stride_se, mode = _scale_args(w2_scale, act)
     grid = (t, triton.cdiv(h, tiles.block_n))
     _down_kernel[grid](
