@@ -8,6 +8,7 @@ on the layer's attention projections. Batch 1, dummy bf16 weights of a
     python benchmarks/moe_decode_kernels.py --shape mixtral-8x7b   # K > BK: no one-block down
     python benchmarks/moe_decode_kernels.py --pdl            # launched as the engine does
     python benchmarks/moe_decode_kernels.py --pdl --fp8      # the direct path on FP8 experts
+    python benchmarks/moe_decode_kernels.py --pdl --mma      # FP8 experts on the tensor cores
 
 Why: a single-stream profile of Qwen3-30B-A3B's shape (`decode_profile.py
 --disable-pdl`, 2026-12-03) put the router's logits kernel at 11.3 us a call for
@@ -27,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import os
 
 import torch
 import triton
@@ -152,6 +154,61 @@ def bench_down(e: int, h: int, inter: int, k: int, rate: float, fp8: bool = Fals
         MG.pick_gemv_tiles = default
 
 
+# (gate/up split, down split) of the FP8 experts' tensor-core path; the first is
+# `moe_mma.pick_splits` at Qwen3-30B-A3B's shape.
+MMA_SPLITS = [(2, 2), (4, 1), (1, 2), (2, 1), (1, 1), (4, 2)]
+
+
+def bench_mma(e: int, h: int, inter: int, k: int, rate: float) -> None:
+    """One token through the direct path: bf16 experts and FP8 experts on the FMA
+    kernels at their default tiles, then FP8 on the tensor cores (`moe_mma`) at
+    each split of MMA_SPLITS; rel diff against the FP8 FMA kernels."""
+    import os
+
+    from radixlm.layers.moe.triton_ops import moe_mma as MM
+
+    print(f"\ndirect path, E {e}, H {h}, I {inter}, top-{k}, 1 token: gate/up + down; "
+          f"default splits {tuple(MM.pick_splits(h, inter, k))}")
+    x = torch.randn(1, h, device=DEV).to(DT)
+    gen = torch.Generator(device=DEV).manual_seed(0)
+    ids = [torch.randperm(e, device=DEV, generator=gen)[:k].view(1, k).int() for _ in range(GROUP)]
+    tw = torch.softmax(torch.randn(1, k, device=DEV), -1)
+    out = torch.empty(1, h, device=DEV, dtype=DT)
+    fp8 = torch.float8_e4m3fn
+    bf16 = [(torch.randn(e, 2 * inter, h, device=DEV).mul(0.02).to(DT),
+             torch.randn(e, h, inter, device=DEV).mul(0.02).to(DT)) for _ in range(2)]
+    q8 = [(torch.randn(e, 2 * inter, h, device=DEV).to(fp8),
+           torch.randn(e, h, inter, device=DEV).to(fp8)) for _ in range(2)]
+    scales = (torch.full((e, 2 * inter), 0.02, device=DEV), torch.full((e, h), 0.02, device=DEV))
+    b16_bytes = k * 3 * h * inter * 2
+    fp8_bytes = k * (3 * h * inter + 4 * (2 * inter + h))
+
+    def graph_of(fn):
+        return [lambda i=i: fn(i) for i in range(GROUP)]
+
+    time_graph(graph_of(lambda i: MG.moe_gemv(x, *bf16[i % 2], tw, ids[i], out, "silu",
+                                              None, None)))  # clocks up, untimed
+    ts = time_graph(graph_of(lambda i: MG.moe_gemv(x, *bf16[i % 2], tw, ids[i], out, "silu",
+                                                   None, None)))
+    print(f"  bf16, FMA kernels   : {fmt(ts, b16_bytes, rate)}")
+    os.environ[MM.ENV] = "fma"
+    try:
+        ts = time_graph(graph_of(lambda i: MG.moe_gemv(x, *q8[i % 2], tw, ids[i], out, "silu",
+                                                       *scales)))
+        ref = MG.moe_gemv(x, *q8[0], tw, ids[0], out.clone(), "silu", *scales)
+    finally:
+        del os.environ[MM.ENV]
+    print(f"  FP8, FMA kernels    : {fmt(ts, fp8_bytes, rate)}")
+    for split in MMA_SPLITS:
+        sp = MM.MmaSplits(*split)
+        ts = time_graph(graph_of(lambda i, sp=sp: MM.moe_mma(x, *q8[i % 2], tw, ids[i], out,
+                                                             "silu", *scales, split=sp)))
+        y = MM.moe_mma(x, *q8[0], tw, ids[0], out.clone(), "silu", *scales, split=sp)
+        diff = ((y.float() - ref.float()).abs().max() / ref.float().abs().max()).item()
+        print(f"  FP8, MMA split {split[0]:2d}/{split[1]}: {fmt(ts, fp8_bytes, rate)}  "
+              f"rel diff {diff:.1e}")
+
+
 def bench_gemv(shapes: list[tuple[str, int, int]], rate: float) -> None:
     for name, n, k in shapes:
         print(f"\nbf16 GEMV, one row, {name} {k} -> {n}; default {GV.pick_config(1, n, k)}")
@@ -175,6 +232,8 @@ def main() -> None:
                     help="launch with programmatic dependent launch, as the engine does")
     ap.add_argument("--fp8", action="store_true",
                     help="only the direct path's tiles, bf16 then FP8 experts")
+    ap.add_argument("--mma", action="store_true",
+                    help="only FP8 experts on the tensor cores (moe_mma) beside the FMA kernels")
     args = ap.parse_args()
     pdl.set_pdl(args.pdl)
     e, h, inter, k = SHAPES[args.shape]
@@ -184,7 +243,11 @@ def main() -> None:
     rate = copy_rate()
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__};"
           f" {args.shape}; copy rate {rate / 1e12:.2f} TB/s; PDL {pdl.pdl_on()}")
-    if args.fp8:
+    if args.mma:
+        bench_mma(e, h, inter, k, rate)
+        return
+    if args.fp8:  # the FMA kernels' tiles (FP8 experts would otherwise take moe_mma)
+        os.environ["RADIXLM_MOE_GEMV"] = "fma"
         bench_down(e, h, inter, k, rate)
         bench_down(e, h, inter, k, rate, fp8=True)
         return

@@ -19,6 +19,7 @@ from sass import divisibility, opcode, signature, sm90_sass
 from radixlm.layers import allreduce_norm, fused_ops, gemv
 from radixlm.layers.attention.triton_ops import decode_attention as DA
 from radixlm.layers.moe.triton_ops import moe_gemv as MG
+from radixlm.layers.moe.triton_ops import moe_mma as MOE_MMA
 from radixlm.layers.moe.triton_ops import topk as TK
 from radixlm.layers.quantization.triton_ops import fp8 as F8
 from radixlm.layers.quantization.triton_ops import fp8_mma as F8M
@@ -50,6 +51,13 @@ def kernels():
            dict(TOP_K=8, ACT=0, SCALE=0, EVEN_K=True, BN=2, BK=1024, PDL=True), 4)
     yield ("MoE down (one block)", MG._down_kernel, moe, (),
            dict(TOP_K=8, SCALE=0, EVEN_K=False, BN=2, BK=1024, HOIST=True, PDL=True), 4)
+    mma_moe = {"x_ptr": b16, "act_ptr": b16, "w_ptr": "*fp8e4nv", "s_ptr": f32, "ids_ptr": i32,
+               "topk_w_ptr": f32, "ws_ptr": f32, "out_ptr": b16}
+    yield ("MoE gate/up, FP8 on the tensor cores", MOE_MMA._gate_up_kernel, mma_moe, (),
+           dict(TOP_K=8, ACT=0, SPLIT=4, PTX=F8M.gemv_ptx(1, True, plain=True), PDL=True), 8)
+    yield ("MoE down, FP8 on the tensor cores", MOE_MMA._down_kernel, mma_moe, (),
+           dict(TOP_K=8, SPLIT=1, WARPS=8, PTX=F8M.gemv_ptx(1, True, pdl=True, plain=True),
+                PDL=True), 8)
     yield ("RMSNorm + residual", fused_ops._rms_norm_kernel,
            {**{k: b16 for k in ("X", "R", "W", "Y", "RO", "PW")}, "S": f32}, ("eps",),
            dict(HAS_RES=True, HAS_PRE=False, BLOCK=2048, QUANT=False, PDL=True), 4)

@@ -645,6 +645,145 @@ BENCH_SHAPES = {"qwen3-30b-a3b": (128, 2048, 768, 8), "mixtral-8x7b": (8, 4096, 
                 "olmoe-1b-7b": (64, 2048, 1024, 8)}
 
 
+# ---- FP8 experts on the tensor cores (`moe_mma.py`, CUDA only: inline PTX) ---------
+
+MMA_SHAPES = [(8, 1, 256, 384), (8, 2, 512, 256), (128, 8, 2048, 768), (64, 8, 2048, 1024)]
+
+
+def _mma_case(t: int, e: int, k: int, h: int, inter: int, kind: str, seed: int,
+              row_pad: int = 0):
+    """bf16 x, FP8 weights with per-row scales (rows `row_pad` bytes longer than
+    their codes, as online FP8 stores them), routing of `kind`, and the
+    dequantized float64 weights."""
+    gen = torch.Generator().manual_seed(seed)
+
+    def weight(n, kk):
+        codes = torch.randn(e, n, kk + row_pad, generator=gen).to(torch.float8_e4m3fn)
+        return codes.to(DEV)[:, :, :kk]
+
+    w13, w2 = weight(2 * inter, h), weight(h, inter)
+    s13 = (torch.rand(e, 2 * inter, generator=gen) * h ** -0.5).to(DEV)
+    s2 = (torch.rand(e, h, generator=gen) * inter ** -0.5).to(DEV)
+    x = torch.randn(t, h, generator=gen).bfloat16().to(DEV)
+    tw, ti = make_routing(t, e, k, kind, gen)
+    d13, d2 = w13.double() * s13[..., None], w2.double() * s2[..., None]
+    return x, w13, w2, s13, s2, tw, ti, d13, d2
+
+
+def _fma(monkeypatch, fn):
+    """fn() with the direct path's FMA kernels for FP8 experts too."""
+    from radixlm.layers.moe.triton_ops import moe_mma
+
+    monkeypatch.setenv(moe_mma.ENV, "fma")
+    try:
+        return fn()
+    finally:
+        monkeypatch.delenv(moe_mma.ENV)
+
+
+@needs_cuda
+@pytest.mark.parametrize("kind", ["random", "ep", "one"])
+@pytest.mark.parametrize("e,k,h,inter", MMA_SHAPES)
+@pytest.mark.parametrize("t", [1, 2, 3])
+def test_mma_fp8_experts(monkeypatch, t, e, k, h, inter, kind):
+    """The tensor-core path against the dequantized float64 loop, and beside the FMA
+    kernels (same rounding points, other K order): far closer to them than either
+    to the reference. Pairs of -1 (another rank's experts) add nothing."""
+    from radixlm.layers.moe.triton_ops import moe_mma
+    from radixlm.layers.moe.triton_ops.fused_moe import fused_experts
+
+    x, w13, w2, s13, s2, tw, ti, d13, d2 = _mma_case(t, e, k, h, inter, kind, 7 * t + e)
+    assert moe_mma.takes(x, w13, w2, s13, s2, k)
+
+    def run():
+        return fused_experts(x, w13, w2, tw, ti, w13_scale=s13, w2_scale=s2, direct=True)
+
+    out, fma = run(), _fma(monkeypatch, run)
+    ref = ref_experts(x, d13, d2, tw, ti)
+    assert rel_err(out, ref) < TOL[torch.bfloat16]
+    assert rel_err(out, fma.double()) < TOL[torch.bfloat16] / 4
+
+
+@needs_cuda
+@pytest.mark.parametrize("split", [(1, 1), (2, 2), (4, 1), (8, 2), (16, 4)])
+def test_mma_splits_and_strided_rows(split):
+    """Every split of K (warps a tile) gives the same answer within fp32 sums' order,
+    rows longer than their codes (online FP8's scale bytes) included; a split that
+    would leave a run empty is halved."""
+    from radixlm.layers.moe.triton_ops import moe_mma
+
+    t, e, k, h, inter = 2, 128, 8, 2048, 768
+    x, w13, w2, s13, s2, tw, ti, d13, d2 = _mma_case(t, e, k, h, inter, "random", 5, 16)
+    assert w13.stride(1) == h + 16
+    out = moe_mma.moe_mma(x, w13, w2, tw, ti, torch.empty_like(x), "silu", s13, s2,
+                          split=moe_mma.MmaSplits(*split))
+    assert rel_err(out, ref_experts(x, d13, d2, tw, ti)) < TOL[torch.bfloat16]
+    assert moe_mma.exact_split(6, 4) == 2 and moe_mma.exact_split(16, 16) == 16
+
+
+@needs_cuda
+def test_mma_unselected_experts_are_not_read():
+    """NaN codes in every expert no pair selected leave the output finite and right."""
+    from radixlm.layers.moe.triton_ops.fused_moe import fused_experts
+
+    t, e, k, h, inter = 2, 16, 2, 256, 128
+    x, w13, w2, s13, s2, tw, ti, d13, d2 = _mma_case(t, e, k, h, inter, "random", 3)
+    ti[0, 1] = -1
+    unused = torch.ones(e, dtype=torch.bool, device=DEV)
+    unused[ti[ti >= 0].long()] = False
+    w13.view(torch.uint8)[unused] = 0x7F  # e4m3 NaN
+    w2.view(torch.uint8)[unused] = 0x7F
+    out = fused_experts(x, w13, w2, tw, ti, w13_scale=s13, w2_scale=s2, direct=True)
+    assert torch.isfinite(out).all()
+    assert rel_err(out, ref_experts(x, d13, d2, tw, ti)) < TOL[torch.bfloat16]
+
+
+@needs_cuda
+def test_mma_takes():
+    """What the tensor-core path takes; the rest stays on the FMA kernels."""
+    from radixlm.layers.moe.triton_ops import moe_mma
+
+    x, w13, w2, s13, s2, *_ = _mma_case(1, 8, 2, 256, 128, "random", 1)
+    assert moe_mma.takes(x, w13, w2, s13, s2, 2)
+    assert not moe_mma.takes(x.half(), w13, w2, s13, s2, 2)
+    assert not moe_mma.takes(x, w13.bfloat16(), w2, s13, s2, 2)
+    assert not moe_mma.takes(x, w13, w2, None, None, 2)
+    blocks = torch.ones(8, 2, 2, device=DEV)  # block scales: the aligned path's
+    assert not moe_mma.takes(x, w13, w2, blocks, s2, 2)
+    assert not moe_mma.takes(x[:, :192].contiguous(), w13[:, :, :192], w2, s13, s2, 2)
+
+
+@needs_cuda
+def test_mma_cuda_graph_replay():
+    """Captured at decode size with PDL as the engine runs it, replayed on new hidden
+    states and routings: every replay matches the reference."""
+    from gpu_models import capture_graph
+
+    from radixlm.layers import pdl
+    from radixlm.layers.moe.triton_ops.fused_moe import fused_experts
+
+    t, e, k, h, inter = 2, 128, 8, 2048, 768
+    x, w13, w2, s13, s2, tw, ti, d13, d2 = _mma_case(t, e, k, h, inter, "random", 30)
+    gen = torch.Generator().manual_seed(31)
+    out = torch.empty_like(x)
+    was = pdl.pdl_on()
+    pdl.set_pdl(True, x.device)
+    try:
+        graph, _ = capture_graph(lambda: fused_experts(x, w13, w2, tw, ti, out=out,
+                                                       w13_scale=s13, w2_scale=s2,
+                                                       direct=True))
+    finally:
+        pdl.set_pdl(was, x.device)
+    for kind in ("random", "ep", "one", "half"):
+        new_w, new_ids = make_routing(t, e, k, kind, gen)
+        x.copy_(torch.randn(t, h, generator=gen).bfloat16())
+        tw.copy_(new_w)
+        ti.copy_(new_ids)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert rel_err(out, ref_experts(x, d13, d2, tw, ti)) < TOL[torch.bfloat16], kind
+
+
 @functools.cache
 def bench_layer(name: str) -> tuple[torch.Tensor, torch.Tensor]:
     """One layer's bf16 experts, drawn on the GPU (a CPU draw of Mixtral's 2 x 940M

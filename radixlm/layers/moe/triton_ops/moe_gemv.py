@@ -47,6 +47,7 @@ import triton
 import triton.language as tl
 
 from radixlm.layers import pdl
+from radixlm.layers.moe.triton_ops import moe_mma
 from radixlm.layers.moe.triton_ops.grouped_gemm import ACT_CODES, _act_mul
 from radixlm.layers.pdl import pdl_trigger, pdl_wait
 
@@ -100,10 +101,14 @@ def moe_gemv(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
              w2_scale: torch.Tensor | None) -> torch.Tensor:
     """out[t] = sum_j topk_weights[t, j] * w2[e] @ (act(w13[e, :I] @ x_t) * (w13[e, I:] @ x_t)),
     in two launches. Inputs as `fused_moe.fused_experts` checks them (both scales
-    per channel or both None); writes and returns out ([T, H], last dim contiguous)."""
+    per channel or both None); writes and returns out ([T, H], last dim contiguous).
+    FP8 experts go to the tensor cores where `moe_mma.takes` them."""
     t, h = x.shape
     e, inter = w13.shape[0], w2.shape[2]
     top_k = topk_ids.shape[1]
+    if moe_mma.takes(x, w13, w2, w13_scale, w2_scale, top_k):
+        return moe_mma.moe_mma(x, w13, w2, topk_weights, topk_ids, out, activation,
+                               w13_scale, w2_scale)
     act = torch.empty((t * top_k, inter), dtype=x.dtype, device=x.device)
     _gate_up(x, w13, w13_scale, topk_ids, act, e, inter, h, top_k, activation)
     _down(act, w2, w2_scale, topk_ids, topk_weights, out, e, h, inter, top_k)
