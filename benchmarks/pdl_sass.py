@@ -54,10 +54,10 @@ def kernels():
     mma_moe = {"x_ptr": b16, "act_ptr": b16, "w_ptr": "*fp8e4nv", "s_ptr": f32, "ids_ptr": i32,
                "topk_w_ptr": f32, "ws_ptr": f32, "out_ptr": b16}
     yield ("MoE gate/up, FP8 on the tensor cores", MOE_MMA._gate_up_kernel, mma_moe, (),
-           dict(TOP_K=8, ACT=0, SPLIT=4, PTX=F8M.gemv_ptx(1, True, plain=True), PDL=True), 8)
+           dict(TOP_K=8, ACT=0, SPLIT=2, PTX=F8M.gemv_ptx(1, True, plain=True), PDL=True), 4)
     yield ("MoE down, FP8 on the tensor cores", MOE_MMA._down_kernel, mma_moe, (),
-           dict(TOP_K=8, SPLIT=1, WARPS=8, PTX=F8M.gemv_ptx(1, True, pdl=True, plain=True),
-                PDL=True), 8)
+           dict(TOP_K=8, SPLIT=2, WARPS=16, PTX=F8M.gemv_ptx(1, True, pdl=True, plain=True),
+                PDL=True), 16)
     yield ("RMSNorm + residual", fused_ops._rms_norm_kernel,
            {**{k: b16 for k in ("X", "R", "W", "Y", "RO", "PW")}, "S": f32}, ("eps",),
            dict(HAS_RES=True, HAS_PRE=False, BLOCK=2048, QUANT=False, PDL=True), 4)

@@ -681,6 +681,19 @@ def _fma(monkeypatch, fn):
         monkeypatch.delenv(moe_mma.ENV)
 
 
+def test_mma_splits_rule():
+    """Warps along K: about 8 steps of 128 features a gate/up warp and 3 a down warp,
+    powers of two, no run empty, at most 16 warps a program (runs anywhere)."""
+    from radixlm.layers.moe.triton_ops import moe_mma
+
+    assert moe_mma.pick_splits(2048, 768, 8) == (2, 2)  # Qwen3-30B-A3B
+    assert moe_mma.pick_splits(4096, 14336, 2) == (4, 8)  # Mixtral-8x7B
+    assert moe_mma.pick_splits(256, 384, 1) == (1, 1)
+    assert moe_mma.exact_split(6, 4) == 2 and moe_mma.exact_split(16, 16) == 16
+    assert moe_mma.exact_split(11, 2) == 2 and moe_mma.exact_split(3, 2) == 2
+    assert moe_mma.exact_split(3, 4) == 2  # cdiv(3, 4) = 1 step a run: 3 runs, not 4
+
+
 @needs_cuda
 @pytest.mark.parametrize("kind", ["random", "ep", "one"])
 @pytest.mark.parametrize("e,k,h,inter", MMA_SHAPES)

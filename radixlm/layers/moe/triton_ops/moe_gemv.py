@@ -30,6 +30,9 @@ Scales: none (`SCALE` 0) or one per expert and output channel (`SCALE` 1: [E, 2I
 and [E, H]); block scales stay on the aligned path. Weights may have strided
 rows and experts (K contiguous); x, act and the routing tensors are contiguous.
 
+FP8 experts with per-row scales at bf16 hidden states (H and I multiples of 128)
+take the same two launches on the tensor cores instead (`moe_mma.py`).
+
 Both kernels take part in PDL (`radixlm.layers.pdl`). Gate/up waits first: which
 weights to read depends on topk_ids, which the kernel before it (the router)
 writes. Down, one-block form, reads the ids and its weight tile before its wait
