@@ -50,14 +50,11 @@ from radixlm.layers import pdl
 from radixlm.layers.moe.triton_ops.grouped_gemm import ACT_CODES, _act_mul
 from radixlm.layers.pdl import pdl_trigger, pdl_wait
 from radixlm.layers.quantization.triton_ops import fp8_mma
-from radixlm.layers.quantization.triton_ops.mma_gemv import CHUNK, splits
+from radixlm.layers.quantization.triton_ops.mma_gemv import CHUNK, _run_ptx, splits
 
 ENV = "RADIXLM_MOE_GEMV"  # "fma": the direct path's FMA kernels for FP8 experts too
 STEP = fp8_mma.STEP_CHUNKS * CHUNK  # features a PTX loop step covers (128)
 MAX_WARPS = 16
-# The PTX's operands (`mma_gemv.mma_gemv_kernel`): $0 a dummy output, $1-$5 64-bit
-# addresses (x, weight, row scales, unused, partial sums), $6-$14 32-bit integers.
-_CONSTRAINTS = tl.constexpr("=r,l,l,l,l,l,r,r,r,r,r,r,r,r,r")
 
 
 class MmaSplits(NamedTuple):
@@ -135,9 +132,9 @@ def moe_mma(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     split = split or pick_splits(h, inter, top_k)
     pairs = topk_ids.numel()
     act = torch.empty((pairs, inter), dtype=x.dtype, device=x.device)
-    up_split = exact_split(h // STEP, split.gate_up)
-    ws = torch.empty((pairs, up_split, 2 * inter), dtype=torch.float32, device=x.device)
     steps = h // STEP
+    up_split = exact_split(steps, split.gate_up)
+    ws = torch.empty((pairs, up_split, 2 * inter), dtype=torch.float32, device=x.device)
     _gate_up_kernel[(pairs, inter // 16)](
         x, w13, w13_scale, topk_ids, ws, act, e, inter, h, w13.stride(0), w13.stride(1),
         w13_scale.stride(0), steps, splits(steps, up_split)[0], TOP_K=top_k,
@@ -156,18 +153,6 @@ def moe_mma(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
         PTX=fp8_mma.gemv_ptx(1, True, pdl=pdl.pdl_on(), plain=True), num_warps=warps,
         **pdl.launch_args())
     return out
-
-
-@triton.jit
-def _products(PTX: tl.constexpr, x, w, s, ws, first_tile, lo, hi, tiles, row_stride, zero):
-    """One warp's tile (`first_tile` + its warp) of the weight at w (rows `row_stride`
-    bytes apart, fp32 row scales at s) times the one row of x at x over steps
-    [lo, hi); the scaled sums to ws (fp32, at the tile's rows). Every operand one
-    element a thread; warps with `tiles` <= their tile do nothing."""
-    tl.inline_asm_elementwise(
-        PTX, _CONSTRAINTS,
-        [x, w, s, s, ws, first_tile, lo, hi, tiles, zero, zero, row_stride, zero, zero + 1],
-        dtype=tl.int32, is_pure=False, pack=1)
 
 
 @triton.jit
@@ -190,12 +175,12 @@ def _gate_up_kernel(x_ptr, w_ptr, s_ptr, ids_ptr, ws_ptr, act_ptr, E, N, K,
     lo = run * SPLIT_STEPS
     hi = tl.minimum(STEPS, lo + SPLIT_STEPS)
     e = expert.to(tl.int64)
-    x = x_ptr.to(tl.int64, bitcast=True) + (pair // TOP_K) * K * 2 + zero
-    w = w_ptr.to(tl.int64, bitcast=True) + e * stride_we + zero
-    s = s_ptr.to(tl.int64, bitcast=True) + e * stride_se * 4 + zero
+    x = x_ptr.to(tl.int64, bitcast=True) + (pair // TOP_K) * K * 2
+    w = w_ptr.to(tl.int64, bitcast=True) + e * stride_we
+    s = s_ptr.to(tl.int64, bitcast=True) + e * stride_se * 4
     ws = ws_ptr.to(tl.int64, bitcast=True) + (pair * SPLIT + run) * (2 * N) * 4
-    _products(PTX, x, w, s, ws, tile + half * (N // 16) - warp, lo, hi, zero + 2 * N // 16,
-              zero + stride_wn, zero)
+    _run_ptx(PTX, zero, x, w, s, s, ws, tile + half * (N // 16) - warp, lo, hi, 2 * N // 16, 0,
+             0, stride_wn, 0, 1, False, True)
     tl.debug_barrier()  # every warp's sums stored (CTA-scope ordering)
     cols = tile * 16 + tl.arange(0, 16)
     at = ws_ptr + pair * SPLIT * 2 * N + cols
@@ -232,8 +217,9 @@ def _down_kernel(act_ptr, w_ptr, s_ptr, ids_ptr, topk_w_ptr, ws_ptr, out_ptr, E,
     w = w_ptr.to(tl.int64, bitcast=True) + e * stride_we
     s = s_ptr.to(tl.int64, bitcast=True) + e * stride_se * 4
     ws = ws_ptr.to(tl.int64, bitcast=True) + (pair * SPLIT + run) * N * 4
-    _products(PTX, x, w, s, ws, tile - warp, lo, hi, tl.where(ok, N // 16, 0),
-              zero + stride_wn, zero)
+    # Another rank's pair (or a padding warp) gets no tiles: its warps do nothing.
+    _run_ptx(PTX, zero, x, w, s, s, ws, tile - warp, lo, hi, tl.where(ok, N // 16, 0), 0, 0,
+             stride_wn, 0, 1, False, True)
     tl.debug_barrier()
     cols = tile * 16 + tl.arange(0, 16)
     dtype = out_ptr.dtype.element_ty
