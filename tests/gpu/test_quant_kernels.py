@@ -310,6 +310,7 @@ def test_fp8_gemm_picks_the_wide_tile_only_where_it_fills_the_gpu():
     assert F.pick_gemm_config(4096, 4096, 0) == wide
     assert F.pick_gemm_config(256, 28672, 0) == wide  # 224 tiles
     assert F.pick_gemm_config(256, 6144, 0).bm == 64  # 48 tiles of 128 x 256: too few
+    assert not F.pick_gemm_config(256, 6144, 0).promote  # fast sums in the small tile too
     assert F.pick_gemm_config(4096, 4096, 128) == F.GemmConfig(64, 128, 128, 4, 4, tma=True)
     assert F.pick_gemm_config(4096, 28672, 0, a_fp8=False).bm == 128  # shared memory
 
