@@ -108,23 +108,37 @@ def bench_router(e: int, h: int, k: int, rate: float) -> None:
               f"  invariant {ok[0]}, ids same {ok[1]:.4f}, max |dw| {ok[2]:.1e}")
 
 
-def bench_down(e: int, h: int, inter: int, k: int, rate: float, fp8: bool = False) -> None:
-    kind = "FP8 experts, per-channel scales" if fp8 else "bf16 experts"
-    print(f"\ndirect path, E {e}, H {h}, I {inter}, top-{k}, 1 token, {kind}: gate/up + down, "
-          f"one kernel's tiles varied, the other's the default")
+def _one_token(e: int, h: int, k: int):
+    """x [1, H], GROUP routings of k distinct experts (one a layer's call), routing
+    weights and the output row."""
     x = torch.randn(1, h, device=DEV).to(DT)
+    gen = torch.Generator(device=DEV).manual_seed(0)
+    ids = [torch.randperm(e, device=DEV, generator=gen)[:k].view(1, k).int() for _ in range(GROUP)]
+    tw = torch.softmax(torch.randn(1, k, device=DEV), -1)
+    return x, ids, tw, torch.empty(1, h, device=DEV, dtype=DT)
+
+
+def _experts(e: int, h: int, inter: int, k: int, fp8: bool):
+    """Two layers' experts (so a graph of GROUP calls alternates them and none sits in
+    L2), their per-channel scales (FP8; None, None for bf16) and the bytes one
+    token's k experts read."""
     wdt = torch.float8_e4m3fn if fp8 else DT
     std = 1.0 if fp8 else 0.02  # FP8 codes of N(0, 1); the 0.02 rides on the scales
     layers = [(torch.randn(e, 2 * inter, h, device=DEV).mul(std).to(wdt),
                torch.randn(e, h, inter, device=DEV).mul(std).to(wdt)) for _ in range(2)]
     scales = ((torch.full((e, 2 * inter), 0.02, device=DEV), torch.full((e, h), 0.02, device=DEV))
               if fp8 else (None, None))
-    gen = torch.Generator(device=DEV).manual_seed(0)
-    ids = [torch.randperm(e, device=DEV, generator=gen)[:k].view(1, k).int() for _ in range(GROUP)]
-    tw = torch.softmax(torch.randn(1, k, device=DEV), -1)
-    out = torch.empty(1, h, device=DEV, dtype=DT)
-    default, ref = MG.pick_gemv_tiles, None
     nbytes = k * (3 * h * inter * wdt.itemsize + (4 * (2 * inter + h) if fp8 else 0))
+    return layers, scales, nbytes
+
+
+def bench_down(e: int, h: int, inter: int, k: int, rate: float, fp8: bool = False) -> None:
+    kind = "FP8 experts, per-channel scales" if fp8 else "bf16 experts"
+    print(f"\ndirect path, E {e}, H {h}, I {inter}, top-{k}, 1 token, {kind}: gate/up + down, "
+          f"one kernel's tiles varied, the other's the default")
+    x, ids, tw, out = _one_token(e, h, k)
+    layers, scales, nbytes = _experts(e, h, inter, k, fp8)
+    default, ref = MG.pick_gemv_tiles, None
     down, gate_up = (FP8_DOWN_TILES, FP8_GATE_UP_TILES) if fp8 else (DOWN_TILES, GATE_UP_TILES)
     variants = ([("down", inter, MG.GemvTiles(bn, bk, w, hoist)) for bn, bk, w, hoist in down]
                 + [("gate/up", h, MG.GemvTiles(bn, bk, w)) for bn, bk, w in gate_up])
@@ -163,25 +177,13 @@ def bench_mma(e: int, h: int, inter: int, k: int, rate: float) -> None:
     """One token through the direct path: bf16 experts and FP8 experts on the FMA
     kernels at their default tiles, then FP8 on the tensor cores (`moe_mma`) at
     each split of MMA_SPLITS; rel diff against the FP8 FMA kernels."""
-    import os
-
     from radixlm.layers.moe.triton_ops import moe_mma as MM
 
     print(f"\ndirect path, E {e}, H {h}, I {inter}, top-{k}, 1 token: gate/up + down; "
           f"default splits {tuple(MM.pick_splits(h, inter, k))}")
-    x = torch.randn(1, h, device=DEV).to(DT)
-    gen = torch.Generator(device=DEV).manual_seed(0)
-    ids = [torch.randperm(e, device=DEV, generator=gen)[:k].view(1, k).int() for _ in range(GROUP)]
-    tw = torch.softmax(torch.randn(1, k, device=DEV), -1)
-    out = torch.empty(1, h, device=DEV, dtype=DT)
-    fp8 = torch.float8_e4m3fn
-    bf16 = [(torch.randn(e, 2 * inter, h, device=DEV).mul(0.02).to(DT),
-             torch.randn(e, h, inter, device=DEV).mul(0.02).to(DT)) for _ in range(2)]
-    q8 = [(torch.randn(e, 2 * inter, h, device=DEV).to(fp8),
-           torch.randn(e, h, inter, device=DEV).to(fp8)) for _ in range(2)]
-    scales = (torch.full((e, 2 * inter), 0.02, device=DEV), torch.full((e, h), 0.02, device=DEV))
-    b16_bytes = k * 3 * h * inter * 2
-    fp8_bytes = k * (3 * h * inter + 4 * (2 * inter + h))
+    x, ids, tw, out = _one_token(e, h, k)
+    bf16, _, b16_bytes = _experts(e, h, inter, k, fp8=False)
+    q8, scales, fp8_bytes = _experts(e, h, inter, k, fp8=True)
 
     def graph_of(fn):
         return [lambda i=i: fn(i) for i in range(GROUP)]
