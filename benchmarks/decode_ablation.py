@@ -142,10 +142,10 @@ def skip_split_sums() -> None:
     widths = {int(w) for w in os.environ.get("ABLATE_KSUM_N", "").split(",") if w}
     real = mma_gemv.sum_splits
 
-    def sum_splits(ws, bias, y, silu_mul):
+    def sum_splits(ws, bias, y, silu_mul, *rest):
         if ws.is_cuda and capturing() and (not widths or y.shape[-1] in widths):
             return y
-        return real(ws, bias, y, silu_mul)
+        return real(ws, bias, y, silu_mul, *rest)
     mma_gemv.sum_splits = sum_splits  # imported by name there
 
 
