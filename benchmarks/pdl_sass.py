@@ -66,6 +66,11 @@ def kernels():
             "Loc": i64, "WQ": b16, "WK": b16}, ("eps",),
            dict(QK_NORM=True, NQ=32, NK=4, BLOCK_HQ=32, BLOCK_HK=4, HALF=64, BLOCK_HALF=64,
                 STORE=True, HEAD_DIM=128, BLOCK_D=128, PDL=True), 4)
+    yield ("qkv split-K sum + RoPE + KV store", fused_ops._rope_sums_kernel,
+           {"WS": f32, "Bias": b16, "Y": b16, "CosSin": b16, "Pos": i64, "KBuf": b16,
+            "VBuf": b16, "Loc": i64, "WQ": b16, "WK": b16}, ("eps",),
+           dict(SPLIT=4, HAS_BIAS=False, QK_NORM=False, NQ=32, NK=8, HALF=64, BLOCK_HALF=64,
+                HEAD_DIM=128, PDL=True), 1)
     attn = {"Q": b16, "K": b16, "V": b16, "ReqToToken": i32, "ReqPoolIdx": i64, "SeqLens": i32,
             "PrefixLens": i32, "SlotMap": i64, "MidO": f32, "MidLse": f32, "KScale": f32,
             "VScale": f32}

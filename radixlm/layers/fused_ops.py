@@ -37,6 +37,7 @@ import torch.nn.functional as F
 
 from radixlm.layers import pdl
 from radixlm.layers.fp8_rows import FP8, quantize_rows_torch
+from radixlm.layers.split_sums import SplitSums
 
 try:  # CPU-only installs may lack Triton; the torch paths cover them.
     import triton
@@ -233,6 +234,71 @@ if HAS_TRITON:
             tl.store(VBuf + row + heads, v, mask=mv)
 
     @triton.jit
+    def _rope_sums_kernel(WS, Bias, Y, CosSin, Pos, KBuf, VBuf, Loc, WQ, WK, eps, stride_ws,
+                          stride_wt, stride_yt, stride_cs, SPLIT: tl.constexpr,
+                          HAS_BIAS: tl.constexpr, QK_NORM: tl.constexpr, NQ: tl.constexpr,
+                          NK: tl.constexpr, HALF: tl.constexpr, BLOCK_HALF: tl.constexpr,
+                          HEAD_DIM: tl.constexpr, PDL: tl.constexpr):
+        """Program (t, h): head h of token t's qkv row as the product's split-K sum
+        (`_int4_split_sum_kernel`'s arithmetic: partial sums in split order, the
+        bias, one rounding), then as `_rope_kernel` leaves it: q and k heads
+        (normed and) rotated, written into Y; k and v heads also into the pool's
+        slot Loc[t]."""
+        t = tl.program_id(0).to(tl.int64)
+        h = tl.program_id(1)
+        offs = tl.arange(0, BLOCK_HALF)
+        dmask = (offs < HALF)[None, :]
+        col = h * HEAD_DIM + offs[None, :]
+        # The step's inputs and the constants before the wait (`radixlm.layers.pdl`).
+        pos = tl.load(Pos + t).to(tl.int64)
+        cos = tl.load(CosSin + pos * stride_cs + offs[None, :], mask=dmask,
+                      other=0.0).to(tl.float32)
+        sin = tl.load(CosSin + pos * stride_cs + HALF + offs[None, :], mask=dmask,
+                      other=0.0).to(tl.float32)
+        row = tl.load(Loc + t).to(tl.int64) * (NK * HEAD_DIM)
+        if HAS_BIAS:
+            b1 = tl.load(Bias + col, mask=dmask, other=0.0).to(tl.float32)
+            b2 = tl.load(Bias + HALF + col, mask=dmask, other=0.0).to(tl.float32)
+        if QK_NORM:
+            wq1, wq2 = _norm_weights(WQ, offs, offs < HALF, HALF)
+            wk1, wk2 = _norm_weights(WK, offs, offs < HALF, HALF)
+        pdl_wait(PDL)
+        pdl_trigger(PDL)
+        at = WS + t * stride_wt + col
+        a1 = tl.load(at, mask=dmask, other=0.0)
+        a2 = tl.load(at + HALF, mask=dmask, other=0.0)
+        for s in tl.static_range(1, SPLIT):
+            a1 += tl.load(at + s * stride_ws, mask=dmask, other=0.0)
+            a2 += tl.load(at + s * stride_ws + HALF, mask=dmask, other=0.0)
+        if HAS_BIAS:
+            a1 += b1
+            a2 += b2
+        dtype = Y.dtype.element_ty
+        x1 = a1.to(dtype).to(tl.float32)
+        x2 = a2.to(dtype).to(tl.float32)
+        py = Y + t * stride_yt + col
+        if h >= NQ + NK:  # a v head: stored as summed
+            tl.store(py, x1.to(dtype), mask=dmask)
+            tl.store(py + HALF, x2.to(dtype), mask=dmask)
+            pv = VBuf + row + (h - NQ - NK) * HEAD_DIM + offs[None, :]
+            tl.store(pv, x1.to(dtype), mask=dmask)
+            tl.store(pv + HALF, x2.to(dtype), mask=dmask)
+        else:
+            if QK_NORM:
+                if h < NQ:
+                    x1, x2 = _norm_heads(x1, x2, wq1, wq2, eps, HEAD_DIM, dtype)
+                else:
+                    x1, x2 = _norm_heads(x1, x2, wk1, wk2, eps, HEAD_DIM, dtype)
+            r1 = (x1 * cos - x2 * sin).to(dtype)
+            r2 = (x2 * cos + x1 * sin).to(dtype)
+            tl.store(py, r1, mask=dmask)
+            tl.store(py + HALF, r2, mask=dmask)
+            if h >= NQ:
+                pk = KBuf + row + (h - NQ) * HEAD_DIM + offs[None, :]
+                tl.store(pk, r1, mask=dmask)
+                tl.store(pk + HALF, r2, mask=dmask)
+
+    @triton.jit
     def _act_and_mul_kernel(X, Y, stride_x, stride_y, D, BLOCK: tl.constexpr,
                             GELU_TANH: tl.constexpr, PDL: tl.constexpr):
         pdl_wait(PDL)
@@ -341,8 +407,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
 def apply_rope_(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, head_dim: int,
                 cos_sin_cache: torch.Tensor, *, use_triton: bool | None = None,
                 kv_store: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None
-                = None, qk_norm: tuple[torch.Tensor, torch.Tensor, float] | None = None
-                ) -> tuple[torch.Tensor, torch.Tensor]:
+                = None, qk_norm: tuple[torch.Tensor, torch.Tensor, float] | None = None,
+                sums: SplitSums | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Neox-style RoPE in place. q: [T, nq * head_dim], k: [T, nk * head_dim] (rows may be
     strided, e.g. views into a fused qkv output); returns (q, k).
 
@@ -350,7 +416,15 @@ def apply_rope_(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, head_
     into slots `loc` of the pool's [size, nk, head_dim] buffers, as
     `store_kv` does, in the same kernel (needs rotary over the whole head).
     `qk_norm` (wq, wk, eps): per-head RMSNorm of q and k first, in the same kernel
-    (rotary over the whole head)."""
+    (rotary over the whole head). `sums` (with `kv_store`): q, k and v are the
+    views of `sums.out` [T, (nq + 2 nk) head_dim], not written yet: the kernel
+    adds the product's split-K partial sums first (`layers/split_sums.py`), with
+    the second launch's arithmetic, so the same bits as `sums.finish()` before."""
+    if sums is not None and not (kv_store is not None and _use_triton(q, use_triton)
+                                 and q.shape[0] > 0):
+        sums.finish()
+    elif sums is not None:
+        return _rope_sums(positions, q, k, head_dim, cos_sin_cache, kv_store, qk_norm, sums)
     if not _use_triton(q, use_triton):
         if qk_norm is not None:
             wq, wk, eps = qk_norm
@@ -394,6 +468,33 @@ def apply_rope_(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, head_
         STORE=store, HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim), num_warps=4,
         **pdl.launch_args(),
     )
+    return q, k
+
+
+def _rope_sums(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, head_dim: int,
+               cos_sin_cache: torch.Tensor,
+               kv_store: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
+               qk_norm: tuple[torch.Tensor, torch.Tensor, float] | None,
+               sums: SplitSums) -> tuple[torch.Tensor, torch.Tensor]:
+    """`apply_rope_` with `sums` and `kv_store` on Triton: one program a token and head."""
+    ws, y = sums.partials, sums.out
+    t, n = y.shape
+    nq, nk = q.shape[1] // head_dim, k.shape[1] // head_dim
+    _, k_buf, v_buf, loc = kv_store
+    assert cos_sin_cache.shape[-1] == head_dim and cos_sin_cache.stride(1) == 1
+    assert n == (nq + 2 * nk) * head_dim and y.is_contiguous() and ws.shape[1:] == (t, n)
+    assert ws.stride(2) == 1 and q.data_ptr() == y.data_ptr()
+    assert k_buf.is_contiguous() and v_buf.is_contiguous() and k_buf.dtype == y.dtype
+    assert k_buf.shape[1:] == (nk, head_dim) and v_buf.dtype == y.dtype
+    wq, wk, eps = qk_norm if qk_norm is not None else (cos_sin_cache, cos_sin_cache, 0.0)
+    half = head_dim // 2
+    _rope_sums_kernel[(t, nq + 2 * nk)](
+        ws, sums.bias if sums.bias is not None else ws, y, cos_sin_cache, positions, k_buf,
+        v_buf, loc, wq, wk, eps, ws.stride(0), ws.stride(1), y.stride(0),
+        cos_sin_cache.stride(0), SPLIT=ws.shape[0], HAS_BIAS=sums.bias is not None,
+        QK_NORM=qk_norm is not None, NQ=nq, NK=nk, HALF=half,
+        BLOCK_HALF=triton.next_power_of_2(half), HEAD_DIM=head_dim, num_warps=1,
+        **pdl.launch_args())
     return q, k
 
 

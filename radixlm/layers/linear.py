@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from radixlm import distributed as tp
+from radixlm.layers import split_sums
 from radixlm.layers.activation import SiluAndMul
 from radixlm.layers.fp8_rows import Fp8Rows, to_fp8_rows
 from radixlm.layers.norm_fold import FoldedNorm, NormTarget
@@ -32,6 +33,7 @@ from radixlm.layers.sharding import (
     register_weight,
     weight_spec,
 )
+from radixlm.layers.split_sums import SplitSums
 
 
 def default_weight_loader(param: torch.Tensor, loaded: torch.Tensor,
@@ -126,6 +128,13 @@ class ColumnParallelLinear(LinearBase):
         one rank)."""
         assert self.tp_size == 1
         return self.quant_method.apply_normed(self, x)
+
+    def forward_unsummed(self, x: torch.Tensor) -> torch.Tensor | SplitSums:
+        """`forward`, or its split-K partial sums where the weight method's kernel
+        leaves them to the consumer (`layers/split_sums.py`; no gather)."""
+        if self.gather_output or not split_sums.deferred():
+            return self.forward(x)
+        return self.quant_method.apply_unsummed(self, x)
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):

@@ -54,6 +54,7 @@ from radixlm.layers.norm_fold import FoldedNorm, NormTarget
 from radixlm.layers.quantization import QuantizationConfig
 from radixlm.layers.rotary import QKNormRotary, RotaryEmbedding, get_rope
 from radixlm.layers.sharding import ShardId
+from radixlm.layers.split_sums import SplitSums
 from radixlm.models.weight_map import WeightMapping, load_weights
 
 if TYPE_CHECKING:
@@ -320,8 +321,10 @@ class DecoderAttention(nn.Module):
                 fb: ForwardBatch, rows: torch.Tensor | None = None) -> torch.Tensor:
         """`rows`: project only these rows of the attention output (every token's
         K/V is still computed and stored)."""
-        q, k, v = self.qkv_proj(hidden).split(self.split_sizes, dim=-1)
-        out = self.attn(q, k, v, fb, rope=(self.rope, positions))
+        qkv = self.qkv_proj.forward_unsummed(hidden)
+        sums = qkv if isinstance(qkv, SplitSums) else None
+        q, k, v = (qkv.out if sums is not None else qkv).split(self.split_sizes, dim=-1)
+        out = self.attn(q, k, v, fb, rope=(self.rope, positions), sums=sums)
         return self.o_proj(out if rows is None else out[rows])
 
     def forward_folded(self, positions: torch.Tensor, x: FoldedNorm, fb: ForwardBatch,

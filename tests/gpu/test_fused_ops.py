@@ -216,6 +216,55 @@ def test_rope_with_qk_norm_is_norm_then_rope(dtype, head_dim, nq, nk, store):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("head_dim,nq,nk", [(128, 4, 2), (64, 3, 1), (96, 2, 2)])
+@pytest.mark.parametrize("split", [1, 4])
+@pytest.mark.parametrize("extra", ["plain", "bias", "bias+qk_norm"])
+def test_rope_adds_split_sums_as_the_second_launch(dtype, head_dim, nq, nk, split, extra):
+    """RoPE with the K/V store given a qkv product's split-K partial sums
+    (`layers/split_sums.py`): q, k, v, the pool rows and every other pool slot are
+    what the sum's own launch and then the RoPE kernel leave, bit for bit (with
+    the QK norm on a GPU, up to the norm's summation order: one program a head
+    here, one a token there)."""
+    from radixlm.layers.quantization.triton_ops.int4 import sum_splits
+    from radixlm.layers.split_sums import SplitSums
+
+    torch.manual_seed(head_dim + nq + split)
+    t, slots, n = 3, 16, (nq + 2 * nk) * head_dim
+    cache = fused_ops.rope_cos_sin_cache(head_dim, 4096, 5e5, device=DEV).to(dtype)
+    pos = torch.randint(0, 4096, (t,), device=DEV)
+    loc = torch.randperm(slots, device=DEV)[:t]
+    ws = torch.randn(split, t, n, device=DEV) * 4
+    bias = torch.randn(n, device=DEV).to(dtype) if "bias" in extra else None
+    norm = ((torch.randn(head_dim, device=DEV).to(dtype),
+             (1 + torch.randn(head_dim, device=DEV) * 0.1).to(dtype), 1e-6)
+            if "qk_norm" in extra else None)
+    bufs = [torch.randn(slots, nk, head_dim, device=DEV).to(dtype) for _ in range(2)]
+    ref_bufs = [b.clone() for b in bufs]
+    sizes = [nq * head_dim, nk * head_dim, nk * head_dim]
+
+    ref = sum_splits(ws, bias, torch.empty(t, n, device=DEV, dtype=dtype), silu_mul=False)
+    q, k, v = ref.split(sizes, dim=-1)
+    fused_ops.apply_rope_(pos, q, k, head_dim, cache, kv_store=(v, *ref_bufs, loc),
+                          qk_norm=norm)
+    y = torch.full((t, n), float("nan"), device=DEV, dtype=dtype)
+    q, k, v = y.split(sizes, dim=-1)
+    fused_ops.apply_rope_(pos, q, k, head_dim, cache, kv_store=(v, *bufs, loc), qk_norm=norm,
+                          sums=SplitSums(ws, bias, y))
+    if norm is not None and HAS_CUDA:
+        tol = max(2 * TOL[dtype], 2e-6)
+        assert _rel_err(y, ref) < tol and _rel_err(bufs[0], ref_bufs[0]) < tol
+        assert torch.equal(y[:, -nk * head_dim:], ref[:, -nk * head_dim:])  # v as summed
+    else:
+        assert torch.equal(y, ref) and torch.equal(bufs[0], ref_bufs[0])
+    assert torch.equal(bufs[1], ref_bufs[1])
+    # Without a K/V store the sums take their own launch first, then the rotation.
+    y2 = torch.full((t, n), float("nan"), device=DEV, dtype=dtype)
+    q, k, _ = y2.split(sizes, dim=-1)
+    fused_ops.apply_rope_(pos, q, k, head_dim, cache, qk_norm=norm, sums=SplitSums(ws, bias, y2))
+    assert torch.equal(y2, ref)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("d", [15360, 1000, 64])
 def test_gelu_tanh_and_mul(dtype, d):
     """One kernel for GeGLU: within one rounding of float64, and within the same of

@@ -808,6 +808,42 @@ def test_mma_gemv_sum_in_the_program(fmt, m, split):
 
 
 @needs_cuda
+@pytest.mark.parametrize("fmt", ["fp8-plain", "int4"])
+@pytest.mark.parametrize("m", [1, 3, 27])
+def test_mma_gemv_leaves_its_split_sums(fmt, m):
+    """`defer_sum` (`layers/split_sums.py`): where the sum takes a second launch the
+    GEMV returns its partial sums, which `finish()` adds into the same bits; where
+    the sum is in the program, or the SiLU is fused, it returns the product."""
+    from radixlm.layers.quantization.triton_ops import fp8_mma as FM
+    from radixlm.layers.quantization.triton_ops import int4_mma as MM
+    from radixlm.layers.quantization.triton_ops import mma_gemv as MG
+    from radixlm.layers.split_sums import SplitSums
+
+    n, k = 6144, 1024
+    x = randn(m, k, seed=72, dtype=torch.bfloat16)
+    bias = randn(n, seed=73, dtype=torch.bfloat16)
+    if fmt == "int4":
+        w = int4_weight(n, k, 128, False, seed=71)
+        words = MM.mma_layout(I.unpack_rows(w.qweight))
+
+        def gemv(x, bias=None, cfg=None, **kw):
+            return MM.int4_gemv_mma(x, words, w.zeros, w.scales, 128, bias, config=cfg, **kw)
+    else:
+        q, s = quantize_rows(randn(n, k, seed=71, scale=0.05))
+
+        def gemv(x, bias=None, cfg=None, **kw):
+            return FM.fp8_gemv_mma_plain(x, q, s, bias, config=cfg, **kw)
+    two = MG.MmaConfig(4, 1, 4, prefetch=m <= 32)
+    for b in (None, bias):
+        left = gemv(x, b, cfg=two, defer_sum=True)
+        assert isinstance(left, SplitSums) and left.partials.shape == (4, m, n)
+        assert torch.equal(left.finish(), gemv(x, b, cfg=two)), f"bias {b is not None}"
+    assert isinstance(gemv(x, bias, cfg=two._replace(cta_sum=True), defer_sum=True),
+                      torch.Tensor)
+    assert isinstance(gemv(x, cfg=two, defer_sum=True, silu_mul=True), torch.Tensor)
+
+
+@needs_cuda
 @pytest.mark.parametrize("m", [1, 8, 27])
 @pytest.mark.parametrize("case", ["block", "block-fused-parts"])
 def test_fp8_gemv_mma_block_scales(case, m):

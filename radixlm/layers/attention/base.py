@@ -16,6 +16,7 @@ import torch
 if TYPE_CHECKING:
     from radixlm.forward_batch import ForwardBatch, PrefixGroups
     from radixlm.layers.attention.radix_attention import RadixAttention, Rope
+    from radixlm.layers.split_sums import SplitSums
 
 
 @dataclass(frozen=True)
@@ -60,8 +61,11 @@ class AttentionBackend(ABC):
       head_dim], k and v are [num_tokens, num_kv_heads * head_dim] for the new
       tokens. With `rope` = (rotary embedding, positions), q and k are not
       rotated yet: the backend rotates them first (in place or not; a backend
-      may fuse it with the store). The backend stores k/v at `fb.out_cache_loc`
-      in layer `layer.layer_id` of the pool, then returns [num_tokens,
+      may fuse it with the store). With `sums` (`layers/split_sums.py`), q, k
+      and v are views of `sums.out`, not written yet: the backend first adds
+      the partial sums into it (`sums.finish()`), or fuses that with its RoPE.
+      The backend stores k/v at `fb.out_cache_loc` in layer `layer.layer_id`
+      of the pool, then returns [num_tokens,
       num_heads * head_dim]: each new token attends causally to its request's
       tokens 0..position.
     - Layer variants (`RadixAttention.sliding_window`, `.logit_softcap`): a
@@ -156,8 +160,10 @@ class AttentionBackend(ABC):
             self.init_forward_metadata(fb)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                layer: RadixAttention, fb: ForwardBatch, rope: Rope | None = None
-                ) -> torch.Tensor:
+                layer: RadixAttention, fb: ForwardBatch, rope: Rope | None = None,
+                sums: SplitSums | None = None) -> torch.Tensor:
+        if sums is not None:
+            sums.finish()
         if rope is not None:
             q, k = rope[0](rope[1], q, k)
         if fb.mode.is_mixed():

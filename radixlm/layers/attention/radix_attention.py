@@ -13,6 +13,7 @@ from radixlm.layers.sharding import register_weight, weight_spec
 if TYPE_CHECKING:
     from radixlm.forward_batch import ForwardBatch
     from radixlm.layers.rotary import QKNormRotary, RotaryEmbedding
+    from radixlm.layers.split_sums import SplitSums
 
     # (the layer's rotary embedding, or its QK norm + rotary, and the positions)
     Rope = tuple[RotaryEmbedding | QKNormRotary, torch.Tensor]
@@ -52,7 +53,9 @@ class RadixAttention(nn.Module):
         weight_spec(param).load(self, param, loaded, shard_id)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                fb: ForwardBatch, rope: Rope | None = None) -> torch.Tensor:
+                fb: ForwardBatch, rope: Rope | None = None,
+                sums: SplitSums | None = None) -> torch.Tensor:
         """`rope`: (rotary embedding, positions) to apply to q and k first, left to
-        the backend so it can fuse it with the K/V store."""
-        return fb.attn_backend.forward(q, k, v, self, fb, rope)
+        the backend so it can fuse it with the K/V store. `sums`: q, k and v are
+        views of `sums.out`, whose split-K sum is left to the backend too."""
+        return fb.attn_backend.forward(q, k, v, self, fb, rope, sums)

@@ -49,6 +49,7 @@ logger = logging.getLogger(__name__)
 if TYPE_CHECKING:
     from radixlm.forward_batch import ForwardBatch, PrefixGroups
     from radixlm.layers.attention.radix_attention import RadixAttention, Rope
+    from radixlm.layers.split_sums import SplitSums
 
 
 @dataclass
@@ -353,11 +354,12 @@ class TritonAttentionBackend(AttentionBackend):
 
     # ---- forward -------------------------------------------------------
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                layer: RadixAttention, fb: ForwardBatch, rope: Rope | None = None
-                ) -> torch.Tensor:
+                layer: RadixAttention, fb: ForwardBatch, rope: Rope | None = None,
+                sums: SplitSums | None = None) -> torch.Tensor:
         """As the base class; RoPE and the K/V store run as one kernel (one launch
         less per layer) where the pool takes plain rows and the rotary covers
-        the whole head."""
+        the whole head, and that kernel adds the qkv product's split-K sums
+        (`sums`) first: one launch less again."""
         stored = False
         if rope is not None:
             emb, positions = rope
@@ -367,10 +369,13 @@ class TritonAttentionBackend(AttentionBackend):
                     and emb.rotary_dim == emb.head_dim
                     and k.shape[0] >= self.kv_store_min_tokens):
                 apply_rope_(positions, q, k, emb.head_dim, emb.cos_sin_cache,
-                            kv_store=(v, *target), qk_norm=emb.qk_norm)
+                            kv_store=(v, *target), qk_norm=emb.qk_norm, sums=sums)
                 stored = True
-            else:
-                q, k = emb(positions, q, k)
+                sums = None
+        if sums is not None:
+            sums.finish()
+        if rope is not None and not stored:
+            q, k = emb(positions, q, k)
         if fb.mode.is_mixed():
             return self.forward_mixed(q, k, v, layer, fb, kv_stored=stored)
         if fb.mode.is_verify():

@@ -85,6 +85,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import torch
 
 from radixlm.layers.norm_fold import FoldedNorm, NormTarget, fold_into
+from radixlm.layers.split_sums import SplitSums
 
 logger = logging.getLogger(__name__)
 
@@ -130,6 +131,12 @@ class LinearMethod(ABC):
         """silu(x G^T) * (x U^T) for the merged weight [G; U] of a bias-free
         layer, or None when this method has no fused path for `x`."""
         return None
+
+    def apply_unsummed(self, layer: LinearBase, x: torch.Tensor) -> torch.Tensor | SplitSums:
+        """`apply` with the layer's bias, or, where this method's kernel would add its
+        split-K partial sums in a launch of their own, those sums left to the
+        consumer (`layers/split_sums.py`). The default leaves nothing."""
+        return self.apply(layer, x, layer.bias)
 
     # A residual RMSNorm folded into the products around it (`layers/norm_fold.py`).
     # The defaults compute it with torch around `apply`, so any method gives the

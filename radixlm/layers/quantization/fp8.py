@@ -57,6 +57,7 @@ from radixlm.layers.sharding import (
     gather_pieces,
     layer_shards,
 )
+from radixlm.layers.split_sums import SplitSums
 from radixlm.utils import lazy_import, triton_installed
 
 if TYPE_CHECKING:
@@ -217,9 +218,9 @@ class Fp8ProductMethod(LinearMethod):
             return 0
         return min(_mma.GEMV_ROWS, w.w8a8_from - 1) if w.w8a8_from else _mma.GEMV_ROWS
 
-    def _folding_gemv(self, layer: LinearBase, x: torch.Tensor) -> Any:
-        """The GEMV that folds a norm into x's product, or None (not this layer, not
-        these rows: the defaults' torch then)."""
+    def _mma_gemv(self, layer: LinearBase, x: torch.Tensor) -> Any:
+        """The tensor-core GEMV of x's rows, which can fold a norm or leave its
+        split-K sum, or None (not this layer, not these rows: the defaults then)."""
         w: Fp8Weight | None = getattr(layer, "fp8", None)
         if (w is None or w.mma is None or not (x.is_cuda and x.dtype == torch.bfloat16)
                 or not 1 <= x.shape[0] <= self.norm_fold_rows(layer, False)
@@ -231,14 +232,21 @@ class Fp8ProductMethod(LinearMethod):
 
     def apply_normed(self, layer: LinearBase, x: FoldedNorm, silu_mul: bool = False
                      ) -> torch.Tensor:
-        gemv = self._folding_gemv(layer, x.x)
+        gemv = self._mma_gemv(layer, x.x)
         if gemv is None:
             return super().apply_normed(layer, x, silu_mul)
         return gemv(layer.bias, silu_mul=silu_mul, norm_in=x)
 
+    def apply_unsummed(self, layer: LinearBase, x: torch.Tensor | Fp8Rows
+                       ) -> torch.Tensor | SplitSums:
+        gemv = self._mma_gemv(layer, x) if isinstance(x, torch.Tensor) else None
+        if gemv is None:
+            return super().apply_unsummed(layer, x)
+        return gemv(layer.bias, defer_sum=True)
+
     def apply_into_norm(self, layer: LinearBase, x: torch.Tensor,
                         target: NormTarget) -> FoldedNorm:
-        gemv = self._folding_gemv(layer, x)
+        gemv = self._mma_gemv(layer, x)
         if gemv is None or not self.norm_fold_rows(layer, True):
             return super().apply_into_norm(layer, x, target)
         return gemv(layer.bias, norm_out=target)

@@ -63,6 +63,7 @@ from radixlm.layers.sharding import (
     gather_pieces,
     layer_shards,
 )
+from radixlm.layers.split_sums import SplitSums
 from radixlm.utils import lazy_import
 
 if TYPE_CHECKING:
@@ -490,6 +491,13 @@ class Int4LinearMethod(LinearMethod):
             return super().apply_normed(layer, x, silu_mul)
         return _mma.int4_gemv_mma(x.x, w.mma, w.zeros, w.scales, w.group, layer.bias,
                                   silu_mul=silu_mul, norm_in=x)
+
+    def apply_unsummed(self, layer: LinearBase, x: torch.Tensor) -> torch.Tensor | SplitSums:
+        w: Int4Weight | None = getattr(layer, "int4", None)
+        if w is None or w.mma is None or not _mma.takes_rows(x, w.mma):
+            return super().apply_unsummed(layer, x)
+        return _mma.int4_gemv_mma(x, w.mma, w.zeros, w.scales, w.group, layer.bias,
+                                  defer_sum=True)
 
     def apply_into_norm(self, layer: LinearBase, x: torch.Tensor,
                         target: NormTarget) -> FoldedNorm:

@@ -79,6 +79,7 @@ from radixlm.layers.quantization.triton_ops.mma_gemv import (
     y_row_lines,
 )
 from radixlm.layers.quantization.triton_ops.mma_gemv import folds_out as mma_folds_out
+from radixlm.layers.split_sums import SplitSums
 
 STEP_CHUNKS = 2  # chunks a loop step loads before its MMAs
 GEMV_ROWS = 32  # rows `fp8.fp8_linear` gives the GEMV (more: the W8A8 GEMM)
@@ -373,17 +374,19 @@ def fp8_gemv_mma(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor,
                  bias: torch.Tensor | None = None, config: MmaConfig | None = None,
                  out: torch.Tensor | None = None, silu_mul: bool = False,
                  scale_rows: int = 0, norm_in: FoldedNorm | None = None,
-                 norm_out: NormTarget | None = None) -> torch.Tensor | FoldedNorm:
+                 norm_out: NormTarget | None = None, defer_sum: bool = False
+                 ) -> torch.Tensor | FoldedNorm | SplitSums:
     """x [M, K] (1 <= M <= MAX_ROWS contiguous rows, bf16, 16-byte aligned) times
     the FP8 weight in `mma_layout` `words` with fp32 row scales [N] (`scale_rows`
     > 0: block scales [N / scale_rows, K / 128], `takes`): [M, N] (`silu_mul`: [M,
     N / 2]). One row runs the one-row PTX, more the rows PTX (a run of 8 rows per
     B operand). `norm_in`, `norm_out`: a folded norm (`mma_gemv.launch`; x is
-    then `norm_in.x`)."""
+    then `norm_in.x`); `defer_sum`: the split-K sum left to the consumer where it
+    takes a second launch (`launch`)."""
     m, n, k = check_rows(x, words)
     assert x.dtype == torch.bfloat16
     return _launch(x, words, scales, n, k, config, 0, bias, out, silu_mul, scale_rows,
-                   norm_in=norm_in, norm_out=norm_out)
+                   norm_in=norm_in, norm_out=norm_out, defer_sum=defer_sum)
 
 
 def plain_fits(weight: torch.Tensor) -> bool:
@@ -396,7 +399,8 @@ def fp8_gemv_mma_plain(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tens
                        bias: torch.Tensor | None = None, config: MmaConfig | None = None,
                        out: torch.Tensor | None = None, silu_mul: bool = False,
                        scale_rows: int = 0, norm_in: FoldedNorm | None = None,
-                       norm_out: NormTarget | None = None) -> torch.Tensor | FoldedNorm:
+                       norm_out: NormTarget | None = None, defer_sum: bool = False
+                       ) -> torch.Tensor | FoldedNorm | SplitSums:
     """`fp8_gemv_mma` reading the FP8 weight [N, K] as it is (rows 16-byte aligned,
     any row stride that is a multiple of 16 bytes: an online-quantized weight's
     codes with their scale bytes after them are fine): `gemv_ptx(plain=True)`.
@@ -406,7 +410,8 @@ def fp8_gemv_mma_plain(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tens
     assert weight.dtype == torch.float8_e4m3fn and weight.stride(1) == 1
     assert plain_fits(weight)
     return _launch(x, weight, scales, n, k, config, weight.stride(0), bias, out, silu_mul,
-                   scale_rows, plain=True, norm_in=norm_in, norm_out=norm_out)
+                   scale_rows, plain=True, norm_in=norm_in, norm_out=norm_out,
+                   defer_sum=defer_sum)
 
 
 def folds_out(n: int, k: int) -> bool:
@@ -418,7 +423,8 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, n: int,
             config: MmaConfig | None, stride: int, bias: torch.Tensor | None,
             out: torch.Tensor | None, silu_mul: bool, scale_rows: int,
             plain: bool = False, norm_in: FoldedNorm | None = None,
-            norm_out: NormTarget | None = None) -> torch.Tensor | FoldedNorm:
+            norm_out: NormTarget | None = None, defer_sum: bool = False
+            ) -> torch.Tensor | FoldedNorm | SplitSums:
     """Both forms' checks of the scales and their launch: `weight` the words, or
     (`plain`) the weight with rows `stride` bytes apart ($12); block scales' rows
     are $13 elements apart."""
@@ -433,4 +439,4 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, n: int,
     return launch(ptx, cfg, x, weight, scales, scales, k // (STEP_CHUNKS * CHUNK), stride,
                   scales.stride(0) if scale_rows else 0, bias, out, silu_mul,
                   grid_shape=(n // 16, k // CHUNK) if plain else None, norm_in=norm_in,
-                  norm_out=norm_out)
+                  norm_out=norm_out, defer_sum=defer_sum)

@@ -88,6 +88,7 @@ from radixlm.layers.quantization.triton_ops.mma_gemv import (
     x_row_lines,
     y_row_lines,
 )
+from radixlm.layers.split_sums import SplitSums
 
 GROUPS = (64, 128)  # group sizes the kernel takes (whole chunks, <= 2 chunks unrolled)
 GEMV_ROWS = 2 * MAX_ROWS  # rows `int4.int4_linear` gives the GEMV, MAX_ROWS a launch
@@ -330,14 +331,16 @@ def int4_gemv_mma(x: torch.Tensor, words: torch.Tensor, zeros: torch.Tensor,
                   scales: torch.Tensor, group: int, bias: torch.Tensor | None = None,
                   config: MmaConfig | None = None, out: torch.Tensor | None = None,
                   silu_mul: bool = False, norm_in: FoldedNorm | None = None,
-                  norm_out: NormTarget | None = None) -> torch.Tensor | FoldedNorm:
+                  norm_out: NormTarget | None = None, defer_sum: bool = False
+                  ) -> torch.Tensor | FoldedNorm | SplitSums:
     """x [M, K] (1 <= M <= MAX_ROWS contiguous rows, bf16 / fp16, 16-byte aligned)
     times the int4 weight in `mma_layout` `words`, [M, N] (`silu_mul`: silu(gate) *
     up, [M, N / 2]). One row runs the one-row PTX; more, the rows PTX (`_PtxGroup`,
     a run of 8 rows per B operand),
     whose split-K sums the epilogue adds per row in split order, so a row's sums
     are added in the same order whatever M is. `norm_in`, `norm_out`: a folded
-    norm (`mma_gemv.launch`; x is then `norm_in.x`)."""
+    norm (`mma_gemv.launch`; x is then `norm_in.x`); `defer_sum`: the split-K
+    sum left to the consumer where it takes a second launch (`launch`)."""
     m, n, k = check_rows(x, words)
     assert x.dtype in (torch.bfloat16, torch.float16)
     assert group in GROUPS and k % group == 0 and zeros.stride(1) == scales.stride(1) == 1
@@ -346,7 +349,8 @@ def int4_gemv_mma(x: torch.Tensor, words: torch.Tensor, zeros: torch.Tensor,
                    pdl.pdl_on(), runs)
     # A step is a group; the zero points' and scales' rows are their strides apart.
     return launch(ptx, cfg, x, words, zeros, scales, k // group, zeros.stride(0),
-                  scales.stride(0), bias, out, silu_mul, norm_in=norm_in, norm_out=norm_out)
+                  scales.stride(0), bias, out, silu_mul, norm_in=norm_in, norm_out=norm_out,
+                  defer_sum=defer_sum)
 
 
 def norm_fold_rows(words: torch.Tensor, group: int, output: bool) -> int:

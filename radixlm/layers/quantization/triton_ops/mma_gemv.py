@@ -44,6 +44,7 @@ from radixlm.layers import pdl
 from radixlm.layers.norm_fold import FoldedNorm, NormTarget
 from radixlm.layers.pdl import pdl_trigger, pdl_wait
 from radixlm.layers.quantization.triton_ops.int4 import rstd_rows, sum_splits
+from radixlm.layers.split_sums import SplitSums
 
 CHUNK = 64  # features a lane's words of one tile cover: 4 MMA blocks of 16
 MAX_RUNS = 8  # runs of 8 rows of x (B's 8 columns), each its own B operand
@@ -366,7 +367,8 @@ def launch(ptx: str, cfg: MmaConfig, x: torch.Tensor, words: torch.Tensor, a: to
            b: torch.Tensor, steps: int, int_a: int, int_b: int, bias: torch.Tensor | None,
            out: torch.Tensor | None, silu_mul: bool,
            grid_shape: tuple[int, int] | None = None, norm_in: FoldedNorm | None = None,
-           norm_out: NormTarget | None = None) -> torch.Tensor | FoldedNorm:
+           norm_out: NormTarget | None = None, defer_sum: bool = False
+           ) -> torch.Tensor | FoldedNorm | SplitSums:
     """Both launches of a tensor-core GEMV: `ptx` (holding the PDL wait where PDL is
     on: `loop_ptx`'s `pdl`) over `steps` loop steps of K split by `cfg` (the
     format's addresses `a`, `b` and integers `int_a`, `int_b`), then the split-K
@@ -375,7 +377,11 @@ def launch(ptx: str, cfg: MmaConfig, x: torch.Tensor, words: torch.Tensor, a: to
 
     A folded norm (`layers/norm_fold.py`): `norm_in`, x is its unscaled `x` (the
     sums are scaled by its rstd); `norm_out` (the sum in the program: `folds_out`),
-    returns the FoldedNorm the product added to its residual makes."""
+    returns the FoldedNorm the product added to its residual makes.
+
+    `defer_sum`: where the sum takes a second launch (not in the program, no
+    SiLU, no folded norm), return the partial sums as `SplitSums` for the
+    consumer to add (`layers/split_sums.py`) instead of launching it."""
     tiles, chunks_per_row = grid_shape or words.shape[:2]
     m, n = x.shape[0], tiles * 16
     per, split = splits(steps, cfg.split)
@@ -404,6 +410,8 @@ def launch(ptx: str, cfg: MmaConfig, x: torch.Tensor, words: torch.Tensor, a: to
         x, words, a, b, ws, tiles, chunks_per_row, n, steps, per, int_a, int_b,
         ws.stride(0), m, WARPS=cfg.warps, PTX=ptx, PTX_WAITS=PDL_LINES[0] in ptx,
         num_warps=cfg.warps, **pdl.launch_args())
+    if defer_sum and not silu_mul and norm_in is None:
+        return SplitSums(ws, bias, y)
     return sum_splits(ws, bias, y, silu_mul, norm_in)
 
 
