@@ -261,8 +261,8 @@ def test_qkv_split_sums_in_the_rope_kernel_change_no_bit(tmp_path, monkeypatch):
     default): greedy tokens and their logprobs the same as with the second
     launch ($RADIXLM_SPLIT_SUMS=launch), and the model tracks its dequantized
     weights as the narrow model does."""
-    config = tiny_llama(**{**SIZES, "num_attention_heads": 40, "num_key_value_heads": 4,
-                           "num_hidden_layers": 2})
+    config = tiny_llama(**{**SIZES, "hidden_size": 1280, "num_attention_heads": 40,
+                           "num_key_value_heads": 4, "num_hidden_layers": 2})
     floats = save_float_model(config, tmp_path / "float")
     floats = {k: v * TAME if k.endswith("proj.weight") else v for k, v in floats.items()}
     q, deq = write_pair(tmp_path, "awq", config, floats, *FORMATS["awq-g128"])
