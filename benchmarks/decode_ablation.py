@@ -14,7 +14,8 @@ their place in the chain of dependent kernels go). Kinds (`ABLATE`, comma-separa
 - `norm`: every RMSNorm kernel (fused residual add included: the residual stream
   then stops being updated);
 - `s2`: decode attention's second stage (the merge of the splits);
-- `rope`: the RoPE kernel, with the K/V store it carries;
+- `rope`: the RoPE kernel, with the K/V store it carries (and the int4 qkv
+  product's split-K sum, which it adds: `layers/split_sums.py`);
 - `router`: the MoE router, both launches: a fixed table of distinct expert ids
   (`ABLATE_EXPERTS`, "128,8" by default: experts, top-k) with equal weights, so
   the experts still read k experts' weights a token;
@@ -22,8 +23,9 @@ their place in the chain of dependent kernels go). Kinds (`ABLATE`, comma-separa
 - `norm2`: the decoder layers' post-attention norm only;
 - `logits`: the router's logits launch only (the top-k sums fixed random logits).
 - `ksum`: the split-K sums of the tensor-core GEMVs that still take a second
-  launch (`mma_gemv.launch`: gate/up's with the fused SiLU, int4's split-4
-  layers; the others add theirs in the program, `MmaConfig.cta_sum`);
+  launch (`mma_gemv.launch`: gate/up's with the fused SiLU; int4 qkv's only
+  under $RADIXLM_SPLIT_SUMS=launch, else the RoPE kernel adds it; the others
+  add theirs in the program, `MmaConfig.cta_sum`);
   `ABLATE_KSUM_N` (comma-separated output widths) limits it to those products.
 
 `norm2` and `logits` measure the layout before the norm was folded into the

@@ -420,11 +420,10 @@ def apply_rope_(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, head_
     views of `sums.out` [T, (nq + 2 nk) head_dim], not written yet: the kernel
     adds the product's split-K partial sums first (`layers/split_sums.py`), with
     the second launch's arithmetic, so the same bits as `sums.finish()` before."""
-    if sums is not None and not (kv_store is not None and _use_triton(q, use_triton)
-                                 and q.shape[0] > 0):
+    if sums is not None:
+        if kv_store is not None and _use_triton(q, use_triton):
+            return _rope_sums(positions, q, k, head_dim, cos_sin_cache, kv_store, qk_norm, sums)
         sums.finish()
-    elif sums is not None:
-        return _rope_sums(positions, q, k, head_dim, cos_sin_cache, kv_store, qk_norm, sums)
     if not _use_triton(q, use_triton):
         if qk_norm is not None:
             wq, wk, eps = qk_norm
