@@ -748,6 +748,37 @@ def test_fp8_gemv_mma(m, cfg):
     assert torch.equal(FM.fp8_gemv_mma_plain(x, q, s, config=config, silu_mul=True), fused)
 
 
+def mma_gemv_case(fmt: str, m: int, n: int, k: int, seed: int):
+    """x [m, k] bf16, a bias [n] and `gemv(x, bias=None, cfg=None, **kw)`: the
+    tensor-core GEMV of `fmt` (int4 g128; FP8 "fp8" from the words, "fp8-plain"
+    read where it lies, "fp8-block" so with 128 x 128 block scales) over a random weight
+    [n, k] (drawn from `seed`, x and the bias from the next two)."""
+    from radixlm.layers.quantization.triton_ops import fp8_mma as FM
+    from radixlm.layers.quantization.triton_ops import int4_mma as MM
+
+    x = randn(m, k, seed=seed + 1, dtype=torch.bfloat16)
+    bias = randn(n, seed=seed + 2, dtype=torch.bfloat16)
+    if fmt == "int4":
+        w = int4_weight(n, k, 128, False, seed=seed)
+        words = MM.mma_layout(I.unpack_rows(w.qweight))
+
+        def gemv(x, bias=None, cfg=None, **kw):
+            return MM.int4_gemv_mma(x, words, w.zeros, w.scales, 128, bias, config=cfg, **kw)
+        return x, bias, gemv
+    q, s = quantize_rows(randn(n, k, seed=seed, scale=0.05))
+    scale_rows = 0
+    if fmt == "fp8-block":
+        grid = torch.rand(n // 128, k // 128, device=DEV) * 1e-3 + 1e-4
+        s, scale_rows = block_table(grid, [n], 128)
+    words = FM.mma_layout(q)
+
+    def gemv(x, bias=None, cfg=None, **kw):
+        if fmt == "fp8":
+            return FM.fp8_gemv_mma(x, words, s, bias, config=cfg, scale_rows=scale_rows, **kw)
+        return FM.fp8_gemv_mma_plain(x, q, s, bias, config=cfg, scale_rows=scale_rows, **kw)
+    return x, bias, gemv
+
+
 @needs_cuda
 @pytest.mark.parametrize("fmt", ["fp8", "fp8-plain", "fp8-block", "int4"])
 @pytest.mark.parametrize("m", [1, 3, 8, 27])
@@ -757,34 +788,10 @@ def test_mma_gemv_sum_in_the_program(fmt, m, split):
     second launch): the same bits as the two launches, with and without bias, for
     both formats at 1-27 rows; the fused SiLU keeps two launches; inside a CUDA
     graph replayed on new inputs the sums follow the new x."""
-    from radixlm.layers.quantization.triton_ops import fp8_mma as FM
-    from radixlm.layers.quantization.triton_ops import int4_mma as MM
     from radixlm.layers.quantization.triton_ops import mma_gemv as MG
 
     n, k = 512, 2048
-    x = randn(m, k, seed=62, dtype=torch.bfloat16)
-    bias = randn(n, seed=63, dtype=torch.bfloat16)
-    if fmt == "int4":
-        w = int4_weight(n, k, 128, False, seed=61)
-        words = MM.mma_layout(I.unpack_rows(w.qweight))
-
-        def gemv(x, bias=None, silu=False, cfg=None):
-            return MM.int4_gemv_mma(x, words, w.zeros, w.scales, 128, bias, config=cfg,
-                                    silu_mul=silu)
-    else:
-        q, s = quantize_rows(randn(n, k, seed=61, scale=0.05))
-        scale_rows = 0
-        if fmt == "fp8-block":
-            grid = torch.rand(n // 128, k // 128, device=DEV) * 1e-3 + 1e-4
-            s, scale_rows = block_table(grid, [n], 128)
-        words = FM.mma_layout(q)
-
-        def gemv(x, bias=None, silu=False, cfg=None):
-            if fmt == "fp8":
-                return FM.fp8_gemv_mma(x, words, s, bias, config=cfg, silu_mul=silu,
-                                       scale_rows=scale_rows)
-            return FM.fp8_gemv_mma_plain(x, q, s, bias, config=cfg, silu_mul=silu,
-                                         scale_rows=scale_rows)
+    x, bias, gemv = mma_gemv_case(fmt, m, n, k, seed=61)
     two = MG.MmaConfig(4, 1, split, prefetch=m <= 32)
     one = two._replace(cta_sum=True)
     steps = k // 128  # FP8: 128 features a step; int4: a group of 128
@@ -792,7 +799,7 @@ def test_mma_gemv_sum_in_the_program(fmt, m, split):
     assert not MG.cta_fits(one._replace(split=3), steps, False)  # 3 warps: two launches
     for b in (None, bias):
         assert torch.equal(gemv(x, b, cfg=one), gemv(x, b, cfg=two)), f"bias {b is not None}"
-    assert torch.equal(gemv(x, silu=True, cfg=one), gemv(x, silu=True, cfg=two))
+    assert torch.equal(gemv(x, silu_mul=True, cfg=one), gemv(x, silu_mul=True, cfg=two))
     # Captured once, replayed on another x: the sums follow the new x.
     xs = x.clone()
     out = gemv(xs, bias, cfg=one)
@@ -814,29 +821,14 @@ def test_mma_gemv_leaves_its_split_sums(fmt, m):
     """`defer_sum` (`layers/split_sums.py`): where the sum takes a second launch the
     GEMV returns its partial sums, which `finish()` adds into the same bits; where
     the sum is in the program, or the SiLU is fused, it returns the product."""
-    from radixlm.layers.quantization.triton_ops import fp8_mma as FM
-    from radixlm.layers.quantization.triton_ops import int4_mma as MM
     from radixlm.layers.quantization.triton_ops import mma_gemv as MG
     from radixlm.layers.split_sums import SplitSums
 
-    n, k = 6144, 1024
-    x = randn(m, k, seed=72, dtype=torch.bfloat16)
-    bias = randn(n, seed=73, dtype=torch.bfloat16)
-    if fmt == "int4":
-        w = int4_weight(n, k, 128, False, seed=71)
-        words = MM.mma_layout(I.unpack_rows(w.qweight))
-
-        def gemv(x, bias=None, cfg=None, **kw):
-            return MM.int4_gemv_mma(x, words, w.zeros, w.scales, 128, bias, config=cfg, **kw)
-    else:
-        q, s = quantize_rows(randn(n, k, seed=71, scale=0.05))
-
-        def gemv(x, bias=None, cfg=None, **kw):
-            return FM.fp8_gemv_mma_plain(x, q, s, bias, config=cfg, **kw)
+    x, bias, gemv = mma_gemv_case(fmt, m, 6144, 1024, seed=71)
     two = MG.MmaConfig(4, 1, 4, prefetch=m <= 32)
     for b in (None, bias):
         left = gemv(x, b, cfg=two, defer_sum=True)
-        assert isinstance(left, SplitSums) and left.partials.shape == (4, m, n)
+        assert isinstance(left, SplitSums) and left.partials.shape == (4, m, 6144)
         assert torch.equal(left.finish(), gemv(x, b, cfg=two)), f"bias {b is not None}"
     assert isinstance(gemv(x, bias, cfg=two._replace(cta_sum=True), defer_sum=True),
                       torch.Tensor)
