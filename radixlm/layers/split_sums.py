@@ -12,7 +12,8 @@ The qkv projection's output is read once, by the RoPE kernel that also stores
 K and V into the pool. That kernel can add the partial sums itself
 (`fused_ops.apply_rope_`'s `sums`) with the second launch's arithmetic: the
 sums in split order, the bias, one rounding to the activation dtype; so the
-same bits as the two launches, and one launch less a layer.
+same bits as the two launches (with a per-head QK norm, up to the norm's
+summation order), and one launch less a layer.
 
 `LinearMethod.apply_unsummed` returns `SplitSums` where its kernel leaves the
 sum; a consumer that cannot take them calls `finish()` (the second launch).
