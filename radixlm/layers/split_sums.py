@@ -53,8 +53,3 @@ class SplitSums:
         from radixlm.layers.quantization.triton_ops.int4 import sum_splits
 
         return sum_splits(self.partials, self.bias, self.out, silu_mul=False)
-
-
-def finished(y: torch.Tensor | SplitSums) -> torch.Tensor:
-    """A product's output, its split-K sum run first where it was left."""
-    return y.finish() if isinstance(y, SplitSums) else y
