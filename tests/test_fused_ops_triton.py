@@ -1,8 +1,9 @@
 """The fused ops' Triton kernels (`radixlm/layers/fused_ops.py`: RMSNorm with the
-residual add, neox RoPE in place with the QK norms and the K/V store) on the CPU:
-the RoPE and a cut of the RMSNorm tests of tests/gpu/test_fused_ops.py, against
-float64 and the torch paths, in a child pytest under Triton's interpreter
-(tests/interpreter.py says why a child). ~50 s on 2 cores.
+residual add, neox RoPE in place with the QK norms, the K/V store and a qkv
+product's split-K sums) on the CPU: the RoPE and a cut of the RMSNorm tests of
+tests/gpu/test_fused_ops.py, against float64 and the torch paths, in a child
+pytest under Triton's interpreter (tests/interpreter.py says why a child).
+~85 s on 2 cores.
 """
 
 from __future__ import annotations
