@@ -306,13 +306,16 @@ def run_block(asm: str, operands: list[int], warps: int, mem: Memory) -> None:
 
 
 def run_mma_gemv(ptx: str, cfg, x, words, a, b, steps: int, int_a: int = 0,
-                 int_b: int = 0, grid_shape: tuple[int, int] | None = None):
+                 int_b: int = 0, grid_shape: tuple[int, int] | None = None,
+                 pair: bool = False):
     """A tensor-core GEMV's PTX (`int4_mma` / `fp8_mma`) over the grid that
     `mma_gemv_kernel` launches, each program with the operands it passes: x [M, K],
     the fragment-order `words` [tiles, chunks, 32, *] (or, with `grid_shape`
     (tiles, chunks a row), whatever the PTX reads instead), the format's two
     arrays `a`, `b` and two integers, `steps` loop steps split by `cfg.split`.
-    Returns the split-K partial sums added: fp32 [M, N] (torch)."""
+    `pair`: the PTX takes a warp's gate and up tiles (`int4_mma._PtxGroup`), so
+    the grid covers the gate's tiles and $9 is their count; the sums come back in
+    its pair order. Returns the split-K partial sums added: fp32 [M, N] (torch)."""
     import torch
 
     from radixlm.layers.quantization.triton_ops.mma_gemv import splits
@@ -328,11 +331,12 @@ def run_mma_gemv(ptx: str, cfg, x, words, a, b, steps: int, int_a: int = 0,
     aa, ba = mem.add(a.numpy()), mem.add(b.numpy())
     # NaN where no lane writes: a row or column the kernel skipped shows.
     ws = mem.add(np.full((split, m, n), np.nan, dtype=np.float32), pdl)
-    for pid_n in range(-(-tiles // (cfg.warps * cfg.nt))):
+    warp_tiles = tiles // 2 if pair else tiles  # what $9 counts
+    for pid_n in range(-(-warp_tiles // (cfg.warps * (1 if pair else cfg.nt)))):
         for pid_k in range(split):
             lo = pid_k * per
             ops = [0, xa, wa, aa, ba, ws + pid_k * m * n * 4, pid_n * cfg.warps, lo,
-                   min(steps, lo + per), tiles, cpr, n, int_a, int_b, m]
+                   min(steps, lo + per), warp_tiles, cpr, n, int_a, int_b, m]
             run_block(ptx, ops, cfg.warps, mem)
     sums = mem.buffer(ws).view(np.float32).reshape(split, m, n).copy()
     return torch.from_numpy(sums).sum(0)

@@ -47,17 +47,17 @@ def test_layout_round_trip_and_formula() -> None:
 
 
 def simulate(x: torch.Tensor, q, z, s, group: int, cfg: M.MmaConfig,
-             pdl: bool = False) -> torch.Tensor:
+             pdl: bool = False, pair: bool = False) -> torch.Tensor:
     """What `int4_gemv_mma` computes before its split-K sum: the PTX of every program
     (the rows PTX where x has more than one) in the simulator, operands as
     `mma_gemv_kernel` gets them; fp32 [M, N]. `pdl`: the PTX holding the PDL wait
     (the simulator refuses x or the sums touched before it)."""
     k, n = q.shape
     ptx = M.gemv_ptx(cfg.nt, group // M.CHUNK, x.dtype == torch.bfloat16, cfg.prefetch,
-                     rows=x.shape[0] > 1, pdl=pdl, runs=-(-x.shape[0] // 8))
+                     rows=x.shape[0] > 1, pdl=pdl, runs=-(-x.shape[0] // 8), pair=pair)
     # A step is a group; the zero points' and scales' rows are N apart.
     return run_mma_gemv(ptx, cfg, x, M.mma_layout(q), z, s.view(torch.int16), k // group,
-                        n, n)
+                        n, n, pair=pair)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -121,10 +121,48 @@ def test_ptx_with_the_pdl_wait_inside(m, n, k, group, cfg) -> None:
     check_against_float64(m, torch.bfloat16, n, k, group, cfg, pdl=True)
 
 
-def check_against_float64(m, dtype, n, k, group, cfg, pdl: bool = False) -> None:
+@pytest.mark.parametrize("m,n,k,group,cfg,pdl", [
+    (1, 64, 256, 128, M.MmaConfig(2, 2, 2), False),  # a warp past the last pair idles
+    (1, 96, 384, 64, M.MmaConfig(1, 2, 3, prefetch=True), True),
+    (1, 64, 512, 128, M.MmaConfig(2, 2, 2, prefetch=True), False),
+    (5, 64, 384, 128, M.MmaConfig(1, 2, 2, prefetch=True), True),
+    (8, 32, 256, 64, M.MmaConfig(1, 2, 2), False),
+])
+def test_pair_ptx_against_float64(m, n, k, group, cfg, pdl) -> None:
+    """A merged [gate; up] weight with a warp's two tiles its gate tile and the up
+    tile of the same features: every column's sum right, stored in pair order
+    (gate tile p's 16 columns at 32 p, its up tile's after them)."""
+    check_against_float64(m, torch.bfloat16, n, k, group, cfg, pdl=pdl, pair=True)
+
+
+def test_int4_pair_form_is_picked_where_it_fits(monkeypatch):
+    """`int4_mma.pairs`: bias-free gate/up with the SiLU at up to 8 rows, whole
+    pairs of tiles; never under $RADIXLM_SPLIT_SUMS=launch."""
+    from radixlm.layers.quantization.triton_ops import int4_mma as MM
+
+    assert MM.pairs(1, 28672, True, None) and MM.pairs(8, 64, True, None)
+    assert not MM.pairs(9, 28672, True, None)  # two runs of rows
+    assert not MM.pairs(1, 28672, False, None)  # no SiLU
+    assert not MM.pairs(1, 48, True, None)  # 3 tiles: no whole pairs
+    assert not MM.pairs(1, 64, True, torch.zeros(64))
+    monkeypatch.setenv("RADIXLM_SPLIT_SUMS", "launch")
+    assert not MM.pairs(1, 28672, True, None)
+
+
+def pair_order(n: int) -> torch.Tensor:
+    """The logical column of each pair-order column of a [gate; up] of n columns."""
+    c = torch.arange(n)
+    p, i, j = c // 32, (c // 16) % 2, c % 16
+    return i * (n // 2) + 16 * p + j
+
+
+def check_against_float64(m, dtype, n, k, group, cfg, pdl: bool = False,
+                          pair: bool = False) -> None:
     q, z, s = int4_case(n, k, group, seed=n + k)
     x = (torch.randn(m, k, generator=torch.Generator().manual_seed(k)) * 0.5).to(dtype)
-    got = simulate(x, q, z, s, group, cfg, pdl)
+    got = simulate(x, q, z, s, group, cfg, pdl, pair)
+    if pair:
+        got = torch.empty_like(got).index_copy_(1, pair_order(n), got)
     scale = s.double().repeat_interleave(group, 0)  # [K, N]: each weight's scale
     w = (q.double() - z.double().repeat_interleave(group, 0)) * scale
     ref = x.double() @ w
@@ -162,11 +200,14 @@ def test_sm90_code_one_mma_a_word_no_shared_memory() -> None:
     sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
     from sass import mma_gemv_loop, opcode_counts
 
-    for nt, chunks, warps, prefetch, rows, runs in [
-            (1, 2, 4, False, False, 1), (2, 1, 2, False, False, 1), (1, 2, 4, True, False, 1),
-            (1, 2, 4, True, True, 1), (1, 2, 4, True, True, 2), (2, 1, 4, False, True, 2),
-            (1, 2, 4, True, True, MG.PREFETCH_RUNS), (1, 2, 4, False, True, MG.MAX_RUNS)]:
-        ptx = M.gemv_ptx(nt, chunks, True, prefetch, rows, runs=runs)
+    for nt, chunks, warps, prefetch, rows, runs, pair in [
+            (1, 2, 4, False, False, 1, False), (2, 1, 2, False, False, 1, False),
+            (1, 2, 4, True, False, 1, False), (1, 2, 4, True, True, 1, False),
+            (1, 2, 4, True, True, 2, False), (2, 1, 4, False, True, 2, False),
+            (1, 2, 4, True, True, MG.PREFETCH_RUNS, False),
+            (1, 2, 4, False, True, MG.MAX_RUNS, False),
+            (2, 2, 4, True, False, 1, True), (2, 2, 4, True, True, 1, True)]:  # gate/up pairs
+        ptx = M.gemv_ptx(nt, chunks, True, prefetch, rows, runs=runs, pair=pair)
         loop = mma_gemv_loop(ptx, warps)
         ops = opcode_counts(loop)
         groups = 2 if prefetch else 1  # the prefetching loop is unrolled twice

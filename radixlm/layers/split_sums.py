@@ -17,7 +17,11 @@ summation order), and one launch less a layer.
 
 `LinearMethod.apply_unsummed` returns `SplitSums` where its kernel leaves the
 sum; a consumer that cannot take them calls `finish()` (the second launch).
-$RADIXLM_SPLIT_SUMS=launch keeps the second launch everywhere (`deferred`).
+
+The int4 gate/up product's sum, with its SiLU, went the other way: into the
+product's own program (`int4_mma.pairs`: each warp the gate and up tiles of
+the same features). $RADIXLM_SPLIT_SUMS=launch keeps the second launch of both
+(`deferred`).
 """
 
 from __future__ import annotations
@@ -29,8 +33,9 @@ import torch
 
 
 def deferred() -> bool:
-    """Whether products may leave their split-K sums to the consumer (the default;
-    $RADIXLM_SPLIT_SUMS=launch: never, for comparisons)."""
+    """Whether products whose split-K sums took a second launch may leave them to
+    the consumer or sum them in their program (the default; $RADIXLM_SPLIT_SUMS=
+    launch: never, for comparisons)."""
     mode = os.environ.get("RADIXLM_SPLIT_SUMS", "consumer")
     if mode not in ("consumer", "launch"):
         raise ValueError(f"RADIXLM_SPLIT_SUMS={mode!r}: expected 'consumer' or 'launch'")

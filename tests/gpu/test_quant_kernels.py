@@ -836,6 +836,46 @@ def test_mma_gemv_leaves_its_split_sums(fmt, m):
 
 
 @needs_cuda
+@pytest.mark.parametrize("m", [1, 3, 8])
+@pytest.mark.parametrize("n,k", [(28672, 1024), (512, 2048), (96, 512)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_int4_gemv_pair_form_finishes_the_silu(m, n, k, dtype):
+    """The int4 [gate; up] GEMV with its SiLU in one launch (`MmaConfig.pair`: a
+    warp's gate and up tiles of the same features, the split-K sum and SiLU in
+    the program): the same bits as the two launches at 1-8 rows, splits 4 and 8
+    (the default pick at gate/up's width and a narrower one), a pair count that
+    leaves a program's warps idle; under a CUDA graph replayed on new x; the
+    default pick takes it, and $RADIXLM_SPLIT_SUMS=launch the two launches."""
+    from radixlm.layers.quantization.triton_ops import int4_mma as MM
+    from radixlm.layers.quantization.triton_ops import mma_gemv as MG
+
+    x, _, gemv = mma_gemv_case("int4", m, n, k, seed=81)
+    x = x.to(dtype)
+    steps = k // 128
+    for split in (4, 8):
+        two = MG.MmaConfig(4, 1, split, prefetch=True)
+        pair = MG.MmaConfig(split, 2, split, prefetch=True, cta_sum=True, pair=True)
+        assert MG.cta_fits(pair, steps, True) and not MG.cta_fits(pair, steps, False)
+        want = gemv(x, silu_mul=True, cfg=two)
+        assert want.shape == (m, n // 2)
+        assert torch.equal(gemv(x, silu_mul=True, cfg=pair), want), f"split {split}"
+    assert MM.pairs(m, n, True, None) and MG.pick_config(n, pair=True).pair
+    two = MG.MmaConfig(4, 1, MG.pick_config(n).split, prefetch=True)
+    assert torch.equal(gemv(x, silu_mul=True), gemv(x, silu_mul=True, cfg=two))
+    xs = x.clone()
+    out = gemv(xs, silu_mul=True)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = gemv(xs, silu_mul=True)
+    x2 = randn(m, k, seed=82, dtype=dtype)
+    xs.copy_(x2)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, gemv(x2, silu_mul=True, cfg=two))
+
+
+@needs_cuda
 @pytest.mark.parametrize("m", [1, 8, 27])
 @pytest.mark.parametrize("case", ["block", "block-fused-parts"])
 def test_fp8_gemv_mma_block_scales(case, m):

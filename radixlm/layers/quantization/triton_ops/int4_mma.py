@@ -63,7 +63,7 @@ import torch
 import triton
 import triton.language as tl
 
-from radixlm.layers import pdl
+from radixlm.layers import pdl, split_sums
 from radixlm.layers.norm_fold import FoldedNorm, NormTarget
 from radixlm.layers.quantization.triton_ops import int4 as _int4
 from radixlm.layers.quantization.triton_ops.mma_gemv import (
@@ -126,7 +126,7 @@ def takes(n: int, k: int, group: int, g_idx: torch.Tensor | None) -> bool:
 # ---- the PTX --------------------------------------------------------------------------
 @functools.cache
 def gemv_ptx(nt: int, chunks: int, bf16: bool, prefetch: bool = False,
-             rows: bool = False, pdl: bool = False, runs: int = 1) -> str:
+             rows: bool = False, pdl: bool = False, runs: int = 1, pair: bool = False) -> str:
     """The PTX of one thread's work: `nt` column tiles, `chunks` chunks a group (a
     step of the loop); with `prefetch` the next group's loads are issued before
     this group's MMAs (two register buffers, the loop unrolled twice), so a warp
@@ -135,11 +135,13 @@ def gemv_ptx(nt: int, chunks: int, bf16: bool, prefetch: bool = False,
     `pdl`: the PDL wait inside, after the first group's weight loads (`loop_ptx`).
     `runs` (with `rows`): x has up to 8 `runs` rows, each run of 8 rows a
     B operand of its own against the same unpacked weights (`_PtxGroup`).
+    `pair` (nt 2): a merged [gate; up] weight, a warp's two tiles its gate tile
+    and the up tile of the same features (`_PtxGroup`).
     Operands (`mma_gemv.mma_gemv_kernel`'s): $1 x, $2 words, $3 zeros, $4 scales,
     $5 this program's partial sums; $6 its first warp index, $7 / $8 its first /
     past-last group, $9 column tiles in all, $10 chunks a row of tiles (K / 64),
     $11 N, $12 / $13 the zeros' / scales' row strides (in elements), $14 x's rows."""
-    return loop_ptx(_PtxGroup(nt, chunks, bf16, rows, runs), "int4_mma", "grp", "$8",
+    return loop_ptx(_PtxGroup(nt, chunks, bf16, rows, runs, pair), "int4_mma", "grp", "$8",
                     prefetch, pdl)
 
 
@@ -158,13 +160,21 @@ class _PtxGroup:
     loading row min(8 r + g, M - 1)), each word unpacked once for all runs; run
     r has its own D, e and sums (registers 4 (tile runs + r) + j, e 4 r + j)
     and writes rows 8 r + 2t, 8 r + 2t + 1 (ya{r} / yb{r}). runs = 1 is the
-    code above, text for text."""
+    code above, text for text.
+
+    `pair` (two tiles a warp): the weight is a merged [gate; up] of N columns
+    and $9 is N / 32, the gate's tiles. Warp tile p (< $9) takes gate tile p and
+    up tile p + $9 (the same 16 features of the up half), so that one program
+    can finish silu(gate) * up (`mma_gemv.mma_gemv_cta_kernel`'s PAIR). Its
+    partial sums go to columns 32 p .. 32 p + 31 of the [M, N] sums, gate's
+    16 then up's (the "pair order"): the stores of consecutive tiles, unchanged."""
 
     def __init__(self, nt: int, chunks: int, bf16: bool, rows: bool = False,
-                 runs: int = 1) -> None:
+                 runs: int = 1, pair: bool = False) -> None:
         assert runs == 1 or rows
+        assert not pair or nt == 2
         self.nt, self.chunks, self.t = nt, chunks, "bf16" if bf16 else "f16"
-        self.rows, self.runs = rows, runs
+        self.rows, self.runs, self.pair = rows, runs, pair
         self.accs = 4 * nt * runs if rows else 2 * nt
         self.magic = "0x43004300" if bf16 else "0x64006400"  # 128.0 / 1024.0, both halves
         self.offset = "0f43000000" if bf16 else "0f44800000"  # the same, one fp32
@@ -179,6 +189,7 @@ class _PtxGroup:
                f"{regs('e', 4 * self.runs)};",
                f".reg .f32 {regs('acc', self.accs)}, {regs('d', 4 * nt * self.runs)};",
                f".reg .b64 {regs('wa', nt)}, xa, za, sa, zn, sn, ya, {'yb, ' * self.rows}off;",
+               *([".reg .b64 zh, sh, zq, sq;"] if self.pair else []),
                *later_run_declarations(self.runs)]
         for b in bufs:
             out += [f".reg .b32 {regs(f'w{b}', nt * chunks * 4)};",
@@ -192,15 +203,21 @@ class _PtxGroup:
         addresses of its first group's words, x, zero points and scales and of its
         partial sums; the sums zeroed."""
         nt, chunks = self.nt, self.chunks
+        # pair: warp tile p is gate tile p; its up tile is $9 tiles on (words,
+        # zero points and scales), its sums at column 32 p (pair order)
+        nxt = ["mul.lo.u32 q0, $9, $10;", "mul.wide.u32 off, q0, 512;"] if self.pair else \
+            ["mul.wide.u32 off, $10, 512;"]  # the next tile's stream: K / 64 chunks on
+        up_cols = ["mul.wide.u32 zh, $9, 16;", "mul.wide.u32 sh, $9, 32;",
+                   "mad.lo.u32 tmp, tile, 32, g;"] if self.pair else []
         return [
-            *lane_lines(nt, "$6", "$9", "L_int4_mma_done"),
+            *lane_lines(1 if self.pair else nt, "$6", "$9", "L_int4_mma_done"),
             # words: ((tile * chunks_per_row + grp * chunks) * 32 + lane) * 16 bytes
             f"mul.lo.u32 tmp, $7, {chunks};",
             "mad.lo.u32 tmp, tile, $10, tmp;",
             "mad.lo.u32 tmp, tmp, 32, lane;",
             "mul.wide.u32 off, tmp, 16;",
             "add.u64 wa0, $2, off;",
-            "mul.wide.u32 off, $10, 512;",  # the next tile's stream: K / 64 chunks on
+            *nxt,
             *[f"add.u64 wa{i}, wa{i - 1}, off;" for i in range(1, nt)],
             # x: (grp * chunks * 64 + 16 t) * 2 bytes (rows: + min(g, M - 1) * K)
             f"mul.lo.u32 tmp, $7, {chunks * CHUNK};",
@@ -216,6 +233,7 @@ class _PtxGroup:
             "mad.lo.u32 q0, $7, $13, tmp;",
             "mul.wide.u32 off, q0, 2;",
             "add.u64 sa, $4, off;",
+            *up_cols,
             # partial sums of column tile * 16 + g (4 bytes each; rows: at row 2t)
             "mul.wide.u32 off, tmp, 4;",
             "add.u64 ya, $5, off;",
@@ -243,8 +261,12 @@ class _PtxGroup:
                     "mul.wide.u32 off, $13, 2;", "add.u64 sn, sa, off;"]
         zbase, sbase = ("zn", "sn") if ahead else ("za", "sa")
         for i in range(nt):
+            if self.pair and i == 1:  # the up tile's columns, N / 2 on
+                out += [f"add.u64 zq, {zbase}, zh;", f"add.u64 sq, {sbase}, sh;"]
+                zbase, sbase = "zq", "sq"
             for half in range(2):
-                col, r = 16 * i + 8 * half, 2 * i + half
+                col = (0 if self.pair else 16 * i) + 8 * half
+                r = 2 * i + half
                 out += [f"{pred}ld.global.u8 zr{b}{r}, [{zbase}+{col}];",
                         f"{pred}ld.global.b16 sr{b}{r}, [{sbase}+{2 * col}];"]
         return out
@@ -344,13 +366,22 @@ def int4_gemv_mma(x: torch.Tensor, words: torch.Tensor, zeros: torch.Tensor,
     m, n, k = check_rows(x, words)
     assert x.dtype in (torch.bfloat16, torch.float16)
     assert group in GROUPS and k % group == 0 and zeros.stride(1) == scales.stride(1) == 1
-    runs, cfg = row_runs(m, config or pick_config(n))
+    runs, cfg = row_runs(m, config or pick_config(n, pair=pairs(m, n, silu_mul, bias)))
     ptx = gemv_ptx(cfg.nt, group // CHUNK, x.dtype == torch.bfloat16, cfg.prefetch, m > 1,
-                   pdl.pdl_on(), runs)
+                   pdl.pdl_on(), runs, cfg.pair)
     # A step is a group; the zero points' and scales' rows are their strides apart.
     return launch(ptx, cfg, x, words, zeros, scales, k // group, zeros.stride(0),
                   scales.stride(0), bias, out, silu_mul, norm_in=norm_in, norm_out=norm_out,
                   defer_sum=defer_sum)
+
+
+def pairs(m: int, n: int, silu_mul: bool, bias: torch.Tensor | None) -> bool:
+    """Whether a product takes the pair form (`pick_config`'s `pair`): a bias-free
+    [gate; up] with its SiLU, whole pairs of tiles, one run of up to 8 rows (more
+    runs would hold twice the accumulators), unless $RADIXLM_SPLIT_SUMS=launch
+    keeps the second launch (`split_sums.deferred`)."""
+    return (silu_mul and bias is None and n % 32 == 0 and m <= 8
+            and split_sums.deferred())
 
 
 def norm_fold_rows(words: torch.Tensor, group: int, output: bool) -> int:

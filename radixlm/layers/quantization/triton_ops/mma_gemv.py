@@ -41,6 +41,7 @@ import triton
 import triton.language as tl
 
 from radixlm.layers import pdl
+from radixlm.layers.gemv import _silu_mul
 from radixlm.layers.norm_fold import FoldedNorm, NormTarget
 from radixlm.layers.pdl import pdl_trigger, pdl_wait
 from radixlm.layers.quantization.triton_ops.int4 import rstd_rows, sum_splits
@@ -60,9 +61,13 @@ class MmaConfig(NamedTuple):
     # The split-K sum inside the program (module docstring; `cta_fits` says when):
     # then `warps` is unused, a program has `split` warps a tile.
     cta_sum: bool = False
+    # A merged [gate; up] with its SiLU (int4 only, with cta_sum and nt 2): a warp's
+    # tiles are a gate tile and the up tile of its features, so the program
+    # finishes silu(gate) * up (`int4_mma._PtxGroup`'s pair).
+    pair: bool = False
 
 
-def pick_config(n: int, fp8: bool = False) -> MmaConfig:
+def pick_config(n: int, fp8: bool = False, pair: bool = False) -> MmaConfig:
     """4 warps of one tile each and the prefetching loop (in the sm_90 SASS of the
     plain loop ptxas sinks a step's later loads below its first MMAs: two round
     trips a step). K split in 4 where N >= 6144, else in 8: the best or within
@@ -70,8 +75,14 @@ def pick_config(n: int, fp8: bool = False) -> MmaConfig:
     (`python benchmarks/quant_kernels.py --sweep`, BENCHMARKS.md 2026-12-05),
     where split 16 at K 14336 lost 4-30 %. `cta_sum` (the split-K sum in the
     program) for FP8 (`fp8`) and for int4's split-8 layers, where it won on an
-    H100 (module docstring)."""
+    H100 (module docstring).
+
+    `pair`: an int4 [gate; up] product with its SiLU: the split-K sum and the
+    SiLU in the program, each warp the gate and up tiles of 16 features (one
+    launch where the sum and SiLU took a second; `cta_fits`)."""
     split = 4 if n >= 6144 else 8
+    if pair:
+        return MmaConfig(split, 2, split, prefetch=True, cta_sum=True, pair=True)
     return MmaConfig(4, 1, split, prefetch=True, cta_sum=fp8 or split == 8)
 
 
@@ -271,8 +282,8 @@ def mma_gemv_cta_kernel(x_ptr, w_ptr, a_ptr, b_ptr, ws_ptr, bias_ptr, y_ptr, TIL
                         stride_y, sq_in_ptr, P_IN, features, eps_in, res_ptr, gamma_ptr,
                         res_out_ptr, sq_out_ptr, SPLIT: tl.constexpr, ROWS: tl.constexpr,
                         HAS_BIAS: tl.constexpr, NORM_IN: tl.constexpr, P_BLOCK: tl.constexpr,
-                        NORM_OUT: tl.constexpr, PTX: tl.constexpr, PDL: tl.constexpr,
-                        PTX_WAITS: tl.constexpr):
+                        NORM_OUT: tl.constexpr, PAIR: tl.constexpr, PTX: tl.constexpr,
+                        PDL: tl.constexpr, PTX_WAITS: tl.constexpr):
     """`mma_gemv_kernel`'s PTX with the split-K sum in the program: program p owns
     row tile p with SPLIT warps, warp w taking run w of the steps. The PTX computes
     its tile as $6 + warp, so $6 is passed as p - warp; its run of steps and its
@@ -287,7 +298,12 @@ def mma_gemv_cta_kernel(x_ptr, w_ptr, a_ptr, b_ptr, ws_ptr, bias_ptr, y_ptr, TIL
     sums of squares at sq_in, over `features`) before the bias. NORM_OUT: the
     rounded product is added to the residual [M, N] (contiguous) into res_out;
     y gets the sum times the norm's weight `gamma`, and sq_out [M, TILES] at
-    column p the sum of the tile's squares."""
+    column p the sum of the tile's squares.
+
+    PAIR: the PTX's pair form (TILES the gate's tiles): program p's sums are gate
+    tile p's at columns 32 p .. 32 p + 15 of [M, N] (N the merged width) and its
+    up tile's after them; y [M, N / 2] gets silu(gate) * up at 16 p .. 16 p + 15,
+    the second launch's arithmetic (`int4._int4_split_sum_kernel`'s SILU_MUL)."""
     pid = tl.program_id(0)
     warp = tl.arange(0, 32 * SPLIT) // 32
     lo = warp * SPLIT_STEPS
@@ -303,17 +319,26 @@ def mma_gemv_cta_kernel(x_ptr, w_ptr, a_ptr, b_ptr, ws_ptr, bias_ptr, y_ptr, TIL
     ok = (rows < M)[:, None]
     if NORM_OUT:  # in flight with the partial sums' loads
         res = tl.load(res_ptr + rows[:, None] * N + cols[None, :], mask=ok, other=0.0)
-    at = ws_ptr + rows[:, None] * N + cols[None, :]
+    at = ws_ptr + rows[:, None] * N + (pid * 32 + tl.arange(0, 16) if PAIR else cols)[None, :]
     # .cg: from L2, where the other warps' stores went (not a stale L1 line)
     acc = tl.load(at, mask=ok, other=0.0, cache_modifier=".cg")
+    if PAIR:
+        up = tl.load(at + 16, mask=ok, other=0.0, cache_modifier=".cg")
     for s in tl.static_range(1, SPLIT):
         acc += tl.load(at + s * stride_ws, mask=ok, other=0.0, cache_modifier=".cg")
+        if PAIR:
+            up += tl.load(at + s * stride_ws + 16, mask=ok, other=0.0, cache_modifier=".cg")
     if NORM_IN:
-        acc *= rstd_rows(sq_in_ptr, tl.minimum(rows, M - 1), P_IN, features, eps_in,
+        rstd = rstd_rows(sq_in_ptr, tl.minimum(rows, M - 1), P_IN, features, eps_in,
                          P_BLOCK)[:, None]
+        acc *= rstd
+        if PAIR:
+            up *= rstd
     if HAS_BIAS:
         acc += tl.load(bias_ptr + cols).to(tl.float32)[None, :]
     dtype = y_ptr.dtype.element_ty
+    if PAIR:
+        acc = _silu_mul(acc, up, dtype)
     if NORM_OUT:  # the norm kernel's rounding: the product, then the residual stream
         s = (acc.to(dtype).to(tl.float32) + res.to(tl.float32)).to(dtype)
         tl.store(res_out_ptr + rows[:, None] * N + cols[None, :], s, mask=ok)
@@ -330,14 +355,15 @@ def folds_out(n: int, steps: int, fp8: bool = False) -> bool:
 
 
 def cta_fits(cfg: MmaConfig, steps: int, silu_mul: bool) -> bool:
-    """Whether `mma_gemv_cta_kernel` takes this launch: `cfg.cta_sum`, one tile a
-    warp, no fused SiLU (gate/up stays on two launches: in the program, with the
-    up tile's warps beside the gate tile's, it was level for FP8 and 18 % slower
-    for int4 on an H100), and K split in a power of two of runs (Triton's warps),
-    at most 16."""
+    """Whether `mma_gemv_cta_kernel` takes this launch: `cfg.cta_sum`, K split in a
+    power of two of runs (Triton's warps), at most 16, and either one tile a warp
+    and no SiLU, or a fused SiLU with `cfg.pair` (a warp's gate and up tiles).
+    The SiLU with each program's up tiles on warps beside its gate tiles' was
+    level for FP8 and 18 % slower for int4 on an H100 (2026-12-06): FP8 keeps
+    gate/up on two launches."""
     split = splits(steps, cfg.split)[1]
-    return (cfg.cta_sum and cfg.nt == 1 and not silu_mul and split & (split - 1) == 0
-            and split <= 16)
+    shape = (cfg.nt == 2 and silu_mul) if cfg.pair else (cfg.nt == 1 and not silu_mul)
+    return cfg.cta_sum and shape and split & (split - 1) == 0 and split <= 16
 
 
 def row_runs(m: int, cfg: MmaConfig) -> tuple[int, MmaConfig]:
@@ -395,17 +421,20 @@ def launch(ptx: str, cfg: MmaConfig, x: torch.Tensor, words: torch.Tensor, a: to
         assert sq_in.shape == (m, p_in) and sq_in.is_contiguous()
     if cta_fits(cfg, steps, silu_mul):
         fold = _fold_out(norm_out, y, tiles)
-        mma_gemv_cta_kernel[(tiles,)](
-            x, words, a, b, ws, bias if bias is not None else ws, y, tiles, chunks_per_row, n,
+        assert not cfg.pair or (bias is None and fold is None)
+        programs = tiles // 2 if cfg.pair else tiles  # pair: the gate's tiles
+        mma_gemv_cta_kernel[(programs,)](
+            x, words, a, b, ws, bias if bias is not None else ws, y, programs, chunks_per_row, n,
             steps, per, int_a, int_b, ws.stride(0), m, y.stride(0), sq_in, p_in,
             x.shape[1], norm_in.eps if norm_in is not None else 0.0,
             *(fold[1:] if fold is not None else (ws,) * 4), SPLIT=split,
             ROWS=triton.next_power_of_2(m), HAS_BIAS=bias is not None,
             NORM_IN=norm_in is not None, P_BLOCK=triton.next_power_of_2(p_in),
-            NORM_OUT=fold is not None, PTX=ptx, PTX_WAITS=PDL_LINES[0] in ptx,
+            NORM_OUT=fold is not None, PAIR=cfg.pair, PTX=ptx, PTX_WAITS=PDL_LINES[0] in ptx,
             num_warps=split, **pdl.launch_args())
         return y if fold is None else fold[0]
     assert norm_out is None, "a folded norm's output needs the split-K sum in the program"
+    assert not cfg.pair, "the pair form's sums are summed in its program only"
     mma_gemv_kernel[(triton.cdiv(tiles, cfg.warps * cfg.nt), split)](
         x, words, a, b, ws, tiles, chunks_per_row, n, steps, per, int_a, int_b,
         ws.stride(0), m, WARPS=cfg.warps, PTX=ptx, PTX_WAITS=PDL_LINES[0] in ptx,
