@@ -234,23 +234,25 @@ def sweep(fp8: bool = True, int4: bool = True) -> None:
         torch.cuda.empty_cache()
 
 
-def split_sweep() -> None:
-    """The tensor-core one-row GEMVs (int4 g128, FP8 plain) as the engine runs them
-    (gate_up with its SiLU), K split in 2-16 with the split-K sum in a second launch
-    or in the program (`MmaConfig.cta_sum`; not with the SiLU): what `pick_config`'s
-    split and sum form should be on this card. "*": the pick."""
+def split_sweep(rows: int = 1) -> None:
+    """The tensor-core GEMVs (int4 g128, FP8 plain) at `rows` rows as the engine runs
+    them (gate_up with its SiLU), K split in 2-16 with the split-K sum in a second
+    launch or in the program (`MmaConfig.cta_sum`; with the SiLU, int4's pair form
+    only): what `pick_config`'s split and sum form should be on this card. "*":
+    the pick."""
     print(f"{'shape':<9}{'format':<6}{'split':>6}{'sum':>9}{'us':>8}{'TB/s':>7}")
     for name, k, n in SHAPES:
-        x = torch.randn(1, k, device=DEV).bfloat16()
+        x = torch.randn(rows, k, device=DEV).bfloat16()
         silu = name == "gate_up"
         for fmt in ("int4", "fp8"):
             int4 = fmt == "int4"
-            pick = M4.pick_config(n) if int4 else F8M.pick_config(n, fp8=True)
+            pair = int4 and M4.pairs(rows, n, silu, None, k // 128)
+            pick = M4.pick_config(n, pair=pair) if int4 else F8M.pick_config(n, fp8=True)
             nbytes = int4_bytes(n, k) if int4 else n * k
             ws = copies(functools.partial(int4_weights if int4 else fp8_row_weights, n, k),
                         nbytes)
             for split in (2, 4, 8, 16):
-                for cta in ((False,) if silu else (False, True)):
+                for cta in ((False, True) if int4 or not silu else (False,)):
                     row = _split_row(int4, split, cta, silu, pick, x, ws, nbytes)
                     print(f"{name:<9}{fmt:<6}{row}", flush=True)
             del ws
@@ -279,8 +281,12 @@ def head_sweep(n: int = 128256, k: int = 4096) -> None:
 def _split_row(int4: bool, split: int, cta: bool, silu: bool, pick: MG.MmaConfig,
                x: torch.Tensor, ws: list[object], nbytes: int) -> str:
     """One form of the tensor-core GEMV timed: split, where the sum runs, us, TB/s,
-    and "*" where it is `pick`'s."""
-    t = time_graph(_mma_call(int4, MG.MmaConfig(4, 1, split, True, cta), silu), x, ws)
+    and "*" where it is `pick`'s. The sum in the program with the SiLU: int4's pair
+    form (a warp's gate and up tiles)."""
+    cfg = MG.MmaConfig(4, 1, split, True, cta)
+    if cta and silu:
+        cfg = MG.MmaConfig(split, 2, split, True, True, pair=True)
+    t = time_graph(_mma_call(int4, cfg, silu), x, ws)
     mark = "*" if (split, cta) == (pick.split, pick.cta_sum) else ""
     return (f"{split:>6}{'program' if cta else 'launch':>9}{t * 1e6:>8.2f}"
             f"{nbytes / t / 1e12:>7.2f} {mark}")
@@ -626,7 +632,7 @@ def main() -> None:
     elif args.act_quant:
         act_quant([int(r) for r in (args.rows or "64,256,1024,4096").split(",")])
     elif args.split_sweep:
-        split_sweep()
+        split_sweep(int(args.rows or 1))
     elif args.head_sweep:
         head_sweep()
     elif args.w8a8_sweep:

@@ -140,13 +140,14 @@ def test_int4_pair_form_is_picked_where_it_fits(monkeypatch):
     pairs of tiles; never under $RADIXLM_SPLIT_SUMS=launch."""
     from radixlm.layers.quantization.triton_ops import int4_mma as MM
 
-    assert MM.pairs(1, 28672, True, None) and MM.pairs(8, 64, True, None)
-    assert not MM.pairs(9, 28672, True, None)  # two runs of rows
-    assert not MM.pairs(1, 28672, False, None)  # no SiLU
-    assert not MM.pairs(1, 48, True, None)  # 3 tiles: no whole pairs
-    assert not MM.pairs(1, 64, True, torch.zeros(64))
+    assert MM.pairs(1, 28672, True, None, 32) and MM.pairs(8, 64, True, None, 8)
+    assert not MM.pairs(9, 28672, True, None, 32)  # two runs of rows
+    assert not MM.pairs(1, 28672, False, None, 32)  # no SiLU
+    assert not MM.pairs(1, 48, True, None, 8)  # 3 tiles: no whole pairs
+    assert not MM.pairs(1, 64, True, torch.zeros(64), 8)
+    assert not MM.pairs(1, 64, True, None, 10)  # 10 groups in 8 splits: 5 runs of 2
     monkeypatch.setenv("RADIXLM_SPLIT_SUMS", "launch")
-    assert not MM.pairs(1, 28672, True, None)
+    assert not MM.pairs(1, 28672, True, None, 32)
 
 
 def pair_order(n: int) -> torch.Tensor:

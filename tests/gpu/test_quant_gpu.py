@@ -254,15 +254,19 @@ def test_folded_norms_track_the_norm_kernels(fmt, model):
     assert sum(diffs) / len(diffs) < 0.1, fmt
 
 
-def test_qkv_split_sums_in_the_rope_kernel_change_no_bit(tmp_path, monkeypatch):
-    """An AWQ model whose qkv projection is 6144 wide (40 + 2 x 4 heads of 128:
+def test_split_sums_out_of_their_launches_change_no_bit(tmp_path, monkeypatch):
+    """An AWQ model whose qkv projection is 6144 wide (16 + 2 x 16 heads of 128:
     its split-K sum takes a second launch, `mma_gemv.pick_config`) hands its
-    partial sums to the RoPE + K/V store kernel (`layers/split_sums.py`, the
-    default): greedy tokens and their logprobs the same as with the second
-    launch ($RADIXLM_SPLIT_SUMS=launch), and the model tracks its dequantized
-    weights as the narrow model does."""
-    config = tiny_llama(**{**SIZES, "hidden_size": 1280, "num_attention_heads": 40,
-                           "num_key_value_heads": 4, "num_hidden_layers": 2})
+    partial sums to the RoPE + K/V store kernel, and whose gate/up (K 2048, 16
+    groups in whole runs) sums them with its SiLU in its program (the pair form)
+    (`layers/split_sums.py`, the default): greedy tokens and their logprobs the
+    same as with the second launches ($RADIXLM_SPLIT_SUMS=launch), and the model
+    tracks its dequantized weights as the narrow model does."""
+    from radixlm.layers.quantization.triton_ops import int4_mma as MM
+
+    config = tiny_llama(**{**SIZES, "hidden_size": 2048, "num_attention_heads": 16,
+                           "num_key_value_heads": 16, "num_hidden_layers": 2})
+    assert MM.pairs(1, 2 * config.intermediate_size, True, None, 2048 // 128)
     floats = save_float_model(config, tmp_path / "float")
     floats = {k: v * TAME if k.endswith("proj.weight") else v for k, v in floats.items()}
     q, deq = write_pair(tmp_path, "awq", config, floats, *FORMATS["awq-g128"])
@@ -275,7 +279,7 @@ def test_qkv_split_sums_in_the_rope_kernel_change_no_bit(tmp_path, monkeypatch):
     for a, b in zip(fused, apart, strict=True):
         assert a["output_ids"] == b["output_ids"]
         assert a["meta_info"]["output_token_logprobs"] == b["meta_info"]["output_token_logprobs"]
-    _compare(fused, _run(deq, None, prompts), "awq, qkv 6144 wide")
+    _compare(fused, _run(deq, None, prompts), "awq, qkv 6144 wide, gate/up pairs")
 
 
 def test_dummy_fp8_and_awq_engines_run(model):

@@ -859,7 +859,7 @@ def test_int4_gemv_pair_form_finishes_the_silu(m, n, k, dtype):
         want = gemv(x, silu_mul=True, cfg=two)
         assert want.shape == (m, n // 2)
         assert torch.equal(gemv(x, silu_mul=True, cfg=pair), want), f"split {split}"
-    assert MM.pairs(m, n, True, None) and MG.pick_config(n, pair=True).pair
+    assert MM.pairs(m, n, True, None, steps) and MG.pick_config(n, pair=True).pair
     two = MG.MmaConfig(4, 1, MG.pick_config(n).split, prefetch=True)
     assert torch.equal(gemv(x, silu_mul=True), gemv(x, silu_mul=True, cfg=two))
     xs = x.clone()

@@ -71,6 +71,7 @@ from radixlm.layers.quantization.triton_ops.mma_gemv import (
     MAX_ROWS,
     MmaConfig,
     check_rows,
+    cta_fits,
     folds_out,
     lane_lines,
     later_run_declarations,
@@ -366,7 +367,7 @@ def int4_gemv_mma(x: torch.Tensor, words: torch.Tensor, zeros: torch.Tensor,
     m, n, k = check_rows(x, words)
     assert x.dtype in (torch.bfloat16, torch.float16)
     assert group in GROUPS and k % group == 0 and zeros.stride(1) == scales.stride(1) == 1
-    runs, cfg = row_runs(m, config or pick_config(n, pair=pairs(m, n, silu_mul, bias)))
+    runs, cfg = row_runs(m, config or pick_config(n, pair=pairs(m, n, silu_mul, bias, k // group)))
     ptx = gemv_ptx(cfg.nt, group // CHUNK, x.dtype == torch.bfloat16, cfg.prefetch, m > 1,
                    pdl.pdl_on(), runs, cfg.pair)
     # A step is a group; the zero points' and scales' rows are their strides apart.
@@ -375,13 +376,14 @@ def int4_gemv_mma(x: torch.Tensor, words: torch.Tensor, zeros: torch.Tensor,
                   defer_sum=defer_sum)
 
 
-def pairs(m: int, n: int, silu_mul: bool, bias: torch.Tensor | None) -> bool:
-    """Whether a product takes the pair form (`pick_config`'s `pair`): a bias-free
-    [gate; up] with its SiLU, whole pairs of tiles, one run of up to 8 rows (more
-    runs would hold twice the accumulators), unless $RADIXLM_SPLIT_SUMS=launch
-    keeps the second launch (`split_sums.deferred`)."""
+def pairs(m: int, n: int, silu_mul: bool, bias: torch.Tensor | None, steps: int) -> bool:
+    """Whether a product of `steps` groups takes the pair form (`pick_config`'s
+    `pair`): a bias-free [gate; up] with its SiLU, whole pairs of tiles, one run of
+    up to 8 rows (more runs would hold twice the accumulators), K split into a
+    power of two of runs (`cta_fits`), unless $RADIXLM_SPLIT_SUMS=launch keeps the
+    second launch (`split_sums.deferred`)."""
     return (silu_mul and bias is None and n % 32 == 0 and m <= 8
-            and split_sums.deferred())
+            and cta_fits(pick_config(n, pair=True), steps, True) and split_sums.deferred())
 
 
 def norm_fold_rows(words: torch.Tensor, group: int, output: bool) -> int:
