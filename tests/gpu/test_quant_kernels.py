@@ -842,17 +842,17 @@ def test_mma_gemv_leaves_its_split_sums(fmt, m):
 def test_int4_gemv_pair_form_finishes_the_silu(m, n, k, dtype):
     """The int4 [gate; up] GEMV with its SiLU in one launch (`MmaConfig.pair`: a
     warp's gate and up tiles of the same features, the split-K sum and SiLU in
-    the program): the same bits as the two launches at 1-8 rows, splits 4 and 8
-    (the default pick at gate/up's width and a narrower one), a pair count that
-    leaves a program's warps idle; under a CUDA graph replayed on new x; the
-    default pick takes it, and $RADIXLM_SPLIT_SUMS=launch the two launches."""
+    the program): the same bits as the two launches at 1-8 rows, splits 2, 4 and
+    8 (the default picks at gate/up's width and a narrower one), a pair count
+    that leaves a program's warps idle; under a CUDA graph replayed on new x;
+    the default pick takes it."""
     from radixlm.layers.quantization.triton_ops import int4_mma as MM
     from radixlm.layers.quantization.triton_ops import mma_gemv as MG
 
     x, _, gemv = mma_gemv_case("int4", m, n, k, seed=81)
     x = x.to(dtype)
     steps = k // 128
-    for split in (4, 8):
+    for split in (2, 4, 8):
         two = MG.MmaConfig(4, 1, split, prefetch=True)
         pair = MG.MmaConfig(split, 2, split, prefetch=True, cta_sum=True, pair=True)
         assert MG.cta_fits(pair, steps, True) and not MG.cta_fits(pair, steps, False)
@@ -860,7 +860,7 @@ def test_int4_gemv_pair_form_finishes_the_silu(m, n, k, dtype):
         assert want.shape == (m, n // 2)
         assert torch.equal(gemv(x, silu_mul=True, cfg=pair), want), f"split {split}"
     assert MM.pairs(m, n, True, None, steps) and MG.pick_config(n, pair=True).pair
-    two = MG.MmaConfig(4, 1, MG.pick_config(n).split, prefetch=True)
+    two = MG.MmaConfig(4, 1, MG.pick_config(n, pair=True).split, prefetch=True)
     assert torch.equal(gemv(x, silu_mul=True), gemv(x, silu_mul=True, cfg=two))
     xs = x.clone()
     out = gemv(xs, silu_mul=True)

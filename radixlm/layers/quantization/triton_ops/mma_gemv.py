@@ -79,9 +79,14 @@ def pick_config(n: int, fp8: bool = False, pair: bool = False) -> MmaConfig:
 
     `pair`: an int4 [gate; up] product with its SiLU: the split-K sum and the
     SiLU in the program, each warp the gate and up tiles of 16 features (one
-    launch where the sum and SiLU took a second; `cta_fits`)."""
+    launch where the sum and SiLU took a second; `cta_fits`), K split in 2 where
+    N >= 6144: Llama-8B's gate_up on an H100 at one row 22.05 us (split 4 22.29,
+    the two launches 22.75), at 8 rows 22.99 (23.78, 24.02), and end to end AWQ
+    +1.3 % against the two launches where split 4 gave +0.4 % (BENCHMARKS.md
+    2026-12-07 16:09)."""
     split = 4 if n >= 6144 else 8
     if pair:
+        split = 2 if n >= 6144 else split
         return MmaConfig(split, 2, split, prefetch=True, cta_sum=True, pair=True)
     return MmaConfig(4, 1, split, prefetch=True, cta_sum=fp8 or split == 8)
 
