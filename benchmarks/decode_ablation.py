@@ -23,10 +23,10 @@ their place in the chain of dependent kernels go). Kinds (`ABLATE`, comma-separa
 - `norm2`: the decoder layers' post-attention norm only;
 - `logits`: the router's logits launch only (the top-k sums fixed random logits).
 - `ksum`: the split-K sums of the tensor-core GEMVs that still take a second
-  launch (`mma_gemv.launch`: FP8 gate/up's with the fused SiLU; int4's, qkv's
-  and gate/up's, only under $RADIXLM_SPLIT_SUMS=launch, else the RoPE kernel
-  adds qkv's and gate/up's program its own; the others add theirs in the
-  program, `MmaConfig.cta_sum`);
+  launch (`mma_gemv.launch`: FP8 gate/up's with the fused SiLU; int4 gate/up's
+  above 8 rows; int4 qkv's and gate/up's at 1-8 rows only under
+  $RADIXLM_SPLIT_SUMS=launch, else the RoPE kernel adds qkv's and gate/up's
+  program its own; the others add theirs in the program, `MmaConfig.cta_sum`);
   `ABLATE_KSUM_N` (comma-separated output widths) limits it to those products.
 
 `norm2` and `logits` measure the layout before the norm was folded into the
