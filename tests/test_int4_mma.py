@@ -51,7 +51,8 @@ def simulate(x: torch.Tensor, q, z, s, group: int, cfg: M.MmaConfig,
     """What `int4_gemv_mma` computes before its split-K sum: the PTX of every program
     (the rows PTX where x has more than one) in the simulator, operands as
     `mma_gemv_kernel` gets them; fp32 [M, N]. `pdl`: the PTX holding the PDL wait
-    (the simulator refuses x or the sums touched before it)."""
+    (the simulator refuses x or the sums touched before it). `pair`: the gate/up
+    pair form, its sums in pair order (`pair_order`)."""
     k, n = q.shape
     ptx = M.gemv_ptx(cfg.nt, group // M.CHUNK, x.dtype == torch.bfloat16, cfg.prefetch,
                      rows=x.shape[0] > 1, pdl=pdl, runs=-(-x.shape[0] // 8), pair=pair)
