@@ -40,6 +40,7 @@ product, then freed: the memory stays half a byte per weight).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 from collections import Counter
 from collections.abc import Iterator
@@ -484,29 +485,34 @@ class Int4LinearMethod(LinearMethod):
             return 0
         return _mma.norm_fold_rows(w.mma, w.group, output)
 
-    def apply_normed(self, layer: LinearBase, x: FoldedNorm, silu_mul: bool = False
-                     ) -> torch.Tensor:
-        w: Int4Weight | None = getattr(layer, "int4", None)
-        if w is None or w.mma is None or not _mma.takes_rows(x.x, w.mma):
-            return super().apply_normed(layer, x, silu_mul)
-        return _mma.int4_gemv_mma(x.x, w.mma, w.zeros, w.scales, w.group, layer.bias,
-                                  silu_mul=silu_mul, norm_in=x)
-
-    def apply_unsummed(self, layer: LinearBase, x: torch.Tensor) -> torch.Tensor | SplitSums:
+    def _mma_gemv(self, layer: LinearBase, x: torch.Tensor) -> Any:
+        """The tensor-core GEMV of x's rows (`gemv(bias, **kw)`), which can fold a norm
+        or leave its split-K sum, or None (not this layer, not these rows: the
+        defaults then)."""
         w: Int4Weight | None = getattr(layer, "int4", None)
         if w is None or w.mma is None or not _mma.takes_rows(x, w.mma):
+            return None
+        return functools.partial(_mma.int4_gemv_mma, x, w.mma, w.zeros, w.scales, w.group)
+
+    def apply_normed(self, layer: LinearBase, x: FoldedNorm, silu_mul: bool = False
+                     ) -> torch.Tensor:
+        gemv = self._mma_gemv(layer, x.x)
+        if gemv is None:
+            return super().apply_normed(layer, x, silu_mul)
+        return gemv(layer.bias, silu_mul=silu_mul, norm_in=x)
+
+    def apply_unsummed(self, layer: LinearBase, x: torch.Tensor) -> torch.Tensor | SplitSums:
+        gemv = self._mma_gemv(layer, x)
+        if gemv is None:
             return super().apply_unsummed(layer, x)
-        return _mma.int4_gemv_mma(x, w.mma, w.zeros, w.scales, w.group, layer.bias,
-                                  defer_sum=True)
+        return gemv(layer.bias, defer_sum=True)
 
     def apply_into_norm(self, layer: LinearBase, x: torch.Tensor,
                         target: NormTarget) -> FoldedNorm:
-        w: Int4Weight | None = getattr(layer, "int4", None)
-        if (w is None or w.mma is None or not _mma.takes_rows(x, w.mma)
-                or not _mma.norm_fold_rows(w.mma, w.group, output=True)):
+        gemv = self._mma_gemv(layer, x)
+        if gemv is None or not self.norm_fold_rows(layer, True):
             return super().apply_into_norm(layer, x, target)
-        return _mma.int4_gemv_mma(x, w.mma, w.zeros, w.scales, w.group, layer.bias,
-                                  norm_out=target)
+        return gemv(layer.bias, norm_out=target)
 
 
 # ---- the configs -----------------------------------------------------------------------------
