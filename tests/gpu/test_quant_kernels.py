@@ -801,17 +801,24 @@ def test_mma_gemv_sum_in_the_program(fmt, m, split):
         assert torch.equal(gemv(x, b, cfg=one), gemv(x, b, cfg=two)), f"bias {b is not None}"
     assert torch.equal(gemv(x, silu_mul=True, cfg=one), gemv(x, silu_mul=True, cfg=two))
     # Captured once, replayed on another x: the sums follow the new x.
+    x2 = randn(m, k, seed=64, dtype=torch.bfloat16)
+    assert torch.equal(replayed(lambda v: gemv(v, bias, cfg=one), x, x2),
+                       gemv(x2, bias, cfg=two))
+
+
+def replayed(product, x: torch.Tensor, x_new: torch.Tensor) -> torch.Tensor:
+    """`product(x)` captured in a CUDA graph on a copy of x, then replayed after the
+    copy took x_new's values: the graph's output (what the replay computed)."""
     xs = x.clone()
-    out = gemv(xs, bias, cfg=one)
+    product(xs)  # compiled outside the capture
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = gemv(xs, bias, cfg=one)
-    x2 = randn(m, k, seed=64, dtype=torch.bfloat16)
-    xs.copy_(x2)
+        out = product(xs)
+    xs.copy_(x_new)
     graph.replay()
     torch.cuda.synchronize()
-    assert torch.equal(out, gemv(x2, bias, cfg=two))
+    return out
 
 
 @needs_cuda
@@ -862,17 +869,9 @@ def test_int4_gemv_pair_form_finishes_the_silu(m, n, k, dtype):
     assert MM.pairs(m, n, True, None, steps) and MG.pick_config(n, pair=True).pair
     two = MG.MmaConfig(4, 1, MG.pick_config(n, pair=True).split, prefetch=True)
     assert torch.equal(gemv(x, silu_mul=True), gemv(x, silu_mul=True, cfg=two))
-    xs = x.clone()
-    out = gemv(xs, silu_mul=True)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = gemv(xs, silu_mul=True)
     x2 = randn(m, k, seed=82, dtype=dtype)
-    xs.copy_(x2)
-    graph.replay()
-    torch.cuda.synchronize()
-    assert torch.equal(out, gemv(x2, silu_mul=True, cfg=two))
+    assert torch.equal(replayed(lambda v: gemv(v, silu_mul=True), x, x2),
+                       gemv(x2, silu_mul=True, cfg=two))
 
 
 @needs_cuda
