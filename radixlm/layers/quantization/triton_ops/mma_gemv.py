@@ -364,8 +364,9 @@ def cta_fits(cfg: MmaConfig, steps: int, silu_mul: bool) -> bool:
     power of two of runs (Triton's warps), at most 16, and either one tile a warp
     and no SiLU, or a fused SiLU with `cfg.pair` (a warp's gate and up tiles).
     The SiLU with each program's up tiles on warps beside its gate tiles' was
-    level for FP8 and 18 % slower for int4 on an H100 (2026-12-06): FP8 keeps
-    gate/up on two launches."""
+    level for FP8 and 18 % slower for int4 on an H100 (2026-12-06); FP8 in the
+    pair form was 10 % slower end to end on an H200 (2026-12-07 18:13): FP8
+    keeps gate/up on two launches."""
     split = splits(steps, cfg.split)[1]
     shape = (cfg.nt == 2 and silu_mul) if cfg.pair else (cfg.nt == 1 and not silu_mul)
     return cfg.cta_sum and shape and split & (split - 1) == 0 and split <= 16
