@@ -175,6 +175,12 @@ if HAS_TRITON:
                 (x2 * rstd * w2).to(dtype).to(tl.float32))
 
     @triton.jit
+    def _rotate(x1, x2, cos, sin, dtype: tl.constexpr):
+        """Rotary embedding of a head's two halves at a position's cos / sin,
+        rounded to `dtype`."""
+        return (x1 * cos - x2 * sin).to(dtype), (x2 * cos + x1 * sin).to(dtype)
+
+    @triton.jit
     def _rope_kernel(Q, K, CosSin, Pos, stride_qt, stride_qh, stride_kt, stride_kh, stride_cs,
                      V, KBuf, VBuf, Loc, stride_vt, WQ, WK, eps,
                      QK_NORM: tl.constexpr, NQ: tl.constexpr, NK: tl.constexpr,
@@ -221,10 +227,10 @@ if HAS_TRITON:
         if QK_NORM:
             x1, x2 = _norm_heads(x1, x2, wq1, wq2, eps, HEAD_DIM, Q.dtype.element_ty)
             y1, y2 = _norm_heads(y1, y2, wk1, wk2, eps, HEAD_DIM, K.dtype.element_ty)
-        tl.store(pq, (x1 * cos - x2 * sin).to(Q.dtype.element_ty), mask=mq)
-        tl.store(pq + HALF, (x2 * cos + x1 * sin).to(Q.dtype.element_ty), mask=mq)
-        k1 = (y1 * cos - y2 * sin).to(K.dtype.element_ty)
-        k2 = (y2 * cos + y1 * sin).to(K.dtype.element_ty)
+        q1, q2 = _rotate(x1, x2, cos, sin, Q.dtype.element_ty)
+        tl.store(pq, q1, mask=mq)
+        tl.store(pq + HALF, q2, mask=mq)
+        k1, k2 = _rotate(y1, y2, cos, sin, K.dtype.element_ty)
         tl.store(pk, k1, mask=mk)
         tl.store(pk + HALF, k2, mask=mk)
         if STORE:  # the rotated K row and the V row into the pool's slot (full rotary only)
@@ -289,8 +295,7 @@ if HAS_TRITON:
                     x1, x2 = _norm_heads(x1, x2, wq1, wq2, eps, HEAD_DIM, dtype)
                 else:
                     x1, x2 = _norm_heads(x1, x2, wk1, wk2, eps, HEAD_DIM, dtype)
-            r1 = (x1 * cos - x2 * sin).to(dtype)
-            r2 = (x2 * cos + x1 * sin).to(dtype)
+            r1, r2 = _rotate(x1, x2, cos, sin, dtype)
             tl.store(py, r1, mask=dmask)
             tl.store(py + HALF, r2, mask=dmask)
             if h >= NQ:
