@@ -381,17 +381,28 @@ def test_cuda_graph_replay():
     check_replays(x, w13, w2, topk_weights, topk_ids, gen)
 
 
-def check_replays(x, w13, w2, topk_weights, topk_ids, gen, **kwargs) -> None:
-    """`fused_experts(..., **kwargs)` captured in a CUDA graph, then replayed on new
-    hidden states and each routing kind: every replay matches the reference."""
+def check_replays(x, w13, w2, topk_weights, topk_ids, gen, ref_weights=None,
+                  with_pdl: bool = False, **kwargs) -> None:
+    """`fused_experts(..., **kwargs)` captured in a CUDA graph (launched with PDL
+    when `with_pdl`, as the engine does on Hopper), then replayed on new hidden
+    states and each routing kind: every replay matches the reference of
+    `ref_weights` (the dequantized (w13, w2) of quantized experts; default the
+    weights themselves)."""
     from gpu_models import capture_graph
 
+    from radixlm.layers import pdl
     from radixlm.layers.moe.triton_ops.fused_moe import fused_experts
 
     (t, h), (e, k) = x.shape, (w13.shape[0], topk_ids.shape[1])
+    r13, r2 = ref_weights if ref_weights is not None else (w13, w2)
     out = torch.empty_like(x)
-    graph, _ = capture_graph(lambda: fused_experts(x, w13, w2, topk_weights, topk_ids,
-                                                   out=out, **kwargs))
+    was = pdl.pdl_on()
+    pdl.set_pdl(with_pdl, x.device)
+    try:
+        graph, _ = capture_graph(lambda: fused_experts(x, w13, w2, topk_weights, topk_ids,
+                                                       out=out, **kwargs))
+    finally:
+        pdl.set_pdl(was, x.device)
     for kind in ("random", "ep", "one", "half"):
         new_w, new_ids = make_routing(t, e, k, kind, gen)
         x.copy_(torch.randn(t, h, generator=gen).to(x.dtype))
@@ -399,7 +410,7 @@ def check_replays(x, w13, w2, topk_weights, topk_ids, gen, **kwargs) -> None:
         topk_ids.copy_(new_ids)
         graph.replay()
         torch.cuda.synchronize()
-        assert rel_err(out, ref_experts(x, w13, w2, topk_weights, topk_ids)) < TOL[x.dtype], kind
+        assert rel_err(out, ref_experts(x, r13, r2, topk_weights, topk_ids)) < TOL[x.dtype], kind
 
 
 # ---- the direct small-batch path (`moe_gemv.py`) -----------------------------------
@@ -770,31 +781,10 @@ def test_mma_takes():
 def test_mma_cuda_graph_replay():
     """Captured at decode size with PDL as the engine runs it, replayed on new hidden
     states and routings: every replay matches the reference."""
-    from gpu_models import capture_graph
-
-    from radixlm.layers import pdl
-    from radixlm.layers.moe.triton_ops.fused_moe import fused_experts
-
     t, e, k, h, inter = 2, 128, 8, 2048, 768
     x, w13, w2, s13, s2, tw, ti, d13, d2 = _mma_case(t, e, k, h, inter, "random", 30)
-    gen = torch.Generator().manual_seed(31)
-    out = torch.empty_like(x)
-    was = pdl.pdl_on()
-    pdl.set_pdl(True, x.device)
-    try:
-        graph, _ = capture_graph(lambda: fused_experts(x, w13, w2, tw, ti, out=out,
-                                                       w13_scale=s13, w2_scale=s2,
-                                                       direct=True))
-    finally:
-        pdl.set_pdl(was, x.device)
-    for kind in ("random", "ep", "one", "half"):
-        new_w, new_ids = make_routing(t, e, k, kind, gen)
-        x.copy_(torch.randn(t, h, generator=gen).bfloat16())
-        tw.copy_(new_w)
-        ti.copy_(new_ids)
-        graph.replay()
-        torch.cuda.synchronize()
-        assert rel_err(out, ref_experts(x, d13, d2, tw, ti)) < TOL[torch.bfloat16], kind
+    check_replays(x, w13, w2, tw, ti, torch.Generator().manual_seed(31), ref_weights=(d13, d2),
+                  with_pdl=True, w13_scale=s13, w2_scale=s2, direct=True)
 
 
 @functools.cache

@@ -130,16 +130,27 @@ def test_bf16_tracks_hf(family, backend, no_graphs):
 FP8_EXPERTS = dict(OVERRIDES["qwen3_moe"], moe_intermediate_size=320)  # ragged 128-blocks
 
 
-@pytest.fixture(scope="module")
-def qwen3_fp8(tmp_path_factory):
-    config = MOE_FAMILIES["qwen3_moe"](**{**SIZES, **FP8_EXPERTS})
-    root = tmp_path_factory.mktemp("qwen3-fp8")
+def _fp8_model(tmp_path_factory, name: str, **overrides):
+    config = MOE_FAMILIES["qwen3_moe"](**{**SIZES, **FP8_EXPERTS, **overrides})
+    root = tmp_path_factory.mktemp(name)
     save_random_model(config, root / "float", std=0.05)
     floats = {k: v for f in sorted((root / "float").glob("*.safetensors"))
               for k, v in load_file(str(f)).items()}
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(10, 32000, (n,), generator=g).tolist() for n in LENS]
     return root, config, floats, prompts
+
+
+@pytest.fixture(scope="module")
+def qwen3_fp8(tmp_path_factory):
+    return _fp8_model(tmp_path_factory, "qwen3-fp8")
+
+
+@pytest.fixture(scope="module")
+def qwen3_fp8_steps(tmp_path_factory):
+    """Expert widths in whole 128-feature steps: per-channel FP8 experts then take
+    the tensor-core GEMVs at decode (`moe_mma.takes`)."""
+    return _fp8_model(tmp_path_factory, "qwen3-fp8-steps", moe_intermediate_size=256)
 
 
 def _fp8_tracks_hf(path: str, dequantized: str, prompts: list[list[int]], label: str,
@@ -166,12 +177,21 @@ def _fp8_tracks_hf(path: str, dequantized: str, prompts: list[list[int]], label:
     assert mean < 0.2 and first >= len(prompts) - 1, label
 
 
-def test_fp8_online_experts_track_the_dequantized_hf_model(qwen3_fp8):
-    root, config, floats, prompts = qwen3_fp8
+@pytest.mark.parametrize("model", ["qwen3_fp8", "qwen3_fp8_steps"])
+def test_fp8_online_experts_track_the_dequantized_hf_model(model, request, monkeypatch):
+    """Ragged expert widths (320) take the FMA GEMVs at decode, whole steps (256)
+    the tensor cores' (`moe_mma`): each path is counted, so the test fails if the
+    engine stops taking the one it names."""
+    from radixlm.layers.moe.triton_ops import moe_mma
+
+    root, config, floats, prompts = request.getfixturevalue(model)
+    calls = []
+    real = moe_mma.moe_mma
+    monkeypatch.setattr(moe_mma, "moe_mma", lambda *a, **k: calls.append(1) or real(*a, **k))
     deq = {k: fp8_per_channel(w)[2] if is_linear(k) else w for k, w in floats.items()}
     ref = write(root / "online-deq", config, deq, None)
-    _fp8_tracks_hf(str(root / "float"), ref, prompts, "qwen3_moe fp8 online",
-                   quantization="fp8")
+    _fp8_tracks_hf(str(root / "float"), ref, prompts, f"{model} fp8 online", quantization="fp8")
+    assert bool(calls) == (model == "qwen3_fp8_steps"), f"moe_mma calls: {len(calls)}"
 
 
 def test_fp8_block_checkpoint_experts_track_the_dequantized_hf_model(qwen3_fp8):
