@@ -18,10 +18,10 @@ Adding the split-K sums in the kernel's last program instead of a second
 launch was measured there too and lost 0.7-3.6 us a call (a counter across
 programs, then one program's serial sum).
 
-More steps in flight do not help: the words copied 2-5 steps ahead through a
-ring of `cp.async` stages in shared memory (no registers held) were slower on
-an H100 at almost every shape and depth, FP8 and AWQ single stream -11 %
-(BENCHMARKS.md 2026-12-07 21:42).
+More steps in flight do not help: the words copied 1-7 steps ahead (2-8
+stages) through a ring of `cp.async` stages in shared memory (no registers
+held) were slower on an H100 at almost every shape and depth, FP8 and AWQ
+single stream at 5 stages -11 % (BENCHMARKS.md 2026-12-07 21:42).
 
 The split-K sum in the program (`MmaConfig.cta_sum`, `mma_gemv_cta_kernel`):
 one program holds all `split` warps of one row tile, each warp a run of K, so
