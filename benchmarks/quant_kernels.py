@@ -238,8 +238,8 @@ def split_sweep(rows: int = 1) -> None:
     """The tensor-core GEMVs (int4 g128, FP8 plain) at `rows` rows as the engine runs
     them (gate_up with its SiLU), K split in 2-16 with the split-K sum in a second
     launch or in the program (`MmaConfig.cta_sum`; with the SiLU, int4's pair form
-    only): what `pick_config`'s split and sum form should be on this card. "*":
-    the pick."""
+    and FP8's halves form): what `pick_config`'s split and sum form should be on
+    this card. "*": the pick."""
     print(f"{'shape':<9}{'format':<6}{'split':>6}{'sum':>9}{'us':>8}{'TB/s':>7}")
     for name, k, n in SHAPES:
         x = torch.randn(rows, k, device=DEV).bfloat16()
@@ -247,12 +247,17 @@ def split_sweep(rows: int = 1) -> None:
         for fmt in ("int4", "fp8"):
             int4 = fmt == "int4"
             pair = int4 and M4.pairs(rows, n, silu, None, k // 128)
-            pick = M4.pick_config(n, pair=pair) if int4 else F8M.pick_config(n, fp8=True)
+            if int4:
+                pick = M4.pick_config(n, pair=pair)
+            else:
+                pick = F8M.pick_config(n, fp8=True)
+                pick = pick._replace(cta_sum=F8M.halves(n, k // 128, True, None, 0)
+                                     if silu else pick.cta_sum)
             nbytes = int4_bytes(n, k) if int4 else n * k
             ws = copies(functools.partial(int4_weights if int4 else fp8_row_weights, n, k),
                         nbytes)
             for split in (2, 4, 8, 16):
-                for cta in ((False, True) if int4 or not silu else (False,)):
+                for cta in (False, True):
                     row = _split_row(int4, split, cta, silu, pick, x, ws, nbytes)
                     print(f"{name:<9}{fmt:<6}{row}", flush=True)
             del ws
@@ -282,10 +287,11 @@ def _split_row(int4: bool, split: int, cta: bool, silu: bool, pick: MG.MmaConfig
                x: torch.Tensor, ws: list[object], nbytes: int) -> str:
     """One form of the tensor-core GEMV timed: split, where the sum runs, us, TB/s,
     and "*" where it is `pick`'s. The sum in the program with the SiLU: int4's pair
-    form (a warp's gate and up tiles)."""
+    form (a warp's gate and up tiles), FP8's halves form (a tile's halves)."""
     cfg = MG.MmaConfig(4, 1, split, True, cta)
     if cta and silu:
-        cfg = MG.MmaConfig(split, 2, split, True, True, pair=True)
+        cfg = (MG.MmaConfig(split, 2, split, True, True, pair=True) if int4
+               else cfg._replace(halves=True))
     t = time_graph(_mma_call(int4, cfg, silu), x, ws)
     mark = "*" if (split, cta) == (pick.split, pick.cta_sum) else ""
     return (f"{split:>6}{'program' if cta else 'launch':>9}{t * 1e6:>8.2f}"

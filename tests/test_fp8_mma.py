@@ -176,6 +176,58 @@ def test_block_scales_ptx_against_float64(m, n, k, cfg, scale_rows, pad, pdl) ->
     assert M.takes(n, k, 128, torch.bfloat16, scale_rows)
 
 
+def halves_order(n: int) -> torch.Tensor:
+    """The merged [gate; up] row of each sums column of the halves form: a tile's
+    columns 0-7 gate rows 8 tile .., its 8-15 the up rows N / 2 on."""
+    col = torch.arange(n)
+    tile, j = col // 16, col % 16
+    return torch.where(j < 8, 8 * tile + j, n // 2 + 8 * tile + j - 8)
+
+
+@pytest.mark.parametrize("m,n,k,cfg,pad", [
+    (1, 32, 256, M.MmaConfig(1, 1, 1), 0),
+    (1, 64, 640, M.MmaConfig(2, 1, 2, prefetch=True), 16),  # rows 16 bytes apart more
+    (1, 48, 256, M.MmaConfig(2, 1, 2), 0),  # 3 tiles: a warp past the last idles
+    (5, 32, 384, M.MmaConfig(2, 1, 2, prefetch=True), 144),
+    (11, 64, 256, M.MmaConfig(1, 1, 2), 0),  # 2 runs of rows
+])
+@pytest.mark.parametrize("pdl", [False, True])
+def test_halves_ptx_against_float64(m, n, k, cfg, pad, pdl) -> None:
+    """`gemv_ptx(halves=True)`: a merged [gate; up] read where it lies with a tile's
+    rows 0-7 gate rows and 8-15 their up rows (N / 2 on), scales alike: every
+    sums column the float64 product of its row, and the same bits as the plain
+    PTX gives that row."""
+    w = e4m3_weight(n, k, seed=n + k)
+    s = torch.rand(n, generator=torch.Generator().manual_seed(1)) * 0.01 + 0.001
+    x = (torch.randn(m, k, generator=torch.Generator().manual_seed(k)) * 0.5).bfloat16()
+    rows = torch.full((n, k + pad), 0x7F, dtype=torch.uint8)  # NaN codes past K
+    rows[:, :k] = w.view(torch.uint8)
+    steps, grid = k // (M.STEP_CHUNKS * M.CHUNK), (n // 16, k // M.CHUNK)
+    runs = -(-m // 8)
+    ptx = M.gemv_ptx(cfg.nt, cfg.prefetch, m > 1, pdl, plain=True, runs=runs, halves=True)
+    got = run_mma_gemv(ptx, cfg, x, rows, s, s, steps, k + pad, grid_shape=grid)
+    order = halves_order(n)
+    ptx = M.gemv_ptx(cfg.nt, cfg.prefetch, m > 1, pdl, plain=True, runs=runs)
+    plain = run_mma_gemv(ptx, cfg, x, rows, s, s, steps, k + pad, grid_shape=grid)
+    assert torch.equal(got, plain[:, order]), "halves and plain sums differ"
+    wd = w.double()[order] * s.double()[order, None]
+    err = (got.double() - x.double() @ wd.T).abs()
+    assert not got.isnan().any(), "an output was not written"
+    assert (err <= 2.0 ** -20 * (x.double().abs() @ wd.abs().T)).all()
+
+
+def test_halves_form_is_picked_where_it_fits(monkeypatch) -> None:
+    """`fp8_mma.halves`: a bias-free gate/up with its SiLU, per-row scales, K split
+    into a power of two of runs; never under $RADIXLM_SPLIT_SUMS=launch."""
+    assert M.halves(28672, 32, True, None, 0) and M.halves(64, 2, True, None, 0)
+    assert not M.halves(28672, 32, False, None, 0)  # no SiLU
+    assert not M.halves(64, 2, True, torch.zeros(64), 0)
+    assert not M.halves(28672, 32, True, None, 128)  # block scales
+    assert not M.halves(64, 10, True, None, 0)  # 10 steps in 8 splits: 5 runs of 2
+    monkeypatch.setenv("RADIXLM_SPLIT_SUMS", "launch")
+    assert not M.halves(28672, 32, True, None, 0)
+
+
 def test_takes_only_what_it_can() -> None:
     assert M.takes(4096, 4096, 0, torch.bfloat16)
     assert M.takes(4096, 4096, 128, torch.bfloat16, 128)  # 128 x 128 block scales
@@ -197,8 +249,10 @@ def test_sm90_code_one_mma_per_two_words_no_shared_memory() -> None:
             (1, 4, True, True, 1, 0), (1, 4, True, True, MG.PREFETCH_RUNS, 0),
             (1, 4, False, True, MG.MAX_RUNS, 0),  # `row_runs`' rule: no spill
             (1, 4, True, False, 1, 7), (1, 4, True, True, MG.PREFETCH_RUNS, 7),
-            (1, 4, False, True, MG.MAX_RUNS, 7)]:  # block scales too
-        ptx = M.gemv_ptx(nt, prefetch, rows, runs=runs, block_shift=shift)
+            (1, 4, False, True, MG.MAX_RUNS, 7),  # block scales too
+            (1, 4, True, False, 1, -1), (1, 4, True, True, MG.PREFETCH_RUNS, -1)]:  # halves
+        ptx = M.gemv_ptx(nt, prefetch, rows, runs=runs, block_shift=max(shift, 0),
+                         plain=shift < 0, halves=shift < 0)
         ops = opcode_counts(mma_gemv_loop(ptx, warps))
         steps = 2 if prefetch else 1  # the prefetching loop is unrolled twice
         assert ops["HMMA"] == steps * runs * nt * M.STEP_CHUNKS * 4, ops

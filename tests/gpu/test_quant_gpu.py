@@ -254,32 +254,42 @@ def test_folded_norms_track_the_norm_kernels(fmt, model):
     assert sum(diffs) / len(diffs) < 0.1, fmt
 
 
-def test_split_sums_out_of_their_launches_change_no_bit(tmp_path, monkeypatch):
-    """An AWQ model whose qkv projection is 6144 wide (16 + 2 x 16 heads of 128:
-    its split-K sum takes a second launch, `mma_gemv.pick_config`) hands its
-    partial sums to the RoPE + K/V store kernel, and whose gate/up (K 2048, 16
-    groups in whole runs) sums them with its SiLU in its program (the pair form)
-    (`layers/split_sums.py`, the default): greedy tokens and their logprobs the
-    same as with the second launches ($RADIXLM_SPLIT_SUMS=launch), and the model
-    tracks its dequantized weights as the narrow model does."""
+@pytest.mark.parametrize("fmt", ["awq", "online-fp8"])
+def test_split_sums_out_of_their_launches_change_no_bit(fmt, tmp_path, monkeypatch):
+    """A model whose qkv projection is 6144 wide (16 + 2 x 16 heads of 128: its
+    split-K sum, where it takes a second launch, `mma_gemv.pick_config`, goes to
+    the RoPE + K/V store kernel), and whose gate/up (K 2048 in whole runs) sums
+    with its SiLU in its program (AWQ: the pair form; online FP8: the halves
+    form) (`layers/split_sums.py`, the default): greedy tokens and their logprobs
+    the same as with the second launches ($RADIXLM_SPLIT_SUMS=launch), and the
+    model tracks its dequantized weights as the narrow model does."""
+    from radixlm.layers.quantization.triton_ops import fp8_mma as FM
     from radixlm.layers.quantization.triton_ops import int4_mma as MM
 
     config = tiny_llama(**{**SIZES, "hidden_size": 2048, "num_attention_heads": 16,
                            "num_key_value_heads": 16, "num_hidden_layers": 2})
-    assert MM.pairs(1, 2 * config.intermediate_size, True, None, 2048 // 128)
+    gate_up = 2 * config.intermediate_size
+    assert MM.pairs(1, gate_up, True, None, 2048 // 128)
+    assert FM.halves(gate_up, 2048 // 128, True, None, 0)
     floats = save_float_model(config, tmp_path / "float")
     floats = {k: v * TAME if k.endswith("proj.weight") else v for k, v in floats.items()}
-    q, deq = write_pair(tmp_path, "awq", config, floats, *FORMATS["awq-g128"])
+    if fmt == "awq":
+        (src, deq), quantization = write_pair(tmp_path, "awq", config, floats,
+                                              *FORMATS["awq-g128"]), None
+    else:
+        src, quantization = str(tmp_path / "float"), "fp8"
+        write(tmp_path / "float", config, floats, None)
+        deq = write_online_fp8_dequantized(tmp_path, config, floats)
     g = torch.Generator().manual_seed(3)
     prompts = [torch.randint(10, SIZES["vocab_size"], (n,), generator=g).tolist()
                for n in (5, 60, 17)]
-    fused = _run(q, None, prompts)
+    fused = _run(src, quantization, prompts)
     monkeypatch.setenv("RADIXLM_SPLIT_SUMS", "launch")
-    apart = _run(q, None, prompts)
+    apart = _run(src, quantization, prompts)
     for a, b in zip(fused, apart, strict=True):
         assert a["output_ids"] == b["output_ids"]
         assert a["meta_info"]["output_token_logprobs"] == b["meta_info"]["output_token_logprobs"]
-    _compare(fused, _run(deq, None, prompts), "awq, qkv 6144 wide, gate/up pairs")
+    _compare(fused, _run(deq, None, prompts), f"{fmt}, qkv 6144 wide, gate/up in its program")
 
 
 def test_dummy_fp8_and_awq_engines_run(model):

@@ -875,6 +875,41 @@ def test_int4_gemv_pair_form_finishes_the_silu(m, n, k, dtype):
 
 
 @needs_cuda
+@pytest.mark.parametrize("m", [1, 3, 8, 27])
+@pytest.mark.parametrize("n,k", [(28672, 1024), (512, 2048), (96, 512)])
+def test_fp8_gemv_halves_form_finishes_the_silu(m, n, k):
+    """The FP8 [gate; up] GEMV with its SiLU in one launch (`MmaConfig.halves`: a
+    tile's rows 0-7 gate rows, 8-15 their up rows, the split-K sum and SiLU in the
+    program): the same bits as the two launches at 1-27 rows, splits 2, 4 and 8,
+    a tile count that leaves a program's warps idle, the weight's rows with its
+    online scale bytes after them; under a CUDA graph replayed on new x; the
+    default pick takes it."""
+    from radixlm.layers.quantization.triton_ops import fp8_mma as FM
+    from radixlm.layers.quantization.triton_ops import mma_gemv as MG
+
+    x, _, gemv = mma_gemv_case("fp8-plain", m, n, k, seed=91)
+    q, s = quantize_rows(randn(n, k, seed=91, scale=0.05))
+    rows = torch.zeros(n, k + 16, device=DEV, dtype=torch.uint8)  # an online weight's stride
+    rows[:, :k] = q.view(torch.uint8)
+    lying = rows[:, :k].view(torch.float8_e4m3fn)
+    steps = k // 128
+    for split in (2, 4, 8):
+        two = MG.MmaConfig(4, 1, split, prefetch=True)
+        one = two._replace(cta_sum=True, halves=True)
+        assert MG.cta_fits(one, steps, True) and not MG.cta_fits(one, steps, False)
+        want = gemv(x, silu_mul=True, cfg=two)
+        assert want.shape == (m, n // 2)
+        assert torch.equal(gemv(x, silu_mul=True, cfg=one), want), f"split {split}"
+        assert torch.equal(FM.fp8_gemv_mma_plain(x, lying, s, config=one, silu_mul=True), want)
+    assert FM.halves(n, steps, True, None, 0)
+    two = MG.MmaConfig(4, 1, MG.pick_config(n, fp8=True).split, prefetch=True)
+    assert torch.equal(gemv(x, silu_mul=True), gemv(x, silu_mul=True, cfg=two))
+    x2 = randn(m, k, seed=92, dtype=torch.bfloat16)
+    assert torch.equal(replayed(lambda v: gemv(v, silu_mul=True), x, x2),
+                       gemv(x2, silu_mul=True, cfg=two))
+
+
+@needs_cuda
 @pytest.mark.parametrize("m", [1, 8, 27])
 @pytest.mark.parametrize("case", ["block", "block-fused-parts"])
 def test_fp8_gemv_mma_block_scales(case, m):

@@ -57,12 +57,13 @@ import functools
 
 import torch
 
-from radixlm.layers import pdl
+from radixlm.layers import pdl, split_sums
 from radixlm.layers.norm_fold import FoldedNorm, NormTarget
 from radixlm.layers.quantization.triton_ops.mma_gemv import (
     CHUNK,
     MmaConfig,
     check_rows,
+    cta_fits,
     lane_lines,
     later_run_declarations,
     later_run_lines,
@@ -122,7 +123,8 @@ def block_shift(block_k: int, scale_rows: int) -> int:
 
 @functools.cache
 def gemv_ptx(nt: int, prefetch: bool = False, rows: bool = False, pdl: bool = False,
-             plain: bool = False, runs: int = 1, block_shift: int = 0) -> str:
+             plain: bool = False, runs: int = 1, block_shift: int = 0,
+             halves: bool = False) -> str:
     """One thread's PTX: `nt` row tiles; with `prefetch` the next step's loads
     before this step's MMAs (two register buffers, the loop unrolled twice);
     `rows`: x has up to 8 rows, one per column of B (else one row, the code of
@@ -133,13 +135,16 @@ def gemv_ptx(nt: int, prefetch: bool = False, rows: bool = False, pdl: bool = Fa
     same unpacked words, as `int4_mma.gemv_ptx`'s groups; `block_shift` > 0: the
     scales are per block of 128 features (a step) by 2^block_shift rows, [N /
     2^block_shift, K / 128] fp32 at $3 with rows $13 apart, each step's sums
-    scaled by its block's scale (else one fp32 scale a row at $3). Operands
+    scaled by its block's scale (else one fp32 scale a row at $3); `halves` (plain,
+    one tile a warp, per-row scales): the weight is a merged [gate; up] of N rows
+    and tile i's rows 0-7 are gate rows 8 i .. 8 i + 7, its rows 8-15 the up rows
+    N / 2 on (`_Fp8Ptx`). Operands
     (`mma_gemv.mma_gemv_kernel`'s): $1 x, $2 words (plain: the weight), $3 row
     scales (fp32), $5 this program's partial sums; $6 its first warp index, $7 /
     $8 its first / past-last step, $9 row tiles in all, $10 chunks a row of tiles
     (K / 64), $11 N, $12 (plain) the weight's row stride in bytes, $14 x's rows."""
-    return loop_ptx(_Fp8Ptx(nt, rows, plain, runs, block_shift), "fp8_mma", "stp", "$8",
-                    prefetch, pdl)
+    return loop_ptx(_Fp8Ptx(nt, rows, plain, runs, block_shift, halves), "fp8_mma", "stp",
+                    "$8", prefetch, pdl)
 
 
 class _Fp8Ptx:
@@ -162,13 +167,20 @@ class _Fp8Ptx:
     `block_shift` > 0 (block scales): each step loads its block's scale for each
     tile (`bs`, from `sb`: a tile's 16 rows and a step's 128 features lie in one
     block), its MMAs start from zero and `acc` += scale x D; the epilogue then
-    scales by 2^120 alone. 0: the per-row form above, text for text."""
+    scales by 2^120 alone. 0: the per-row form above, text for text.
+
+    `halves`: a merged [gate; up] weight of N rows read so that a tile's rows g
+    are gate rows 8 tile + g and its rows g + 8 the up rows of the same features
+    (N / 2 rows on: `wb`, and their scales at `su`), while the sums go where the
+    tile's 16 rows would (`mma_gemv.mma_gemv_cta_kernel`'s SILU_W 8): each lane
+    holding a gate sum holds its up too, and the weight stays where it lies."""
 
     def __init__(self, nt: int, rows: bool = False, plain: bool = False,
-                 runs: int = 1, block_shift: int = 0) -> None:
+                 runs: int = 1, block_shift: int = 0, halves: bool = False) -> None:
         assert runs == 1 or rows
+        assert not halves or (plain and nt == 1 and not block_shift)
         self.nt, self.rows, self.plain, self.runs = nt, rows, plain, runs
-        self.block_shift = block_shift
+        self.block_shift, self.halves = block_shift, halves
 
     def declarations(self, bufs: tuple[str, ...]) -> list[str]:
         nt = self.nt
@@ -177,7 +189,8 @@ class _Fp8Ptx:
                ".reg .b32 tid, lane, warp, g, t, tile, stp, tmp, p, q0, q1, q2, q3"
                f"{', p0, p1' * self.plain};",
                f".reg .f32 {regs('d', 4 * nt * self.runs)}, sc{', yv' * self.rows};",
-               f".reg .b64 {regs('wa', nt)}, {(regs('wb', nt) + ', ') * self.plain}xa, sa, ya, "
+               f".reg .b64 {regs('wa', nt)}, {(regs('wb', nt) + ', ') * self.plain}xa, sa, "
+               f"{'su, ' * self.halves}ya, "
                f"{'yb, ' * self.rows}off;",
                *later_run_declarations(self.runs)]
         if self.block_shift:
@@ -209,12 +222,21 @@ class _Fp8Ptx:
             "mul.wide.u32 off, tmp, 4;",
             "add.u64 sa, $3, off;",
             "add.u64 ya, $5, off;",
+            *self._halves_scale_lines(),
             *y_row_lines(self.rows),
             *later_run_lines(self.runs, STEP_CHUNKS * CHUNK),
             *self._block_scale_lines(),
             *[f"mov.f32 {self._sums()}{i}, 0f00000000;" for i in range(4 * nt * self.runs)],
             "mov.u32 stp, $7;",
         ]
+
+    def _halves_scale_lines(self) -> list[str]:
+        """Halves: sa at gate row 8 tile + g's scale, su at its up row's, N / 2 on."""
+        if not self.halves:
+            return []
+        return ["mad.lo.u32 tmp, tile, 8, g;", "mul.wide.u32 off, tmp, 4;",
+                "add.u64 sa, $3, off;", "shr.u32 q3, $11, 1;", "mul.wide.u32 off, q3, 4;",
+                "add.u64 su, sa, off;"]
 
     def _sums(self) -> str:
         """The registers the epilogue writes: D itself, or (block scales) acc."""
@@ -244,15 +266,16 @@ class _Fp8Ptx:
     def _plain_addresses(self) -> list[str]:
         """wa: row tile * 16 + g of the weight ($12 bytes a row) at feature
         step * STEP_CHUNKS * 64 + 16 t; wb: the same eight rows on; a tile 16 rows
-        after the one before."""
-        return ["mad.lo.u32 tmp, tile, 16, g;",
+        after the one before. Halves: wa at gate row tile * 8 + g, wb N / 2 rows on."""
+        return [f"mad.lo.u32 tmp, tile, {8 if self.halves else 16}, g;",
                 "mul.wide.u32 off, tmp, $12;",
                 "add.u64 wa0, $2, off;",
                 f"mul.lo.u32 tmp, $7, {STEP_CHUNKS * CHUNK};",
                 "mad.lo.u32 tmp, t, 16, tmp;",
                 "cvt.u64.u32 off, tmp;",
                 "add.u64 wa0, wa0, off;",
-                "mul.wide.u32 off, $12, 8;",
+                *(["shr.u32 q3, $11, 1;", "mul.wide.u32 off, q3, $12;"] if self.halves
+                  else ["mul.wide.u32 off, $12, 8;"]),
                 "add.u64 wb0, wa0, off;",
                 "mul.wide.u32 off, $12, 16;",
                 *[f"add.u64 w{ab}{i}, w{ab}{i - 1}, off;" for i in range(1, self.nt)
@@ -367,7 +390,8 @@ class _Fp8Ptx:
         or (block scales) 2^120."""
         if self.block_shift:
             return [f"mov.f32 sc, {TWO_POW_120};"]
-        return [f"{pred}ld.global.f32 sc, [sa+{4 * row}];", f"mul.f32 sc, sc, {TWO_POW_120};"]
+        at = ("su" if row else "sa") if self.halves else f"sa+{4 * row}"
+        return [f"{pred}ld.global.f32 sc, [{at}];", f"mul.f32 sc, sc, {TWO_POW_120};"]
 
 
 def fp8_gemv_mma(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor,
@@ -433,10 +457,28 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, n: int,
     shape = (-(-n // scale_rows), k // block_k) if scale_rows else (n,)
     assert scales.shape == shape and scales.dtype == torch.float32 and scales.is_contiguous()
     m = x.shape[0]
-    runs, cfg = row_runs(m, config or pick_config(n, fp8=True))
+    steps = k // (STEP_CHUNKS * CHUNK)
+    if config is None:
+        config = pick_config(n, fp8=True)
+        if plain and halves(n, steps, silu_mul, bias, scale_rows):
+            config = config._replace(halves=True)
+    runs, cfg = row_runs(m, config)
     ptx = gemv_ptx(cfg.nt, cfg.prefetch, m > 1, pdl.pdl_on(), plain=plain, runs=runs,
-                   block_shift=block_shift(block_k, scale_rows))
-    return launch(ptx, cfg, x, weight, scales, scales, k // (STEP_CHUNKS * CHUNK), stride,
+                   block_shift=block_shift(block_k, scale_rows), halves=cfg.halves)
+    return launch(ptx, cfg, x, weight, scales, scales, steps, stride,
                   scales.stride(0) if scale_rows else 0, bias, out, silu_mul,
                   grid_shape=(n // 16, k // CHUNK) if plain else None, norm_in=norm_in,
                   norm_out=norm_out, defer_sum=defer_sum)
+
+
+def halves(n: int, steps: int, silu_mul: bool, bias: torch.Tensor | None,
+           scale_rows: int) -> bool:
+    """Whether the plain GEMV of a merged [gate; up] (N rows, `steps` loop steps)
+    takes the halves form (`MmaConfig.halves`: the SiLU in the product's program,
+    one launch): bias-free, per-row scales (a block scale's 128 rows would span a
+    tile's gate and up halves), whole tiles of 8 features, K split into a power of
+    two of runs (`cta_fits`), unless $RADIXLM_SPLIT_SUMS=launch keeps the second
+    launch (`split_sums.deferred`)."""
+    cfg = pick_config(n, fp8=True)._replace(halves=True)
+    return (silu_mul and bias is None and not scale_rows and n % 16 == 0
+            and cta_fits(cfg, steps, True) and split_sums.deferred())

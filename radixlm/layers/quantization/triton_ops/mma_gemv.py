@@ -70,6 +70,11 @@ class MmaConfig(NamedTuple):
     # tiles are a gate tile and the up tile of its features, so the program
     # finishes silu(gate) * up (`int4_mma._PtxGroup`'s pair).
     pair: bool = False
+    # A merged [gate; up] with its SiLU (FP8 plain only, with cta_sum and nt 1): a
+    # tile's rows 0-7 are 8 gate rows and rows 8-15 the up rows of the same
+    # features, so each lane's two sums are a gate and its up (`fp8_mma._Fp8Ptx`'s
+    # halves) and the program finishes silu(gate) * up for its 8 features.
+    halves: bool = False
 
 
 def pick_config(n: int, fp8: bool = False, pair: bool = False) -> MmaConfig:
@@ -292,7 +297,7 @@ def mma_gemv_cta_kernel(x_ptr, w_ptr, a_ptr, b_ptr, ws_ptr, bias_ptr, y_ptr, TIL
                         stride_y, sq_in_ptr, P_IN, features, eps_in, res_ptr, gamma_ptr,
                         res_out_ptr, sq_out_ptr, SPLIT: tl.constexpr, ROWS: tl.constexpr,
                         HAS_BIAS: tl.constexpr, NORM_IN: tl.constexpr, P_BLOCK: tl.constexpr,
-                        NORM_OUT: tl.constexpr, PAIR: tl.constexpr, PTX: tl.constexpr,
+                        NORM_OUT: tl.constexpr, SILU_W: tl.constexpr, PTX: tl.constexpr,
                         PDL: tl.constexpr, PTX_WAITS: tl.constexpr):
     """`mma_gemv_kernel`'s PTX with the split-K sum in the program: program p owns
     row tile p with SPLIT warps, warp w taking run w of the steps. The PTX computes
@@ -310,10 +315,12 @@ def mma_gemv_cta_kernel(x_ptr, w_ptr, a_ptr, b_ptr, ws_ptr, bias_ptr, y_ptr, TIL
     y gets the sum times the norm's weight `gamma`, and sq_out [M, TILES] at
     column p the sum of the tile's squares.
 
-    PAIR: the PTX's pair form (TILES the gate's tiles): program p's sums are gate
-    tile p's at columns 32 p .. 32 p + 15 of [M, N] (N the merged width) and its
-    up tile's after them; y [M, N / 2] gets silu(gate) * up at 16 p .. 16 p + 15,
-    the second launch's arithmetic (`int4._int4_split_sum_kernel`'s SILU_MUL)."""
+    SILU_W > 0: a merged [gate; up] with its SiLU, program p's sums the gate's
+    SILU_W features at columns 2 SILU_W p .. of [M, N] (N the merged width) and
+    their up's SILU_W after them; y [M, N / 2] gets silu(gate) * up at SILU_W p ..
+    SILU_W p + SILU_W - 1, the second launch's arithmetic
+    (`int4._int4_split_sum_kernel`'s SILU_MUL). 16: the PTX's pair form (TILES
+    the gate's tiles); 8: its halves form (a tile's rows 8-15 the up of rows 0-7)."""
     pid = tl.program_id(0)
     warp = tl.arange(0, 32 * SPLIT) // 32
     lo = warp * SPLIT_STEPS
@@ -325,29 +332,30 @@ def mma_gemv_cta_kernel(x_ptr, w_ptr, a_ptr, b_ptr, ws_ptr, bias_ptr, y_ptr, TIL
              pid - warp, lo, hi, TILES, CHUNKS_PER_ROW, N, int_a, int_b, M, PDL, PTX_WAITS)
     tl.debug_barrier()  # every warp's partial sums stored (CTA-scope ordering)
     rows = tl.arange(0, ROWS)
-    cols = pid * 16 + tl.arange(0, 16)
+    W: tl.constexpr = SILU_W if SILU_W else 16  # y's columns a program
+    cols = pid * W + tl.arange(0, W)
     ok = (rows < M)[:, None]
     if NORM_OUT:  # in flight with the partial sums' loads
         res = tl.load(res_ptr + rows[:, None] * N + cols[None, :], mask=ok, other=0.0)
-    at = ws_ptr + rows[:, None] * N + (pid * 32 + tl.arange(0, 16) if PAIR else cols)[None, :]
+    at = ws_ptr + rows[:, None] * N + (pid * 2 * W + tl.arange(0, W) if SILU_W else cols)[None, :]
     # .cg: from L2, where the other warps' stores went (not a stale L1 line)
     acc = tl.load(at, mask=ok, other=0.0, cache_modifier=".cg")
-    if PAIR:
-        up = tl.load(at + 16, mask=ok, other=0.0, cache_modifier=".cg")
+    if SILU_W:
+        up = tl.load(at + W, mask=ok, other=0.0, cache_modifier=".cg")
     for s in tl.static_range(1, SPLIT):
         acc += tl.load(at + s * stride_ws, mask=ok, other=0.0, cache_modifier=".cg")
-        if PAIR:
-            up += tl.load(at + s * stride_ws + 16, mask=ok, other=0.0, cache_modifier=".cg")
+        if SILU_W:
+            up += tl.load(at + s * stride_ws + W, mask=ok, other=0.0, cache_modifier=".cg")
     if NORM_IN:
         rstd = rstd_rows(sq_in_ptr, tl.minimum(rows, M - 1), P_IN, features, eps_in,
                          P_BLOCK)[:, None]
         acc *= rstd
-        if PAIR:
+        if SILU_W:
             up *= rstd
     if HAS_BIAS:
         acc += tl.load(bias_ptr + cols).to(tl.float32)[None, :]
     dtype = y_ptr.dtype.element_ty
-    if PAIR:
+    if SILU_W:
         acc = _silu_mul(acc, up, dtype)
     if NORM_OUT:  # the norm kernel's rounding: the product, then the residual stream
         s = (acc.to(dtype).to(tl.float32) + res.to(tl.float32)).to(dtype)
@@ -367,13 +375,17 @@ def folds_out(n: int, steps: int, fp8: bool = False) -> bool:
 def cta_fits(cfg: MmaConfig, steps: int, silu_mul: bool) -> bool:
     """Whether `mma_gemv_cta_kernel` takes this launch: `cfg.cta_sum`, K split in a
     power of two of runs (Triton's warps), at most 16, and either one tile a warp
-    and no SiLU, or a fused SiLU with `cfg.pair` (a warp's gate and up tiles).
+    and no SiLU, or a fused SiLU with `cfg.pair` (a warp's gate and up tiles) or
+    `cfg.halves` (one tile a warp, its halves a gate and its up).
     The SiLU with each program's up tiles on warps beside its gate tiles' was
     level for FP8 and 18 % slower for int4 on an H100 (2026-12-06); FP8 in the
     pair form was 10 % slower end to end on an H200 (2026-12-07 18:13): FP8
     keeps gate/up on two launches."""
     split = splits(steps, cfg.split)[1]
-    shape = (cfg.nt == 2 and silu_mul) if cfg.pair else (cfg.nt == 1 and not silu_mul)
+    if cfg.pair or cfg.halves:
+        shape = silu_mul and cfg.nt == (2 if cfg.pair else 1)
+    else:
+        shape = cfg.nt == 1 and not silu_mul
     return cfg.cta_sum and shape and split & (split - 1) == 0 and split <= 16
 
 
@@ -432,7 +444,7 @@ def launch(ptx: str, cfg: MmaConfig, x: torch.Tensor, words: torch.Tensor, a: to
         assert sq_in.shape == (m, p_in) and sq_in.is_contiguous()
     if cta_fits(cfg, steps, silu_mul):
         fold = _fold_out(norm_out, y, tiles)
-        assert not cfg.pair or (bias is None and fold is None)
+        assert not (cfg.pair or cfg.halves) or (bias is None and fold is None)
         programs = tiles // 2 if cfg.pair else tiles  # pair: the gate's tiles
         mma_gemv_cta_kernel[(programs,)](
             x, words, a, b, ws, bias if bias is not None else ws, y, programs, chunks_per_row, n,
@@ -441,11 +453,12 @@ def launch(ptx: str, cfg: MmaConfig, x: torch.Tensor, words: torch.Tensor, a: to
             *(fold[1:] if fold is not None else (ws,) * 4), SPLIT=split,
             ROWS=triton.next_power_of_2(m), HAS_BIAS=bias is not None,
             NORM_IN=norm_in is not None, P_BLOCK=triton.next_power_of_2(p_in),
-            NORM_OUT=fold is not None, PAIR=cfg.pair, PTX=ptx, PTX_WAITS=PDL_LINES[0] in ptx,
+            NORM_OUT=fold is not None, SILU_W=16 if cfg.pair else 8 if cfg.halves else 0,
+            PTX=ptx, PTX_WAITS=PDL_LINES[0] in ptx,
             num_warps=split, **pdl.launch_args())
         return y if fold is None else fold[0]
     assert norm_out is None, "a folded norm's output needs the split-K sum in the program"
-    assert not cfg.pair, "the pair form's sums are summed in its program only"
+    assert not (cfg.pair or cfg.halves), "the pair and halves forms sum in their program only"
     mma_gemv_kernel[(triton.cdiv(tiles, cfg.warps * cfg.nt), split)](
         x, words, a, b, ws, tiles, chunks_per_row, n, steps, per, int_a, int_b,
         ws.stride(0), m, WARPS=cfg.warps, PTX=ptx, PTX_WAITS=PDL_LINES[0] in ptx,
