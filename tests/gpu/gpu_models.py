@@ -3,7 +3,8 @@ itself can load the same weights as the reference)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
@@ -70,6 +71,20 @@ def random_attention_pools(group: int, head_dim: int, dtype: torch.dtype, seed: 
         buf.copy_(torch.randn_like(buf, dtype=torch.float32))
     layer = RadixAttention(layer_id, h, kvh, head_dim, head_dim ** -0.5)
     return h, kvh, r2t_pool, kv_pool, layer
+
+
+@contextlib.contextmanager
+def pdl_as(enabled: bool, device: torch.device | None = None) -> Iterator[None]:
+    """Kernels launched inside with programmatic dependent launch on or off (as the
+    engine's decode graphs run them on Hopper), the setting before restored after."""
+    from radixlm.layers import pdl
+
+    was = pdl.pdl_on()
+    pdl.set_pdl(enabled, device)
+    try:
+        yield
+    finally:
+        pdl.set_pdl(was, device)
 
 
 def capture_graph(fn: Callable[[], _T]) -> tuple[torch.cuda.CUDAGraph, _T]:

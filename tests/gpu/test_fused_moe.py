@@ -388,21 +388,16 @@ def check_replays(x, w13, w2, topk_weights, topk_ids, gen, ref_weights=None,
     states and each routing kind: every replay matches the reference of
     `ref_weights` (the dequantized (w13, w2) of quantized experts; default the
     weights themselves)."""
-    from gpu_models import capture_graph
+    from gpu_models import capture_graph, pdl_as
 
-    from radixlm.layers import pdl
     from radixlm.layers.moe.triton_ops.fused_moe import fused_experts
 
     (t, h), (e, k) = x.shape, (w13.shape[0], topk_ids.shape[1])
     r13, r2 = ref_weights if ref_weights is not None else (w13, w2)
     out = torch.empty_like(x)
-    was = pdl.pdl_on()
-    pdl.set_pdl(with_pdl, x.device)
-    try:
+    with pdl_as(with_pdl, x.device):
         graph, _ = capture_graph(lambda: fused_experts(x, w13, w2, topk_weights, topk_ids,
                                                        out=out, **kwargs))
-    finally:
-        pdl.set_pdl(was, x.device)
     for kind in ("random", "ep", "one", "half"):
         new_w, new_ids = make_routing(t, e, k, kind, gen)
         x.copy_(torch.randn(t, h, generator=gen).to(x.dtype))
@@ -956,9 +951,8 @@ def test_norm_router_matches_two_launches(e, k, h, t):
 def test_norm_router_cuda_graph_replay():
     """Captured once with PDL on (as the decode graphs run it), replayed on new inputs:
     each replay equals an eager call bit for bit."""
-    from gpu_models import capture_graph
+    from gpu_models import capture_graph, pdl_as
 
-    from radixlm.layers import pdl
     from radixlm.layers.moe.triton_ops.topk import fused_norm_topk
 
     e, k, h, t = 128, 8, 2048, 1
@@ -967,11 +961,10 @@ def test_norm_router_cuda_graph_replay():
     residual = torch.randn(t, h, generator=gen, device=DEV).bfloat16()
     norm_w = torch.rand(h, generator=gen, device=DEV).bfloat16() + 0.5
     weight = torch.randn(e, h, generator=gen, device=DEV) * 0.03
-    was = pdl.pdl_on()
-    pdl.set_pdl(True)
-    try:
-        def step():
-            return fused_norm_topk(x, residual, norm_w, 1e-6, weight, k, True, torch.bfloat16)
+    def step():
+        return fused_norm_topk(x, residual, norm_w, 1e-6, weight, k, True, torch.bfloat16)
+
+    with pdl_as(True):
         graph, outs = capture_graph(step)
         for _ in range(3):
             x.copy_(torch.randn(t, h, generator=gen, device=DEV))
@@ -980,8 +973,6 @@ def test_norm_router_cuda_graph_replay():
             refs = step()
             torch.cuda.synchronize()
             assert all(torch.equal(a, b) for a, b in zip(outs, refs))
-    finally:
-        pdl.set_pdl(was)
 
 
 # ---- configs (run anywhere) ---------------------------------------------------------
