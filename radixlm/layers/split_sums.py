@@ -18,9 +18,10 @@ summation order), and one launch less a layer.
 `LinearMethod.apply_unsummed` returns `SplitSums` where its kernel leaves the
 sum; a consumer that cannot take them calls `finish()` (the second launch).
 
-The int4 gate/up product's sum, with its SiLU, went the other way: into the
-product's own program (`int4_mma.pairs`: each warp the gate and up tiles of
-the same features). $RADIXLM_SPLIT_SUMS=launch keeps the second launch of both
+The int4 and FP8 gate/up products' sums, with their SiLU, went the other way:
+into the product's own program (`int4_mma.pairs`: each warp the gate and up
+tiles of the same features; `fp8_mma.halves`: each tile 8 gate rows and their
+8 up rows). $RADIXLM_SPLIT_SUMS=launch keeps the second launch of all of them
 (`deferred`).
 """
 

@@ -49,6 +49,16 @@ SASS instructions a weight against 2.16), with no second copy of the weight
 copy). On an H100 it was 9 % faster than the copy at qkv but 11 % slower at gate/up (a warp's
 load covers 8 runs of 64 bytes, not 512 in a row); end to end the copy was 4 %
 faster (single stream 1.52x bf16 against 1.46x), not worth a second 8 GB.
+
+A merged [gate; up] with its SiLU (`halves`, the plain weight with per-row
+scales): tile i reads gate rows 8 i .. 8 i + 7 as its rows 0-7 and their up
+rows, N / 2 on, as rows 8-15, so the lane holding a gate's sum holds its up's,
+and the program that adds the split-K sums applies the SiLU
+(`mma_gemv.mma_gemv_cta_kernel`): one launch a layer less, the same bits as
+the two launches, the weight where it lies. int4's pair form (two tiles a
+warp) was 10 % slower for FP8 on an H200; this form keeps one tile a warp. On
+an H100 gate/up at one row 41.4 us against 43.3, single stream +2 % (1.49x
+bf16 against 1.45-1.46x; BENCHMARKS.md 2026-12-07 22:36).
 """
 
 from __future__ import annotations

@@ -379,8 +379,9 @@ def cta_fits(cfg: MmaConfig, steps: int, silu_mul: bool) -> bool:
     `cfg.halves` (one tile a warp, its halves a gate and its up).
     The SiLU with each program's up tiles on warps beside its gate tiles' was
     level for FP8 and 18 % slower for int4 on an H100 (2026-12-06); FP8 in the
-    pair form was 10 % slower end to end on an H200 (2026-12-07 18:13): FP8
-    keeps gate/up on two launches."""
+    pair form was 10 % slower end to end on an H200 (2026-12-07 18:13), FP8 in
+    the halves form 4 % faster than the two launches at gate/up on an H100
+    (2026-12-07 22:38)."""
     split = splits(steps, cfg.split)[1]
     if cfg.pair or cfg.halves:
         shape = silu_mul and cfg.nt == (2 if cfg.pair else 1)
