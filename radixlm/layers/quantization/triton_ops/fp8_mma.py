@@ -241,7 +241,8 @@ class _Fp8Ptx:
         ]
 
     def _halves_scale_lines(self) -> list[str]:
-        """Halves: sa at gate row 8 tile + g's scale, su at its up row's, N / 2 on."""
+        """Halves: sa moved to gate row 8 tile + g's scale, su at its up row's, N / 2
+        on (the sums' ya stays at the tile's row)."""
         if not self.halves:
             return []
         return ["mad.lo.u32 tmp, tile, 8, g;", "mul.wide.u32 off, tmp, 4;",
