@@ -124,15 +124,20 @@ def kernels():
     yield ("FP8 GEMV on the tensor cores, the split-K sum in the program",
            MMA.mma_gemv_cta_kernel, cta, ("eps_in",),
            dict(SPLIT=8, ROWS=1, HAS_BIAS=False, NORM_IN=False, P_BLOCK=1, NORM_OUT=False,
-                PAIR=False, PTX=fp8_plain, PDL=True, PTX_WAITS=True), 8)
+                SILU_W=0, PTX=fp8_plain, PDL=True, PTX_WAITS=True), 8)
     yield ("the same, a folded norm in and out", MMA.mma_gemv_cta_kernel, cta, ("eps_in",),
            dict(SPLIT=8, ROWS=1, HAS_BIAS=False, NORM_IN=True, P_BLOCK=256, NORM_OUT=True,
-                PAIR=False, PTX=fp8_plain, PDL=True, PTX_WAITS=True), 8)
+                SILU_W=0, PTX=fp8_plain, PDL=True, PTX_WAITS=True), 8)
     yield ("int4 gate/up in pairs, the sum and SiLU in the program", MMA.mma_gemv_cta_kernel,
            {**cta, "a_ptr": i32, "b_ptr": b16}, ("eps_in",),
            dict(SPLIT=2, ROWS=1, HAS_BIAS=False, NORM_IN=False, P_BLOCK=1, NORM_OUT=False,
-                PAIR=True, PTX=I4M.gemv_ptx(2, 2, True, True, pdl=True, pair=True), PDL=True,
+                SILU_W=16, PTX=I4M.gemv_ptx(2, 2, True, True, pdl=True, pair=True), PDL=True,
                 PTX_WAITS=True), 2)
+    yield ("FP8 gate/up in halves, the sum and SiLU in the program", MMA.mma_gemv_cta_kernel,
+           cta, ("eps_in",),
+           dict(SPLIT=4, ROWS=1, HAS_BIAS=False, NORM_IN=False, P_BLOCK=1, NORM_OUT=False,
+                SILU_W=8, PTX=F8M.gemv_ptx(1, True, pdl=True, plain=True, halves=True),
+                PDL=True, PTX_WAITS=True), 4)
     sums = {"ws_ptr": f32, "b_ptr": b16, "y_ptr": b16, "sq_ptr": f32}
     yield ("int4 split-K sum", I4._int4_split_sum_kernel, sums, ("eps",),
            dict(SPLIT=8, BLOCK=256, HAS_BIAS=False, SILU_MUL=False, NORM_IN=False, P_BLOCK=1,

@@ -166,7 +166,7 @@ class _PtxGroup:
     `pair` (two tiles a warp): the weight is a merged [gate; up] of N columns
     and $9 is N / 32, the gate's tiles. Warp tile p (< $9) takes gate tile p and
     up tile p + $9 (the same 16 features of the up half), so that one program
-    can finish silu(gate) * up (`mma_gemv.mma_gemv_cta_kernel`'s PAIR). Its
+    can finish silu(gate) * up (`mma_gemv.mma_gemv_cta_kernel`'s SILU_W 16). Its
     partial sums go to columns 32 p .. 32 p + 31 of the [M, N] sums, gate's
     16 then up's (the "pair order"): the stores of consecutive tiles, unchanged."""
 
