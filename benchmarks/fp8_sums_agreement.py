@@ -31,9 +31,8 @@ from gpu_models import MARGIN_TOP, agreement, first_token_margins  # noqa: E402
 from quant_checkpoints import (  # noqa: E402
     GPU_LLAMA,
     GPU_TAME,
-    save_float_model,
+    save_tame_model,
     tiny_llama,
-    write,
     write_online_fp8_dequantized,
 )
 
@@ -44,10 +43,8 @@ from radixlm.layers.quantization.triton_ops import fp8 as F  # noqa: E402
 def models(root: Path, tame: float) -> tuple[str, str]:
     """(the float model, the same with each projection's online-FP8 dequantized weight)."""
     config = tiny_llama(**GPU_LLAMA)
-    floats = save_float_model(config, root / "float")
-    floats = {k: v * tame if k.endswith("proj.weight") else v for k, v in floats.items()}
-    return (write(root / "float", config, floats, None),
-            write_online_fp8_dequantized(root, config, floats))
+    floats = save_tame_model(config, root / "float", tame)
+    return str(root / "float"), write_online_fp8_dequantized(root, config, floats)
 
 
 def run(path: str, quantization: str | None, prompts: list[list[int]]) -> list[dict]:

@@ -69,6 +69,17 @@ def save_float_model(config: LlamaConfig, path: Path, seed: int = 0) -> dict[str
     return load_file(str(path / "model.safetensors"))
 
 
+def save_tame_model(config: LlamaConfig, path: Path, tame: float = GPU_TAME
+                    ) -> dict[str, torch.Tensor]:
+    """`save_float_model` with every projection's weight scaled by `tame` (so that a
+    bf16 residual stream through a few layers stays tame), saved at `path` as a
+    float checkpoint; returns its tensors."""
+    floats = save_float_model(config, path)
+    floats = {k: v * tame if k.endswith("proj.weight") else v for k, v in floats.items()}
+    write(path, config, floats, None)
+    return floats
+
+
 def is_linear(name: str) -> bool:
     return name.endswith(".weight") and name.split(".")[-2] in LINEARS
 

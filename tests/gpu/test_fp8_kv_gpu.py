@@ -363,14 +363,12 @@ def tiny_model(tmp_path_factory):
     if not HAS_CUDA:
         pytest.skip("needs CUDA")
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    from quant_checkpoints import save_float_model, tiny_llama, write
+    from quant_checkpoints import save_tame_model, tiny_llama
 
     root = tmp_path_factory.mktemp("fp8-kv-gpu")
     config = tiny_llama(**SIZES)
-    floats = save_float_model(config, root)
     # Linear weights scaled down so that a 4-layer residual stream stays tame in bf16.
-    floats = {k: v * 0.05 if k.endswith("proj.weight") else v for k, v in floats.items()}
-    write(root, config, floats, None)
+    save_tame_model(config, root, 0.05)
     scales = root / "kv_scales.json"  # per-layer scales != 1, through the file path
     scales.write_text(json.dumps({"kv_cache": {"dtype": "float8_e4m3fn", "scaling_factor": {
         "0": {str(i): 0.01 * (i + 1) for i in range(SIZES["num_hidden_layers"])}}}}))

@@ -48,7 +48,7 @@ from quant_checkpoints import (  # noqa: E402
     gptq,
     gptq_config,
     hf_fp8_block,
-    save_float_model,
+    save_tame_model,
     tiny_llama,
     write,
     write_online_fp8_dequantized,
@@ -77,9 +77,7 @@ FORMATS = {
 def model(tmp_path_factory):
     root = tmp_path_factory.mktemp("quant-gpu")
     config = tiny_llama(**SIZES)
-    floats = save_float_model(config, root / "float")
-    floats = {k: v * TAME if k.endswith("proj.weight") else v for k, v in floats.items()}
-    write(root / "float", config, floats, None)
+    floats = save_tame_model(config, root / "float", TAME)
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(10, SIZES["vocab_size"], (n,), generator=g).tolist()
                for n in (7, 40, 200, 3)]
@@ -271,14 +269,12 @@ def test_split_sums_out_of_their_launches_change_no_bit(fmt, tmp_path, monkeypat
     gate_up = 2 * config.intermediate_size
     assert MM.pairs(1, gate_up, True, None, 2048 // 128)
     assert FM.halves(gate_up, 2048 // 128, True, None, 0)
-    floats = save_float_model(config, tmp_path / "float")
-    floats = {k: v * TAME if k.endswith("proj.weight") else v for k, v in floats.items()}
+    floats = save_tame_model(config, tmp_path / "float", TAME)
     if fmt == "awq":
-        (src, deq), quantization = write_pair(tmp_path, "awq", config, floats,
-                                              *FORMATS["awq-g128"]), None
+        src, deq = write_pair(tmp_path, "awq", config, floats, *FORMATS["awq-g128"])
+        quantization = None
     else:
         src, quantization = str(tmp_path / "float"), "fp8"
-        write(tmp_path / "float", config, floats, None)
         deq = write_online_fp8_dequantized(tmp_path, config, floats)
     g = torch.Generator().manual_seed(3)
     prompts = [torch.randint(10, SIZES["vocab_size"], (n,), generator=g).tolist()
