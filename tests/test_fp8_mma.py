@@ -244,15 +244,15 @@ def test_sm90_code_one_mma_per_two_words_no_shared_memory() -> None:
     sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
     from sass import mma_gemv_loop, opcode_counts
 
-    for nt, warps, prefetch, rows, runs, shift in [
-            (1, 4, False, False, 1, 0), (2, 2, False, False, 1, 0), (1, 4, True, False, 1, 0),
-            (1, 4, True, True, 1, 0), (1, 4, True, True, MG.PREFETCH_RUNS, 0),
-            (1, 4, False, True, MG.MAX_RUNS, 0),  # `row_runs`' rule: no spill
-            (1, 4, True, False, 1, 7), (1, 4, True, True, MG.PREFETCH_RUNS, 7),
-            (1, 4, False, True, MG.MAX_RUNS, 7),  # block scales too
-            (1, 4, True, False, 1, -1), (1, 4, True, True, MG.PREFETCH_RUNS, -1)]:  # halves
-        ptx = M.gemv_ptx(nt, prefetch, rows, runs=runs, block_shift=max(shift, 0),
-                         plain=shift < 0, halves=shift < 0)
+    block, halves = {"block_shift": 7}, {"plain": True, "halves": True}
+    for nt, warps, prefetch, rows, runs, form in [
+            (1, 4, False, False, 1, {}), (2, 2, False, False, 1, {}), (1, 4, True, False, 1, {}),
+            (1, 4, True, True, 1, {}), (1, 4, True, True, MG.PREFETCH_RUNS, {}),
+            (1, 4, False, True, MG.MAX_RUNS, {}),  # `row_runs`' rule: no spill
+            (1, 4, True, False, 1, block), (1, 4, True, True, MG.PREFETCH_RUNS, block),
+            (1, 4, False, True, MG.MAX_RUNS, block),  # block scales too
+            (1, 4, True, False, 1, halves), (1, 4, True, True, MG.PREFETCH_RUNS, halves)]:
+        ptx = M.gemv_ptx(nt, prefetch, rows, runs=runs, **form)
         ops = opcode_counts(mma_gemv_loop(ptx, warps))
         steps = 2 if prefetch else 1  # the prefetching loop is unrolled twice
         assert ops["HMMA"] == steps * runs * nt * M.STEP_CHUNKS * 4, ops
