@@ -398,8 +398,8 @@ def _serve(model: str, prompts, **kw):
         buffers = [*pool.k_buffer, *pool.v_buffer]
         info = (type(pool), sum(b.nbytes for b in buffers) / buffers[0].shape[0],
                 pool.k_buffer[0].dtype)
-        del buffers
-        del worker, graphs, pool  # nothing of this engine may outlive it: the next needs its memory
+        # nothing of this engine may outlive it: the next needs its memory
+        del buffers, worker, graphs, pool
     gc.collect()
     torch.cuda.empty_cache()
     return out, info
